@@ -1,0 +1,56 @@
+"""The one protocol every drafter implements (one file per method beside this one)."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from spyglass.sequence import Sequence
+from spyglass.tree import DraftTree
+from spyglass.verify import Accepted
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    name: str
+
+    def start(self, seq: Sequence) -> None:
+        """Called once after the target's prefill (the sequence holds the prompt and its first token)."""
+
+    def propose(self, batch: list[Sequence]) -> list[DraftTree]:
+        """One draft tree per sequence, rooted at `seq.root`."""
+
+    def commit(self, seq: Sequence, accepted: Accepted) -> None:
+        """Called after verification, once `accepted.tokens` have been appended to `seq`."""
+
+    def release(self, seq: Sequence) -> None:
+        """The sequence finished or was aborted: free whatever the drafter holds for it."""
+
+    def state_bytes(self, seq: Sequence) -> int:
+        """Memory the drafter holds for this sequence."""
+
+
+class StatelessDrafter:
+    """Defaults for drafters that keep no per-sequence state."""
+
+    name = "stateless"
+
+    def start(self, seq: Sequence) -> None:
+        pass
+
+    def commit(self, seq: Sequence, accepted: Accepted) -> None:
+        pass
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+    def state_bytes(self, seq: Sequence) -> int:
+        return 0
+
+
+class NullDrafter(StatelessDrafter):
+    """Proposes nothing: the engine then does plain decoding through the full speculative machinery."""
+
+    name = "null"
+
+    def propose(self, batch: list[Sequence]) -> list[DraftTree]:
+        return [DraftTree.root_only(s.root) for s in batch]

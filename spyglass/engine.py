@@ -1,0 +1,233 @@
+"""SpecEngine: prefill, then draft -> verify -> accept -> commit over a continuous batch.
+
+Every running sequence contributes one draft tree to a single packed target forward per step; new
+requests are prefilled between steps and join the batch, finished ones leave it. Plain decoding is
+the same loop with root-only trees (`drafter=None`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from spyglass.drafters.base import Drafter, NullDrafter
+from spyglass.models.llama import Segment, Transformer
+from spyglass.sampling import SamplingParams, presence_rows, process, sample
+from spyglass.sequence import Sequence
+from spyglass.tree import DraftTree
+from spyglass.verify import Accepted, accept
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as given (the message says why)."""
+
+
+@dataclass
+class EngineConfig:
+    max_batch: int = 4
+    max_context: int | None = None  # KV capacity per sequence; default: the model's, capped at 8192
+    prefill_chunk: int = 512
+
+
+@dataclass
+class Event:
+    seq: Sequence
+    new_tokens: list[int]
+
+    @property
+    def finished(self) -> bool:
+        return self.seq.finished
+
+
+class SpecEngine:
+    def __init__(
+        self,
+        target: Transformer,
+        drafter: Drafter | None = None,
+        config: EngineConfig | None = None,
+        tokenizer=None,
+    ) -> None:
+        self.target = target
+        self.drafter = drafter or NullDrafter()
+        self.config = config or EngineConfig()
+        self.tokenizer = tokenizer
+        self.capacity = self.config.max_context or min(target.args.max_position, 8192)
+        self.cache = target.new_cache(self.capacity, self.config.max_batch)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.eos_ids = set(target.args.eos_token_ids)
+
+    # --- requests ---------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, seq_id: str | None = None) -> Sequence:
+        if len(prompt_ids) == 0:
+            raise RequestError("the prompt is empty")
+        vocab = self.target.args.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt_ids) >= self.capacity:
+            raise RequestError(
+                f"the prompt has {len(prompt_ids)} tokens but the context holds {self.capacity}: "
+                "shorten it or raise max_context"
+            )
+        seq = Sequence(list(prompt_ids), params, seq_id)
+        self.waiting.append(seq)
+        return seq
+
+    def abort(self, seq_id: str) -> bool:
+        for seq in list(self.waiting):
+            if seq.seq_id == seq_id:
+                self.waiting.remove(seq)
+                seq.finish("abort")
+                return True
+        for seq in self.running:
+            if seq.seq_id == seq_id:
+                seq.finish("abort")
+                self._retire(seq)
+                return True
+        return False
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- the loop -----------------------------------------------------------------------------
+    def step(self) -> list[Event]:
+        """Admit waiting requests (prefill), then one speculative round over the running batch."""
+        events = []
+        while self.waiting and self.cache.free_slots:
+            seq = self.waiting.popleft()
+            events.append(self._prefill(seq))
+        batch = [s for s in self.running if not s.finished]
+        if batch:
+            events.extend(self._spec_round(batch))
+        for seq in [s for s in self.running if s.finished]:
+            self._retire(seq)
+        return events
+
+    def _prefill(self, seq: Sequence) -> Event:
+        t0 = time.perf_counter()
+        seq.slot = self.cache.allocate()
+        tokens = seq.tokens.clone()
+        logits = self.target.prefill(self.cache, seq.slot, tokens, self.config.prefill_chunk)
+        first = self._choose(logits, seq)
+        seq.stats.prefill_time = time.perf_counter() - t0
+        seq.stats.prefill_tokens = len(tokens)
+        seq.stats.t_first_token = time.perf_counter()
+        self.running.append(seq)
+        new = self._append(seq, [first])
+        if not seq.finished:
+            self.drafter.start(seq)
+        return Event(seq, new)
+
+    def _choose(self, logits: torch.Tensor, seq: Sequence) -> int:
+        presence = None
+        if seq.params.repetition_penalty != 1.0:
+            presence = presence_rows(seq.tokens, logits.shape[-1], 1)
+        rows = process(logits.unsqueeze(0), seq.params, presence)
+        return int(rows[0].argmax()) if seq.params.greedy else sample(rows[0], seq.generator)
+
+    def _spec_round(self, batch: list[Sequence]) -> list[Event]:
+        t0 = time.perf_counter()
+        trees = self.drafter.propose(batch)
+        t1 = time.perf_counter()
+        segments = []
+        for seq, tree in zip(batch, trees, strict=True):
+            room = self.capacity - seq.committed
+            if len(tree) > room:
+                tree = DraftTree(tree.tokens[:room], tree.parents[:room])
+            segments.append(Segment(seq.slot, seq.committed, tree.tokens, tree.positions(seq.committed), tree.mask()))
+        logits = self.target(segments, self.cache)
+        events = []
+        for seq, seg, tree, lg in zip(batch, segments, trees, logits, strict=True):
+            if len(seg.tokens) < len(tree):
+                tree = DraftTree(seg.tokens, tree.parents[: len(seg.tokens)])
+            result = accept(tree, lg, seq.tokens, seq.params, seq.generator)
+            start = seq.committed
+            self.cache.commit(seq.slot, start, result.path)
+            new = self._append(seq, result.tokens)
+            seq.stats.record_step(tree.max_depth, len(tree), result.num_drafted_accepted, len(new), len(batch))
+            if not seq.finished:
+                if seq.committed + 1 >= self.capacity:
+                    seq.finish("length")
+                else:
+                    self.drafter.commit(seq, result)
+            events.append(Event(seq, new))
+        t2 = time.perf_counter()
+        for seq in batch:
+            seq.stats.draft_time += t1 - t0
+            seq.stats.verify_time += t2 - t1
+        return events
+
+    def _append(self, seq: Sequence, tokens: list[int]) -> list[int]:
+        """Append accepted tokens, honouring max_new_tokens, EOS and stop strings."""
+        added = []
+        for tok in tokens:
+            seq.append(tok)
+            added.append(tok)
+            if tok in self.eos_ids and not seq.params.ignore_eos:
+                seq.finish("stop")
+                break
+            if seq.num_generated >= seq.params.max_new_tokens:
+                seq.finish("length")
+                break
+        if seq.params.stop and self.tokenizer is not None and not seq.finished:
+            text = self.tokenizer.decode(seq.output_ids)
+            if any(s in text for s in seq.params.stop):
+                seq.finish("stop")
+        return added
+
+    def _retire(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+            self.drafter.release(seq)
+            self.cache.release(seq.slot)
+
+    # --- conveniences ---------------------------------------------------------------------------
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[Event]:
+        """Stream the events of one request (other queued requests advance too)."""
+        seq = self.add_request(prompt_ids, params)
+        while not seq.finished:
+            for ev in self.step():
+                if ev.seq is seq:
+                    yield ev
+
+    def run(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
+        """Run several requests to completion as one continuous batch."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        while self.has_work:
+            self.step()
+        return seqs
+
+    def text(self, seq: Sequence) -> str:
+        """Decoded output, cut at the first stop string."""
+        text = self.tokenizer.decode(seq.output_ids) if self.tokenizer is not None else ""
+        cuts = [text.find(s) for s in seq.params.stop if s in text]
+        return text[: min(cuts)] if cuts else text
+
+
+def plain_generate(model: Transformer, prompt_ids: list[int], params: SamplingParams) -> list[int]:
+    """Reference plain decoding: prefill, then one token per forward. The oracle the tests compare with."""
+    cache = model.new_cache(len(prompt_ids) + params.max_new_tokens + 1, 1)
+    slot = cache.allocate()
+    seq = Sequence(list(prompt_ids), params)
+    logits = model.prefill(cache, slot, seq.tokens.clone())
+    eos = set(model.args.eos_token_ids)
+    while True:
+        presence = presence_rows(seq.tokens, logits.shape[-1], 1) if params.repetition_penalty != 1.0 else None
+        rows = process(logits.unsqueeze(0), params, presence)
+        tok = int(rows[0].argmax()) if params.greedy else sample(rows[0], seq.generator)
+        seq.append(tok)
+        if seq.num_generated >= params.max_new_tokens or (tok in eos and not params.ignore_eos):
+            return seq.output_ids
+        start = cache.lengths[slot]
+        seg = Segment(slot, start, torch.tensor([tok]), torch.tensor([start]), None, "all")
+        logits = model([seg], cache)[0][0]
+        cache.commit(slot, start, [0])
+
+
+__all__ = ["Accepted", "EngineConfig", "Event", "RequestError", "SpecEngine", "plain_generate"]

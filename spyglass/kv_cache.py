@@ -1,0 +1,96 @@
+"""Preallocated per-sequence KV slots with a committed length.
+
+Each slot holds `[layers, kv_heads, capacity, head_dim]` for K and for V. Tokens of a verify pass
+(the draft tree) are written right after the committed length; `commit(slot, start, path)` then
+moves the accepted entries into place so nothing but accepted tokens is ever kept.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class CacheFullError(RuntimeError):
+    """Raised when a sequence would exceed its slot's capacity."""
+
+
+class KVCache:
+    def __init__(
+        self,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        max_slots: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.n_layers = n_layers
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.capacity = capacity
+        self.max_slots = max_slots
+        self.dtype = dtype
+        self.device = torch.device(device)
+        # Slots are allocated on first use; torch.empty only touches pages that get written.
+        self._k: list[torch.Tensor | None] = [None] * max_slots
+        self._v: list[torch.Tensor | None] = [None] * max_slots
+        self.lengths = [0] * max_slots
+        self._free = list(range(max_slots - 1, -1, -1))
+
+    # --- slot management -------------------------------------------------------------
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise CacheFullError(f"all {self.max_slots} KV slots are in use")
+        slot = self._free.pop()
+        if self._k[slot] is None:
+            shape = (self.n_layers, self.n_kv_heads, self.capacity, self.head_dim)
+            self._k[slot] = torch.empty(shape, dtype=self.dtype, device=self.device)
+            self._v[slot] = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.lengths[slot] = 0
+        return slot
+
+    def release(self, slot: int) -> None:
+        if slot in self._free:
+            return
+        self.lengths[slot] = 0
+        self._free.append(slot)
+
+    def slot_bytes(self) -> int:
+        return 2 * self.n_layers * self.n_kv_heads * self.capacity * self.head_dim * self.dtype.itemsize
+
+    # --- access ------------------------------------------------------------------------
+    def layer(self, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full-capacity K and V views `[kv_heads, capacity, head_dim]` of one layer (no copy)."""
+        return self._k[slot][layer], self._v[slot][layer]
+
+    def prefix(self, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The committed K and V of one layer, as views."""
+        n = self.lengths[slot]
+        k, v = self.layer(slot, layer)
+        return k[:, :n], v[:, :n]
+
+    def write(self, slot: int, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write `[kv_heads, n, head_dim]` entries at positions start..start+n (after the committed part)."""
+        n = k.shape[1]
+        if start + n > self.capacity:
+            raise CacheFullError(f"slot {slot}: {start + n} tokens exceed the capacity {self.capacity}")
+        ck, cv = self.layer(slot, layer)
+        ck[:, start : start + n] = k
+        cv[:, start : start + n] = v
+
+    def commit(self, slot: int, start: int, path: list[int]) -> None:
+        """Keep the tree entries `start + path[j]` as positions `start + j`; the committed length grows."""
+        n = len(path)
+        if path != list(range(n)):  # a chain prefix is already in place
+            src = torch.tensor(path, device=self.device) + start
+            for cache in (self._k[slot], self._v[slot]):
+                cache[:, :, start : start + n] = cache[:, :, src]
+        self.lengths[slot] = start + n
+
+    def truncate(self, slot: int, length: int) -> None:
+        self.lengths[slot] = min(self.lengths[slot], length)

@@ -1,0 +1,278 @@
+"""A compact decoder for the Llama family (Llama, Qwen2, Mistral-style) with packed variable-length
+batches over a slotted KV cache.
+
+One forward takes the new tokens of several sequences concatenated ("segments"): the matmuls run
+over all of them at once, attention runs per segment over that sequence's committed prefix plus its
+own new tokens (a prefill chunk is a causal chain; a verify pass is a draft tree with a tree mask).
+HF transformers is used only to read the config (and the RoPE frequencies) and as a test oracle.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+from spyglass.attention import tree_attention
+from spyglass.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_eps: float
+    max_position: int
+    tie_embeddings: bool
+    qkv_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> ModelArgs:
+        arch = (cfg.get("architectures") or ["?"])[0]
+        n_heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            n_layers=cfg["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+            intermediate_size=cfg["intermediate_size"],
+            rms_eps=cfg.get("rms_norm_eps", 1e-6),
+            max_position=cfg.get("max_position_embeddings", 4096),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+@dataclass
+class Segment:
+    """New tokens of one sequence in a packed forward.
+
+    `start` is the sequence's committed KV length: the tokens are written at start..start+n and see
+    the whole committed prefix. `mask` is the `[n, n]` visibility among them (None = causal chain).
+    `logits` chooses which rows get logits: "all", "last" or "none".
+    """
+
+    slot: int
+    start: int
+    tokens: torch.Tensor  # [n] int64
+    positions: torch.Tensor  # [n] int64
+    mask: torch.Tensor | None = None
+    logits: str = "all"
+
+
+def rope_frequencies(config_dir: Path | None, args: ModelArgs, cfg: dict) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling for the model's RoPE type (default, linear, llama3, yarn...)."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_cfg = AutoConfig.from_pretrained(config_dir) if config_dir else AutoConfig.for_model(**cfg)
+    params = getattr(hf_cfg, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        inv = 1.0 / (theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
+        return inv.float(), 1.0
+    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_cfg, "cpu")
+    return inv.float(), float(scaling)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x `[T, heads, D]`, cos/sin `[T, 1, D]` (half-rotation layout, as HF Llama)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs) -> None:
+        super().__init__()
+        self.a = a
+        q_dim, kv_dim = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+        self.wqkv = nn.Linear(a.hidden_size, q_dim + 2 * kv_dim, bias=a.qkv_bias)
+        self.wo = nn.Linear(q_dim, a.hidden_size, bias=False)
+        self.w_gate_up = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
+        self.w_down = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+        self.attn_norm = RMSNorm(a.hidden_size, a.rms_eps)
+        self.mlp_norm = RMSNorm(a.hidden_size, a.rms_eps)
+
+    def forward(self, x, cos, sin, segments: list[Segment], cache: KVCache, layer: int, backend: str):
+        a = self.a
+        t = x.shape[0]
+        q_dim, kv_dim = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+        qkv = self.wqkv(self.attn_norm(x))
+        q = apply_rope(qkv[:, :q_dim].view(t, a.n_heads, a.head_dim), cos, sin)
+        k = apply_rope(qkv[:, q_dim : q_dim + kv_dim].view(t, a.n_kv_heads, a.head_dim), cos, sin)
+        v = qkv[:, q_dim + kv_dim :].view(t, a.n_kv_heads, a.head_dim)
+        outs = []
+        offset = 0
+        for seg in segments:
+            n = seg.tokens.shape[0]
+            qs = q[offset : offset + n].transpose(0, 1)
+            ks = k[offset : offset + n].transpose(0, 1)
+            vs = v[offset : offset + n].transpose(0, 1)
+            k_pre, v_pre = cache.prefix(seg.slot, layer)
+            cache.write(seg.slot, layer, seg.start, ks, vs)
+            o = tree_attention(qs, k_pre, v_pre, ks, vs, seg.mask, backend=backend)
+            outs.append(o.transpose(0, 1).reshape(n, q_dim))
+            offset += n
+        h = x + self.wo(torch.cat(outs) if len(outs) > 1 else outs[0])
+        gate, up = self.w_gate_up(self.mlp_norm(h)).chunk(2, dim=-1)
+        return h + self.w_down(F.silu(gate) * up)
+
+
+class Transformer(nn.Module):
+    """The target (or a draft) model: weights plus the packed forward over a KVCache."""
+
+    def __init__(self, args: ModelArgs, inv_freq: torch.Tensor, rope_scaling: float = 1.0) -> None:
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rope_scaling = rope_scaling
+        self.attention_backend = "cpu"
+        self.model_id = "unnamed"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def new_cache(self, capacity: int, max_slots: int) -> KVCache:
+        a = self.args
+        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, capacity, max_slots, self.dtype, self.device)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos = (emb.cos() * self.rope_scaling).to(self.dtype).unsqueeze(1)
+        sin = (emb.sin() * self.rope_scaling).to(self.dtype).unsqueeze(1)
+        return cos, sin
+
+    @torch.inference_mode()
+    def forward(self, segments: list[Segment], cache: KVCache) -> list[torch.Tensor | None]:
+        """Run the new tokens of every segment; returns fp32 logits per segment (rows as requested).
+
+        The KV of the new tokens is written after each segment's committed length but not committed:
+        the caller commits what it accepts.
+        """
+        tokens = torch.cat([s.tokens for s in segments]) if len(segments) > 1 else segments[0].tokens
+        positions = torch.cat([s.positions for s in segments]) if len(segments) > 1 else segments[0].positions
+        cos, sin = self._rope(positions)
+        x = self.embed(tokens)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, segments, cache, i, self.attention_backend)
+        rows, offset, picks = [], 0, []
+        for s in segments:
+            n = s.tokens.shape[0]
+            if s.logits == "all":
+                picks.append((len(rows), n))
+                rows.extend(range(offset, offset + n))
+            elif s.logits == "last":
+                picks.append((len(rows), 1))
+                rows.append(offset + n - 1)
+            else:
+                picks.append(None)
+            offset += n
+        if not rows:
+            return [None] * len(segments)
+        h = self.norm(x[torch.tensor(rows, device=x.device)])
+        logits = self.lm_head(h).float()
+        return [None if p is None else logits[p[0] : p[0] + p[1]] for p in picks]
+
+    def prefill(self, cache: KVCache, slot: int, tokens: torch.Tensor, chunk_size: int = 512) -> torch.Tensor:
+        """Chunked prefill of `tokens` into `slot` (committing them); returns the last token's logits."""
+        start = cache.lengths[slot]
+        logits = None
+        for c in range(0, tokens.shape[0], chunk_size):
+            chunk = tokens[c : c + chunk_size]
+            pos = torch.arange(start, start + chunk.shape[0], device=tokens.device)
+            logits = self.forward([Segment(slot, start, chunk, pos, None, "last")], cache)[0]
+            cache.commit(slot, start, list(range(chunk.shape[0])))
+            start += chunk.shape[0]
+        return logits[-1]
+
+
+_WEIGHT_MAP = {
+    "self_attn.o_proj.weight": "wo.weight",
+    "mlp.down_proj.weight": "w_down.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "mlp_norm.weight",
+}
+
+
+def load_transformer(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Transformer:
+    """Build a Transformer from an HF-format directory (config.json + *.safetensors)."""
+    path = Path(path)
+    cfg = json.loads((path / "config.json").read_text())
+    args = ModelArgs.from_hf_config(cfg)
+    inv_freq, scaling = rope_frequencies(path, args, cfg)
+    with torch.device("meta"):
+        model = Transformer(args, torch.empty(0))
+    raw: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        raw.update(load_file(str(f)))
+    state = convert_hf_state_dict(raw, args)
+    model.load_state_dict(state, strict=False, assign=True)
+    if args.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"{path}: weights missing from the safetensors files: {missing[:5]}")
+    model.inv_freq = inv_freq
+    model.rope_scaling = scaling
+    model.model_id = path.name
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def convert_hf_state_dict(raw: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """HF Llama/Qwen2 names -> ours, fusing q/k/v and gate/up into one matmul each."""
+    out: dict[str, torch.Tensor] = {"embed.weight": raw["model.embed_tokens.weight"], "norm.weight": raw["model.norm.weight"]}
+    if not args.tie_embeddings:
+        out["lm_head.weight"] = raw["lm_head.weight"]
+    for i in range(args.n_layers):
+        p = f"model.layers.{i}."
+        out[f"layers.{i}.wqkv.weight"] = torch.cat([raw[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+        if args.qkv_bias:
+            out[f"layers.{i}.wqkv.bias"] = torch.cat([raw[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+        out[f"layers.{i}.w_gate_up.weight"] = torch.cat([raw[p + "mlp.gate_proj.weight"], raw[p + "mlp.up_proj.weight"]])
+        for hf_name, name in _WEIGHT_MAP.items():
+            out[f"layers.{i}.{name}"] = raw[p + hf_name]
+    return out

@@ -1,0 +1,96 @@
+"""Draft trees: the root is the sequence's last token (not yet in the KV cache); every other node is
+a drafted token whose parent is an earlier node. Nodes are stored in topological order (parent index <
+node index), so a chain is simply parents = [-1, 0, 1, ...].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor  # [n] int64, tokens[0] is the root
+    parents: list[int]  # parents[0] == -1
+    # Optional proposal distributions: probs[i] is the distribution node i's token was drawn from
+    # (row 0 unused). Only meaningful for sampled chains (probability-ratio rejection sampling).
+    probs: torch.Tensor | None = None
+    _depths: list[int] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.parents) != self.tokens.shape[0] or self.parents[0] != -1:
+            raise ValueError("a draft tree needs one parent per token and the root first")
+        for i, p in enumerate(self.parents[1:], start=1):
+            if not 0 <= p < i:
+                raise ValueError(f"node {i} has parent {p}: nodes must follow their parents")
+
+    @classmethod
+    def root_only(cls, root: int) -> DraftTree:
+        return cls(torch.tensor([root]), [-1])
+
+    @classmethod
+    def chain(cls, root: int, tokens: list[int], probs: torch.Tensor | None = None) -> DraftTree:
+        return cls(torch.tensor([root, *tokens]), list(range(-1, len(tokens))), probs)
+
+    @classmethod
+    def from_paths(cls, root: int, paths: list[list[int]], max_nodes: int | None = None) -> DraftTree:
+        """Merge token paths into a trie under the root (shared prefixes share nodes)."""
+        tokens, parents = [root], [-1]
+        children: dict[tuple[int, int], int] = {}
+        for path in paths:
+            node = 0
+            for tok in path:
+                key = (node, tok)
+                if key not in children:
+                    if max_nodes is not None and len(tokens) >= max_nodes:
+                        break
+                    children[key] = len(tokens)
+                    tokens.append(tok)
+                    parents.append(node)
+                node = children[key]
+        return cls(torch.tensor(tokens), parents)
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    @property
+    def depths(self) -> list[int]:
+        if self._depths is None:
+            d = [0] * len(self.parents)
+            for i, p in enumerate(self.parents[1:], start=1):
+                d[i] = d[p] + 1
+            self._depths = d
+        return self._depths
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depths)
+
+    def positions(self, start: int) -> torch.Tensor:
+        """Position ids: the root sits at `start` (the committed length), a node at start + depth."""
+        return torch.tensor(self.depths) + start
+
+    def mask(self) -> torch.Tensor | None:
+        """`[n, n]` bool: node i sees node j iff j is i or an ancestor of i. None for a chain (causal)."""
+        if self.is_chain:
+            return None
+        return self.ancestor_mask()
+
+    def ancestor_mask(self) -> torch.Tensor:
+        n = len(self.parents)
+        m = torch.eye(n, dtype=torch.bool)
+        for i, p in enumerate(self.parents[1:], start=1):
+            m[i] |= m[p]
+        return m
+
+    def children(self) -> list[list[int]]:
+        kids: list[list[int]] = [[] for _ in self.parents]
+        for i, p in enumerate(self.parents[1:], start=1):
+            kids[p].append(i)
+        return kids

@@ -1,0 +1,51 @@
+"""Tiny random Llama / Qwen2 checkpoints in HF format, for fast unit tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def make_tiny_model(
+    path: Path,
+    family: str = "llama",
+    vocab: int = 128,
+    seed: int = 0,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    init_range: float = 0.2,
+    tie: bool = False,
+) -> Path:
+    """Save a random model with `transformers` (the oracle) and return its directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=1024,
+        initializer_range=init_range,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+        rms_norm_eps=1e-6,
+    )
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(rope_theta=10000.0, **common))
+    elif family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(rope_theta=1000000.0, **common))
+        with torch.no_grad():  # make the q/k/v biases matter
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, init_range)
+    else:
+        raise ValueError(family)
+    model.save_pretrained(path, safe_serialization=True)
+    return path

@@ -97,10 +97,10 @@ class SpecEngine:
     # --- the loop -----------------------------------------------------------------------------
     def step(self) -> list[Event]:
         """Admit waiting requests (prefill), then one speculative round over the running batch."""
-        events = []
-        while self.waiting and self.cache.free_slots:
-            seq = self.waiting.popleft()
-            events.append(self._prefill(seq))
+        admitted = []
+        while self.waiting and len(admitted) < self.cache.free_slots:
+            admitted.append(self.waiting.popleft())
+        events = self._prefill(admitted) if admitted else []
         batch = [s for s in self.running if not s.finished]
         if batch:
             events.extend(self._spec_round(batch))
@@ -108,20 +108,43 @@ class SpecEngine:
             self._retire(seq)
         return events
 
-    def _prefill(self, seq: Sequence) -> Event:
+    def _prefill(self, seqs: list[Sequence]) -> list[Event]:
+        """Prefill admitted prompts in packed forwards of at most `prefill_chunk` tokens per sequence
+        and `4 * prefill_chunk` tokens per forward, then pick each first token."""
         t0 = time.perf_counter()
-        seq.slot = self.cache.allocate()
-        tokens = seq.tokens.clone()
-        logits = self.target.prefill(self.cache, seq.slot, tokens, self.config.prefill_chunk)
-        first = self._choose(logits, seq)
-        seq.stats.prefill_time = time.perf_counter() - t0
-        seq.stats.prefill_tokens = len(tokens)
-        seq.stats.t_first_token = time.perf_counter()
-        self.running.append(seq)
-        new = self._append(seq, [first])
-        if not seq.finished:
-            self.drafter.start(seq)
-        return Event(seq, new)
+        chunk = self.config.prefill_chunk
+        for seq in seqs:
+            seq.slot = self.cache.allocate()
+        pending = {seq.seq_id: seq for seq in seqs}
+        last_logits: dict[str, torch.Tensor] = {}
+        while pending:
+            segments, owners, budget = [], [], 4 * chunk
+            for seq in list(pending.values()):
+                start = self.cache.lengths[seq.slot]
+                take = min(chunk, seq.num_tokens - start)
+                if segments and take > budget:
+                    break
+                toks = seq.tokens[start : start + take].clone()
+                segments.append(Segment(seq.slot, start, toks, torch.arange(start, start + take), None, "last"))
+                owners.append(seq)
+                budget -= take
+            for seq, seg, lg in zip(owners, segments, self.target(segments, self.cache), strict=True):
+                self.cache.commit(seq.slot, seg.start, list(range(len(seg.tokens))))
+                if self.cache.lengths[seq.slot] == seq.num_tokens:
+                    last_logits[seq.seq_id] = lg[-1]
+                    del pending[seq.seq_id]
+        events = []
+        now = time.perf_counter()
+        for seq in seqs:
+            seq.stats.prefill_time = now - t0
+            seq.stats.prefill_tokens = seq.num_tokens
+            seq.stats.t_first_token = now
+            self.running.append(seq)
+            new = self._append(seq, [self._choose(last_logits[seq.seq_id], seq)])
+            if not seq.finished:
+                self.drafter.start(seq)
+            events.append(Event(seq, new))
+        return events
 
     def _choose(self, logits: torch.Tensor, seq: Sequence) -> int:
         presence = None

@@ -1,0 +1,30 @@
+"""Drafters, one file per method, all behind `Drafter` (base.py). `build_drafter` maps CLI names."""
+
+from __future__ import annotations
+
+from spyglass.drafters.base import Drafter, NullDrafter
+
+METHODS = ("ar", "ngram", "small-lm")
+
+
+def build_drafter(method: str, target, *, max_batch: int = 4, max_context: int = 8192, **options) -> Drafter | None:
+    """The drafter for `method` ("ar" = plain decoding, no drafter). Unknown names raise ValueError."""
+    if method == "ar":
+        return None
+    if method == "ngram":
+        from spyglass.drafters.ngram import NgramDrafter
+
+        keys = ("n_min", "n_max", "draft_len", "max_candidates")
+        return NgramDrafter(**{k: options[k] for k in keys if options.get(k) is not None})
+    if method == "small-lm":
+        from spyglass.drafters.small_lm import SmallLMDrafter
+
+        draft = options.get("draft_model")
+        if draft is None:
+            raise ValueError("method small-lm needs a draft model (--draft-model)")
+        gamma = options.get("gamma") or 4
+        return SmallLMDrafter(draft, gamma=gamma, max_batch=max_batch, max_context=max_context)
+    raise ValueError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
+
+
+__all__ = ["METHODS", "Drafter", "NullDrafter", "build_drafter"]

@@ -133,9 +133,7 @@ def _check_architecture(architectures: Any, where: Path) -> str:
     """Only the Llama family runs on the compact decoder; say which one was found and what would work."""
     supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
     if not isinstance(architectures, list) or not architectures:
-        raise ModelLoadError(
-            f"config has no 'architectures' entry (supported: {supported}): {where}"
-        )
+        raise ModelLoadError(f"config has no 'architectures' entry (supported: {supported}): {where}")
     arch = architectures[0]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"unsupported architecture {arch!r} (supported: {supported}): {where}")
@@ -297,8 +295,13 @@ def _check_gguf_file(path: Path) -> str:
         raise ModelLoadError(f"corrupt or truncated GGUF file ({type(e).__name__}: {e}): {path}") from e
     if gguf_arch is None:
         raise ModelLoadError(f"GGUF file has no general.architecture metadata: {path}")
-    arch = _GGUF_ARCHITECTURES.get(gguf_arch, f"{gguf_arch} (GGUF general.architecture)")
-    return _check_architecture([arch], path)
+    if gguf_arch not in _GGUF_ARCHITECTURES:
+        supported = ", ".join(f"{k} ({v})" for k, v in sorted(_GGUF_ARCHITECTURES.items()))
+        raise ModelLoadError(
+            f"unsupported architecture {gguf_arch!r} in GGUF general.architecture "
+            f"(supported: {supported}): {path}"
+        )
+    return _check_architecture([_GGUF_ARCHITECTURES[gguf_arch]], path)
 
 
 def _read_marker(model_dir: Path) -> dict[str, Any] | None:
@@ -320,6 +323,12 @@ def _conversion_is_complete(model_dir: Path, fingerprint: str) -> bool:
         (model_dir / d / "config.json").is_file() and any((model_dir / d).glob("*.safetensors"))
         for d in SUPPORTED_DTYPES
     )
+
+
+def _relax_permissions(root: Path) -> None:
+    """mkdtemp makes 0700 dirs and safetensors 0600 files; other local processes must read the cache."""
+    for p in [root, *root.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
 
 
 @contextmanager
@@ -386,6 +395,8 @@ def _resolve_gguf(gguf_path: Path, dtype: str, cache_root: Path) -> ResolvedMode
     with _file_lock(cache_root / f"{model_id}.lock"):
         if _conversion_is_complete(model_dir, fingerprint):  # another process finished meanwhile
             return resolved
+        for stale in cache_root.glob(f".{model_id}.*-*"):  # left by a killed conversion; we hold the lock
+            shutil.rmtree(stale, ignore_errors=True)
         log.info("converting %s into %s (one-time, ~30-60 s)", gguf_path, model_dir)
         t0 = time.perf_counter()
         tmp = Path(tempfile.mkdtemp(prefix=f".{model_id}.tmp-", dir=cache_root))
@@ -402,6 +413,7 @@ def _resolve_gguf(gguf_path: Path, dtype: str, cache_root: Path) -> ResolvedMode
                 "transformers": importlib.metadata.version("transformers"),
             }
             (tmp / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
+            _relax_permissions(tmp)
             if model_dir.exists():  # stale or interrupted earlier result: move aside, then drop it
                 old = Path(tempfile.mkdtemp(prefix=f".{model_id}.old-", dir=cache_root))
                 os.replace(model_dir, old / "x")

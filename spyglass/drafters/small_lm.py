@@ -1,0 +1,121 @@
+"""A separate draft language model with the target's tokenizer and its own KV cache.
+
+It drafts a chain of `gamma` tokens one at a time, batched over all sequences in the step. When
+sampling it draws each token from its own processed distribution and hands that distribution to the
+verifier, so probability-ratio rejection sampling keeps the output distributed as the target's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spyglass.models.llama import Segment, Transformer
+from spyglass.sampling import presence_rows, process, sample
+from spyglass.sequence import Sequence
+from spyglass.tree import DraftTree
+from spyglass.verify import Accepted
+
+
+@dataclass
+class _DraftState:
+    slot: int
+    generator: torch.Generator | None
+
+
+class SmallLMDrafter:
+    name = "small-lm"
+
+    def __init__(self, draft: Transformer, gamma: int = 4, max_batch: int = 4, max_context: int = 8192) -> None:
+        if gamma < 1:
+            raise ValueError(f"gamma must be >= 1, got {gamma}")
+        self.draft = draft
+        self.gamma = gamma
+        self.cache = draft.new_cache(max_context, max_batch)
+
+    def start(self, seq: Sequence) -> None:
+        gen = None
+        if seq.generator is not None:
+            gen = torch.Generator()
+            gen.manual_seed(int(torch.randint(0, 2**62, (), generator=seq.generator)))
+        state = _DraftState(self.cache.allocate(), gen)
+        seq.drafter_state = state
+        # The draft holds every token but the root; the root is fed with the next proposal.
+        self.draft.prefill(self.cache, state.slot, seq.tokens[:-1].clone())
+
+    def propose(self, batch: list[Sequence]) -> list[DraftTree]:
+        states: list[_DraftState] = [s.drafter_state for s in batch]
+        room = [self.cache.capacity - s.num_tokens for s in batch]
+        gamma = max(0, min(self.gamma, *room))
+        drafted: list[list[int]] = [[] for _ in batch]
+        dists: list[list[torch.Tensor]] = [[] for _ in batch]
+        # Step 0 feeds every token the draft has not seen yet (the root plus any catch-up).
+        feeds = [s.tokens[self.cache.lengths[st.slot] :].clone() for s, st in zip(batch, states, strict=True)]
+        for _ in range(gamma):
+            segments = []
+            for st, feed in zip(states, feeds, strict=True):
+                start = self.cache.lengths[st.slot]
+                segments.append(Segment(st.slot, start, feed, torch.arange(start, start + len(feed)), None, "last"))
+            logits = self.draft(segments, self.cache)
+            for i, (seq, st, seg, lg) in enumerate(zip(batch, states, segments, logits, strict=True)):
+                self.cache.commit(st.slot, seg.start, list(range(len(seg.tokens))))
+                tok, dist = self._choose(seq, drafted[i], lg, st.generator)
+                drafted[i].append(tok)
+                dists[i].append(dist)
+                feeds[i] = torch.tensor([tok])
+        trees = []
+        for seq, toks, ds in zip(batch, drafted, dists, strict=True):
+            probs = None
+            if not seq.params.greedy and ds:
+                probs = torch.stack([torch.zeros_like(ds[0]), *ds])
+            trees.append(DraftTree.chain(seq.root, toks, probs))
+        return trees
+
+    def _choose(self, seq: Sequence, drafted: list[int], logits: torch.Tensor, gen) -> tuple[int, torch.Tensor]:
+        presence = None
+        if seq.params.repetition_penalty != 1.0:
+            history = torch.cat([seq.tokens, torch.tensor(drafted, dtype=torch.long)])
+            presence = presence_rows(history, logits.shape[-1], 1)
+        row = process(logits, seq.params, presence)[0]
+        if seq.params.greedy:
+            return int(row.argmax()), row
+        return sample(row, gen), row
+
+    def commit(self, seq: Sequence, accepted: Accepted) -> None:
+        # The draft cache holds the sequence up to the root plus drafted tokens 1..gamma-1; keep the
+        # part the target agreed with. Everything after it is re-fed next round.
+        self.cache.truncate(seq.drafter_state.slot, seq.committed)
+
+    def release(self, seq: Sequence) -> None:
+        st: _DraftState | None = seq.drafter_state
+        if st is not None:
+            self.cache.release(st.slot)
+            seq.drafter_state = None
+
+    def state_bytes(self, seq: Sequence) -> int:
+        return self.cache.slot_bytes() if seq.drafter_state is not None else 0
+
+
+def truncated_draft(target: Transformer, n_layers: int) -> Transformer:
+    """A draft made of the target's first `n_layers` layers, final norm and head, sharing their weights.
+
+    A usable default when no smaller model with the same tokenizer is at hand (layer-skip
+    self-speculation); it costs no extra weight memory, only its own KV cache.
+    """
+    from dataclasses import replace
+
+    from torch import nn
+
+    if not 1 <= n_layers <= target.args.n_layers:
+        raise ValueError(f"n_layers must be in [1, {target.args.n_layers}], got {n_layers}")
+    with torch.device("meta"):
+        draft = Transformer(replace(target.args, n_layers=0), torch.empty(0))
+    draft.args = replace(target.args, n_layers=n_layers)
+    draft.embed, draft.norm, draft.lm_head = target.embed, target.norm, target.lm_head
+    draft.layers = nn.ModuleList(target.layers[:n_layers])
+    draft.inv_freq = target.inv_freq
+    draft.rope_scaling = target.rope_scaling
+    draft.attention_backend = target.attention_backend
+    draft.model_id = f"{target.model_id}[:{n_layers}]"
+    return draft

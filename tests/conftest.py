@@ -1,0 +1,40 @@
+"""Shared fixtures: tiny random models (session-scoped) and the real default model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from spyglass.models.llama import load_transformer
+from tests.tiny import make_tiny_model
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede any triton import (kernels are tested on CPU)
+os.environ.setdefault("SPYGLASS_CACHE", str(Path(__file__).resolve().parents[1] / ".cache" / "models"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        "llama": make_tiny_model(root / "llama", "llama", seed=0),
+        "qwen2": make_tiny_model(root / "qwen2", "qwen2", seed=1, tie=True),
+    }
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2"])
+def tiny_target(request, tiny_dir):
+    return load_transformer(tiny_dir[request.param])
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real embedded default (SmolLM2-135M-Instruct), fp32, with its tokenizer."""
+    from spyglass.models.loader import load_tokenizer, resolve_model
+
+    resolved = resolve_model(None, dtype="float32")
+    return load_transformer(resolved.path), load_tokenizer(resolved.path)

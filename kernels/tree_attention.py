@@ -232,9 +232,7 @@ def _masked_attn_fwd(
     out = acc / l_safe[:, None]
     lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
 
-    o_ptrs = (
-        Out + batch * stride_ob + head * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
-    )
+    o_ptrs = Out + batch * stride_ob + head * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(Lse + batch * stride_lb + head * stride_lh + offs_m * stride_lm, lse, mask=row_ok)
 

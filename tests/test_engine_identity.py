@@ -31,10 +31,14 @@ def drafters(target):
     yield "small-lm", SmallLMDrafter(truncated_draft(target, 1), gamma=4, max_batch=4, max_context=512)
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(max_new_tokens=32, ignore_eos=True),
-    SamplingParams(max_new_tokens=24, repetition_penalty=1.3, ignore_eos=True),
-], ids=["plain", "rep-penalty"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_new_tokens=32, ignore_eos=True),
+        SamplingParams(max_new_tokens=24, repetition_penalty=1.3, ignore_eos=True),
+    ],
+    ids=["plain", "rep-penalty"],
+)
 def test_greedy_identity_batch1_and_batch4(tiny_target, params):
     prompts = make_prompts(tiny_target.args.vocab_size, N_PROMPTS, seed=len(tiny_target.layers))
     reference = [plain_generate(tiny_target, p, params) for p in prompts]

@@ -87,9 +87,7 @@ def test_default_resolves_to_hf_dir(default_fp32: ResolvedModel, cache_root: Pat
 
 
 @pytest.mark.slow
-def test_both_dtypes_have_consistent_safetensors(
-    default_fp32: ResolvedModel, default_bf16: ResolvedModel
-) -> None:
+def test_both_dtypes_have_consistent_safetensors(default_fp32: ResolvedModel, default_bf16: ResolvedModel) -> None:
     import torch
 
     assert default_bf16.path == default_fp32.path.parent / "bfloat16"

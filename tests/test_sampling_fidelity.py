@@ -90,8 +90,10 @@ def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
 def sample_joint(model, drafter, prompt, temperature: float, top_p: float) -> tuple[np.ndarray, float]:
     engine = SpecEngine(model, drafter, EngineConfig(max_batch=500, max_context=64))
     counts = np.zeros((VOCAB,) * 3, dtype=np.int64)
-    params = [SamplingParams(temperature=temperature, top_p=top_p, seed=1000 + i, max_new_tokens=3, ignore_eos=True)
-              for i in range(N_SAMPLES)]
+    params = [
+        SamplingParams(temperature=temperature, top_p=top_p, seed=1000 + i, max_new_tokens=3, ignore_eos=True)
+        for i in range(N_SAMPLES)
+    ]
     seqs = engine.run([prompt] * N_SAMPLES, params)
     steps = drafted = 0
     for s in seqs:

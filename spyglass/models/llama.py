@@ -264,7 +264,10 @@ def load_transformer(path: str | Path, dtype: torch.dtype = torch.float32, devic
 
 def convert_hf_state_dict(raw: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """HF Llama/Qwen2 names -> ours, fusing q/k/v and gate/up into one matmul each."""
-    out: dict[str, torch.Tensor] = {"embed.weight": raw["model.embed_tokens.weight"], "norm.weight": raw["model.norm.weight"]}
+    out: dict[str, torch.Tensor] = {
+        "embed.weight": raw["model.embed_tokens.weight"],
+        "norm.weight": raw["model.norm.weight"],
+    }
     if not args.tie_embeddings:
         out["lm_head.weight"] = raw["lm_head.weight"]
     for i in range(args.n_layers):
@@ -272,7 +275,9 @@ def convert_hf_state_dict(raw: dict[str, torch.Tensor], args: ModelArgs) -> dict
         out[f"layers.{i}.wqkv.weight"] = torch.cat([raw[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
         if args.qkv_bias:
             out[f"layers.{i}.wqkv.bias"] = torch.cat([raw[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
-        out[f"layers.{i}.w_gate_up.weight"] = torch.cat([raw[p + "mlp.gate_proj.weight"], raw[p + "mlp.up_proj.weight"]])
+        out[f"layers.{i}.w_gate_up.weight"] = torch.cat(
+            [raw[p + "mlp.gate_proj.weight"], raw[p + "mlp.up_proj.weight"]]
+        )
         for hf_name, name in _WEIGHT_MAP.items():
             out[f"layers.{i}.{name}"] = raw[p + hf_name]
     return out

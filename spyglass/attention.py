@@ -7,22 +7,42 @@ K/V: the query heads of a group are folded into the query-length axis, which is 
 prefix part has no mask and the tree mask is shared by all heads.
 
 Shapes (one sequence): q `[H, n, D]`, prefix K/V `[Hkv, S, D]` (S may be 0), tree K/V `[Hkv, n, D]`,
-tree_mask `[n, n]` bool (True = visible) or None for causal. Backends: "cpu" (ATen's flash attention
-for CPU for the prefix, torch for the tree part), "triton" (CUDA: flash-attn prefix + Triton
-`fused_mask_attn`), "reference" (naive softmax over the concatenation).
+tree_mask `[n, n]` bool (True = visible) or None for causal. Backends:
+
+* "cpu": ATen's flash attention for CPU (or two matmuls for few rows, see `MATMUL_PREFIX_MAX_ROWS`)
+  for the prefix, torch for the tree part, exact merge.
+* "triton": CUDA (or the Triton interpreter): flash-attn prefix (torch fallback) + Triton
+  `fused_mask_attn` tree part, in `kernels/dispatch.py`.
+* "auto": "triton" for CUDA tensors when the Triton kernel can run there, else "cpu".
+* "reference": naive fp32 softmax over the concatenation (the oracle).
+* "eager", "sdpa_masked": the usual tree-attention baselines (materialised scores over prefix+tree
+  with an additive float mask as HF eager does; torch SDPA over the concatenation with a full float
+  mask). Only benchmarks and tests use them.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
+
+from kernels.reference import merge_attention
+
+BACKENDS = ("auto", "cpu", "triton", "reference", "eager", "sdpa_masked")
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
-# Below this many query rows per KV head, two matmuls beat the flash kernel on CPU (measured in
-# bench/attention.py): the kernel's blocking only pays off when there are many query rows.
-MATMUL_PREFIX_MAX_ROWS = 64
+# Up to this many folded query rows (GQA group x tree tokens) per KV head, two matmuls beat ATen's
+# flash kernel for CPU on the unmasked prefix; above it the kernel's blocking wins. Measured by
+# bench/attention.py (`prefix_choice` in bench/results/attention.json) at 1K-16K contexts, 2 threads.
+MATMUL_PREFIX_MAX_ROWS: dict[torch.dtype, int] = {torch.float32: 64, torch.bfloat16: 64}
+
+
+def matmul_prefix_max_rows(dtype: torch.dtype) -> int:
+    """Crossover for `dtype` (fp16 and others follow bf16: same kernels, same 2-byte traffic)."""
+    return MATMUL_PREFIX_MAX_ROWS.get(dtype, MATMUL_PREFIX_MAX_ROWS[torch.bfloat16])
 
 
 def _fold_groups(q: torch.Tensor, n_kv: int) -> torch.Tensor:
@@ -35,14 +55,46 @@ def _unfold_groups(x: torch.Tensor, h: int, n: int) -> torch.Tensor:
     return x.reshape(h, n, x.shape[-1])
 
 
-def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-    """Unmasked attention of folded queries `[Hkv, R, D]` over `[Hkv, S, D]` -> (out, lse fp32 [Hkv, R])."""
-    rows = q.shape[1]
-    if rows <= MATMUL_PREFIX_MAX_ROWS or q.dtype != k.dtype:
-        scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-        lse = torch.logsumexp(scores, dim=-1)
-        probs = torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype)
-        return torch.matmul(probs, v), lse
+def _softmax_with_lse(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """In place on fp32 `scores`: unnormalised probs, their row sums and the LSE (-inf for empty rows).
+
+    Normalising after P @ V (not before) saves one pass over the large score matrix.
+    """
+    m = scores.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)  # rows that see nothing: exp(-inf) = 0
+    probs = scores.sub_(m).exp_()
+    denom = probs.sum(dim=-1, keepdim=True)
+    lse = torch.where(denom > 0, m + torch.log(denom), torch.full_like(denom, float("-inf"))).squeeze(-1)
+    return probs, torch.where(denom > 0, denom, torch.ones_like(denom)), lse
+
+
+def matmul_prefix_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unmasked attention by two matmuls: `[Hkv, R, D]` over `[Hkv, S, D]` -> (out fp32, lse fp32 `[Hkv, R]`)."""
+    scores = torch.matmul(q, k.transpose(-1, -2))
+    scores = scores.float().mul_(scale) if scores.dtype != torch.float32 else scores.mul_(scale)
+    probs, denom, lse = _softmax_with_lse(scores)
+    out = torch.matmul(probs.to(v.dtype), v).float().div_(denom)
+    return out, lse
+
+
+def prefix_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unmasked attention of folded queries `[Hkv, R, D]` over `[Hkv, S, D]` -> (out, lse fp32 `[Hkv, R]`).
+
+    Picks two matmuls for few rows (the flash kernel's blocking does not pay off there) and ATen's
+    flash attention for CPU otherwise. S = 0 gives out 0 and lse -inf, which the merge ignores.
+    """
+    hkv, rows, d = q.shape
+    if k.shape[1] == 0:
+        return q.new_zeros(hkv, rows, d, dtype=torch.float32), q.new_full(
+            (hkv, rows), float("-inf"), dtype=torch.float32
+        )
+    use_flash = q.device.type == "cpu" and q.dtype == k.dtype == v.dtype and rows > matmul_prefix_max_rows(q.dtype)
+    if not use_flash:
+        return matmul_prefix_attention(q, k, v, scale)
     out, lse = _flash_cpu(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale=scale)[:2]
     return out.squeeze(0), lse.squeeze(0).float()
 
@@ -50,27 +102,34 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 def masked_tree_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Folded queries `[Hkv, g*n, D]` over tree keys `[Hkv, n, D]` with a `[n, n]` mask."""
-    groups = q.shape[1] // mask.shape[0]
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    full_mask = mask.repeat(groups, 1)
-    scores = scores.masked_fill(~full_mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num_(0.0).to(v.dtype)
-    return torch.matmul(probs, v), lse
+    """Folded queries `[Hkv, g*n, D]` over tree keys `[Hkv, n, D]` with a `[n, n]` mask -> (out fp32, lse fp32).
 
-
-def merge_attention(out_a, lse_a, out_b, lse_b):
-    """Exact merge of two attentions over disjoint key sets by their log-sum-exp."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    wa = torch.exp(lse_a - lse).nan_to_num_(0.0).unsqueeze(-1)
-    wb = torch.exp(lse_b - lse).nan_to_num_(0.0).unsqueeze(-1)
-    out = out_a.float() * wa + out_b.float() * wb
-    return out.to(out_a.dtype), lse
+    The tree part is tiny (n keys), so it runs in fp32 whatever the model dtype: no rounding of the
+    scores, and a row with no visible key gives out 0 / lse -inf instead of NaN.
+    """
+    hkv, rows, d = q.shape
+    n = mask.shape[0]
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)
+    scores.view(hkv, rows // n, n, k.shape[1]).masked_fill_(~mask, float("-inf"))
+    probs, denom, lse = _softmax_with_lse(scores)
+    return torch.matmul(probs, v.float()).div_(denom), lse
 
 
 def causal_mask(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool, device=device).tril_()
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Map "auto" to a concrete backend for tensors on `device`; reject unknown names early."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+    if backend != "auto":
+        return backend
+    if device.type == "cuda":
+        from kernels.dispatch import triton_available
+
+        return "triton" if triton_available() else "cpu"
+    return "cpu"
 
 
 def tree_attention(
@@ -85,25 +144,141 @@ def tree_attention(
 ) -> torch.Tensor:
     """Attention of the n tree queries over prefix + tree; returns `[H, n, D]` in q's dtype."""
     h, n, d = q.shape
-    n_kv = k_tree.shape[0]
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
     mask = tree_mask if tree_mask is not None else causal_mask(n, q.device)
-    if backend == "reference":
-        return reference_attention(q, k_prefix, v_prefix, k_tree, v_tree, mask, scale)
+    backend = resolve_backend(backend, q.device)
+    if backend == "cpu":
+        return hybrid_attention(q, k_prefix, v_prefix, k_tree, v_tree, mask, scale)
     if backend == "triton":
         from kernels.dispatch import gpu_tree_attention
 
         return gpu_tree_attention(q, k_prefix, v_prefix, k_tree, v_tree, mask, scale)
-    qf = _fold_groups(q, n_kv)
+    if backend == "reference":
+        return reference_attention(q, k_prefix, v_prefix, k_tree, v_tree, mask, scale)
+    if backend == "eager":
+        return eager_masked_attention(q, k_prefix, v_prefix, k_tree, v_tree, mask, scale)
+    return sdpa_masked_attention(q, k_prefix, v_prefix, k_tree, v_tree, mask, scale)
+
+
+def hybrid_attention(q, k_prefix, v_prefix, k_tree, v_tree, mask, scale) -> torch.Tensor:
+    """The "cpu" backend: unmasked prefix part + masked tree part on folded GQA rows, merged exactly."""
+    h, n, _ = q.shape
+    qf = _fold_groups(q, k_tree.shape[0])
     out_t, lse_t = masked_tree_attention(qf, k_tree, v_tree, mask, scale)
     if k_prefix.shape[1] == 0:
-        return _unfold_groups(out_t, h, n)
+        return _unfold_groups(out_t, h, n).to(q.dtype)
     out_p, lse_p = prefix_attention(qf, k_prefix, v_prefix, scale)
-    out, _ = merge_attention(out_p, lse_p, out_t, lse_t)
-    return _unfold_groups(out, h, n)
+    out, _ = merge_attention(out_p.float(), lse_p, out_t, lse_t)
+    return _unfold_groups(out, h, n).to(q.dtype)
 
 
-def reference_attention(q, k_prefix, v_prefix, k_tree, v_tree, mask, scale):
+def batched_tree_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor | Sequence[int],
+    k_tree: torch.Tensor,
+    v_tree: torch.Tensor,
+    tree_mask: torch.Tensor | None,
+    scale: float | None = None,
+    backend: str = "cpu",
+    cache_batch_idx: torch.Tensor | Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Several sequences with different committed lengths in one call.
+
+    q `[B, H, M, D]`, k_cache/v_cache `[Bc, Hkv, C, D]` (sequence b reads cache row
+    `cache_batch_idx[b]`, default b, up to `cache_seqlens[b]`), tree K/V `[B, Hkv, M, D]`,
+    tree_mask `[B, M, M]` (None = causal chains). Trees of different sizes are padded to M with
+    all-False mask rows and columns; padded rows are garbage to be ignored. Returns `[B, H, M, D]`.
+    On "triton" this is one flash-attn kvcache call plus one Triton launch; elsewhere a loop.
+    """
+    b, h, m, d = q.shape
+    scale = scale if scale is not None else 1.0 / math.sqrt(d)
+    backend = resolve_backend(backend, q.device)
+    if tree_mask is None:
+        tree_mask = causal_mask(m, q.device).expand(b, m, m)
+    if backend == "triton":
+        from kernels.dispatch import gpu_tree_attention_batched
+
+        return gpu_tree_attention_batched(
+            q, k_cache, v_cache, cache_seqlens, k_tree, v_tree, tree_mask, scale, cache_batch_idx
+        )
+    lens = [int(x) for x in cache_seqlens]
+    rows = list(range(b)) if cache_batch_idx is None else [int(x) for x in cache_batch_idx]
+    outs = []
+    for i in range(b):
+        kp, vp = k_cache[rows[i], :, : lens[i]], v_cache[rows[i], :, : lens[i]]
+        outs.append(tree_attention(q[i], kp, vp, k_tree[i], v_tree[i], tree_mask[i], scale, backend))
+    return torch.stack(outs)
+
+
+# --- baselines and the oracle -------------------------------------------------------------------
+
+
+def _join_kv(prefix: torch.Tensor, tree: torch.Tensor) -> torch.Tensor:
+    """prefix ++ tree along the sequence axis, without a copy when the tree entries already follow the
+    prefix in memory, so a baseline is not charged for a concatenation a static KV cache avoids.
+
+    That is the case in the model: the prefix is a view of the sequence's cache slot and the tree's K/V
+    were just written right after it. The extended view is used only if it holds exactly `tree` there.
+    """
+    hkv, s, d = prefix.shape
+    if s == 0:
+        return tree
+    n = tree.shape[1]
+    st = prefix.stride()
+    fits = (
+        prefix.dtype == tree.dtype
+        and prefix.device == tree.device
+        and st[2] == 1
+        and st[1] == d
+        and (hkv == 1 or (s + n) * st[1] <= st[0])
+        and prefix.storage_offset() + (hkv - 1) * st[0] + (s + n) * st[1]
+        <= prefix.untyped_storage().nbytes() // prefix.element_size()
+    )
+    if fits:
+        ext = prefix.as_strided((hkv, s + n, d), st, prefix.storage_offset())
+        same_memory = tree.data_ptr() == ext[:, s:].data_ptr() and tree.stride() == st
+        if same_memory or torch.equal(ext[:, s:], tree):
+            return ext
+    return torch.cat([prefix, tree], dim=1)
+
+
+def additive_mask(mask: torch.Tensor, s: int, dtype: torch.dtype) -> torch.Tensor:
+    """`[n, s+n]` float mask (0 visible, dtype's min hidden) as HF builds it for eager and SDPA."""
+    n = mask.shape[0]
+    full = torch.zeros(n, s + n, dtype=dtype, device=mask.device)
+    full[:, s:].masked_fill_(~mask, torch.finfo(dtype).min)
+    return full
+
+
+def eager_masked_attention(q, k_prefix, v_prefix, k_tree, v_tree, mask, scale) -> torch.Tensor:
+    """HF "eager" tree attention: repeat K/V per query head, scores over prefix+tree, additive mask,
+    fp32 softmax cast back to the model dtype."""
+    h, n, d = q.shape
+    g = h // k_tree.shape[0]
+    k = _join_kv(k_prefix, k_tree)
+    v = _join_kv(v_prefix, v_tree)
+    if g > 1:
+        k, v = k.repeat_interleave(g, dim=0), v.repeat_interleave(g, dim=0)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale + additive_mask(mask, k_prefix.shape[1], q.dtype)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def sdpa_masked_attention(q, k_prefix, v_prefix, k_tree, v_tree, mask, scale) -> torch.Tensor:
+    """Torch SDPA over prefix+tree with a full float mask (GQA handled inside SDPA, no K/V repeat)."""
+    h = q.shape[0]
+    k = _join_kv(k_prefix, k_tree)
+    v = _join_kv(v_prefix, v_tree)
+    am = additive_mask(mask, k_prefix.shape[1], q.dtype)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=am, scale=scale, enable_gqa=h != k.shape[0]
+    )
+    return out.squeeze(0)
+
+
+def reference_attention(q, k_prefix, v_prefix, k_tree, v_tree, mask, scale) -> torch.Tensor:
     """Naive softmax over the concatenated keys with the full mask, in fp32: the test oracle."""
     h, n, d = q.shape
     n_kv = k_tree.shape[0]

@@ -55,6 +55,8 @@ class KVCache:
         return slot
 
     def release(self, slot: int) -> None:
+        if not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot {slot} is not in [0, {self.max_slots})")
         if slot in self._free:
             return
         self.lengths[slot] = 0
@@ -77,6 +79,8 @@ class KVCache:
     def write(self, slot: int, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write `[kv_heads, n, head_dim]` entries at positions start..start+n (after the committed part)."""
         n = k.shape[1]
+        if start < 0:
+            raise ValueError(f"write position {start} is negative")
         if start + n > self.capacity:
             raise CacheFullError(f"slot {slot}: {start + n} tokens exceed the capacity {self.capacity}")
         ck, cv = self.layer(slot, layer)

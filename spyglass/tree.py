@@ -20,7 +20,7 @@ class DraftTree:
     _depths: list[int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if len(self.parents) != self.tokens.shape[0] or self.parents[0] != -1:
+        if not self.parents or len(self.parents) != self.tokens.shape[0] or self.parents[0] != -1:
             raise ValueError("a draft tree needs one parent per token and the root first")
         for i, p in enumerate(self.parents[1:], start=1):
             if not 0 <= p < i:

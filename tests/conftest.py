@@ -14,7 +14,9 @@ from tests.tiny import make_tiny_model
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede any triton import (kernels are tested on CPU)
 os.environ.setdefault("SPYGLASS_CACHE", str(Path(__file__).resolve().parents[1] / ".cache" / "models"))
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# One thread: tests share the 2 cores with Ray workers and each other, and oversubscribed OpenMP
+# threads spin (ops 100x slower). Speed is measured in bench/, never here.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,232 @@
+"""`spyglass` command line: generate (in process), with more subcommands added by the serving and
+training work. Errors about the input print one line naming the problem and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+EXIT_BAD_INPUT = 2
+
+
+class CliError(Exception):
+    """A problem with what the user asked for; printed without a traceback."""
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate from a prompt with speculative decoding")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="read the prompt from this file")
+    src.add_argument("--demo", action="store_true", help="the built-in long-context code-editing task")
+    p.add_argument("--model", default=None, help="local HF directory or .gguf file (default: embedded SmolLM2)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--method", default="ngram", help="ar | ngram | small-lm (default ngram)")
+    p.add_argument("--draft-model", default=None, help="small-lm: draft model source (same tokenizer)")
+    p.add_argument(
+        "--draft-layers", type=int, default=None, help="small-lm without --draft-model: use the target's first N layers"
+    )
+    p.add_argument("--gamma", type=int, default=None, help="small-lm: tokens drafted per step")
+    p.add_argument("--ngram-min", type=int, default=None)
+    p.add_argument("--ngram-max", type=int, default=None)
+    p.add_argument("--draft-len", type=int, default=None, help="ngram: tokens per candidate")
+    p.add_argument("--max-candidates", type=int, default=None, help="ngram: candidates merged into the tree")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--max-context", type=int, default=None, help="KV capacity per sequence")
+    p.add_argument("--raw", action="store_true", help="do not apply the model's chat template")
+    p.add_argument("--compare-ar", action="store_true", help="also run plain decoding and compare")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+
+
+def _read_prompt(args) -> str:
+    if args.demo:
+        from spyglass.demo import code_edit_task
+
+        return code_edit_task().prompt
+    if args.prompt_file is not None:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CliError(f"cannot read prompt file {args.prompt_file!r}: {e}") from e
+    return args.prompt
+
+
+def _params(args):
+    from spyglass.sampling import SamplingParams
+
+    try:
+        return SamplingParams(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            seed=args.seed,
+            max_new_tokens=args.max_new_tokens,
+            stop=tuple(args.stop),
+        )
+    except ValueError as e:
+        raise CliError(str(e)) from e
+
+
+def _encode(tokenizer, text: str, raw: bool) -> list[int]:
+    if not text.strip():
+        raise CliError("the prompt is empty")
+    if not raw and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _run_generate(args) -> int:
+    from spyglass.drafters import METHODS
+
+    if args.method not in METHODS:
+        raise CliError(f"unknown method {args.method!r}; available: {', '.join(METHODS)}")
+    params = _params(args)
+    prompt = _read_prompt(args)
+    if args.max_context is not None and args.max_context < 2:
+        raise CliError("--max-context must be >= 2")
+
+    import torch
+
+    from spyglass.drafters import build_drafter
+    from spyglass.engine import EngineConfig, RequestError, SpecEngine
+    from spyglass.models.llama import load_transformer
+    from spyglass.models.loader import ModelLoadError, load_tokenizer, resolve_model
+
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    dtype = getattr(torch, args.dtype)
+    try:
+        resolved = resolve_model(args.model, dtype=args.dtype)
+        target = load_transformer(resolved.path, dtype=dtype)
+        tokenizer = load_tokenizer(resolved.path)
+        draft_model = None
+        if args.method == "small-lm":
+            if args.draft_model:
+                draft_model = load_transformer(resolve_model(args.draft_model, dtype=args.dtype).path, dtype=dtype)
+            else:
+                from spyglass.drafters.small_lm import truncated_draft
+
+                draft_model = truncated_draft(target, args.draft_layers or max(1, target.args.n_layers // 4))
+    except ModelLoadError as e:
+        raise CliError(str(e)) from e
+    prompt_ids = _encode(tokenizer, prompt, args.raw)
+    config = EngineConfig(max_batch=1, max_context=args.max_context)
+    capacity = config.max_context or min(target.args.max_position, 8192)
+    try:
+        drafter = build_drafter(
+            args.method,
+            target,
+            max_batch=1,
+            max_context=capacity,
+            n_min=args.ngram_min,
+            n_max=args.ngram_max,
+            draft_len=args.draft_len,
+            max_candidates=args.max_candidates,
+            draft_model=draft_model,
+            gamma=args.gamma,
+        )
+        engine = SpecEngine(target, drafter, config, tokenizer)
+        result = _generate_once(engine, prompt_ids, params, stream=not args.json)
+        out = {"text": result["text"], "token_ids": result["token_ids"], "stats": result["stats"]}
+        out["stats"]["method"] = args.method
+        out["stats"]["prompt_tokens"] = len(prompt_ids)
+        if args.compare_ar:
+            if not args.json:
+                print("\n--- plain decoding (ar) for comparison ---", file=sys.stderr)
+            ar_engine = SpecEngine(target, None, config, tokenizer)
+            ar = _generate_once(ar_engine, prompt_ids, params, stream=False)
+            out["ar_stats"] = ar["stats"]
+            out["ar_identical"] = ar["token_ids"] == result["token_ids"]
+            spec_tps, ar_tps = result["stats"]["tokens_per_s"], ar["stats"]["tokens_per_s"]
+            out["speedup"] = spec_tps / ar_tps if ar_tps else None
+            out["e2e_speedup"] = ar["stats"]["wall_s"] / result["stats"]["wall_s"]
+    except (RequestError, ValueError) as e:
+        raise CliError(str(e)) from e
+    if args.json:
+        print(json.dumps(out))
+    else:
+        _print_stats(out)
+    return 0
+
+
+def _generate_once(engine, prompt_ids: list[int], params, stream: bool) -> dict:
+    t0 = time.perf_counter()
+    printed = ""
+    seq = None
+    for event in engine.generate(prompt_ids, params):
+        seq = event.seq
+        if stream:
+            text = engine.text(seq)
+            if text.startswith(printed):
+                sys.stdout.write(text[len(printed) :])
+                sys.stdout.flush()
+                printed = text
+    wall = time.perf_counter() - t0
+    if stream:
+        print()
+    stats = seq.stats.summary(seq.num_generated)
+    stats["finish_reason"] = seq.finish_reason
+    stats["wall_s"] = wall
+    return {"text": engine.text(seq), "token_ids": seq.output_ids, "stats": stats}
+
+
+def _print_stats(out: dict) -> None:
+    s = out["stats"]
+    lines = [
+        f"method {s['method']}: {s['generated_tokens']} tokens from a {s['prompt_tokens']}-token prompt, "
+        f"finish={s['finish_reason']}",
+        f"  decode {s['tokens_per_s']:.1f} tok/s, tau {s['tau']:.2f} tokens/step over {s['steps']} steps, "
+        f"prefill {s['prefill_time_s']:.2f} s, wall {s['wall_s']:.2f} s",
+        "  acceptance by depth: " + " ".join(f"{a:.2f}" for a in s["acceptance_by_depth"][:8]),
+    ]
+    if "ar_stats" in out:
+        a = out["ar_stats"]
+        lines.append(
+            f"plain decoding: {a['tokens_per_s']:.1f} tok/s, wall {a['wall_s']:.2f} s -> "
+            f"decode speedup {out['speedup']:.2f}x, end to end {out['e2e_speedup']:.2f}x, "
+            f"identical output: {'yes' if out['ar_identical'] else 'NO'}"
+        )
+    print("\n".join(lines), file=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spyglass", description="lossless speculative decoding for long contexts")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _run_generate(args)
+    except CliError as e:
+        print(f"spyglass: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        return 130
+    parser.error(f"unknown command {args.command}")
+    return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

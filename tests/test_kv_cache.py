@@ -1,0 +1,183 @@
+"""KVCache: slot allocation and reuse, writes, commit of accepted tree paths, truncation, zero-copy views."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from spyglass.kv_cache import CacheFullError, KVCache
+
+LAYERS, HEADS, DIM, CAP = 3, 2, 4, 24
+
+
+def make_cache(capacity: int = CAP, max_slots: int = 2) -> KVCache:
+    return KVCache(LAYERS, HEADS, DIM, capacity, max_slots)
+
+
+def write_all_layers(cache: KVCache, slot: int, start: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write `n` distinct random entries at `start` in every layer; return them as `[layers, heads, n, dim]`."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(LAYERS, HEADS, n, DIM, generator=g)
+    v = torch.randn(LAYERS, HEADS, n, DIM, generator=g)
+    for layer in range(LAYERS):
+        cache.write(slot, layer, start, k[layer], v[layer])
+    return k, v
+
+
+def committed(cache: KVCache, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The committed K and V of every layer, stacked as `[layers, heads, length, dim]` (copies)."""
+    ks, vs = zip(*(cache.prefix(slot, layer) for layer in range(LAYERS)), strict=True)
+    return torch.stack(ks).clone(), torch.stack(vs).clone()
+
+
+class CountSetitem(TorchFunctionMode):
+    """Counts tensor writes through indexing (`t[...] = x`) while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__setitem__:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def cache_with_prefix() -> tuple[KVCache, int, torch.Tensor, torch.Tensor]:
+    """A slot with 5 committed tokens."""
+    cache = make_cache()
+    slot = cache.allocate()
+    k, v = write_all_layers(cache, slot, 0, 5, seed=1)
+    cache.commit(slot, 0, list(range(5)))
+    return cache, slot, k, v
+
+
+def test_commit_chain_keeps_entries_in_place(cache_with_prefix) -> None:
+    cache, slot, pk, pv = cache_with_prefix
+    tk, tv = write_all_layers(cache, slot, 5, 4, seed=2)
+    with CountSetitem() as mode:
+        cache.commit(slot, 5, [0, 1, 2])
+    assert mode.count == 0, "a chain prefix is already in place: commit must not move anything"
+    assert cache.lengths[slot] == 8
+    k, v = committed(cache, slot)
+    assert torch.equal(k, torch.cat([pk, tk[:, :, :3]], dim=2))
+    assert torch.equal(v, torch.cat([pv, tv[:, :, :3]], dim=2))
+
+
+def test_move_counter_sees_a_tree_commit(cache_with_prefix) -> None:
+    """Guards the test above: the counter does see the writes of a real move."""
+    cache, slot, _, _ = cache_with_prefix
+    write_all_layers(cache, slot, 5, 4, seed=2)
+    with CountSetitem() as mode:
+        cache.commit(slot, 5, [0, 2])
+    assert mode.count > 0
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        [0, 2, 5, 6],  # gaps everywhere
+        [0, 1, 3, 4],  # a chain prefix, then a gap
+        [0, 2, 3],  # overlapping shift: dst 6 <- src 7, dst 7 <- src 8
+        [0, 6],
+        [0],
+    ],
+)
+def test_commit_tree_path_moves_exactly_those_entries(cache_with_prefix, path: list[int]) -> None:
+    cache, slot, pk, pv = cache_with_prefix
+    tk, tv = write_all_layers(cache, slot, 5, 7, seed=3)
+    cache.commit(slot, 5, path)
+    assert cache.lengths[slot] == 5 + len(path)
+    k, v = committed(cache, slot)
+    assert k.shape == (LAYERS, HEADS, 5 + len(path), DIM)
+    for layer in range(LAYERS):
+        # the old prefix is untouched, the accepted entries are packed right after it, for K and for V
+        assert torch.equal(k[layer, :, :5], pk[layer])
+        assert torch.equal(v[layer, :, :5], pv[layer])
+        assert torch.equal(k[layer, :, 5:], tk[layer][:, path])
+        assert torch.equal(v[layer, :, 5:], tv[layer][:, path])
+
+
+def test_commit_twice_grows_length(cache_with_prefix) -> None:
+    cache, slot, pk, _ = cache_with_prefix
+    t1, _ = write_all_layers(cache, slot, 5, 4, seed=4)
+    cache.commit(slot, 5, [0, 2])
+    t2, _ = write_all_layers(cache, slot, 7, 3, seed=5)
+    cache.commit(slot, 7, [0, 1, 2])
+    assert cache.lengths[slot] == 10
+    k, _ = committed(cache, slot)
+    assert torch.equal(k, torch.cat([pk, t1[:, :, [0, 2]], t2], dim=2))
+
+
+def test_truncate(cache_with_prefix) -> None:
+    cache, slot, pk, pv = cache_with_prefix
+    cache.truncate(slot, 3)
+    assert cache.lengths[slot] == 3
+    k, v = committed(cache, slot)
+    assert torch.equal(k, pk[:, :, :3]) and torch.equal(v, pv[:, :, :3])
+    cache.truncate(slot, 10)  # never grows
+    assert cache.lengths[slot] == 3
+    cache.truncate(slot, 0)
+    assert cache.lengths[slot] == 0
+    assert cache.prefix(slot, 0)[0].shape == (HEADS, 0, DIM)
+
+
+def test_allocate_release_reuse() -> None:
+    cache = make_cache(max_slots=2)
+    assert cache.free_slots == 2
+    a, b = cache.allocate(), cache.allocate()
+    assert a != b and {a, b} <= {0, 1}
+    assert cache.free_slots == 0
+    write_all_layers(cache, a, 0, 4, seed=6)
+    cache.commit(a, 0, [0, 1, 2, 3])
+    storage = cache.layer(a, 0)[0].data_ptr()
+    cache.release(a)
+    cache.release(a)  # idempotent
+    assert cache.free_slots == 1
+    again = cache.allocate()
+    assert again == a
+    assert cache.lengths[again] == 0
+    assert cache.layer(again, 0)[0].data_ptr() == storage, "a released slot's buffers are reused"
+    assert cache.free_slots == 0
+
+
+def test_cache_full_when_slots_run_out() -> None:
+    cache = make_cache(max_slots=2)
+    cache.allocate()
+    cache.allocate()
+    with pytest.raises(CacheFullError):
+        cache.allocate()
+
+
+def test_cache_full_when_writing_past_capacity() -> None:
+    cache = make_cache(capacity=8)
+    slot = cache.allocate()
+    write_all_layers(cache, slot, 5, 3, seed=7)  # fills exactly up to the capacity
+    with pytest.raises(CacheFullError):
+        write_all_layers(cache, slot, 6, 3, seed=8)
+    with pytest.raises(CacheFullError):
+        write_all_layers(cache, slot, 0, 9, seed=9)
+
+
+def test_prefix_returns_views() -> None:
+    cache = make_cache()
+    slot = cache.allocate()
+    write_all_layers(cache, slot, 0, 6, seed=10)
+    cache.commit(slot, 0, list(range(6)))
+    for layer in range(LAYERS):
+        k, v = cache.prefix(slot, layer)
+        full_k, full_v = cache.layer(slot, layer)
+        assert k.shape == v.shape == (HEADS, 6, DIM)
+        assert k.untyped_storage().data_ptr() == full_k.untyped_storage().data_ptr()
+        assert v.untyped_storage().data_ptr() == full_v.untyped_storage().data_ptr()
+        assert k.data_ptr() == full_k.data_ptr() and v.data_ptr() == full_v.data_ptr()
+        # a write through the cache is visible in a view taken earlier
+        cache.write(slot, layer, 2, torch.full((HEADS, 1, DIM), 7.0), torch.full((HEADS, 1, DIM), -7.0))
+        assert torch.all(k[:, 2] == 7.0) and torch.all(v[:, 2] == -7.0)
+
+
+def test_slot_bytes() -> None:
+    cache = KVCache(2, 3, 8, 16, 1, dtype=torch.float16)
+    assert cache.slot_bytes() == 2 * 2 * 3 * 16 * 8 * 2

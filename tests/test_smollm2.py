@@ -1,0 +1,76 @@
+"""Integration on the real default model (SmolLM2-135M-Instruct, fp32): logits against HF transformers,
+and greedy identity of every drafter against plain decoding on real prompts, batch 1 and batch 4."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spyglass.demo import code_edit_task
+from spyglass.drafters.ngram import NgramDrafter
+from spyglass.drafters.small_lm import SmallLMDrafter, truncated_draft
+from spyglass.engine import EngineConfig, SpecEngine, plain_generate
+from spyglass.models.llama import Segment
+from spyglass.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+SHORT_PROMPTS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "List three uses of a binary search tree.",
+]
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    return list(ids)
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2) -> list[list[int]]:
+    _, tok = smollm2
+    long_prompt = chat_ids(tok, code_edit_task("shlex.py", max_chars=8000).prompt)
+    assert len(long_prompt) >= 2000
+    return [long_prompt] + [chat_ids(tok, p) for p in SHORT_PROMPTS]
+
+
+def test_logits_match_hf(smollm2, prompts):
+    from transformers import AutoModelForCausalLM
+
+    from spyglass.models.loader import resolve_model
+
+    model, _ = smollm2
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model(None).path, dtype=torch.float32).eval()
+    ids = torch.tensor(prompts[1])
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    cache = model.new_cache(256, 1)
+    slot = cache.allocate()
+    ours = model([Segment(slot, 0, ids, torch.arange(len(ids)))], cache)[0]
+    assert (ours - ref).abs().max().item() < 1e-3
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    # and plain greedy decoding equals HF's greedy generate
+    params = SamplingParams(max_new_tokens=24)
+    with torch.no_grad():
+        hf_out = hf.generate(ids[None], max_new_tokens=24, do_sample=False)[0, len(ids) :].tolist()
+    assert plain_generate(model, prompts[1], params) == hf_out
+
+
+def test_greedy_identity_real_prompts(smollm2, prompts):
+    model, _ = smollm2
+    params = SamplingParams(max_new_tokens=40)
+    reference = [plain_generate(model, p, params) for p in prompts]
+    drafters = [
+        ("ngram", lambda: NgramDrafter()),
+        ("small-lm", lambda: SmallLMDrafter(truncated_draft(model, 8), gamma=4, max_batch=4, max_context=4096)),
+    ]
+    for name, make in drafters:
+        for batch, chosen in ((1, prompts[:3]), (4, prompts)):
+            engine = SpecEngine(model, make(), EngineConfig(max_batch=batch, max_context=4096))
+            seqs = engine.run(chosen, params)
+            for i, seq in enumerate(seqs):
+                assert seq.output_ids == reference[i], f"{name} batch {batch} prompt {i} differs from plain decoding"
+            assert sum(s.stats.summary(s.num_generated)["tau"] for s in seqs) / len(seqs) > 1.0

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spyglass.context_cache import ContextCache, kv_blocks_from_cache, load_blocks_into_cache
 from spyglass.drafters.base import Drafter, NullDrafter
 from spyglass.models.llama import Segment, Transformer
 from spyglass.sampling import SamplingParams, presence_rows, process, sample
@@ -50,8 +51,10 @@ class SpecEngine:
         drafter: Drafter | None = None,
         config: EngineConfig | None = None,
         tokenizer=None,
+        context_cache: ContextCache | None = None,
     ) -> None:
         self.target = target
+        self.context_cache = context_cache
         self.drafter = drafter or NullDrafter()
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
@@ -115,6 +118,7 @@ class SpecEngine:
         chunk = self.config.prefill_chunk
         for seq in seqs:
             seq.slot = self.cache.allocate()
+            seq.stats.cached_prefix_tokens = self._load_cached_prefix(seq)
         pending = {seq.seq_id: seq for seq in seqs}
         last_logits: dict[str, torch.Tensor] = {}
         while pending:
@@ -133,6 +137,8 @@ class SpecEngine:
                 if self.cache.lengths[seq.slot] == seq.num_tokens:
                     last_logits[seq.seq_id] = lg[-1]
                     del pending[seq.seq_id]
+        for seq in seqs:
+            self._store_prefix(seq)
         events = []
         now = time.perf_counter()
         for seq in seqs:
@@ -145,6 +151,23 @@ class SpecEngine:
                 self.drafter.start(seq)
             events.append(Event(seq, new))
         return events
+
+    def _load_cached_prefix(self, seq: Sequence) -> int:
+        """Fill the slot from the context cache's longest cached prefix (leaving >= 1 token to compute)."""
+        cc = self.context_cache
+        if cc is None:
+            return 0
+        blocks = cc.lookup(seq.tokens, max_tokens=seq.num_tokens - 1)
+        return load_blocks_into_cache(self.cache, seq.slot, blocks, cc.block_size)
+
+    def _store_prefix(self, seq: Sequence) -> None:
+        cc = self.context_cache
+        if cc is None:
+            return
+        first = seq.stats.cached_prefix_tokens // cc.block_size
+        last = seq.num_tokens // cc.block_size
+        if last > first:
+            cc.store(seq.tokens.clone(), kv_blocks_from_cache(self.cache, seq.slot, first, last, cc.block_size))
 
     def _choose(self, logits: torch.Tensor, seq: Sequence) -> int:
         presence = None

@@ -87,6 +87,18 @@ class KVCache:
         ck[:, start : start + n] = k
         cv[:, start : start + n] = v
 
+    def read_span(self, slot: int, lo: int, hi: int) -> torch.Tensor:
+        """A copy of positions [lo, hi) of every layer as `[2, layers, kv_heads, hi - lo, head_dim]`."""
+        return torch.stack([self._k[slot][:, :, lo:hi], self._v[slot][:, :, lo:hi]])
+
+    def write_span(self, slot: int, lo: int, kv: torch.Tensor) -> None:
+        """Inverse of `read_span` (does not change the committed length)."""
+        hi = lo + kv.shape[3]
+        if hi > self.capacity:
+            raise CacheFullError(f"slot {slot}: {hi} tokens exceed the capacity {self.capacity}")
+        self._k[slot][:, :, lo:hi] = kv[0]
+        self._v[slot][:, :, lo:hi] = kv[1]
+
     def commit(self, slot: int, start: int, path: list[int]) -> None:
         """Keep the tree entries `start + path[j]` as positions `start + j`; the committed length grows."""
         n = len(path)

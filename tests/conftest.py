@@ -40,3 +40,13 @@ def smollm2():
 
     resolved = resolve_model(None, dtype="float32")
     return load_transformer(resolved.path), load_tokenizer(resolved.path)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """One real redis-server per test session on a free loopback port."""
+    from tests.redis_server import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()

@@ -1,0 +1,222 @@
+"""Redis-backed store of prefix KV blocks, shared by the verifier's prefill and training extraction.
+
+A block holds the K/V of `block_size` tokens for every layer. Its key chains the hash of the whole
+token prefix up to the block's end, under a namespace (model id, dtype, position scheme), so a
+block is only ever reused after exactly the same tokens. Values use a small typed binary format
+with a CRC32 (no pickle). A miss, a corrupt value or any Redis failure only costs recomputation.
+The total size is bounded: the oldest blocks are evicted first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import struct
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"SPKV"
+VERSION = 1
+_HEADER = struct.Struct("<4sHBB")  # magic, version, dtype code, ndim
+_DTYPES = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16}
+_CODES = {v: k for k, v in _DTYPES.items()}
+
+
+class FormatError(ValueError):
+    """A stored value that is not a valid block (wrong magic/version, truncated, checksum mismatch)."""
+
+
+def encode_tensor(t: torch.Tensor) -> bytes:
+    t = t.detach().contiguous().cpu()
+    payload = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    dims = struct.pack(f"<{t.dim()}I", *t.shape)
+    tail = struct.pack("<QI", len(payload), zlib.crc32(payload))
+    return _HEADER.pack(MAGIC, VERSION, _CODES[t.dtype], t.dim()) + dims + tail + payload
+
+
+def decode_tensor(buf: bytes) -> torch.Tensor:
+    if len(buf) < _HEADER.size:
+        raise FormatError("value too short for a header")
+    magic, version, code, ndim = _HEADER.unpack_from(buf)
+    if magic != MAGIC or version != VERSION or code not in _DTYPES:
+        raise FormatError(f"bad header (magic {magic!r}, version {version}, dtype code {code})")
+    off = _HEADER.size
+    dims = struct.unpack_from(f"<{ndim}I", buf, off)
+    off += 4 * ndim
+    length, crc = struct.unpack_from("<QI", buf, off)
+    off += 12
+    payload = buf[off:]
+    if len(payload) != length or zlib.crc32(payload) != crc:
+        raise FormatError("payload truncated or checksum mismatch")
+    dtype = _DTYPES[code]
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).reshape(dims)
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0  # blocks read
+    misses: int = 0  # lookups that stopped at a missing block
+    hit_tokens: int = 0
+    stored_blocks: int = 0
+    errors: int = 0
+    evicted_blocks: int = 0
+
+
+@dataclass
+class ContextCache:
+    """Prefix-block store. `url=None` disables it (every lookup misses, nothing is stored)."""
+
+    url: str | None
+    namespace: str
+    block_size: int = 256
+    max_bytes: int = 4 << 30
+    async_writes: bool = True
+    stats: CacheStats = field(default_factory=CacheStats)
+
+    def __post_init__(self) -> None:
+        self._redis = None
+        if self.url:
+            import redis
+
+            self._redis = redis.Redis.from_url(self.url, socket_timeout=5.0, socket_connect_timeout=2.0)
+        self._queue: queue.Queue | None = None
+        self._prefix = f"spyglass:ctx:{self.namespace}"
+
+    # --- keys ----------------------------------------------------------------------------------
+    def block_keys(self, tokens: torch.Tensor | list[int], n_blocks: int | None = None) -> list[str]:
+        """Chained keys: key i covers tokens [0, (i+1) * block_size)."""
+        ids = torch.as_tensor(tokens, dtype=torch.int64)
+        total = ids.shape[0] // self.block_size if n_blocks is None else n_blocks
+        keys, h = [], hashlib.sha256(self.namespace.encode())
+        for i in range(total):
+            block = ids[i * self.block_size : (i + 1) * self.block_size]
+            h.update(block.numpy().tobytes())
+            keys.append(f"{self._prefix}:{h.copy().hexdigest()[:40]}")
+        return keys
+
+    # --- read ----------------------------------------------------------------------------------
+    def lookup(self, tokens: torch.Tensor | list[int], max_tokens: int | None = None) -> list[torch.Tensor]:
+        """The longest run of cached blocks from the start of `tokens` (at most `max_tokens` tokens)."""
+        if self._redis is None:
+            return []
+        limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
+        keys = self.block_keys(tokens[:limit], limit // self.block_size)
+        if not keys:
+            return []
+        blocks: list[torch.Tensor] = []
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(k)
+            flags = pipe.execute()
+            n = next((i for i, f in enumerate(flags) if not f), len(keys))
+            for k in keys[:n]:
+                raw = self._redis.get(k)
+                if raw is None:
+                    break
+                blocks.append(decode_tensor(raw))
+                self._redis.zadd(self._index_key, {k: time.time()})
+        except FormatError as e:
+            log.warning("context cache: corrupt block ignored (%s)", e)
+            self.stats.errors += 1
+        except Exception as e:  # noqa: BLE001 - any Redis failure is a miss
+            log.warning("context cache unavailable, recomputing: %s", e)
+            self.stats.errors += 1
+        if len(blocks) < len(keys):
+            self.stats.misses += 1
+        self.stats.hits += len(blocks)
+        self.stats.hit_tokens += len(blocks) * self.block_size
+        return blocks
+
+    # --- write ---------------------------------------------------------------------------------
+    def store(self, tokens: torch.Tensor | list[int], blocks: dict[int, torch.Tensor]) -> None:
+        """Store block tensors by block index (the caller passes copies it will not mutate)."""
+        if self._redis is None or not blocks:
+            return
+        keys = self.block_keys(tokens, max(blocks) + 1)
+        items = [(keys[i], t) for i, t in sorted(blocks.items())]
+        if self.async_writes:
+            self._writer().put(items)
+        else:
+            self._write(items)
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait for queued asynchronous writes (tests, shutdown)."""
+        if self._queue is not None:
+            deadline = time.time() + timeout
+            while self._queue.unfinished_tasks and time.time() < deadline:
+                time.sleep(0.01)
+
+    @property
+    def _index_key(self) -> str:
+        return "spyglass:ctx-index"
+
+    def _writer(self) -> queue.Queue:
+        if self._queue is None:
+            self._queue = queue.Queue(maxsize=64)
+            threading.Thread(target=self._drain, name="context-cache-writer", daemon=True).start()
+        return self._queue
+
+    def _drain(self) -> None:
+        while True:
+            items = self._queue.get()
+            try:
+                self._write(items)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        try:
+            for key, tensor in items:
+                if self._redis.exists(key):
+                    continue
+                value = encode_tensor(tensor)
+                pipe = self._redis.pipeline(transaction=False)
+                pipe.set(key, value)
+                pipe.zadd(self._index_key, {key: time.time()})
+                pipe.incrby("spyglass:ctx-bytes", len(value))
+                pipe.execute()
+                self.stats.stored_blocks += 1
+            self._evict()
+        except Exception as e:  # noqa: BLE001 - a failed store only costs a later recomputation
+            log.warning("context cache store failed: %s", e)
+            self.stats.errors += 1
+
+    def _evict(self) -> None:
+        used = int(self._redis.get("spyglass:ctx-bytes") or 0)
+        while used > self.max_bytes:
+            oldest = self._redis.zpopmin(self._index_key, 1)
+            if not oldest:
+                self._redis.set("spyglass:ctx-bytes", 0)
+                return
+            for key, _ in oldest:
+                size = self._redis.strlen(key)
+                self._redis.delete(key)
+                used = self._redis.decrby("spyglass:ctx-bytes", size)
+                self.stats.evicted_blocks += 1
+
+
+def kv_blocks_from_cache(kv, slot: int, first_block: int, last_block: int, block_size: int) -> dict[int, torch.Tensor]:
+    """Copies of blocks [first, last) of a KVCache slot, each `[2, layers, kv_heads, block, head_dim]`."""
+    return {b: kv.read_span(slot, b * block_size, (b + 1) * block_size) for b in range(first_block, last_block)}
+
+
+def load_blocks_into_cache(kv, slot: int, blocks: list[torch.Tensor], block_size: int) -> int:
+    """Write looked-up blocks at the start of a slot and commit them; returns the tokens loaded."""
+    expected = (2, kv.n_layers, kv.n_kv_heads, block_size, kv.head_dim)
+    loaded = 0
+    for block in blocks:
+        if tuple(block.shape) != expected or block.dtype != kv.dtype:
+            log.warning("context cache: block %s/%s does not fit %s", tuple(block.shape), block.dtype, expected)
+            break
+        kv.write_span(slot, loaded, block)
+        loaded += block_size
+    kv.lengths[slot] = loaded
+    return loaded

@@ -1,0 +1,77 @@
+"""Context cache on a real redis-server: format, prefix reuse through the engine, failure as a miss."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+import torch
+
+from spyglass.context_cache import ContextCache, FormatError, decode_tensor, encode_tensor
+from spyglass.engine import EngineConfig, SpecEngine, plain_generate
+from spyglass.sampling import SamplingParams
+from tests.redis_server import RedisServer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_roundtrip_and_corruption(dtype):
+    t = torch.randn(2, 3, 4, 5).to(dtype)
+    buf = encode_tensor(t)
+    assert torch.equal(decode_tensor(buf), t)
+    with pytest.raises(FormatError):
+        decode_tensor(buf[:-3])
+    flipped = bytearray(buf)
+    flipped[-1] ^= 0xFF
+    with pytest.raises(FormatError, match="checksum"):
+        decode_tensor(bytes(flipped))
+    with pytest.raises(FormatError):
+        decode_tensor(b"PKL!" + buf[4:])
+
+
+def test_keys_chain_the_whole_prefix():
+    cc = ContextCache(None, "m", block_size=4)
+    a = cc.block_keys(list(range(12)))
+    b = cc.block_keys([99] + list(range(1, 12)))
+    assert len(a) == 3 and len(set(a)) == 3
+    assert all(x != y for x, y in zip(a, b, strict=True))  # a change in block 0 changes every later key
+    assert cc.block_keys(list(range(12)))[:2] == cc.block_keys(list(range(9)))[:2]
+    assert ContextCache(None, "other", block_size=4).block_keys(list(range(12)))[0] != a[0]
+
+
+def test_engine_reuses_cached_prefix(tiny_target, redis_server):
+    cc = ContextCache(redis_server.url, f"test-{id(tiny_target)}", block_size=16, async_writes=False)
+    prompt = torch.randint(3, tiny_target.args.vocab_size, (75,), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    reference = plain_generate(tiny_target, prompt, params)
+    outs = []
+    for _ in range(2):
+        engine = SpecEngine(tiny_target, None, EngineConfig(max_batch=2, max_context=256), context_cache=cc)
+        (seq,) = engine.run([prompt], params)
+        outs.append(seq)
+    assert outs[0].stats.cached_prefix_tokens == 0
+    assert outs[1].stats.cached_prefix_tokens == 64  # 4 full blocks of 16 (75 tokens, >= 1 left to compute)
+    assert cc.stats.hits == 4 and cc.stats.stored_blocks == 4
+    assert outs[0].output_ids == outs[1].output_ids == reference
+
+
+def test_size_limit_evicts_oldest(redis_server):
+    cc = ContextCache(redis_server.url, "evict", block_size=4, max_bytes=3000, async_writes=False)
+    client = redis.Redis.from_url(redis_server.url)
+    client.delete("spyglass:ctx-bytes", "spyglass:ctx-index")
+    for i in range(6):
+        tokens = [i] * 4
+        cc.store(tokens, {0: torch.randn(2, 2, 1, 4, 16)})  # ~1 KB each
+    assert cc.stats.evicted_blocks >= 3
+    assert int(client.get("spyglass:ctx-bytes")) <= 3000
+    assert cc.lookup([5] * 4 + [0]) and not cc.lookup([0] * 4 + [0])  # newest kept, oldest gone
+
+
+def test_redis_down_is_a_miss(tiny_target, tmp_path):
+    server = RedisServer(tmp_path)
+    cc = ContextCache(server.url, "down", block_size=8, async_writes=False)
+    server.stop()
+    prompt = list(range(3, 40))
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    engine = SpecEngine(tiny_target, None, EngineConfig(max_batch=1, max_context=128), context_cache=cc)
+    (seq,) = engine.run([prompt], params)
+    assert seq.output_ids == plain_generate(tiny_target, prompt, params)
+    assert seq.stats.cached_prefix_tokens == 0 and cc.stats.errors >= 1

@@ -50,3 +50,16 @@ def redis_server(tmp_path_factory):
     server = RedisServer(tmp_path_factory.mktemp("redis"))
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster per test session, on loopback only (see environment.md)."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    yield ray
+    ray.shutdown()

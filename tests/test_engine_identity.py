@@ -63,3 +63,51 @@ def test_plain_engine_equals_reference(tiny_target):
     seqs = engine.run(prompts, params)
     assert [s.output_ids for s in seqs] == [plain_generate(tiny_target, p, params) for p in prompts]
     assert all(s.stats.summary(s.num_generated)["tau"] == 1.0 for s in seqs)
+
+
+def test_stops_eos_context_full_and_abort(tiny_target):
+    eos = tiny_target.args.eos_token_ids[0]
+    # EOS: plain decoding and the engine stop at the same place
+    params = SamplingParams(max_new_tokens=40)
+    prompts = make_prompts(tiny_target.args.vocab_size, 8, seed=11)
+    prompts = [p + [eos] * 3 for p in prompts]  # make EOS a likely n-gram continuation
+    engine = SpecEngine(tiny_target, NgramDrafter(), EngineConfig(max_batch=4, max_context=512))
+    reasons = []
+    for seq in engine.run(prompts, params):
+        ref = plain_generate(tiny_target, seq.tokens[: seq.num_prompt].tolist(), params)
+        assert seq.output_ids == ref
+        assert seq.finish_reason == ("stop" if ref[-1] == eos else "length")
+        reasons.append(seq.finish_reason)
+    assert "stop" in reasons and "length" in reasons  # both endings were exercised
+    # context full: generation ends with "length" and is a prefix of the unbounded output
+    prompt = prompts[0]
+    engine = SpecEngine(tiny_target, NgramDrafter(), EngineConfig(max_batch=1, max_context=len(prompt) + 5))
+    (seq,) = engine.run([prompt], SamplingParams(max_new_tokens=40, ignore_eos=True))
+    full = plain_generate(tiny_target, prompt, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    assert seq.finish_reason == "length" and 1 <= seq.num_generated <= 6
+    assert seq.output_ids == full[: seq.num_generated]
+    # abort: the sequence ends and its KV slot returns to the pool
+    engine = SpecEngine(tiny_target, NgramDrafter(), EngineConfig(max_batch=2, max_context=512))
+    a = engine.add_request(prompt, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    b = engine.add_request(prompt, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    engine.step()
+    assert engine.cache.free_slots == 0
+    assert engine.abort(a.seq_id) and a.finish_reason == "abort"
+    assert engine.cache.free_slots == 1 and not engine.abort("no-such-id")
+    while engine.has_work:
+        engine.step()
+    assert b.num_generated == 30 and engine.cache.free_slots == 2
+
+
+def test_rejects_bad_requests(tiny_target):
+    from spyglass.engine import RequestError
+
+    engine = SpecEngine(tiny_target, None, EngineConfig(max_batch=1, max_context=32))
+    params = SamplingParams(max_new_tokens=4)
+    with pytest.raises(RequestError, match="empty"):
+        engine.add_request([], params)
+    with pytest.raises(RequestError, match="context holds 32"):
+        engine.add_request(list(range(3, 40)), params)
+    with pytest.raises(RequestError, match="token ids"):
+        engine.add_request([5, tiny_target.args.vocab_size], params)
+    assert not engine.has_work

@@ -30,8 +30,10 @@ redis:
 model: $(STAMP)
 	@$(PY) -m spyglass.models.loader default >/dev/null
 
+# The serving stack (local Ray on loopback + Redis + Serve gateway/verifier on gRPC :9000), the demo
+# long-context request through the SDK, streamed text and stats; --once exits after the demo.
 run: setup
-	$(VENV)/bin/spyglass generate --demo --method ngram --compare-ar --max-new-tokens 128
+	$(VENV)/bin/spyglass serve --once --demo-tokens 48
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests
@@ -46,3 +48,29 @@ lint: setup
 
 clean:
 	rm -rf $(VENV) .cache
+
+# --- training on a local Ray head node, submitted as a Ray job -----------------------------------------------
+# `make train-local [TRAIN_CONFIG=configs/...yaml] [TRAIN_ARGS="--set train.steps=50"]`: starts `ray start --head`
+# on loopback (GCS/dashboard ports outside Ray's worker range 10002-19999, token auth), runs
+#   ray job submit --address http://127.0.0.1:$(RAY_DASHBOARD_PORT) --working-dir . -- spyglass train CONFIG
+# and stops that head node (only the one it started: `ray start --block` is terminated by its pid).
+# TRAIN_ARGS values must not contain spaces (the job entrypoint is re-split): `--set corpus.max_contexts.train=64`.
+TRAIN_CONFIG ?= configs/smollm2-longspec.yaml
+TRAIN_WORKDIR ?= $(CURDIR)/.cache/runs/$(basename $(notdir $(TRAIN_CONFIG)))
+TRAIN_ARGS ?=
+RAY_HEAD_PORT ?= 46379
+RAY_DASHBOARD_PORT ?= 48265
+RAY_CLIENT_PORT ?= 40001
+RAY_AGENT_PORT ?= 42365
+.PHONY: train-local
+train-local: setup
+	@mkdir -p .cache; \
+	export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=token OMP_NUM_THREADS=1 PATH="$(CURDIR)/$(VENV)/bin:$$PATH"; \
+	tmp=$$(mktemp -d /tmp/sgray-XXXXXX); \
+	ray start --head --block --node-ip-address 127.0.0.1 --port $(RAY_HEAD_PORT) \
+	  --dashboard-host 127.0.0.1 --dashboard-port $(RAY_DASHBOARD_PORT) --ray-client-server-port $(RAY_CLIENT_PORT) \
+	  --dashboard-agent-listen-port $(RAY_AGENT_PORT) --temp-dir $$tmp > .cache/ray-head.log 2>&1 & head=$$!; \
+	for i in $$(seq 90); do curl -s -o /dev/null http://127.0.0.1:$(RAY_DASHBOARD_PORT)/api/version && break; sleep 1; done; \
+	ray job submit --address http://127.0.0.1:$(RAY_DASHBOARD_PORT) --working-dir . -- \
+	  spyglass train $(TRAIN_CONFIG) --workdir $(TRAIN_WORKDIR) $(TRAIN_ARGS); status=$$?; \
+	kill -TERM $$head 2>/dev/null; wait $$head 2>/dev/null; rm -rf $$tmp; exit $$status

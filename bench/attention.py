@@ -7,14 +7,16 @@ Three measurements, all side by side in one run (ratios are what we quote; the m
    ``spyglass.attention.MATMUL_PREFIX_MAX_ROWS``.
 2. ``kernel``: one attention call (one layer, one sequence) of SmolLM2-135M (9 q / 3 kv heads, D 64) and
    Qwen2.5-0.5B (14 q / 2 kv heads, D 64) shapes, prefix 1K-32K, trees of 8/32/68 nodes (random trees),
-   fp32 and bf16: hybrid ("cpu" backend) vs "eager" (materialised scores + additive float mask, as HF eager)
-   vs "sdpa_masked" (torch SDPA over prefix+tree with a full float mask). Prefix and tree K/V live in one
-   buffer, so the baselines get them as one view without a copy (as from a static KV cache).
+   fp32 and bf16: hybrid ("cpu" backend) vs "eager" (materialised scores + additive float mask, K/V repeated
+   per query head, as HF eager) vs "sdpa_masked" (torch SDPA over prefix+tree with a full float mask, GQA
+   inside SDPA). Prefix and tree K/V live in one buffer, so the baselines read them in place (no copy).
 3. ``verify_step``: one full verify forward of the real SmolLM2-135M with a 32-node tree over a KV cache
-   filled by prefill of real text (Python stdlib source), hybrid vs sdpa_masked (and eager), fp32 and bf16.
-   Here the baselines concatenate prefix and tree K/V per layer (the model hands them over separately),
-   as HF's dynamic cache does.
+   filled by prefill of real text (Python stdlib source), hybrid vs sdpa_masked and eager, fp32 and bf16.
+   The baselines read prefix + tree K/V in place from the cache slot (as with a static cache);
+   "sdpa_masked_cat" additionally shows SDPA when it concatenates them every layer, as HF's dynamic cache does.
 
+Every block of measurements waits for the CPU to be free of other processes and is repeated (twice at most)
+if another process used more than 0.35 cores while it ran; the results record what the machine did.
 Writes ``bench/results/attention.json`` (``figures`` + raw) and ``bench/results/attention.png``.
 Run: ``python -m bench.attention [--quick]``.
 """
@@ -33,7 +35,16 @@ if __package__ in (None, ""):  # allow `python bench/attention.py`
 
 import torch
 
-from bench.common import RESULTS_DIR, machine_load, plot_panels, time_interleaved, wait_for_quiet, write_results
+from bench.common import (
+    RESULTS_DIR,
+    IdleGate,
+    machine_load,
+    plot_panels,
+    run_clean,
+    time_interleaved,
+    wait_for_quiet,
+    write_results,
+)
 from spyglass import attention as attn
 
 SHAPES = {"smollm2": (9, 3, 64), "qwen2.5-0.5b": (14, 2, 64)}
@@ -45,6 +56,8 @@ GOALS = {
     "verify_step_hybrid_vs_sdpa_4k": 1.3,
     "verify_step_hybrid_vs_sdpa_8k": 1.3,
 }
+MIN_BLOCK_S = 0.4  # fast configurations get more repeats: short blocks are noisy and hard to vet
+RETRIES = [3]  # re-runs of a measurement block that other processes disturbed (set from --retries)
 
 
 def log(msg: str) -> None:
@@ -64,7 +77,7 @@ def random_tree_mask(n: int, seed: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- 1. prefix choice
 
 
-def bench_prefix_choice(contexts: list[int], rows_list: list[int], repeats: int) -> dict[str, Any]:
+def bench_prefix_choice(contexts: list[int], rows_list: list[int], repeats: int, gate: IdleGate) -> dict[str, Any]:
     """Two matmuls vs flash-for-CPU for the unmasked prefix, 3 KV heads, D 64 (SmolLM2's KV layout)."""
     out: dict[str, Any] = {"rows": rows_list, "contexts": contexts, "kv_heads": 3, "head_dim": 64, "by_dtype": {}}
     flash = attn._flash_cpu
@@ -73,21 +86,30 @@ def bench_prefix_choice(contexts: list[int], rows_list: list[int], repeats: int)
         for s in contexts:
             k = torch.randn(3, s, 64, dtype=dtype)
             v = torch.randn(3, s, 64, dtype=dtype)
-            for rows in rows_list:
-                q = torch.randn(3, rows, 64, dtype=dtype)
-                t = time_interleaved(
-                    {
-                        "matmul": lambda q=q, k=k, v=v: attn.matmul_prefix_attention(q, k, v, 0.125),
-                        "flash": lambda q=q, k=k, v=v: flash(q[None], k[None], v[None], scale=0.125),
-                    },
-                    repeats=repeats,
-                )
+            qs = {rows: torch.randn(3, rows, 64, dtype=dtype) for rows in rows_list}
+
+            def block(k=k, v=v, qs=qs) -> dict[int, dict]:
+                return {
+                    rows: time_interleaved(
+                        {
+                            "matmul": lambda q=q: attn.matmul_prefix_attention(q, k, v, 0.125),
+                            "flash": lambda q=q: flash(q[None], k[None], v[None], scale=0.125),
+                        },
+                        repeats=repeats,
+                        min_block_s=MIN_BLOCK_S / 4,
+                    )
+                    for rows, q in qs.items()
+                }
+
+            res, machine = run_clean(block, gate, retries=RETRIES[0])
+            for rows, t in res.items():
                 table.append(
                     {
                         "context": s,
                         "rows": rows,
                         "matmul_ms": t["matmul"]["median_ms"],
                         "flash_ms": t["flash"]["median_ms"],
+                        "machine": machine,
                     }
                 )
         # Threshold T (matmul for rows <= T): minimise the mean slowdown vs the per-case best over the grid.
@@ -114,7 +136,7 @@ def bench_prefix_choice(contexts: list[int], rows_list: list[int], repeats: int)
 # --------------------------------------------------------------------------- 2. kernel level
 
 
-def bench_kernel(contexts: list[int], trees: list[int], repeats: int) -> list[dict[str, Any]]:
+def bench_kernel(contexts: list[int], trees: list[int], repeats: int, gate: IdleGate) -> list[dict[str, Any]]:
     rows = []
     for shape_name, (h, hkv, d) in SHAPES.items():
         for dname, dtype in DTYPES.items():
@@ -124,15 +146,18 @@ def bench_kernel(contexts: list[int], trees: list[int], repeats: int) -> list[di
                     kbuf = torch.randn(hkv, s + n, d, dtype=dtype)
                     vbuf = torch.randn(hkv, s + n, d, dtype=dtype)
                     q = torch.randn(h, n, d, dtype=dtype)
-                    kp, kt, vp, vt = kbuf[:, :s], kbuf[:, s:], vbuf[:, :s], vbuf[:, s:]
-                    mask = random_tree_mask(n, seed=n)
+                    args = (q, kbuf[:, :s], vbuf[:, :s], kbuf[:, s:], vbuf[:, s:], random_tree_mask(n, seed=n))
                     fns = {
-                        b: (lambda b=b, a=(q, kp, vp, kt, vt, mask): attn.tree_attention(*a, backend=b))
+                        b: (lambda b=b, a=args: attn.tree_attention(*a, backend=b))
                         for b in ("cpu", "eager", "sdpa_masked")
                     }
-                    ref = attn.tree_attention(q, kp, vp, kt, vt, mask, backend="reference").float()
+                    ref = attn.tree_attention(*args, backend="reference").float()
                     err = (fns["cpu"]().float() - ref).abs().max().item()
-                    t = time_interleaved(fns, repeats=repeats)
+                    t, machine = run_clean(
+                        lambda fns=fns: time_interleaved(fns, repeats=repeats, min_block_s=MIN_BLOCK_S),
+                        gate,
+                        retries=RETRIES[0],
+                    )
                     row = {
                         "shape": shape_name,
                         "dtype": dname,
@@ -142,6 +167,7 @@ def bench_kernel(contexts: list[int], trees: list[int], repeats: int) -> list[di
                         "eager_ms": t["eager"]["median_ms"],
                         "sdpa_masked_ms": t["sdpa_masked"]["median_ms"],
                         "hybrid_max_abs_err_vs_reference": err,
+                        "machine": machine,
                         "samples_ms": {k: v["samples_ms"] for k, v in t.items()},
                     }
                     row["hybrid_vs_eager"] = row["eager_ms"] / row["hybrid_ms"]
@@ -150,7 +176,8 @@ def bench_kernel(contexts: list[int], trees: list[int], repeats: int) -> list[di
                     log(
                         f"kernel {shape_name} {dname} S={s} n={n}: hybrid {row['hybrid_ms']:.2f} ms, "
                         f"eager {row['eager_ms']:.2f} ({row['hybrid_vs_eager']:.2f}x), "
-                        f"sdpa {row['sdpa_masked_ms']:.2f} ({row['hybrid_vs_sdpa']:.2f}x)"
+                        f"sdpa {row['sdpa_masked_ms']:.2f} ({row['hybrid_vs_sdpa']:.2f}x); "
+                        f"others {machine['other_cores_during']} cores, attempts {machine['attempts']}"
                     )
     return rows
 
@@ -176,22 +203,24 @@ def stdlib_text(min_chars: int) -> str:
     return "\n".join(parts)
 
 
-def tree_32(seed: int, vocab_tokens: torch.Tensor, start: int):
-    """A 32-node draft tree (root + 31 drafts): 4 branches at the root, then mostly chains, like a
-    beam-style drafter's output; tokens drawn from real text."""
+def tree_32(seed: int, tokens: torch.Tensor):
+    """A 32-node draft tree (root + 31 drafts): 4 branches at the root, then nodes hanging under recent
+    nodes (mostly chains with some forks, like a beam drafter's output); tokens drawn from real text."""
     from spyglass.tree import DraftTree
 
     g = torch.Generator().manual_seed(seed)
     parents = [-1]
     while len(parents) < 32:
         i = len(parents)
-        parent = 0 if i <= 4 else int(torch.randint(max(1, i - 8), i, (), generator=g))
-        parents.append(parent)
-    idx = torch.randint(0, vocab_tokens.shape[0], (32,), generator=g)
-    return DraftTree(vocab_tokens[idx].clone(), parents)
+        parents.append(0 if i <= 4 else int(torch.randint(max(1, i - 8), i, (), generator=g)))
+    idx = torch.randint(0, tokens.shape[0], (32,), generator=g)
+    return DraftTree(tokens[idx].clone(), parents)
 
 
-def bench_verify(contexts: list[int], repeats: int, dtypes: list[str]) -> list[dict[str, Any]]:
+VERIFY_BACKENDS = ("cpu", "sdpa_masked", "eager", "sdpa_masked_cat")
+
+
+def bench_verify(contexts: list[int], repeats: int, dtypes: list[str], gate: IdleGate) -> list[dict[str, Any]]:
     from spyglass.models.llama import Segment, load_transformer
     from spyglass.models.loader import load_tokenizer, resolve_model
 
@@ -202,8 +231,7 @@ def bench_verify(contexts: list[int], repeats: int, dtypes: list[str]) -> list[d
         resolved = resolve_model(None, dtype=dname)
         model = load_transformer(resolved.path, dtype)
         tok = load_tokenizer(resolved.path)
-        ids = tok(stdlib_text(6 * max_ctx), return_tensors=None)["input_ids"][:max_ctx]
-        ids = torch.tensor(ids, dtype=torch.long)
+        ids = torch.tensor(tok(stdlib_text(6 * max_ctx))["input_ids"][:max_ctx], dtype=torch.long)
         if ids.shape[0] < max_ctx:
             raise RuntimeError(f"only {ids.shape[0]} tokens of text, need {max_ctx}")
         cache = model.new_cache(max_ctx + 64, 1)
@@ -215,17 +243,25 @@ def bench_verify(contexts: list[int], repeats: int, dtypes: list[str]) -> list[d
         log(f"verify {dname}: prefill of {max_ctx} tokens took {prefill_s:.1f} s")
         for s in sorted(contexts, reverse=True):
             cache.truncate(slot, s)
-            tree = tree_32(seed=s, vocab_tokens=ids, start=s)
+            tree = tree_32(seed=s, tokens=ids)
             seg = Segment(slot, s, tree.tokens, tree.positions(s), tree.mask(), "all")
 
             def step(backend: str, seg=seg, model=model, cache=cache) -> torch.Tensor:
-                model.attention_backend = backend
-                return model([seg], cache)[0]
+                model.attention_backend = backend.removesuffix("_cat")
+                attn.BASELINE_KV_IN_PLACE = not backend.endswith("_cat")
+                try:
+                    return model([seg], cache)[0]
+                finally:
+                    attn.BASELINE_KV_IN_PLACE = True
 
-            logits = {b: step(b) for b in ("cpu", "sdpa_masked", "eager")}
-            diff = {b: (logits[b] - logits["cpu"]).abs().max().item() for b in ("sdpa_masked", "eager")}
+            logits = {b: step(b) for b in VERIFY_BACKENDS}
+            diff = {b: (logits[b] - logits["cpu"]).abs().max().item() for b in VERIFY_BACKENDS[1:]}
             same_argmax = {b: bool((logits[b].argmax(-1) == logits["cpu"].argmax(-1)).all()) for b in diff}
-            t = time_interleaved({b: (lambda b=b: step(b)) for b in ("cpu", "sdpa_masked", "eager")}, repeats=repeats)
+            t, machine = run_clean(
+                lambda step=step: time_interleaved({b: (lambda b=b: step(b)) for b in VERIFY_BACKENDS}, repeats),
+                gate,
+                retries=RETRIES[0],
+            )
             model.attention_backend = "cpu"
             row = {
                 "dtype": dname,
@@ -235,17 +271,22 @@ def bench_verify(contexts: list[int], repeats: int, dtypes: list[str]) -> list[d
                 "hybrid_ms": t["cpu"]["median_ms"],
                 "sdpa_masked_ms": t["sdpa_masked"]["median_ms"],
                 "eager_ms": t["eager"]["median_ms"],
+                "sdpa_masked_cat_ms": t["sdpa_masked_cat"]["median_ms"],
                 "logits_max_abs_diff_vs_hybrid": diff,
                 "same_argmax_as_hybrid": same_argmax,
                 "prefill_s": prefill_s,
+                "machine": machine,
                 "samples_ms": {k: v["samples_ms"] for k, v in t.items()},
             }
             row["hybrid_vs_sdpa"] = row["sdpa_masked_ms"] / row["hybrid_ms"]
             row["hybrid_vs_eager"] = row["eager_ms"] / row["hybrid_ms"]
+            row["hybrid_vs_sdpa_cat"] = row["sdpa_masked_cat_ms"] / row["hybrid_ms"]
             rows.append(row)
             log(
                 f"verify {dname} S={s}: hybrid {row['hybrid_ms']:.1f} ms, sdpa {row['sdpa_masked_ms']:.1f} ms "
-                f"({row['hybrid_vs_sdpa']:.2f}x), eager {row['eager_ms']:.1f} ms ({row['hybrid_vs_eager']:.2f}x)"
+                f"({row['hybrid_vs_sdpa']:.2f}x), eager {row['eager_ms']:.1f} ms ({row['hybrid_vs_eager']:.2f}x), "
+                f"sdpa+cat {row['sdpa_masked_cat_ms']:.1f} ms ({row['hybrid_vs_sdpa_cat']:.2f}x); "
+                f"others {machine['other_cores_during']} cores, attempts {machine['attempts']}"
             )
         del model, cache
     return rows
@@ -288,6 +329,7 @@ def make_figures(kernel: list[dict], verify: list[dict], contexts: list[int]) ->
     for r in verify:
         by_config[f"verify_{r['dtype']}_{r['context']}_vs_sdpa"] = round(r["hybrid_vs_sdpa"], 3)
         by_config[f"verify_{r['dtype']}_{r['context']}_vs_eager"] = round(r["hybrid_vs_eager"], 3)
+        by_config[f"verify_{r['dtype']}_{r['context']}_vs_sdpa_with_concat"] = round(r["hybrid_vs_sdpa_cat"], 3)
     figures["by_config"] = by_config
     return figures
 
@@ -355,7 +397,12 @@ def make_plot(path: Path, prefix: dict, kernel: list[dict], verify: list[dict]) 
     if verify:
         series = {}
         for dname in DTYPES:
-            for b, key in (("hybrid", "hybrid_ms"), ("sdpa_masked", "sdpa_masked_ms"), ("eager", "eager_ms")):
+            for b, key in (
+                ("hybrid", "hybrid_ms"),
+                ("sdpa_masked", "sdpa_masked_ms"),
+                ("sdpa_masked+concat", "sdpa_masked_cat_ms"),
+                ("eager", "eager_ms"),
+            ):
                 pts = sorted((r["context"], r[key]) for r in verify if r["dtype"] == dname)
                 if pts:
                     series[f"{b} {dname}"] = ([p[0] for p in pts], [p[1] for p in pts])
@@ -381,6 +428,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-load", type=float, default=0.7)
     p.add_argument("--wait-s", type=float, default=240.0, help="longest wait for a quiet machine")
     p.add_argument("--skip-verify", action="store_true", help="skip the real-model verify step")
+    p.add_argument("--block-wait-s", type=float, default=120.0, help="longest wait for idle CPU before a block")
+    p.add_argument("--wait-budget-s", type=float, default=1200.0, help="total waiting for idle CPU")
+    p.add_argument("--retries", type=int, default=3, help="re-runs of a block other processes disturbed")
+    p.add_argument("--retry-for-s", type=float, default=1800.0, help="no re-runs after this many seconds")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--name", default=None, help="results name (default: attention, or attention_quick)")
     args = p.parse_args(argv)
@@ -404,14 +455,33 @@ def main(argv: list[str] | None = None) -> int:
     )
     log(f"load before: {quiet['load']}")
     t_start = time.perf_counter()
-    prefix = bench_prefix_choice(prefix_ctx, prefix_rows, rep)
+    # Waiting (sleeping) for other processes is cheap for everyone; re-running disturbed blocks is bounded.
+    # On an idle machine the measurements themselves take ~8 minutes.
+    gate = IdleGate(
+        max_cores=0.3,
+        per_wait_s=0 if args.no_wait else args.block_wait_s,
+        budget_s=0 if args.no_wait else args.wait_budget_s,
+        log=log,
+        retry_for_s=0 if args.no_wait else args.retry_for_s,
+    )
+    RETRIES[0] = args.retries
+    prefix = bench_prefix_choice(prefix_ctx, prefix_rows, rep, gate)
     load_mid = machine_load()
-    kernel = bench_kernel(contexts, trees, rep)
-    verify = [] if args.skip_verify else bench_verify(verify_ctx, verify_rep, list(DTYPES))
+    kernel = bench_kernel(contexts, trees, rep, gate)
+    verify = [] if args.skip_verify else bench_verify(verify_ctx, verify_rep, list(DTYPES), gate)
     load_after = machine_load()
     log(f"load after: {load_after}; took {time.perf_counter() - t_start:.0f} s")
 
     figures = make_figures(kernel, verify, contexts)
+    blocks = [r["machine"] for r in kernel + verify] + [
+        r["machine"] for d in prefix["by_dtype"].values() for r in d["table"]
+    ]
+    figures["machine"] = {
+        "load_1m_before": quiet["load"]["loadavg_1m"],
+        "load_1m_after": load_after["loadavg_1m"],
+        "blocks_clean": f"{sum(b['clean'] for b in blocks)}/{len(blocks)}",
+        "note": "clean = other processes used < 0.35 cores while the block ran",
+    }
     raw = {"prefix_choice": prefix, "kernel": kernel, "verify_step": verify}
     meta = {
         "quick": args.quick,
@@ -420,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_before": quiet["load"],
         "load_after_prefix_choice": load_mid,
         "load_after": load_after,
+        "other_processes_cpu": gate.summary(),
         "duration_s": round(time.perf_counter() - t_start, 1),
         "matmul_prefix_max_rows": {str(k): v for k, v in attn.MATMUL_PREFIX_MAX_ROWS.items()},
         "shapes": {k: {"q_heads": v[0], "kv_heads": v[1], "head_dim": v[2]} for k, v in SHAPES.items()},

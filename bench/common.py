@@ -9,6 +9,7 @@ Results go to ``bench/results/<name>.json``: ``{"figures": {...}, "raw": {...}, 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -55,6 +56,129 @@ def wait_for_quiet(
     }
 
 
+def _busy_jiffies() -> int | None:
+    """Busy CPU time of the whole machine (all processes) in clock ticks, from /proc/stat."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return user + nice + system + irq + softirq + steal
+
+
+def other_cpu_usage(interval_s: float = 1.0) -> float | None:
+    """Cores kept busy by other processes, sampled while this process sleeps for `interval_s`.
+
+    Unlike the load average (a 1-minute mean that includes this benchmark's own threads), this tells
+    whether someone else is using the CPU right now, so it can gate each measurement block.
+    """
+    a = _busy_jiffies()
+    time.sleep(interval_s)
+    b = _busy_jiffies()
+    if a is None or b is None:
+        return None
+    return round((b - a) / os.sysconf("SC_CLK_TCK") / interval_s, 2)
+
+
+def wait_for_idle_cpu(
+    max_cores: float = 0.3, timeout_s: float = 60.0, log: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+    """Before a measurement block: wait (up to `timeout_s`) until other processes use < `max_cores`."""
+    t0 = time.monotonic()
+    usage = other_cpu_usage()
+    while usage is not None and usage >= max_cores and time.monotonic() - t0 < timeout_s:
+        if log:
+            log(f"other processes use {usage:.2f} cores: waiting")
+        time.sleep(4.0)
+        usage = other_cpu_usage()
+    return {
+        "other_cores": usage,
+        "waited_s": round(time.monotonic() - t0, 1),
+        "idle": usage is not None and usage < max_cores,
+    }
+
+
+class IdleGate:
+    """Call before each measurement block: waits for the CPU to be free of other work, within a total
+    waiting budget so a benchmark on a busy machine still finishes; keeps what it saw for the results."""
+
+    def __init__(
+        self,
+        max_cores: float = 0.3,
+        per_wait_s: float = 60.0,
+        budget_s: float = 300.0,
+        log: Callable[[str], None] | None = None,
+        retry_for_s: float = float("inf"),
+    ) -> None:
+        self.max_cores, self.per_wait_s, self.budget_s, self.log = max_cores, per_wait_s, budget_s, log
+        self.retry_until = time.monotonic() + retry_for_s  # after this, blocks hit by other work are kept
+        self.seen: list[dict[str, Any]] = []
+        self.retried = 0
+
+    def __call__(self) -> dict[str, Any]:
+        left = self.budget_s - sum(s["waited_s"] for s in self.seen)
+        state = wait_for_idle_cpu(self.max_cores, max(0.0, min(self.per_wait_s, left)), self.log)
+        self.seen.append(state)
+        return state
+
+    def summary(self) -> dict[str, Any]:
+        usage = [s["other_cores"] for s in self.seen if s["other_cores"] is not None]
+        return {
+            "blocks": len(self.seen),
+            "blocks_started_busy": sum(not s["idle"] for s in self.seen),
+            "max_other_cores_at_block_start": max(usage, default=None),
+            "total_wait_s": round(sum(s["waited_s"] for s in self.seen), 1),
+            "threshold_cores": self.max_cores,
+            "blocks_rerun": self.retried,
+        }
+
+
+class CpuWatch:
+    """Context manager: how many cores other processes kept busy while the block ran (machine busy time
+    from /proc/stat minus this process's own CPU time, over wall time). None where /proc is missing."""
+
+    other_cores: float | None = None
+
+    def __enter__(self) -> CpuWatch:
+        self._busy, self._self, self._t = _busy_jiffies(), _self_cpu_s(), time.monotonic()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        busy, wall = _busy_jiffies(), time.monotonic() - self._t
+        if busy is None or self._busy is None or wall <= 0:
+            return
+        machine = (busy - self._busy) / os.sysconf("SC_CLK_TCK")
+        self.other_cores = round(max(0.0, machine - (_self_cpu_s() - self._self)) / wall, 2)
+
+
+def _self_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def run_clean(
+    block: Callable[[], Any], gate: IdleGate, max_other_cores: float = 0.35, retries: int = 2
+) -> tuple[Any, dict[str, Any]]:
+    """Run a measurement block after `gate()`, and again (up to `retries` times) if other processes used
+    more than `max_other_cores` while it ran; returns the last result and what the machine did."""
+    attempts = 0
+    while True:
+        attempts += 1
+        start = gate()
+        with CpuWatch() as watch:
+            result = block()
+        clean = watch.other_cores is None or watch.other_cores < max_other_cores
+        if clean or attempts > retries or time.monotonic() > gate.retry_until:
+            break
+        gate.retried += 1
+    return result, {
+        "other_cores_before": start["other_cores"],
+        "other_cores_during": watch.other_cores,
+        "attempts": attempts,
+        "clean": watch.other_cores is not None and watch.other_cores < max_other_cores,
+    }
+
+
 def environment() -> dict[str, Any]:
     """Software and hardware facts that change timings."""
     env: dict[str, Any] = {
@@ -96,12 +220,23 @@ def time_call(fn: Callable[[], Any], repeats: int = 7, warmup: int = 1) -> dict[
     return {"median_ms": median(samples), "min_ms": min(samples), "samples_ms": [round(s, 4) for s in samples]}
 
 
-def time_interleaved(fns: dict[str, Callable[[], Any]], repeats: int = 7, warmup: int = 1) -> dict[str, dict[str, Any]]:
+def time_interleaved(
+    fns: dict[str, Callable[[], Any]],
+    repeats: int = 7,
+    warmup: int = 1,
+    min_block_s: float = 0.0,
+    max_repeats: int = 60,
+) -> dict[str, dict[str, Any]]:
     """Like `time_call` for several contenders, alternating them each repeat so that load drift on a shared
-    machine hits all of them alike (ratios stay fair even when absolute times wobble)."""
+    machine hits all of them alike (ratios stay fair even when absolute times wobble). Fast contenders get
+    more repeats (up to `max_repeats`) so that the block lasts at least `min_block_s`."""
+    t0 = time.perf_counter()
     for _ in range(warmup):
         for fn in fns.values():
             fn()
+    per_round = (time.perf_counter() - t0) / max(1, warmup)
+    if min_block_s > 0 and per_round > 0:
+        repeats = max(repeats, min(max_repeats, math.ceil(min_block_s / per_round)))
     samples: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for k, fn in fns.items():

@@ -9,8 +9,9 @@ prefix part has no mask and the tree mask is shared by all heads.
 Shapes (one sequence): q `[H, n, D]`, prefix K/V `[Hkv, S, D]` (S may be 0), tree K/V `[Hkv, n, D]`,
 tree_mask `[n, n]` bool (True = visible) or None for causal. Backends:
 
-* "cpu": ATen's flash attention for CPU (or two matmuls for few rows, see `MATMUL_PREFIX_MAX_ROWS`)
-  for the prefix, torch for the tree part, exact merge.
+* "cpu": ATen's flash attention for CPU for the prefix (on folded GQA rows; two matmuls below
+  `MATMUL_PREFIX_MAX_ROWS`) and for the tree part (float tree mask, or its causal mode for a chain),
+  then the exact merge. Measured against the alternatives in bench/attention.py.
 * "triton": CUDA (or the Triton interpreter): flash-attn prefix (torch fallback) + Triton
   `fused_mask_attn` tree part, in `kernels/dispatch.py`.
 * "auto": "triton" for CUDA tensors when the Triton kernel can run there, else "cpu".
@@ -28,16 +29,16 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import merge_attention
-
 BACKENDS = ("auto", "cpu", "triton", "reference", "eager", "sdpa_masked")
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
-# Up to this many folded query rows (GQA group x tree tokens) per KV head, two matmuls beat ATen's
-# flash kernel for CPU on the unmasked prefix; above it the kernel's blocking wins. Measured by
-# bench/attention.py (`prefix_choice` in bench/results/attention.json) at 1K-16K contexts, 2 threads.
-MATMUL_PREFIX_MAX_ROWS: dict[torch.dtype, int] = {torch.float32: 64, torch.bfloat16: 64}
+# Up to this many folded query rows (GQA group x tree tokens) per KV head, two matmuls would be used for
+# the unmasked prefix instead of ATen's flash kernel for CPU. Measured (bench/attention.py, `prefix_choice`
+# in bench/results/attention.json; 3 KV heads, D 64, 1K-16K contexts, 2 threads): the flash kernel is as
+# fast or faster from 3 rows up in both dtypes, and more precise in bf16 (fp32 scores instead of scores
+# rounded to bf16), so the matmul path is off on CPU; it remains the path for other devices.
+MATMUL_PREFIX_MAX_ROWS: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 0}
 
 
 def matmul_prefix_max_rows(dtype: torch.dtype) -> int:
@@ -102,17 +103,50 @@ def prefix_attention(
 def masked_tree_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Folded queries `[Hkv, g*n, D]` over tree keys `[Hkv, n, D]` with a `[n, n]` mask -> (out fp32, lse fp32).
-
-    The tree part is tiny (n keys), so it runs in fp32 whatever the model dtype: no rounding of the
-    scores, and a row with no visible key gives out 0 / lse -inf instead of NaN.
-    """
+    """Torch tree part: folded queries `[Hkv, g*n, D]` over tree keys `[Hkv, n, D]` with a `[n, n]` mask ->
+    (out fp32, lse fp32). Runs in fp32 whatever the model dtype (n is small) and gives out 0 / lse -inf
+    for a row with no visible key (padded rows of a batch) instead of NaN."""
     hkv, rows, d = q.shape
     n = mask.shape[0]
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)
     scores.view(hkv, rows // n, n, k.shape[1]).masked_fill_(~mask, float("-inf"))
     probs, denom, lse = _softmax_with_lse(scores)
     return torch.matmul(probs, v.float()).div_(denom), lse
+
+
+def tree_part(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q `[H, n, D]` over the tree's own keys `[Hkv, n, D]` -> (out `[H, n, D]`, lse fp32 `[H, n]`).
+
+    On CPU this is one call of ATen's flash kernel (GQA by head mapping, a float mask or, for a chain,
+    its causal mode, which is exact here because queries and keys are the same n tokens): on a shared
+    2-core machine every extra small op is another chance to lose a time slice. Rows that see no key
+    (only padded rows of a batch) take the torch path, whose -inf LSE the merge then ignores.
+    """
+    h, n, d = q.shape
+    hkv = k.shape[0]
+    if q.device.type == "cpu" and q.dtype == k.dtype == v.dtype:
+        if mask is None and k.shape[1] == n:
+            out, lse = _flash_cpu(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), is_causal=True, scale=scale)[:2]
+            return out.squeeze(0), lse.squeeze(0)
+        if mask is not None and bool(mask.any(dim=-1).all()):
+            am = torch.full(mask.shape, torch.finfo(q.dtype).min, dtype=q.dtype).masked_fill_(mask, 0.0)
+            out, lse = _flash_cpu(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=am, scale=scale)[:2]
+            return out.squeeze(0), lse.squeeze(0)
+    mask = mask if mask is not None else causal_mask(n, q.device)
+    out, lse = masked_tree_attention(_fold_groups(q, hkv), k, v, mask, scale)
+    return _unfold_groups(out, h, n), lse.reshape(h, n)
+
+
+def merge_partial(
+    out_p: torch.Tensor, lse_p: torch.Tensor, out_t: torch.Tensor, lse_t: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Exact merge of prefix and tree attention, in three fp32 ops: the prefix's share of the total softmax
+    mass is sigmoid(lse_p - lse_t), so out = lerp(out_t, out_p, that share). A side with lse -inf gets
+    weight 0 (at least one side must see a key, which holds: every tree row sees itself or the prefix)."""
+    w = torch.sigmoid(lse_p - lse_t).unsqueeze(-1)
+    return torch.lerp(out_t.float(), out_p.float(), w).to(dtype)
 
 
 def causal_mask(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -145,10 +179,10 @@ def tree_attention(
     """Attention of the n tree queries over prefix + tree; returns `[H, n, D]` in q's dtype."""
     h, n, d = q.shape
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
-    mask = tree_mask if tree_mask is not None else causal_mask(n, q.device)
     backend = resolve_backend(backend, q.device)
     if backend == "cpu":
-        return hybrid_attention(q, k_prefix, v_prefix, k_tree, v_tree, mask, scale)
+        return hybrid_attention(q, k_prefix, v_prefix, k_tree, v_tree, tree_mask, scale)
+    mask = tree_mask if tree_mask is not None else causal_mask(n, q.device)
     if backend == "triton":
         from kernels.dispatch import gpu_tree_attention
 
@@ -161,15 +195,13 @@ def tree_attention(
 
 
 def hybrid_attention(q, k_prefix, v_prefix, k_tree, v_tree, mask, scale) -> torch.Tensor:
-    """The "cpu" backend: unmasked prefix part + masked tree part on folded GQA rows, merged exactly."""
+    """The "cpu" backend: unmasked prefix part on folded GQA rows + masked tree part, merged exactly."""
     h, n, _ = q.shape
-    qf = _fold_groups(q, k_tree.shape[0])
-    out_t, lse_t = masked_tree_attention(qf, k_tree, v_tree, mask, scale)
+    out_t, lse_t = tree_part(q, k_tree, v_tree, mask, scale)
     if k_prefix.shape[1] == 0:
-        return _unfold_groups(out_t, h, n).to(q.dtype)
-    out_p, lse_p = prefix_attention(qf, k_prefix, v_prefix, scale)
-    out, _ = merge_attention(out_p.float(), lse_p, out_t, lse_t)
-    return _unfold_groups(out, h, n).to(q.dtype)
+        return out_t.to(q.dtype)
+    out_p, lse_p = prefix_attention(_fold_groups(q, k_tree.shape[0]), k_prefix, v_prefix, scale)
+    return merge_partial(_unfold_groups(out_p, h, n), lse_p.reshape(h, n), out_t, lse_t, q.dtype)
 
 
 def batched_tree_attention(
@@ -215,6 +247,11 @@ def batched_tree_attention(
 # --- baselines and the oracle -------------------------------------------------------------------
 
 
+# The baselines read prefix + tree K/V in place when they already sit together in the cache (as with a
+# static KV cache). False makes them concatenate, as HF's dynamic cache does every layer and step.
+BASELINE_KV_IN_PLACE = True
+
+
 def _join_kv(prefix: torch.Tensor, tree: torch.Tensor) -> torch.Tensor:
     """prefix ++ tree along the sequence axis, without a copy when the tree entries already follow the
     prefix in memory, so a baseline is not charged for a concatenation a static KV cache avoids.
@@ -228,7 +265,8 @@ def _join_kv(prefix: torch.Tensor, tree: torch.Tensor) -> torch.Tensor:
     n = tree.shape[1]
     st = prefix.stride()
     fits = (
-        prefix.dtype == tree.dtype
+        BASELINE_KV_IN_PLACE
+        and prefix.dtype == tree.dtype
         and prefix.device == tree.device
         and st[2] == 1
         and st[1] == d

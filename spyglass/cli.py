@@ -48,6 +48,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--compare-ar", action="store_true", help="also run plain decoding and compare")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    p.add_argument(
+        "--server", metavar="ADDRESS", default=None, help="generate on a running `spyglass serve` (host:port, gRPC)"
+    )
 
 
 def _read_prompt(args) -> str:
@@ -94,6 +97,8 @@ def _encode(tokenizer, text: str, raw: bool) -> list[int]:
 
 
 def _run_generate(args) -> int:
+    if args.server:
+        return _run_remote_generate(args)
     from spyglass.drafters import METHODS
 
     if args.method not in METHODS:
@@ -206,10 +211,113 @@ def _print_stats(out: dict) -> None:
     print("\n".join(lines), file=sys.stderr)
 
 
+def _add_training(sub) -> None:
+    """`extract` and `train`: handlers live in actors/jobs.py (imported lazily; Ray stays out of spyglass/)."""
+    for name, help_text in (
+        ("extract", "sharded target-forward extraction on Ray actors (resumable, Redis context reuse)"),
+        ("train", "extract (finished shards are skipped), then train the draft with Ray Train"),
+    ):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("config", help="YAML config (see configs/)")
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+        p.add_argument("--workdir", default=None, help="output directory (overrides the config's workdir)")
+        if name == "train":
+            p.add_argument("--skip-extract", action="store_true", help="train on existing shards only")
+
+
+def _run_training_command(args) -> int:
+    try:
+        from actors import jobs
+    except ImportError as e:
+        raise CliError(f"the training commands need the repository's actors package: {e}") from e
+    try:
+        return jobs.extract_command(args) if args.command == "extract" else jobs.train_command(args)
+    except (FileNotFoundError, ValueError) as e:
+        raise CliError(str(e)) from e
+
+
+def _run_remote_generate(args) -> int:
+    """`generate --server`: the same request through the gRPC SDK (no model loaded here)."""
+    from spyglass.client import Client, SpyglassError
+
+    params = _params(args)  # validates locally first: one clear message, no round trip
+    prompt = _read_prompt(args)
+    if not prompt.strip():
+        raise CliError("the prompt is empty")
+    kw = dict(
+        max_new_tokens=params.max_new_tokens,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        seed=params.seed,
+        stop=list(params.stop),
+        raw=args.raw,
+    )
+    t0 = time.perf_counter()
+    try:
+        with Client(args.server) as client:
+            text, ids, stats = "", [], {}
+            for chunk in client.generate(prompt, method=args.method, **kw):
+                text += chunk.text
+                ids += chunk.token_ids
+                if not args.json:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                if chunk.final:
+                    stats = dict(chunk.stats or {}, finish_reason=chunk.finish_reason)
+            if not args.json:
+                print()
+            stats["wall_s"] = time.perf_counter() - t0
+            out = {"text": text, "token_ids": ids, "stats": stats}
+            if args.compare_ar:
+                ar = client.generate_text(prompt, method="ar", **kw)
+                ar_stats = dict(ar.stats, wall_s=ar.stats.get("latency_s", 0.0))
+                out["ar_stats"] = ar_stats
+                out["ar_identical"] = ar.token_ids == ids
+                out["speedup"] = stats["tokens_per_s"] / ar_stats["tokens_per_s"] if ar_stats["tokens_per_s"] else None
+                out["e2e_speedup"] = ar_stats["wall_s"] / stats["latency_s"] if stats.get("latency_s") else None
+    except SpyglassError as e:
+        raise CliError(f"server {args.server}: {e.code.name}: {e.details}") from e
+    if args.json:
+        print(json.dumps(out))
+    else:
+        _print_stats(out)
+    return 0
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="run the serving stack locally (Ray Serve gateway + verifier, Redis, gRPC)")
+    p.add_argument("--config", default=None, help="Ray Serve config YAML (default: infra/serve_config.yaml)")
+    p.add_argument("--once", action="store_true", help="exit after the demo request instead of serving")
+    p.add_argument("--port", type=int, default=None, help="gRPC port (default: the config's, 9000)")
+    p.add_argument("--http-port", type=int, default=None, help="Serve HTTP port (default: the config's, 8000)")
+    p.add_argument("--demo-tokens", type=int, default=64, help="new tokens for the demo request")
+    p.add_argument("--no-demo", action="store_true", help="do not send the demo request")
+
+
+def _run_serve(args) -> int:
+    for name in ("port", "http_port"):
+        port = getattr(args, name)
+        if port is not None and (not 0 < port < 65536 or 10002 <= port <= 19999):
+            raise CliError(f"--{name.replace('_', '-')} must be in 1-65535 and outside Ray's worker range 10002-19999")
+    try:
+        from services.app import serve_main
+    except ImportError as e:
+        raise CliError(f"`spyglass serve` needs the repository's services package and ray[serve]: {e}") from e
+    try:
+        return serve_main(args.config, args.once, args.port, args.http_port, args.demo_tokens, args.no_demo)
+    except (FileNotFoundError, ValueError) as e:
+        raise CliError(str(e)) from e
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spyglass", description="lossless speculative decoding for long contexts")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_serve(sub)
+    _add_training(sub)
     return parser
 
 
@@ -219,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _run_generate(args)
+        if args.command == "serve":
+            return _run_serve(args)
+        if args.command in ("extract", "train"):
+            return _run_training_command(args)
     except CliError as e:
         print(f"spyglass: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -24,8 +24,23 @@ class RedisServer:
         self.port = free_port()
         self.pidfile = workdir / "redis.pid"
         subprocess.run(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--daemonize", "yes", "--dir", str(workdir), "--pidfile", str(self.pidfile)],
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--daemonize",
+                "yes",
+                "--dir",
+                str(workdir),
+                "--pidfile",
+                str(self.pidfile),
+            ],
             check=True,
         )
         import redis

@@ -1,0 +1,109 @@
+"""Entry points of `spyglass extract CONFIG` and `spyglass train CONFIG` (also what `ray job submit` runs).
+
+A config is one YAML file (see configs/): model, dtype, workdir, corpus, extract, train. `--set a.b=v`
+overrides any key (the value is parsed as YAML). Inside a Ray job (RAY_ADDRESS set by `ray job submit`)
+the commands join that cluster; otherwise they start a local one on loopback.
+
+Submitting to a local head node (what `make train-local` does; ports outside Ray's worker range 10002-19999):
+
+    export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=token   # stay on loopback; token auth on both sides
+    ray start --head --block --node-ip-address 127.0.0.1 --port 46379 \
+        --dashboard-host 127.0.0.1 --dashboard-port 48265 &           # stop it by killing this pid
+    ray job submit --address http://127.0.0.1:48265 --working-dir . -- \
+        spyglass train configs/smollm2-longspec.yaml --workdir $PWD/.cache/runs/smollm2-longspec
+
+Use an absolute `--workdir`: a job runs in a temporary copy of the working dir. Outputs: `<workdir>/corpus`
+(contexts + split manifest), `<workdir>/extract/<split>` (shards + manifest), `<workdir>/train`
+(`metrics.jsonl`, `checkpoints/step-N/{draft.safetensors, draft_config.json, optimizer state}`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None, workdir: str | None = None) -> dict[str, Any]:
+    """Read a YAML config and apply `key.sub=value` overrides; a relative workdir is resolved against the
+    current directory (pass an absolute one to `ray job submit`, whose working dir is a temporary copy)."""
+    cfg = yaml.safe_load(Path(path).read_text()) or {}
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"override {item!r} is not key=value")
+        node = cfg
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = yaml.safe_load(value)
+    if workdir is not None:
+        cfg["workdir"] = workdir
+    cfg.setdefault("workdir", f"runs/{cfg.get('name', Path(path).stem)}")
+    cfg["workdir"] = str(Path(cfg["workdir"]).expanduser().resolve())
+    return cfg
+
+
+def validate(cfg: dict[str, Any]) -> None:
+    """Fail on a bad config before any Ray cluster starts."""
+    from actors.extraction import ExtractSpec
+    from actors.trainer import TrainSpec
+    from spyglass.training.data import CorpusConfig
+
+    CorpusConfig.from_dict(cfg.get("corpus"))
+    ExtractSpec.from_dict(cfg.get("extract")).scheme  # noqa: B018 - validates the position scheme
+    if "train" in cfg:
+        TrainSpec.from_dict(cfg.get("train"))
+
+
+def ensure_ray(num_cpus: int | None = None) -> None:
+    """Join the job's cluster when there is one; else start a local cluster bound to loopback."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(log_to_driver=True)
+    else:
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
+
+
+def _logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+
+
+def extract_command(args) -> int:
+    """`spyglass extract CONFIG`: resumable sharded extraction."""
+    from actors.extraction import run_extraction
+
+    _logging()
+    cfg = load_config(args.config, args.set, args.workdir)
+    validate(cfg)
+    ensure_ray()
+    summary = run_extraction(cfg)
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+def train_command(args) -> int:
+    """`spyglass train CONFIG`: extraction (finished shards are skipped), then the Ray Train run."""
+    from actors.extraction import run_extraction
+    from actors.trainer import run_training
+
+    _logging()
+    cfg = load_config(args.config, args.set, args.workdir)
+    validate(cfg)
+    ensure_ray()
+    out: dict[str, Any] = {}
+    if not args.skip_extract:
+        out["extract"] = run_extraction(cfg)
+    out["train"] = run_training(cfg)
+    print(json.dumps(out, indent=1, default=str))
+    return 0

@@ -1,0 +1,267 @@
+"""Build the Serve application from a config, and run the whole stack locally (`spyglass serve`).
+
+`infra/serve_config.yaml` is a regular Ray Serve config file: `serve deploy` and KubeRay's
+`serveConfigV2` use it as is (the application's `import_path` is `services.app:build_app`, its `args`
+this module's options), and `spyglass serve --config` reads the same file to start a local
+loopback-only Ray cluster, a local redis-server when none is configured, Serve with the gRPC proxy,
+and then sends the demo long-context request through the SDK.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ray import serve
+from ray.serve.config import gRPCOptions
+
+from services.gateway import Gateway
+from services.verifier import Verifier
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = REPO / "infra" / "serve_config.yaml"
+SERVICER = "protos.spyglass_pb2_grpc.add_SpyglassServicer_to_server"
+APP_NAME = "spyglass"
+
+
+def verifier_actor_options(args: dict[str, Any]) -> dict[str, Any]:
+    """One GPU per replica when the cluster has GPUs, else `num_cpus` CPUs."""
+    opts: dict[str, Any] = {"num_cpus": float(args.get("verifier_num_cpus", 1))}
+    want_gpu = args.get("verifier_num_gpus", "auto")
+    if want_gpu == "auto":
+        import ray
+
+        want_gpu = 1 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= 1 else 0
+    if want_gpu:
+        opts["num_gpus"] = int(want_gpu)
+    return opts
+
+
+def build_app(args: dict[str, Any] | None = None):
+    """Application builder (Serve `import_path`): `num_verifiers` Verifier deployments behind one Gateway.
+
+    Each verifier is its own deployment with one replica so the gateway can route with context
+    affinity (Serve's router would spread requests at random among the replicas of one deployment).
+    """
+    args = dict(args or {})
+    vcfg = dict(args.get("verifier") or {})
+    if args.get("redis_url") and not vcfg.get("redis_url"):
+        vcfg["redis_url"] = args["redis_url"]
+    opts = verifier_actor_options(args)
+    verifiers = [
+        Verifier.options(name=f"Verifier{i}", ray_actor_options=opts).bind(vcfg, f"verifier-{i}")
+        for i in range(int(args.get("num_verifiers", 1)))
+    ]
+    return Gateway.options(name="Gateway").bind(verifiers, args.get("gateway") or {})
+
+
+# --- a local redis-server (the same approach as the tests', shipped here because tests/ is not) -----------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalRedis:
+    """A throwaway redis-server on a free loopback port, no persistence; `stop()` kills it by pid."""
+
+    def __init__(self, workdir: Path | None = None) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise FileNotFoundError("redis-server is not installed")
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="spyglass-redis-"))
+        self.port = free_port()
+        self.pidfile = self.workdir / "redis.pid"
+        cmd = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        cmd += ["--daemonize", "yes", "--dir", str(self.workdir), "--pidfile", str(self.pidfile)]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        import redis
+
+        client = redis.Redis(host="127.0.0.1", port=self.port)
+        for _ in range(100):
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not come up")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        for _ in range(100):
+            if self.pidfile.exists():
+                break
+            time.sleep(0.05)
+        try:
+            pid = int(self.pidfile.read_text().strip())
+            os.kill(pid, signal.SIGTERM)
+            for _ in range(100):
+                os.kill(pid, 0)
+                time.sleep(0.05)
+        except (FileNotFoundError, ProcessLookupError, ValueError):
+            pass
+
+
+# --- the local stack ---------------------------------------------------------------------------------------------
+def load_config(path: str | Path | None) -> dict[str, Any]:
+    import yaml
+
+    path = Path(path or DEFAULT_CONFIG)
+    try:
+        doc = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"cannot read serve config {path}: {e}") from e
+    apps = doc.get("applications") or []
+    if len(apps) != 1:
+        raise ValueError(f"{path}: expected exactly one application, found {len(apps)}")
+    return doc
+
+
+def start_local_ray(num_cpus: int | None = None) -> None:
+    """A local cluster that stays on loopback (environment.md: the env var, usage stats off)."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            address="local",  # always a fresh cluster: never attach to a stale `ray start` one
+            num_cpus=num_cpus or max(4, os.cpu_count() or 1),
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            log_to_driver=False,
+        )
+
+
+def deploy(doc: dict[str, Any], grpc_port: int | None = None, http_port: int | None = None) -> tuple[str, str]:
+    """serve.start with the config's proxy options (loopback), then serve.run the application.
+
+    Returns the gRPC address (host:port) and the HTTP base URL (OpenAI-compatible /v1/completions)."""
+    grpc_cfg = dict(doc.get("grpc_options") or {})
+    grpc_cfg["port"] = grpc_port or grpc_cfg.get("port", 9000)
+    grpc_cfg["grpc_servicer_functions"] = grpc_cfg.get("grpc_servicer_functions") or [SERVICER]
+    http_cfg = dict(doc.get("http_options") or {})
+    http_cfg["host"] = http_cfg.get("host", "127.0.0.1")
+    if http_port:
+        http_cfg["port"] = http_port
+    serve.start(http_options=http_cfg, grpc_options=gRPCOptions(**grpc_cfg))
+    app = doc["applications"][0]
+    args = dict(app.get("args") or {})
+    serve.run(build_app(args), name=app.get("name", APP_NAME), route_prefix=app.get("route_prefix", "/"))
+    return f"127.0.0.1:{grpc_cfg['port']}", f"http://{http_cfg['host']}:{http_cfg.get('port', 8000)}"
+
+
+def wait_ready(address: str, timeout_s: float = 300.0) -> dict[str, Any]:
+    from spyglass.client import Client, SpyglassError
+
+    t0 = time.monotonic()
+    with Client(address, timeout=30) as c:
+        while True:
+            try:
+                return c.model_info()
+            except SpyglassError:
+                if time.monotonic() - t0 > timeout_s:
+                    raise
+                time.sleep(1.0)
+
+
+def run_demo(address: str, max_new_tokens: int = 64, out=sys.stdout, repeat: bool = True) -> dict[str, Any]:
+    """The long-context code-editing demo through the SDK: stream the text, then print the stats."""
+    from spyglass.client import Client
+    from spyglass.demo import code_edit_task
+
+    task = code_edit_task()
+    print(f"[spyglass] demo {task.name}: streaming from {address}", file=sys.stderr)
+    stats: dict[str, Any] = {}
+    with Client(address) as c:
+        for chunk in c.generate(task.prompt, max_new_tokens=max_new_tokens, context_id=task.name):
+            out.write(chunk.text)
+            out.flush()
+            if chunk.final:
+                stats = dict(chunk.stats or {}, finish_reason=chunk.finish_reason)
+    print(file=out)
+    print(
+        f"[spyglass] {stats.get('generated_tokens')} tokens from a {stats.get('prompt_tokens')}-token prompt "
+        f"via {stats.get('method')} on {stats.get('replica')}: tau {stats.get('tau', 0):.2f}, "
+        f"decode {stats.get('tokens_per_s', 0):.1f} tok/s, TTFT {stats.get('ttft_s', 0):.2f} s, "
+        f"cached prefix {stats.get('cached_prefix_tokens')} tokens, mean batch {stats.get('mean_batch_size', 0):.2f}, "
+        f"latency {stats.get('latency_s', 0):.2f} s, finish={stats.get('finish_reason')}",
+        file=sys.stderr,
+    )
+    acc = stats.get("acceptance_by_depth") or []
+    print("[spyglass] acceptance by depth: " + " ".join(f"{a:.2f}" for a in acc[:8]), file=sys.stderr)
+    if repeat:
+        # The same context again: its prefix KV now comes from the Redis context cache.
+        with Client(address) as c:
+            t0 = time.perf_counter()
+            again = c.generate_text(task.prompt, max_new_tokens=8, context_id=task.name)
+        print(
+            f"[spyglass] repeated request: {again.stats['cached_prefix_tokens']} of {again.stats['prompt_tokens']} "
+            f"prompt tokens from the context cache, TTFT {again.stats['ttft_s']:.2f} s "
+            f"(first: {stats.get('ttft_s', 0):.2f} s), total {time.perf_counter() - t0:.2f} s",
+            file=sys.stderr,
+        )
+    return stats
+
+
+def serve_main(
+    config: str | None = None,
+    once: bool = False,
+    port: int | None = None,
+    http_port: int | None = None,
+    demo_tokens: int = 64,
+    no_demo: bool = False,
+) -> int:
+    """`spyglass serve`: bring the stack up, run the demo, keep serving until Ctrl-C (or exit with --once)."""
+    doc = load_config(config)
+    app_args = doc["applications"][0].setdefault("args", {})
+    redis = None
+    if not app_args.get("redis_url") and not (app_args.get("verifier") or {}).get("redis_url"):
+        if shutil.which("redis-server"):
+            redis = LocalRedis()
+            app_args["redis_url"] = redis.url
+            print(f"[spyglass] started redis-server at {redis.url}", file=sys.stderr)
+        else:
+            print("[spyglass] no redis-server: the context cache is off", file=sys.stderr)
+    import ray
+
+    try:
+        start_local_ray()
+        address, http = deploy(doc, grpc_port=port, http_port=http_port)
+        info = wait_ready(address)
+        print(
+            f"[spyglass] serving {info['model']} on grpc://{address} and {http}/v1/completions "
+            f"({info['num_verifiers']} verifier(s), "
+            f"methods {', '.join(info['methods'])}, context {info['context_length']})",
+            file=sys.stderr,
+        )
+        if not no_demo:
+            run_demo(address, demo_tokens)
+        if not once:
+            print("[spyglass] serving; Ctrl-C to stop", file=sys.stderr)
+            while True:
+                time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            if redis is not None:
+                redis.stop()
+    return 0
+
+
+__all__ = ["LocalRedis", "build_app", "deploy", "load_config", "run_demo", "serve_main", "start_local_ray"]

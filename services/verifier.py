@@ -1,0 +1,510 @@
+"""Verifier replica: the target model, a colocated drafter and a SpecEngine behind one step loop.
+
+The engine is not thread-safe, so exactly one thread (`EngineLoop`) owns it: between steps it applies
+queued add/abort commands (new requests join the running batch at the next step, finished ones leave),
+then runs `engine.step()` and pushes each event into the asyncio queue of its request. Requests stream
+back as async generators of plain dicts; closing a generator early (client disconnect, cancellation)
+aborts its sequence, which returns the KV slot to the pool.
+
+Errors are reported in-band (`{"error": kind, "message": ...}`) rather than raised, so the gateway can
+map them to gRPC codes without depending on how Ray wraps exceptions across processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray import serve
+
+log = logging.getLogger(__name__)
+
+ERR_INVALID = "invalid_argument"
+ERR_EXHAUSTED = "resource_exhausted"
+ERR_UNAVAILABLE = "unavailable"
+
+
+@dataclass
+class VerifierConfig:
+    """Everything a replica needs to build its engines (a plain dict crosses the Ray boundary)."""
+
+    model: str | None = None  # None = the embedded default (SmolLM2-135M-Instruct)
+    dtype: str = "float32"
+    methods: list[str] = field(default_factory=lambda: ["ngram", "ar"])  # the first is the default
+    max_batch: int = 4  # KV slots per engine = sequences per verifier step
+    max_context: int | None = 8192
+    max_queued: int = 8  # requests waiting for a KV slot beyond max_batch per engine
+    max_new_tokens_limit: int = 4096
+    default_max_new_tokens: int = 128
+    prefill_chunk: int = 512
+    redis_url: str | None = None
+    cache_block_size: int = 128
+    cache_max_bytes: int = 2 << 30
+    threads: int | None = None  # torch threads in the replica (default: the CPUs Ray gave it)
+    drafter_options: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> VerifierConfig:
+        d = dict(d or {})
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown verifier config keys: {sorted(unknown)}")
+        return cls(**d)
+
+
+def encode_prompt(tokenizer, text: str, raw: bool) -> list[int]:
+    """Prompt text -> ids, through the chat template unless `raw` (same as `spyglass generate`)."""
+    if not raw and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def sampling_from_request(req: dict[str, Any], cfg: VerifierConfig):
+    """Build SamplingParams from a request dict (ValueError with a message on bad values)."""
+    from spyglass.sampling import SamplingParams
+
+    s = req.get("sampling") or {}
+    max_new = int(req.get("max_new_tokens") or cfg.default_max_new_tokens)
+    if max_new > cfg.max_new_tokens_limit:
+        raise ValueError(f"max_new_tokens must be <= {cfg.max_new_tokens_limit}, got {max_new}")
+    kwargs = {k: s[k] for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed") if k in s}
+    return SamplingParams(
+        max_new_tokens=max_new, stop=tuple(req.get("stop") or ()), ignore_eos=bool(req.get("ignore_eos")), **kwargs
+    )
+
+
+@dataclass
+class _Live:
+    """A request the loop is serving, with what was already streamed."""
+
+    request_id: str
+    method: str
+    prompt_ids: list[int]
+    params: Any
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue
+    seq: Any = None
+    sent_text: str = ""
+    prev_hits: list[int] = field(default_factory=list)
+    prev_steps: int = 0
+    prev_drafted: int = 0
+    t_submit: float = field(default_factory=time.perf_counter)
+
+    def push(self, item: dict[str, Any]) -> None:
+        self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+
+
+class EngineLoop:
+    """One thread that owns the engines (one per drafting method, each with its own KV pool)."""
+
+    def __init__(
+        self,
+        engines: dict[str, Any],
+        tokenizer,
+        cfg: VerifierConfig,
+        name: str = "verifier",
+        on_metrics: Callable[[str, float, dict[str, str] | None], None] | None = None,
+    ) -> None:
+        self.engines = engines
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.name = name
+        self.on_metrics = on_metrics
+        self.commands: queue.Queue = queue.Queue()
+        self.live: dict[str, _Live] = {}
+        self.counters: dict[str, float] = {}
+        self.steps = 0
+        self.finished = 0
+        self.aborted = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-engine-loop", daemon=True)
+        self._thread.start()
+
+    # --- called from the asyncio side -----------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self.cfg.max_batch * len(self.engines) + self.cfg.max_queued
+
+    async def generate(self, req: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Stream the chunks of one request; leaving early aborts it (frees the KV slot)."""
+        rid = req.get("request_id") or f"req-{time.time_ns()}"
+        method = req.get("method") or self.cfg.methods[0]
+        if self._stop.is_set():
+            yield {"error": ERR_UNAVAILABLE, "message": "the verifier is shutting down"}
+            return
+        if method not in self.engines:
+            yield {"error": ERR_INVALID, "message": f"method {method!r} is not served; available: {list(self.engines)}"}
+            return
+        if rid in self.live:
+            yield {"error": ERR_INVALID, "message": f"request id {rid!r} is already live"}
+            return
+        if len(self.live) >= self.capacity:
+            yield {"error": ERR_EXHAUSTED, "message": f"verifier {self.name} queue is full ({self.capacity} requests)"}
+            return
+        try:
+            params = sampling_from_request(req, self.cfg)
+            if req.get("prompt_token_ids"):
+                prompt_ids = [int(t) for t in req["prompt_token_ids"]]
+            else:
+                prompt_ids = encode_prompt(self.tokenizer, req.get("prompt") or "", bool(req.get("raw")))
+        except ValueError as e:
+            yield {"error": ERR_INVALID, "message": str(e)}
+            return
+        live = _Live(rid, method, prompt_ids, params, asyncio.get_running_loop(), asyncio.Queue())
+        self.live[rid] = live
+        self.commands.put(("add", live))
+        done = False
+        try:
+            while True:
+                item = await live.out.get()
+                done = bool(item.get("final") or item.get("error"))
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:  # the consumer went away: free the sequence
+                self.commands.put(("abort", rid))
+
+    def abort(self, request_id: str) -> bool:
+        if request_id not in self.live:
+            return False
+        self.commands.put(("abort", request_id))
+        return True
+
+    def health(self) -> dict[str, Any]:
+        free = sum(e.cache.free_slots for e in self.engines.values())
+        total = sum(e.cache.max_slots for e in self.engines.values())
+        return {
+            "name": self.name,
+            "live_sequences": len(self.live),
+            "waiting": sum(len(e.waiting) for e in self.engines.values()),
+            "free_kv_slots": free,
+            "total_kv_slots": total,
+            "steps": self.steps,
+            "finished": self.finished,
+            "aborted": self.aborted,
+            "counters": dict(self.counters),
+            "alive": self._thread.is_alive(),
+        }
+
+    def stop(self, drain_timeout_s: float = 10.0) -> None:
+        """Graceful shutdown: let live sequences finish for a while, then abort the rest."""
+        deadline = time.monotonic() + drain_timeout_s
+        while self.live and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.05)
+        for rid in list(self.live):
+            self.commands.put(("abort", rid))
+        self._stop.set()
+        self.commands.put(("wake", None))
+        self._thread.join(timeout=30)
+
+    # --- the loop thread ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        import torch
+
+        if self.cfg.threads:
+            torch.set_num_threads(self.cfg.threads)
+        while True:
+            busy = any(e.has_work for e in self.engines.values())
+            self._apply_commands(block=not busy)
+            if self._stop.is_set() and not any(e.has_work for e in self.engines.values()):
+                self._fail_pending("the verifier is shutting down")
+                return
+            for method, engine in self.engines.items():
+                if not engine.has_work:
+                    continue
+                try:
+                    with torch.inference_mode():
+                        events = engine.step()
+                except Exception as e:  # noqa: BLE001 - one bad step must not kill the replica silently
+                    log.exception("engine step failed")
+                    self._fail_engine(method, engine, f"engine step failed: {type(e).__name__}: {e}")
+                    continue
+                self.steps += 1
+                for ev in _merge_by_sequence(events):
+                    self._dispatch(engine, ev)
+
+    def _apply_commands(self, block: bool) -> None:
+        try:
+            cmd = self.commands.get(timeout=0.5) if block else self.commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, arg = cmd
+            if kind == "add":
+                self._add(arg)
+            elif kind == "abort":
+                self._abort(arg)
+            try:
+                cmd = self.commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, live: _Live) -> None:
+        from spyglass.engine import RequestError
+
+        engine = self.engines[live.method]
+        try:
+            live.seq = engine.add_request(live.prompt_ids, live.params, seq_id=live.request_id)
+        except (RequestError, ValueError) as e:
+            self.live.pop(live.request_id, None)
+            live.push({"error": ERR_INVALID, "message": str(e)})
+            return
+        live.seq.stats.t_start = live.t_submit
+
+    def _abort(self, rid: str) -> None:
+        live = self.live.get(rid)
+        if live is None or live.seq is None:
+            return
+        self.engines[live.method].abort(rid)
+        if live.seq.finished:
+            self._finish(live)
+
+    def _dispatch(self, engine, ev) -> None:
+        seq = ev.seq
+        live = self.live.get(seq.seq_id)
+        if live is None:
+            return
+        st = seq.stats
+        hits = list(st.depth_hits)
+        accepted_per_pos = [h - (live.prev_hits[d] if d < len(live.prev_hits) else 0) for d, h in enumerate(hits)]
+        accepted = sum(accepted_per_pos)
+        drafted = st.drafted_nodes - live.prev_drafted
+        stepped = st.steps > live.prev_steps
+        if stepped and drafted > 0:
+            self._count("spec_decode_num_drafts_total", 1)
+            self._count("spec_decode_num_draft_tokens_total", drafted)
+            self._count("spec_decode_num_accepted_tokens_total", accepted)
+            for pos, n in enumerate(accepted_per_pos):
+                if n:
+                    self._count("spec_decode_num_accepted_tokens_per_pos_total", n, {"position": str(pos)})
+        if st.steps and stepped:
+            self._count("batched_sequence_steps_total", 1)
+            self._count("batch_size_sum", st.batch_sizes[-1])
+        live.prev_hits, live.prev_drafted, live.prev_steps = hits, st.drafted_nodes, st.steps
+        text = engine.text(seq)
+        delta = ""
+        if text.startswith(live.sent_text) and (seq.finished or not text.endswith("\ufffd")):
+            delta = text[len(live.sent_text) :]
+            live.sent_text = text
+        if ev.new_tokens or delta:
+            live.push(
+                {
+                    "request_id": live.request_id,
+                    "token_ids": list(ev.new_tokens),
+                    "text": delta,
+                    "accepted_tokens": accepted,
+                    "batch_size": st.batch_sizes[-1] if stepped else 0,
+                }
+            )
+        if seq.finished:
+            self._finish(live)
+
+    def _finish(self, live: _Live) -> None:
+        seq = live.seq
+        self.live.pop(live.request_id, None)
+        if seq.finish_reason == "abort":
+            self.aborted += 1
+        else:
+            self.finished += 1
+        stats = seq.stats.summary(seq.num_generated)
+        stats.update(method=live.method, replica=self.name, prompt_tokens=seq.num_prompt)
+        if stats["cached_prefix_tokens"]:
+            self._count("cache_hit_tokens_total", stats["cached_prefix_tokens"])
+        if stats["ttft_s"] is not None:
+            self._observe("ttft_s", stats["ttft_s"])
+        text = self.engines[live.method].text(seq)
+        live.push(
+            {
+                "request_id": live.request_id,
+                "final": True,
+                "finish_reason": seq.finish_reason or "stop",
+                "stats": stats,
+                "text": text[len(live.sent_text) :] if text.startswith(live.sent_text) else "",
+                "token_ids": [],
+                "full_text": text,
+                "output_ids": seq.output_ids,
+            }
+        )
+
+    def _fail_engine(self, method: str, engine, message: str) -> None:
+        for rid, live in list(self.live.items()):
+            if live.method == method and live.seq is not None:
+                engine.abort(rid)
+                self.live.pop(rid, None)
+                live.push({"error": "internal", "message": message})
+
+    def _fail_pending(self, message: str) -> None:
+        for rid, live in list(self.live.items()):
+            self.live.pop(rid, None)
+            live.push({"error": ERR_UNAVAILABLE, "message": message})
+
+    def _count(self, name: str, value: float, tags: dict[str, str] | None = None) -> None:
+        key = name if not tags else name + "{" + ",".join(f"{k}={v}" for k, v in sorted(tags.items())) + "}"
+        self.counters[key] = self.counters.get(key, 0) + value
+        if self.on_metrics is not None:
+            self.on_metrics(name, value, tags)
+
+    def _observe(self, name: str, value: float) -> None:
+        if self.on_metrics is not None:
+            self.on_metrics(name, value, None)
+
+
+def _merge_by_sequence(events: list) -> list:
+    """One event per sequence per step: a prefill and the spec round right after it become one chunk."""
+    from spyglass.engine import Event
+
+    merged: dict[str, Any] = {}
+    for ev in events:
+        prev = merged.get(ev.seq.seq_id)
+        merged[ev.seq.seq_id] = Event(ev.seq, prev.new_tokens + ev.new_tokens) if prev else ev
+    return list(merged.values())
+
+
+def build_engines(cfg: VerifierConfig) -> tuple[dict[str, Any], Any, dict[str, Any]]:
+    """Load the target once and build one SpecEngine per method (sharing the target and context cache)."""
+    import torch
+
+    from spyglass.context_cache import ContextCache
+    from spyglass.drafters import METHODS, build_drafter
+    from spyglass.engine import EngineConfig, SpecEngine
+    from spyglass.models.llama import load_transformer
+    from spyglass.models.loader import load_tokenizer, resolve_model
+
+    for m in cfg.methods:
+        if m not in METHODS:
+            raise ValueError(f"unknown method {m!r} in verifier config; available: {', '.join(METHODS)}")
+    resolved = resolve_model(cfg.model, dtype=cfg.dtype)
+    target = load_transformer(resolved.path, dtype=getattr(torch, cfg.dtype))
+    target.eval()
+    tokenizer = load_tokenizer(resolved.path)
+    capacity = cfg.max_context or min(target.args.max_position, 8192)
+    cache = None
+    if cfg.redis_url:
+        cache = ContextCache(
+            cfg.redis_url,
+            f"{resolved.model_id}:{cfg.dtype}",
+            block_size=cfg.cache_block_size,
+            max_bytes=cfg.cache_max_bytes,
+        )
+    engines = {}
+    for m in cfg.methods:
+        drafter = build_drafter(m, target, max_batch=cfg.max_batch, max_context=capacity, **cfg.drafter_options)
+        econf = EngineConfig(max_batch=cfg.max_batch, max_context=capacity, prefill_chunk=cfg.prefill_chunk)
+        engines[m] = SpecEngine(target, drafter, econf, tokenizer, context_cache=cache)
+    info = {
+        "model": resolved.model_id,
+        "context_length": capacity,
+        "methods": list(cfg.methods),
+        "default_method": cfg.methods[0],
+        "max_new_tokens_limit": cfg.max_new_tokens_limit,
+        "max_batch": cfg.max_batch,
+        "vocab_size": target.args.vocab_size,
+        "context_cache": cache is not None,
+        "cache_block_size": cfg.cache_block_size if cache is not None else 0,
+        "max_queued": cfg.max_queued,
+        "dtype": cfg.dtype,
+    }
+    return engines, tokenizer, info
+
+
+# --- the Ray Serve deployment ------------------------------------------------------------------------
+
+
+def _make_metrics(name: str) -> Callable[[str, float, dict[str, str] | None], None]:
+    """Prometheus metrics through Ray's metrics API, named like vLLM's spec-decode counters.
+
+    vLLM writes `vllm:spec_decode_...`; Ray 2.60 deprecates ':' in metric names and its exporter drops
+    such metrics, so ours are `spyglass_spec_decode_...` (scraped as `ray_spyglass_spec_decode_..._total`)."""
+    from ray.util import metrics
+
+    tags = ("replica",)
+    counters = {
+        n: metrics.Counter(f"spyglass_{n}", description=d, tag_keys=tags)
+        for n, d in [
+            ("spec_decode_num_drafts_total", "Draft trees proposed (one per sequence per step)."),
+            ("spec_decode_num_draft_tokens_total", "Drafted tokens submitted for verification."),
+            ("spec_decode_num_accepted_tokens_total", "Drafted tokens accepted by the target."),
+            ("cache_hit_tokens_total", "Prompt tokens loaded from the Redis context cache."),
+            ("batched_sequence_steps_total", "Sequence-steps run by the verifier."),
+            ("batch_size_sum", "Sum over sequence-steps of the verifier batch size."),
+        ]
+    }
+    per_pos = metrics.Counter(
+        "spyglass_spec_decode_num_accepted_tokens_per_pos_total",
+        description="Accepted drafted tokens by position in the draft.",
+        tag_keys=("replica", "position"),
+    )
+    ttft = metrics.Histogram(
+        "spyglass_verifier_time_to_first_token_seconds",
+        description="Verifier-side time to first token (queue + prefill).",
+        boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60],
+        tag_keys=tags,
+    )
+    base = {"replica": name}
+
+    def emit(metric: str, value: float, extra: dict[str, str] | None) -> None:
+        try:
+            if metric == "spec_decode_num_accepted_tokens_per_pos_total":
+                per_pos.inc(value, tags={**base, **(extra or {})})
+            elif metric == "ttft_s":
+                ttft.observe(value, tags=base)
+            elif metric in counters:
+                counters[metric].inc(value, tags=base)
+        except Exception:  # noqa: BLE001 - metrics must never break serving
+            log.debug("metric %s failed", metric, exc_info=True)
+
+    return emit
+
+
+@serve.deployment(
+    ray_actor_options={"num_cpus": 1},
+    max_ongoing_requests=32,
+    graceful_shutdown_timeout_s=20,
+    health_check_period_s=10,
+)
+class Verifier:
+    """One replica: target + colocated drafter + continuous-batching engine loop."""
+
+    def __init__(self, config: dict[str, Any] | None = None, name: str = "verifier-0") -> None:
+        self.cfg = VerifierConfig.from_dict(config)
+        # Ray sets OMP_NUM_THREADS to the replica's num_cpus; more threads than that would oversubscribe.
+        self.cfg.threads = self.cfg.threads or int(os.environ.get("OMP_NUM_THREADS") or 1)
+        engines, tokenizer, self._info = build_engines(self.cfg)
+        self.name = name
+        self.loop = EngineLoop(engines, tokenizer, self.cfg, name=name, on_metrics=_make_metrics(name))
+
+    async def generate(self, req: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        async for item in self.loop.generate(req):
+            yield item
+
+    async def abort(self, request_id: str) -> bool:
+        return self.loop.abort(request_id)
+
+    async def health(self) -> dict[str, Any]:
+        return self.loop.health()
+
+    async def info(self) -> dict[str, Any]:
+        return dict(self._info, replica=self.name, capacity=self.loop.capacity)
+
+    async def check_health(self) -> None:
+        if not self.loop._thread.is_alive() and not self.loop._stop.is_set():
+            raise RuntimeError("the engine loop thread died")
+
+    def __del__(self) -> None:
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.stop(drain_timeout_s=5.0)
+
+
+__all__ = ["EngineLoop", "Verifier", "VerifierConfig", "build_engines", "encode_prompt"]

@@ -1,0 +1,182 @@
+"""Draft models trained by the pipeline.
+
+`LongSpecDraft` is the LongSpec one-block drafter: sliding-window self-attention over its own tokens,
+cross-attention into the target's last-layer post-RoPE K/V (GLIDE reads the top layers the same way),
+a SwiGLU MLP, and the target's frozen embedding and LM head (no final norm, as in LongSpec). Only the
+block is trained and checkpointed; the frozen parts are re-read from the target. The serving drafter
+(spyglass/drafters/longspec.py) can load these weights and run the same block over the KVCache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spyglass.models.llama import ModelArgs, RMSNorm, Transformer, apply_rope
+
+
+@dataclass
+class LongSpecDraftConfig:
+    """Shapes follow the target (hidden size, heads, head dim must match its K/V); the MLP may be narrower."""
+
+    hidden_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_eps: float = 1e-6
+    window: int = 512
+    qkv_bias: bool = True
+    init_std: float = 0.02
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_target(cls, a: ModelArgs, **overrides) -> LongSpecDraftConfig:
+        base = dict(
+            hidden_size=a.hidden_size,
+            n_heads=a.n_heads,
+            n_kv_heads=a.n_kv_heads,
+            head_dim=a.head_dim,
+            intermediate_size=a.intermediate_size,
+            vocab_size=a.vocab_size,
+            rms_eps=a.rms_eps,
+        )
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**base)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """`[B, kvh, S, D]` -> `[B, kvh*n_rep, S, D]` (GQA)."""
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
+def sliding_window_mask(length: int, window: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive `[L, L]` mask: query i sees keys i-window < j <= i."""
+    i = torch.arange(length).unsqueeze(1)
+    j = torch.arange(length).unsqueeze(0)
+    ok = (j <= i) & (j > i - window)
+    return torch.zeros(length, length, dtype=dtype).masked_fill(~ok, float("-inf"))
+
+
+def lagged_cross_mask(q_len: int, kv_len: int, lag: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Additive `[Lq, Lkv]` mask where query t sees target positions <= t - lag, and the rows with no key.
+
+    The lag mimics inference, where the target's cache trails the draft by the tokens not yet verified.
+    """
+    t = torch.arange(q_len).unsqueeze(1)
+    j = torch.arange(kv_len).unsqueeze(0)
+    ok = j <= t - lag
+    empty = ~ok.any(dim=1)
+    ok = ok | empty.unsqueeze(1)  # keep softmax finite; those rows are zeroed afterwards
+    return torch.zeros(q_len, kv_len, dtype=dtype).masked_fill(~ok, float("-inf")), empty
+
+
+class LongSpecDraft(nn.Module):
+    """One draft block over frozen target embeddings; `forward` returns logits `[B, L, vocab]`."""
+
+    def __init__(
+        self,
+        cfg: LongSpecDraftConfig,
+        embed: nn.Embedding,
+        lm_head: nn.Linear,
+        inv_freq: torch.Tensor,
+        rope_scaling: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h, q_dim, kv_dim = cfg.hidden_size, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.attn_norm = RMSNorm(h, cfg.rms_eps)
+        self.wqkv = nn.Linear(h, q_dim + 2 * kv_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(q_dim, h, bias=False)
+        self.cross_norm = RMSNorm(h, cfg.rms_eps)
+        self.cross_q = nn.Linear(h, q_dim, bias=cfg.qkv_bias)
+        self.cross_o = nn.Linear(q_dim, h, bias=False)
+        self.mlp_norm = RMSNorm(h, cfg.rms_eps)
+        self.w_gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
+        self.w_down = nn.Linear(cfg.intermediate_size, h, bias=False)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=cfg.init_std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        # Frozen, shared with the target (not part of checkpoints).
+        self.embed = embed
+        self.lm_head = lm_head
+        for p in (*embed.parameters(), *lm_head.parameters()):
+            p.requires_grad_(False)
+        self.register_buffer("inv_freq", inv_freq.clone().float(), persistent=False)
+        self.rope_scaling = rope_scaling
+
+    @classmethod
+    def from_target(cls, target: Transformer, **overrides) -> LongSpecDraft:
+        cfg = LongSpecDraftConfig.from_target(target.args, **overrides)
+        embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        embed.weight = nn.Parameter(target.embed.weight.detach().clone().float(), requires_grad=False)
+        head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if target.args.tie_embeddings:
+            head.weight = embed.weight
+        else:
+            head.weight = nn.Parameter(target.lm_head.weight.detach().clone().float(), requires_grad=False)
+        return cls(cfg, embed, head, target.inv_freq, target.rope_scaling)
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Only the draft block: what checkpoints hold."""
+        names = {n for n, p in self.named_parameters() if p.requires_grad}
+        return {k: v for k, v in self.state_dict().items() if k in names}
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin `[B, L, 1, D]` for position ids `[B, L]`, same frequencies as the target."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * self.rope_scaling).to(dtype).unsqueeze(2), (emb.sin() * self.rope_scaling).to(
+            dtype
+        ).unsqueeze(2)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        target_k: torch.Tensor,
+        target_v: torch.Tensor,
+        lag: int = 1,
+    ) -> torch.Tensor:
+        """tokens/positions `[B, L]`; target_k/v `[B, kvh, L, D]` (post-RoPE); returns fp32 logits `[B, L, V]`."""
+        c = self.cfg
+        b, length = tokens.shape
+        dtype = self.wqkv.weight.dtype
+        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        n_rep = c.n_heads // c.n_kv_heads
+        cos, sin = self.rope(positions, dtype)
+        x = self.embed(tokens).to(dtype)
+
+        qkv = self.wqkv(self.attn_norm(x))
+        q = apply_rope(qkv[..., :q_dim].view(b, length, c.n_heads, c.head_dim), cos, sin).transpose(1, 2)
+        k = apply_rope(qkv[..., q_dim : q_dim + kv_dim].view(b, length, c.n_kv_heads, c.head_dim), cos, sin)
+        v = qkv[..., q_dim + kv_dim :].view(b, length, c.n_kv_heads, c.head_dim)
+        k, v = _repeat_kv(k.transpose(1, 2), n_rep), _repeat_kv(v.transpose(1, 2), n_rep)
+        mask = sliding_window_mask(length, c.window, dtype).to(x.device)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(c.head_dim))
+        x = x + self.wo(a.transpose(1, 2).reshape(b, length, q_dim))
+
+        qc = self.cross_q(self.cross_norm(x)).view(b, length, c.n_heads, c.head_dim)
+        qc = apply_rope(qc, cos, sin).transpose(1, 2)
+        tk, tv = _repeat_kv(target_k.to(dtype), n_rep), _repeat_kv(target_v.to(dtype), n_rep)
+        cmask, empty = lagged_cross_mask(length, tk.shape[2], lag, dtype)
+        o = F.scaled_dot_product_attention(qc, tk, tv, attn_mask=cmask.to(x.device), scale=1.0 / math.sqrt(c.head_dim))
+        o = o.masked_fill(empty.to(x.device).view(1, 1, length, 1), 0.0)
+        x = x + self.cross_o(o.transpose(1, 2).reshape(b, length, q_dim))
+
+        gate, up = self.w_gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        x = x + self.w_down(F.silu(gate) * up)
+        return self.lm_head(x.to(self.lm_head.weight.dtype)).float()
+
+
+DRAFT_MODELS = {"longspec": LongSpecDraft}

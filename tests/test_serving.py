@@ -1,0 +1,446 @@
+"""The serving stack end to end: a real local Ray cluster running Serve (gateway + one verifier replica with
+the real SmolLM2), real gRPC on 127.0.0.1 through the SDK, and a real redis-server for the context cache.
+
+The app is deployed once for the module; each test leaves the verifier idle (all KV slots free).
+Generation lengths stay small: these tests check behaviour, bench/serving.py measures speed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+import uuid
+
+import grpc
+import pytest
+
+from services.gateway import Admission, GatewayConfig, QueueFull, affinity_key, route
+from spyglass.client import AsyncClient, Client, SpyglassError
+
+MAX_CONTEXT = 2048
+GATEWAY_MAX_QUEUED = 2
+MAX_BATCH = 4
+PROMPTS = [
+    "List the days of the week, one per line.",
+    "Count from one to twenty in words, separated by commas.",
+    "Write the alphabet in capital letters separated by spaces.",
+    "Name the planets of the solar system in order from the Sun.",
+]
+
+
+# --- pure parts (no cluster) --------------------------------------------------------------------------------
+def test_client_imports_without_torch():
+    code = "import sys, spyglass.client; assert 'torch' not in sys.modules, 'torch was imported'; print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_route_is_deterministic_with_affinity_and_falls_back_when_full():
+    loads = [0, 0, 0, 0]
+    key = affinity_key({"context_id": "repo-42"}, GatewayConfig())
+    first = route(key, loads, capacity=4)
+    assert all(route(key, loads, capacity=4) == first for _ in range(5))
+    # different contexts spread over replicas
+    picks = {route(affinity_key({"context_id": f"c{i}"}, GatewayConfig()), loads, 4) for i in range(32)}
+    assert len(picks) > 1
+    # the preferred replica is full -> another one; all full -> least loaded
+    full = list(loads)
+    full[first] = 4
+    assert route(key, full, capacity=4) != first
+    assert route(key, [5, 4, 6, 7], capacity=4) == 1
+    # no useful context -> least loaded
+    assert affinity_key({"prompt": "short"}, GatewayConfig()) == ""
+    assert route("", [3, 1, 2], capacity=4) == 1
+    # the same long prompt prefix -> the same key, whatever the tail
+    long = "x" * 3000
+    cfg = GatewayConfig(affinity_prefix_chars=2048)
+    assert affinity_key({"prompt": long + "a"}, cfg) == affinity_key({"prompt": long + "b"}, cfg) != ""
+
+
+def test_admission_releases_waves_and_rejects_when_full():
+    async def main():
+        adm = Admission(1, capacity=2, max_queued=2, wait_s=0.01)
+        got = []
+
+        async def req(k):
+            await adm.acquire(0)
+            got.append(k)
+
+        tasks = [asyncio.create_task(req(k)) for k in range(4)]
+        await asyncio.sleep(0.05)
+        assert sorted(got) == [0, 1] and adm.in_flight == [2] and adm.queue_depth == 2
+        with pytest.raises(QueueFull):
+            await adm.acquire(0)
+        assert adm.rejected == 1
+        adm.release(0)
+        adm.release(0)
+        await asyncio.sleep(0.05)
+        assert sorted(got) == [0, 1, 2, 3] and adm.in_flight == [2] and adm.queue_depth == 0
+        await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+
+
+def test_engine_loop_graceful_shutdown_finishes_short_and_aborts_long_requests():
+    """The verifier core without Ray: stop() lets live sequences finish for a while, then aborts the rest."""
+    import threading
+
+    from services.verifier import EngineLoop, VerifierConfig, build_engines
+
+    cfg = VerifierConfig(methods=["ngram"], max_batch=2, max_context=512, threads=1)
+    engines, tok, _ = build_engines(cfg)
+    loop = EngineLoop(engines, tok, cfg, name="t")
+    stopper = threading.Thread(target=loop.stop, kwargs={"drain_timeout_s": 8.0})
+
+    async def run(rid: str, n: int, out: list):
+        async for item in loop.generate(
+            {"request_id": rid, "prompt": PROMPTS[0], "max_new_tokens": n, "ignore_eos": True}
+        ):
+            out.append(item)
+            if rid == "long" and len(out) == 2:
+                stopper.start()
+
+    async def main():
+        short, long = [], []
+        await asyncio.gather(run("short", 8, short), run("long", 2000, long))
+        return short, long
+
+    short, long = asyncio.run(main())
+    stopper.join(timeout=60)
+    assert short[-1]["final"] and short[-1]["finish_reason"] == "length"
+    assert long[-1]["final"] and long[-1]["finish_reason"] == "abort"
+    assert not loop._thread.is_alive() and engines["ngram"].cache.free_slots == 2
+
+    async def after():
+        return [item async for item in loop.generate({"prompt": "hi", "max_new_tokens": 4})]
+
+    assert asyncio.run(after())[0]["error"] == "unavailable"
+
+
+# --- the deployed stack ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def stack(ray_cluster, redis_server):
+    from ray import serve
+
+    from services.app import deploy, free_port, wait_ready
+
+    args = {
+        "num_verifiers": 1,
+        "redis_url": redis_server.url,
+        "gateway": {"max_queued": GATEWAY_MAX_QUEUED},
+        "verifier": {
+            "methods": ["ngram", "ar"],
+            "max_batch": MAX_BATCH,
+            "max_context": MAX_CONTEXT,
+            "threads": 1,
+            "max_new_tokens_limit": 512,
+            "cache_block_size": 64,
+        },
+    }
+    doc = {"applications": [{"name": "spyglass", "route_prefix": "/", "args": args}]}
+    address, http = deploy(doc, grpc_port=free_port(), http_port=free_port())
+    wait_ready(address, timeout_s=180)
+    yield address, http
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def grpc_address(stack):
+    return stack[0]
+
+
+@pytest.fixture(scope="module")
+def client(grpc_address):
+    with Client(grpc_address, timeout=180) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    """In-process references: the same engine configuration as the verifier, and plain decoding."""
+    from services.verifier import encode_prompt
+    from spyglass.drafters import build_drafter
+    from spyglass.engine import EngineConfig, SpecEngine, plain_generate
+    from spyglass.sampling import SamplingParams
+
+    model, tok = smollm2
+
+    def ids(text: str) -> list[int]:
+        return encode_prompt(tok, text, raw=False)
+
+    def engine(text: str, n: int) -> list[int]:
+        eng = SpecEngine(model, build_drafter("ngram", model, max_batch=1), EngineConfig(1, MAX_CONTEXT), tok)
+        (seq,) = eng.run([ids(text)], SamplingParams(max_new_tokens=n))
+        return seq.output_ids
+
+    def plain(text: str, n: int, ignore_eos: bool = False) -> list[int]:
+        return plain_generate(model, ids(text), SamplingParams(max_new_tokens=n, ignore_eos=ignore_eos))
+
+    return {"ids": ids, "engine": engine, "plain": plain, "tokenizer": tok}
+
+
+def wait_idle(client: Client, timeout_s: float = 60.0) -> dict:
+    """Poll Health until no sequence is live and every KV slot is back in the pool."""
+    t0 = time.monotonic()
+    while True:
+        rep = client.health()["replicas"][0]
+        if rep["live_sequences"] == 0 and rep["free_kv_slots"] == rep["total_kv_slots"]:
+            return rep
+        if time.monotonic() - t0 > timeout_s:
+            raise AssertionError(f"verifier not idle after {timeout_s} s: {rep}")
+        time.sleep(0.2)
+
+
+def test_health_and_model_info(client):
+    info = client.model_info()
+    assert info["model"].startswith("SmolLM2")
+    assert info["context_length"] == MAX_CONTEXT
+    assert info["methods"] == ["ngram", "ar"] and info["default_method"] == "ngram"
+    assert info["num_verifiers"] == 1 and info["max_batch"] == MAX_BATCH and info["context_cache"]
+    health = client.health()
+    assert health["status"] == "ok"
+    (rep,) = health["replicas"]
+    assert rep["name"] == "verifier-0" and rep["total_kv_slots"] == 2 * MAX_BATCH
+
+
+def test_stream_and_unary_equal_engine_and_plain_decoding(client, reference):
+    text = PROMPTS[1]
+    n = 20
+    chunks = list(client.generate(text, max_new_tokens=n))
+    final = chunks[-1]
+    assert final.final and final.finish_reason in ("length", "stop") and not any(c.final for c in chunks[:-1])
+    streamed = [t for c in chunks for t in c.token_ids]
+    unary = client.generate_text(text, max_new_tokens=n)
+    expected = reference["plain"](text, n)
+    assert streamed == expected
+    assert unary.token_ids == expected
+    assert reference["engine"](text, n) == expected
+    assert "".join(c.text for c in chunks) == unary.text == reference["tokenizer"].decode(expected)
+    s = final.stats
+    assert s["generated_tokens"] == len(expected) and s["method"] == "ngram" and s["replica"] == "verifier-0"
+    assert s["steps"] >= 1 and s["tau"] >= 1.0 and s["ttft_s"] > 0 and s["latency_s"] >= s["ttft_s"]
+    assert len(s["acceptance_by_depth"]) >= 1
+    # the plain-decoding method through the server gives the same tokens
+    assert client.generate_text(text, max_new_tokens=n, method="ar").token_ids == expected
+    counters = client.health()["replicas"][0]["counters"]
+    assert counters["spec_decode_num_drafts_total"] > 0
+    assert counters["spec_decode_num_draft_tokens_total"] >= counters["spec_decode_num_accepted_tokens_total"]
+
+
+def test_prometheus_metrics_are_exported(client, ray_cluster):
+    import urllib.request
+
+    client.generate_text(PROMPTS[1], max_new_tokens=12)
+    port = ray_cluster._private.worker._global_node.metrics_export_port
+    wanted = {
+        "ray_spyglass_spec_decode_num_drafts_total",
+        "ray_spyglass_spec_decode_num_draft_tokens_total",
+        "ray_spyglass_spec_decode_num_accepted_tokens_total",
+        "ray_spyglass_spec_decode_num_accepted_tokens_per_pos_total",
+        "ray_spyglass_request_latency_seconds_bucket",
+        "ray_spyglass_time_to_first_token_seconds_bucket",
+        "ray_spyglass_queue_depth",
+    }
+    t0 = time.monotonic()
+    while True:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        lines = [line for line in body.splitlines() if line.startswith("ray_spyglass_")]
+        names = {line.split("{")[0].split(" ")[0] for line in lines}
+        if wanted <= names:
+            break
+        assert time.monotonic() - t0 < 90, f"missing metrics: {sorted(wanted - names)}"
+        time.sleep(2)
+    per_pos = [line for line in lines if line.startswith("ray_spyglass_spec_decode_num_accepted_tokens_per_pos_total")]
+    assert any('position="0"' in line for line in per_pos)
+
+
+def test_four_concurrent_streams_share_verifier_batches(grpc_address, reference):
+    n = 16
+
+    async def one(c: AsyncClient, text: str):
+        chunks = [ch async for ch in c.generate(text, max_new_tokens=n, ignore_eos=True)]
+        return chunks
+
+    async def main():
+        async with AsyncClient(grpc_address, timeout=180) as c:
+            return await asyncio.gather(*(one(c, t) for t in PROMPTS))
+
+    results = asyncio.run(main())
+    for text, chunks in zip(PROMPTS, results, strict=True):
+        final = chunks[-1]
+        assert final.final and final.stats["generated_tokens"] == n
+        assert final.stats["mean_batch_size"] > 1.0, final.stats
+        assert [t for c in chunks for t in c.token_ids] == reference["plain"](text, n, ignore_eos=True)
+    assert max(c.batch_size for chunks in results for c in chunks) == MAX_BATCH
+
+
+def test_abort_frees_the_sequence(client, grpc_address):
+    before = wait_idle(client)
+    rid = uuid.uuid4().hex
+    gen = client.generate(PROMPTS[0], max_new_tokens=400, ignore_eos=True, request_id=rid)
+    first = next(gen)
+    assert first.request_id == rid
+    live = client.health()["replicas"][0]
+    assert live["live_sequences"] == 1 and live["free_kv_slots"] == live["total_kv_slots"] - 1
+    with Client(grpc_address, timeout=30) as other:
+        assert other.abort(rid) is True
+    rest = list(gen)
+    assert rest[-1].final and rest[-1].finish_reason == "abort"
+    assert sum(len(c.token_ids) for c in [first, *rest]) < 400
+    after = wait_idle(client)
+    assert after["aborted"] == before["aborted"] + 1
+    assert client.abort(rid) is False  # nothing live under that id any more
+
+
+def test_client_disconnect_frees_the_sequence(client):
+    before = wait_idle(client)
+    gen = client.generate(PROMPTS[2], max_new_tokens=400, ignore_eos=True)
+    next(gen)
+    next(gen)
+    assert client.health()["replicas"][0]["live_sequences"] == 1
+    gen.close()  # cancels the RPC: the client goes away mid-stream
+    after = wait_idle(client)
+    assert after["aborted"] == before["aborted"] + 1
+
+
+def test_deadline_exceeded_frees_the_sequence(client):
+    before = wait_idle(client)
+    with pytest.raises(SpyglassError) as e:
+        list(client.generate(PROMPTS[0], max_new_tokens=400, ignore_eos=True, timeout_s=1.0))
+    assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and "timeout" in e.value.details
+    after = wait_idle(client)
+    assert after["aborted"] == before["aborted"] + 1
+
+
+def test_repeated_long_prompt_hits_the_context_cache(client):
+    from spyglass.demo import code_edit_task
+
+    # a unique ~1K-token prompt so earlier runs cannot have cached it
+    prompt = f"# run {uuid.uuid4().hex}\n" + code_edit_task(max_chars=3000).prompt
+    first = client.generate_text(prompt, max_new_tokens=8)
+    assert first.stats["cached_prefix_tokens"] == 0 and first.stats["prompt_tokens"] > 512
+    time.sleep(1.0)  # blocks are stored asynchronously after prefill
+    second = client.generate_text(prompt, max_new_tokens=8)
+    assert second.stats["cached_prefix_tokens"] >= 512
+    assert second.stats["cached_prefix_tokens"] % 64 == 0
+    assert second.token_ids == first.token_ids and second.text == first.text
+    counters = client.health()["replicas"][0]["counters"]
+    assert counters["cache_hit_tokens_total"] >= second.stats["cached_prefix_tokens"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"prompt": "   "}, "prompt is empty"),
+        ({"prompt": "hi", "top_p": 2.0}, "top_p"),
+        ({"prompt": "hi", "temperature": -1.0}, "temperature"),
+        ({"prompt": "hi", "method": "telepathy"}, "unknown method"),
+        ({"prompt": "hi", "max_new_tokens": 100000}, "max_new_tokens"),
+        ({"prompt_token_ids": [1] * MAX_CONTEXT}, "context holds"),
+        ({"prompt": "word " * 2 * MAX_CONTEXT}, "context holds"),
+        ({"prompt_token_ids": [10**7]}, "token ids"),
+    ],
+)
+def test_bad_input_is_invalid_argument(client, kwargs, needle):
+    prompt = kwargs.pop("prompt", None)
+    with pytest.raises(SpyglassError) as e:
+        client.generate_text(prompt, **kwargs)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in e.value.details
+    with pytest.raises(SpyglassError) as e:  # the streaming RPC reports the same
+        list(client.generate(prompt, **kwargs))
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and needle in e.value.details
+
+
+def test_queue_full_is_resource_exhausted_and_queued_requests_can_be_aborted(grpc_address, client):
+    wait_idle(client)
+    rejected_before = client.health()["rejected"]
+    ids = [f"hold-{k}-{uuid.uuid4().hex[:8]}" for k in range(MAX_BATCH + GATEWAY_MAX_QUEUED)]
+    chunks: dict[str, list] = {rid: [] for rid in ids}
+
+    async def hold(c: AsyncClient, k: int):
+        async for ch in c.generate(PROMPTS[k % 4], max_new_tokens=400, ignore_eos=True, request_id=ids[k]):
+            chunks[ids[k]].append(ch)
+
+    async def main():
+        async with AsyncClient(grpc_address, timeout=120) as c:
+            tasks = [asyncio.create_task(hold(c, k)) for k in range(len(ids))]
+            t0 = time.monotonic()
+            while True:  # the verifier's slots are taken (4 streams running) and the gateway queue is full
+                h = await c.health()
+                running = [rid for rid in ids if chunks[rid]]
+                if h["in_flight"] == MAX_BATCH and h["queue_depth"] == GATEWAY_MAX_QUEUED and len(running) == MAX_BATCH:
+                    break
+                assert time.monotonic() - t0 < 60, h
+                await asyncio.sleep(0.1)
+            with pytest.raises(SpyglassError) as e:
+                await c.generate_text(PROMPTS[0], max_new_tokens=8)
+            # a queued request is aborted before it ever reaches the verifier
+            queued = [rid for rid in ids if not chunks[rid]]
+            assert await c.abort(queued[0]) is True
+            await asyncio.wait_for(tasks[ids.index(queued[0])], 30)
+            assert (await c.health())["queue_depth"] == GATEWAY_MAX_QUEUED - 1
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return e.value, queued[0]
+
+    err, aborted = asyncio.run(main())
+    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in err.details
+    assert client.health()["rejected"] == rejected_before + 1
+    (final,) = chunks[aborted]
+    assert final.final and final.finish_reason == "abort" and final.token_ids == []
+    wait_idle(client)
+
+
+def _post(url: str, body: dict) -> tuple[int, bytes]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_openai_completions_http(stack, client):
+    import json
+
+    url = stack[1] + "/v1/completions"
+    prompt = "The capital of France is"
+    expected = client.generate_text(prompt, max_new_tokens=8, raw=True)
+    status, body = _post(url, {"model": "x", "prompt": prompt, "max_tokens": 8})
+    assert status == 200, body
+    doc = json.loads(body)
+    assert doc["object"] == "text_completion" and doc["choices"][0]["text"] == expected.text
+    assert doc["usage"]["completion_tokens"] == len(expected.token_ids)
+    status, body = _post(url, {"prompt": prompt, "max_tokens": 8, "stream": True})
+    assert status == 200
+    events = [line[len("data: ") :] for line in body.decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    parts = [json.loads(e) for e in events[:-1]]
+    assert "".join(p["choices"][0]["text"] for p in parts) == expected.text
+    assert parts[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+    status, body = _post(url, {"prompt": "", "max_tokens": 8})
+    assert status == 400 and "prompt is empty" in json.loads(body)["error"]["message"]
+
+
+def test_cli_generate_server(grpc_address, client):
+    import json
+
+    prompt = PROMPTS[0]
+    expected = client.generate_text(prompt, max_new_tokens=8)
+    cmd = [sys.executable, "-m", "spyglass.cli", "generate", "--server", grpc_address, "--prompt", prompt]
+    out = subprocess.run([*cmd, "--max-new-tokens", "8", "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["token_ids"] == expected.token_ids and doc["text"] == expected.text
+    assert doc["stats"]["generated_tokens"] == len(expected.token_ids)
+    bad = subprocess.run([*cmd, "--method", "telepathy"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "INVALID_ARGUMENT" in bad.stderr and "unknown method" in bad.stderr

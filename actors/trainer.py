@@ -62,6 +62,8 @@ class TrainSpec:
     max_failures: int = 1
     crash_at_step: int | None = None  # fault injection (tests): the first attempt dies at this step
     report_every: int = 1
+    eval_every: int = 0  # 0 = only at the end; evaluates on the held-out split when it was extracted
+    eval_split: str = "eval"
 
     @classmethod
     def from_dict(cls, d: dict | None) -> TrainSpec:
@@ -117,6 +119,26 @@ class ShardDataset:
         return {k: v[idx] for k, v in self.data.items()}
 
 
+@torch.no_grad()
+def evaluate(model, loss_fn, data: ShardDataset | None, spec: TrainSpec, rank: int, world: int, dist) -> dict:
+    """Mean loss and top-1 agreement over the held-out split (rank r takes contexts r::world), at the smallest lag."""
+    if data is None:
+        return {}
+    idx = list(range(rank, data.n, world))
+    chunk = max(1, spec.batch_size // world)
+    sums = torch.zeros(3, dtype=torch.float64)  # loss*n, agreement*n, n
+    for i in range(0, len(idx), chunk):
+        batch = {k: v[idx[i : i + chunk]] for k, v in data.data.items()}
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec.dtype == "bfloat16"):
+            loss, metrics = loss_fn(model, batch, spec.lag[0])
+        n = len(idx[i : i + chunk])
+        sums += torch.tensor([loss.item() * n, float(metrics["top1_agreement"]) * n, n], dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(sums)
+    n = max(1.0, float(sums[2]))
+    return {"eval_loss": float(sums[0]) / n, "eval_top1_agreement": float(sums[1]) / n, "eval_contexts": int(sums[2])}
+
+
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
     done = sorted(p for p in ckpt_root.glob("step-*") if (p / "trainer_state.json").exists())
     return done[-1] if done else None
@@ -145,6 +167,10 @@ def _train_loop(config: dict[str, Any]) -> None:
         kv_layer=kv_layer, lag_min=spec.lag[0], lag_max=spec.lag[1], distill_weight=spec.distill_weight
     )
     data = ShardDataset(extract_dir, loss_fn.required_keys())
+    eval_dir = extract_dir.parent / spec.eval_split
+    eval_manifest = eval_dir / "manifest.json"
+    has_eval = eval_manifest.exists() and json.loads(eval_manifest.read_text())["contexts"] > 0
+    eval_data = ShardDataset(eval_dir, loss_fn.required_keys()) if has_eval else None
     target = load_transformer(manifest["model_path"], dtype=torch.float32)
     torch.manual_seed(spec.seed)  # identical initial weights on every rank
     draft = DRAFT_MODELS[spec.draft].from_target(target, **spec.draft_options)
@@ -232,6 +258,8 @@ def _train_loop(config: dict[str, Any]) -> None:
                 "world": world,
             }
         )
+        if step + 1 == spec.steps or (spec.eval_every and (step + 1) % spec.eval_every == 0):
+            record.update(evaluate(model, loss_fn, eval_data, spec, rank, world, dist))
         if rank == 0:
             with log_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")

@@ -90,7 +90,7 @@ def test_engine_loop_graceful_shutdown_finishes_short_and_aborts_long_requests()
 
     from services.verifier import EngineLoop, VerifierConfig, build_engines
 
-    cfg = VerifierConfig(methods=["ngram"], max_batch=2, max_context=512, threads=1)
+    cfg = VerifierConfig(methods=["ngram"], max_batch=2, max_context=4096, threads=1)
     engines, tok, _ = build_engines(cfg)
     loop = EngineLoop(engines, tok, cfg, name="t")
     stopper = threading.Thread(target=loop.stop, kwargs={"drain_timeout_s": 8.0})
@@ -105,7 +105,7 @@ def test_engine_loop_graceful_shutdown_finishes_short_and_aborts_long_requests()
 
     async def main():
         short, long = [], []
-        await asyncio.gather(run("short", 8, short), run("long", 2000, long))
+        await asyncio.gather(run("short", 8, short), run("long", 3500, long))  # cannot finish in the drain
         return short, long
 
     short, long = asyncio.run(main())

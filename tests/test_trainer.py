@@ -51,6 +51,9 @@ def test_trainer_lowers_loss_with_two_workers(extracted, tiny_dir, tmp_path):
     first, last = sum(r["loss"] for r in recs[:5]) / 5, sum(r["loss"] for r in recs[-5:]) / 5
     assert last < 0.85 * first, (first, last)
     assert all(0.0 <= r["top1_agreement"] <= 1.0 for r in recs)
+    # held-out split (other packages/documents), evaluated at the end
+    assert recs[-1]["eval_contexts"] == 8 and 0.0 < recs[-1]["eval_loss"] < first
+    assert "eval_loss" not in recs[0] and "eval_top1_agreement" in out["metrics"]
     assert out["metrics"]["step"] == 30 and "top1_agreement" in out["metrics"]
     assert Path(out["checkpoint"]).is_dir()  # persisted by Ray Train
     ckpt = work / "train" / "checkpoints" / "step-000030"

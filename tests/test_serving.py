@@ -125,7 +125,8 @@ def test_engine_loop_graceful_shutdown_finishes_short_and_aborts_long_requests()
 def stack(ray_cluster, redis_server):
     from ray import serve
 
-    from services.app import deploy, free_port, wait_ready
+    from services.app import deploy, wait_ready
+    from services.local_redis import free_port
 
     args = {
         "num_verifiers": 1,

@@ -184,7 +184,8 @@ def main() -> None:
     import torch
     from ray import serve
 
-    from services.app import LocalRedis, deploy, free_port, start_local_ray, wait_ready
+    from services.app import LocalRedis, deploy, start_local_ray, wait_ready
+    from services.local_redis import free_port
     from services.verifier import encode_prompt
     from spyglass.client import Client
     from spyglass.demo import code_edit_task

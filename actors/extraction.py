@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 SHARD_FORMAT = 1
 
 
-def _build(cls, d: dict | None, section: str):
+def build_section(cls, d: dict | None, section: str):
     """A config section as a dataclass; unknown keys are a clear error, not a TypeError."""
     unknown = set(d or {}) - set(cls.__dataclass_fields__)
     if unknown:
@@ -60,7 +60,7 @@ class ExtractSpec:
 
     @classmethod
     def from_dict(cls, d: dict | None) -> ExtractSpec:
-        return _build(cls, d, "extract")
+        return build_section(cls, d, "extract")
 
     @property
     def scheme(self) -> PositionScheme:

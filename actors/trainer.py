@@ -23,15 +23,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from actors.extraction import build_section
+
 log = logging.getLogger(__name__)
-
-
-def _build(cls, d: dict | None, section: str):
-    """A config section as a dataclass; unknown keys are a clear error, not a TypeError."""
-    unknown = set(d or {}) - set(cls.__dataclass_fields__)
-    if unknown:
-        raise ValueError(f"unknown {section} option(s): {', '.join(sorted(unknown))}")
-    return cls(**(d or {}))
 
 
 @dataclass
@@ -67,7 +61,7 @@ class TrainSpec:
 
     @classmethod
     def from_dict(cls, d: dict | None) -> TrainSpec:
-        spec = _build(cls, d, "train")
+        spec = build_section(cls, d, "train")
         spec.betas = tuple(spec.betas)
         spec.lag = tuple(spec.lag)
         if spec.dtype not in ("float32", "bfloat16"):

@@ -12,8 +12,11 @@ Three measurements, all side by side in one run (ratios are what we quote; the m
    inside SDPA). Prefix and tree K/V live in one buffer, so the baselines read them in place (no copy).
 3. ``verify_step``: one full verify forward of the real SmolLM2-135M with a 32-node tree over a KV cache
    filled by prefill of real text (Python stdlib source), hybrid vs sdpa_masked and eager, fp32 and bf16.
-   The baselines read prefix + tree K/V in place from the cache slot (as with a static cache);
-   "sdpa_masked_cat" additionally shows SDPA when it concatenates them every layer, as HF's dynamic cache does.
+   The baselines read prefix + tree K/V in place from the cache slot (as with a static cache); "sdpa_hf" is
+   the same SDPA call as transformers makes it on CPU (K/V concatenated by its dynamic cache and repeated per
+   query head, since a mask is passed). "gemm_floor" is not attention: the hybrid's tree part plus only the
+   two matmuls of the prefix part (no softmax); sdpa_masked / gemm_floor bounds what any exact prefix kernel
+   built on those matmuls could give the step.
 
 Every block of measurements waits for the CPU to be free of other processes and is repeated (twice at most)
 if another process used more than 0.35 cores while it ran; the results record what the machine did.
@@ -39,6 +42,7 @@ from bench.common import (
     RESULTS_DIR,
     IdleGate,
     machine_load,
+    median,
     plot_panels,
     run_clean,
     time_interleaved,
@@ -56,6 +60,8 @@ GOALS = {
     "verify_step_hybrid_vs_sdpa_4k": 1.3,
     "verify_step_hybrid_vs_sdpa_8k": 1.3,
 }
+HEADLINE_KERNELS = {("smollm2", "float32", 16384, 68)}  # the figures' configuration
+HEADLINE_BLOCKS = 5
 MIN_BLOCK_S = 0.4  # fast configurations get more repeats: short blocks are noisy and hard to vet
 RETRIES = [3]  # re-runs of a measurement block that other processes disturbed (set from --retries)
 
@@ -153,25 +159,36 @@ def bench_kernel(contexts: list[int], trees: list[int], repeats: int, gate: Idle
                     }
                     ref = attn.tree_attention(*args, backend="reference").float()
                     err = (fns["cpu"]().float() - ref).abs().max().item()
-                    t, machine = run_clean(
-                        lambda fns=fns: time_interleaved(fns, repeats=repeats, min_block_s=MIN_BLOCK_S),
-                        gate,
-                        retries=RETRIES[0],
-                    )
+                    # The configurations behind the figures are measured in several separate blocks: one
+                    # block of a baseline that allocates ~150 MB per call can land 2x off on this VM.
+                    n_blocks = HEADLINE_BLOCKS if (shape_name, dname, s, n) in HEADLINE_KERNELS else 1
+                    blocks = [
+                        run_clean(
+                            lambda fns=fns: time_interleaved(fns, repeats=repeats, min_block_s=MIN_BLOCK_S),
+                            gate,
+                            retries=RETRIES[0],
+                        )
+                        for _ in range(n_blocks)
+                    ]
+                    machine = blocks[-1][1]
+                    times = {b: median([t[b]["median_ms"] for t, _ in blocks]) for b in fns}
                     row = {
                         "shape": shape_name,
                         "dtype": dname,
                         "context": s,
                         "tree": n,
-                        "hybrid_ms": t["cpu"]["median_ms"],
-                        "eager_ms": t["eager"]["median_ms"],
-                        "sdpa_masked_ms": t["sdpa_masked"]["median_ms"],
+                        "hybrid_ms": times["cpu"],
+                        "eager_ms": times["eager"],
+                        "sdpa_masked_ms": times["sdpa_masked"],
                         "hybrid_max_abs_err_vs_reference": err,
                         "machine": machine,
-                        "samples_ms": {k: v["samples_ms"] for k, v in t.items()},
+                        "samples_ms": {k: v["samples_ms"] for k, v in blocks[-1][0].items()},
                     }
-                    row["hybrid_vs_eager"] = row["eager_ms"] / row["hybrid_ms"]
-                    row["hybrid_vs_sdpa"] = row["sdpa_masked_ms"] / row["hybrid_ms"]
+                    for base, key in (("eager", "hybrid_vs_eager"), ("sdpa_masked", "hybrid_vs_sdpa")):
+                        per_block = [t[base]["median_ms"] / t["cpu"]["median_ms"] for t, _ in blocks]
+                        row[key] = median(per_block)
+                        if n_blocks > 1:
+                            row[f"{key}_by_block"] = [round(x, 3) for x in per_block]
                     rows.append(row)
                     log(
                         f"kernel {shape_name} {dname} S={s} n={n}: hybrid {row['hybrid_ms']:.2f} ms, "
@@ -217,10 +234,23 @@ def tree_32(seed: int, tokens: torch.Tensor):
     return DraftTree(tokens[idx].clone(), parents)
 
 
-VERIFY_BACKENDS = ("cpu", "sdpa_masked", "eager", "sdpa_masked_cat")
+VERIFY_BACKENDS = ("cpu", "sdpa_masked", "eager", "sdpa_hf", "gemm_floor")
+
+
+def gemm_floor_attention(q, k_prefix, v_prefix, k_tree, v_tree, mask, backend=None) -> torch.Tensor:
+    """Not attention (wrong output): the hybrid's tree part plus the prefix part's QK^T and PV matmuls with no
+    softmax, on the same folded GQA rows; the time an exact prefix kernel made of these matmuls cannot beat."""
+    h, n, d = q.shape
+    out_t, _ = attn.tree_part(q, k_tree, v_tree, mask, d**-0.5)
+    if k_prefix.shape[1] == 0:
+        return out_t.to(q.dtype)
+    scores = torch.matmul(attn._fold_groups(q, k_tree.shape[0]), k_prefix.transpose(-1, -2))
+    out_p = torch.matmul(scores, v_prefix).reshape(h, n, d)
+    return (out_t + out_p).to(q.dtype)
 
 
 def bench_verify(contexts: list[int], repeats: int, dtypes: list[str], gate: IdleGate) -> list[dict[str, Any]]:
+    from spyglass.models import llama
     from spyglass.models.llama import Segment, load_transformer
     from spyglass.models.loader import load_tokenizer, resolve_model
 
@@ -247,15 +277,17 @@ def bench_verify(contexts: list[int], repeats: int, dtypes: list[str], gate: Idl
             seg = Segment(slot, s, tree.tokens, tree.positions(s), tree.mask(), "all")
 
             def step(backend: str, seg=seg, model=model, cache=cache) -> torch.Tensor:
-                model.attention_backend = backend.removesuffix("_cat")
-                attn.BASELINE_KV_IN_PLACE = not backend.endswith("_cat")
+                if backend != "gemm_floor":
+                    model.attention_backend = backend
+                    return model([seg], cache)[0]
+                llama.tree_attention = gemm_floor_attention
                 try:
                     return model([seg], cache)[0]
                 finally:
-                    attn.BASELINE_KV_IN_PLACE = True
+                    llama.tree_attention = attn.tree_attention
 
             logits = {b: step(b) for b in VERIFY_BACKENDS}
-            diff = {b: (logits[b] - logits["cpu"]).abs().max().item() for b in VERIFY_BACKENDS[1:]}
+            diff = {b: (logits[b] - logits["cpu"]).abs().max().item() for b in VERIFY_BACKENDS[1:-1]}
             same_argmax = {b: bool((logits[b].argmax(-1) == logits["cpu"].argmax(-1)).all()) for b in diff}
             t, machine = run_clean(
                 lambda step=step: time_interleaved({b: (lambda b=b: step(b)) for b in VERIFY_BACKENDS}, repeats),
@@ -271,7 +303,8 @@ def bench_verify(contexts: list[int], repeats: int, dtypes: list[str], gate: Idl
                 "hybrid_ms": t["cpu"]["median_ms"],
                 "sdpa_masked_ms": t["sdpa_masked"]["median_ms"],
                 "eager_ms": t["eager"]["median_ms"],
-                "sdpa_masked_cat_ms": t["sdpa_masked_cat"]["median_ms"],
+                "sdpa_hf_ms": t["sdpa_hf"]["median_ms"],
+                "gemm_floor_ms": t["gemm_floor"]["median_ms"],
                 "logits_max_abs_diff_vs_hybrid": diff,
                 "same_argmax_as_hybrid": same_argmax,
                 "prefill_s": prefill_s,
@@ -280,12 +313,14 @@ def bench_verify(contexts: list[int], repeats: int, dtypes: list[str], gate: Idl
             }
             row["hybrid_vs_sdpa"] = row["sdpa_masked_ms"] / row["hybrid_ms"]
             row["hybrid_vs_eager"] = row["eager_ms"] / row["hybrid_ms"]
-            row["hybrid_vs_sdpa_cat"] = row["sdpa_masked_cat_ms"] / row["hybrid_ms"]
+            row["hybrid_vs_sdpa_hf"] = row["sdpa_hf_ms"] / row["hybrid_ms"]
+            row["ceiling_vs_sdpa"] = row["sdpa_masked_ms"] / row["gemm_floor_ms"]
             rows.append(row)
             log(
                 f"verify {dname} S={s}: hybrid {row['hybrid_ms']:.1f} ms, sdpa {row['sdpa_masked_ms']:.1f} ms "
                 f"({row['hybrid_vs_sdpa']:.2f}x), eager {row['eager_ms']:.1f} ms ({row['hybrid_vs_eager']:.2f}x), "
-                f"sdpa+cat {row['sdpa_masked_cat_ms']:.1f} ms ({row['hybrid_vs_sdpa_cat']:.2f}x); "
+                f"sdpa_hf {row['sdpa_hf_ms']:.1f} ms ({row['hybrid_vs_sdpa_hf']:.2f}x), "
+                f"gemm floor {row['gemm_floor_ms']:.1f} ms (ceiling {row['ceiling_vs_sdpa']:.2f}x); "
                 f"others {machine['other_cores_during']} cores, attempts {machine['attempts']}"
             )
         del model, cache
@@ -316,6 +351,8 @@ def make_figures(kernel: list[dict], verify: list[dict], contexts: list[int]) ->
         r = _pick(cands, context=ctx) if ctx else max(cands, key=lambda r: r["context"])
         if r and (ctx or r["context"] > 4096):
             figures[f"verify_step_hybrid_vs_sdpa_{label}"] = round(r["hybrid_vs_sdpa"], 3)
+            figures[f"verify_step_hybrid_vs_sdpa_hf_{label}"] = round(r["hybrid_vs_sdpa_hf"], 3)
+            figures[f"verify_step_ceiling_vs_sdpa_{label}"] = round(r["ceiling_vs_sdpa"], 3)
     figures["figure_config"] = {
         "kernel": f"SmolLM2 shape (9 q / 3 kv heads, D 64), {DEFAULT_DTYPE}, prefix {s16}, 68-node tree",
         "verify_step": f"SmolLM2-135M, {DEFAULT_DTYPE} (the project's default dtype), 32-node tree",
@@ -329,7 +366,8 @@ def make_figures(kernel: list[dict], verify: list[dict], contexts: list[int]) ->
     for r in verify:
         by_config[f"verify_{r['dtype']}_{r['context']}_vs_sdpa"] = round(r["hybrid_vs_sdpa"], 3)
         by_config[f"verify_{r['dtype']}_{r['context']}_vs_eager"] = round(r["hybrid_vs_eager"], 3)
-        by_config[f"verify_{r['dtype']}_{r['context']}_vs_sdpa_with_concat"] = round(r["hybrid_vs_sdpa_cat"], 3)
+        by_config[f"verify_{r['dtype']}_{r['context']}_vs_sdpa_hf"] = round(r["hybrid_vs_sdpa_hf"], 3)
+        by_config[f"verify_{r['dtype']}_{r['context']}_ceiling_vs_sdpa"] = round(r["ceiling_vs_sdpa"], 3)
     figures["by_config"] = by_config
     return figures
 
@@ -400,7 +438,8 @@ def make_plot(path: Path, prefix: dict, kernel: list[dict], verify: list[dict]) 
             for b, key in (
                 ("hybrid", "hybrid_ms"),
                 ("sdpa_masked", "sdpa_masked_ms"),
-                ("sdpa_masked+concat", "sdpa_masked_cat_ms"),
+                ("sdpa_hf", "sdpa_hf_ms"),
+                ("gemm floor", "gemm_floor_ms"),
                 ("eager", "eager_ms"),
             ):
                 pts = sorted((r["context"], r[key]) for r in verify if r["dtype"] == dname)

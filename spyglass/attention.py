@@ -16,9 +16,10 @@ tree_mask `[n, n]` bool (True = visible) or None for causal. Backends:
   `fused_mask_attn` tree part, in `kernels/dispatch.py`.
 * "auto": "triton" for CUDA tensors when the Triton kernel can run there, else "cpu".
 * "reference": naive fp32 softmax over the concatenation (the oracle).
-* "eager", "sdpa_masked": the usual tree-attention baselines (materialised scores over prefix+tree
-  with an additive float mask as HF eager does; torch SDPA over the concatenation with a full float
-  mask). Only benchmarks and tests use them.
+* "eager", "sdpa_masked", "sdpa_hf": the usual tree-attention baselines (materialised scores over
+  prefix+tree with an additive float mask as HF eager does; torch SDPA over prefix+tree with a full
+  float mask, GQA inside the kernel; the same SDPA call as transformers makes it on CPU, with K/V
+  concatenated and repeated per query head). Only benchmarks and tests use them.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("auto", "cpu", "triton", "reference", "eager", "sdpa_masked")
+BACKENDS = ("auto", "cpu", "triton", "reference", "eager", "sdpa_masked", "sdpa_hf")
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -191,6 +192,8 @@ def tree_attention(
         return reference_attention(q, k_prefix, v_prefix, k_tree, v_tree, mask, scale)
     if backend == "eager":
         return eager_masked_attention(q, k_prefix, v_prefix, k_tree, v_tree, mask, scale)
+    if backend == "sdpa_hf":
+        return sdpa_hf_attention(q, k_prefix, v_prefix, k_tree, v_tree, mask, scale)
     return sdpa_masked_attention(q, k_prefix, v_prefix, k_tree, v_tree, mask, scale)
 
 
@@ -202,6 +205,25 @@ def hybrid_attention(q, k_prefix, v_prefix, k_tree, v_tree, mask, scale) -> torc
         return out_t.to(q.dtype)
     out_p, lse_p = prefix_attention(_fold_groups(q, k_tree.shape[0]), k_prefix, v_prefix, scale)
     return merge_partial(_unfold_groups(out_p, h, n), lse_p.reshape(h, n), out_t, lse_t, q.dtype)
+
+
+def cross_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, backend: str = "auto"
+) -> torch.Tensor:
+    """Draft queries `[H, n, D]` over a context every one of them sees in full, `[Hkv, S, D]` (LongSpec's and
+    GLIDE's cross-attention into the target's KV cache at inference): the hybrid's prefix part on its own,
+    GQA folded, no mask. Returns `[H, n, D]` in q's dtype (zeros when S = 0)."""
+    h, n, d = q.shape
+    scale = scale if scale is not None else 1.0 / math.sqrt(d)
+    backend = resolve_backend(backend, q.device)
+    if backend == "triton":
+        from kernels.dispatch import prefix_attention as gpu_prefix_attention
+
+        return gpu_prefix_attention(q, k, v, scale)[0].to(q.dtype)
+    if backend != "cpu":
+        raise ValueError(f"cross_attention runs on the 'cpu' or 'triton' backend, not {backend!r}")
+    out, _ = prefix_attention(_fold_groups(q, k.shape[0]), k, v, scale)
+    return _unfold_groups(out, h, n).to(q.dtype)
 
 
 def batched_tree_attention(
@@ -247,11 +269,6 @@ def batched_tree_attention(
 # --- baselines and the oracle -------------------------------------------------------------------
 
 
-# The baselines read prefix + tree K/V in place when they already sit together in the cache (as with a
-# static KV cache). False makes them concatenate, as HF's dynamic cache does every layer and step.
-BASELINE_KV_IN_PLACE = True
-
-
 def _join_kv(prefix: torch.Tensor, tree: torch.Tensor) -> torch.Tensor:
     """prefix ++ tree along the sequence axis, without a copy when the tree entries already follow the
     prefix in memory, so a baseline is not charged for a concatenation a static KV cache avoids.
@@ -265,8 +282,7 @@ def _join_kv(prefix: torch.Tensor, tree: torch.Tensor) -> torch.Tensor:
     n = tree.shape[1]
     st = prefix.stride()
     fits = (
-        BASELINE_KV_IN_PLACE
-        and prefix.dtype == tree.dtype
+        prefix.dtype == tree.dtype
         and prefix.device == tree.device
         and st[2] == 1
         and st[1] == d
@@ -314,6 +330,16 @@ def sdpa_masked_attention(q, k_prefix, v_prefix, k_tree, v_tree, mask, scale) ->
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=am, scale=scale, enable_gqa=h != k.shape[0]
     )
     return out.squeeze(0)
+
+
+def sdpa_hf_attention(q, k_prefix, v_prefix, k_tree, v_tree, mask, scale) -> torch.Tensor:
+    """Masked SDPA as transformers' `sdpa` integration runs a tree on CPU: its dynamic cache concatenates
+    prefix + tree K/V, and with a mask it repeats K/V per query head instead of `enable_gqa`."""
+    g = q.shape[0] // k_tree.shape[0]
+    k = torch.cat([k_prefix, k_tree], dim=1).repeat_interleave(g, dim=0)
+    v = torch.cat([v_prefix, v_tree], dim=1).repeat_interleave(g, dim=0)
+    am = additive_mask(mask, k_prefix.shape[1], q.dtype)
+    return F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=am, scale=scale)[0]
 
 
 def reference_attention(q, k_prefix, v_prefix, k_tree, v_tree, mask, scale) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Preallocated per-sequence KV slots with a committed length.
 
-Each slot holds `[layers, kv_heads, capacity, head_dim]` for K and for V. Tokens of a verify pass
-(the draft tree) are written right after the committed length; `commit(slot, start, path)` then
-moves the accepted entries into place so nothing but accepted tokens is ever kept.
+Each slot holds `[layers, kv_heads, capacity, head_dim]` for K and for V, all slots in one tensor so a
+batched kernel (flash-attn's kvcache entry point) reads every sequence's prefix in place by slot index.
+Tokens of a verify pass (the draft tree) are written right after the committed length; `commit(slot,
+start, path)` then moves the accepted entries into place so nothing but accepted tokens is ever kept.
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ class KVCache:
         self.max_slots = max_slots
         self.dtype = dtype
         self.device = torch.device(device)
-        # Slots are allocated on first use; torch.empty only touches pages that get written.
-        self._k: list[torch.Tensor | None] = [None] * max_slots
-        self._v: list[torch.Tensor | None] = [None] * max_slots
+        # On CPU torch.empty only maps pages, which become resident when written; a GPU reserves it all up front.
+        shape = (max_slots, n_layers, n_kv_heads, capacity, head_dim)
+        self._k = torch.empty(shape, dtype=dtype, device=self.device)
+        self._v = torch.empty(shape, dtype=dtype, device=self.device)
         self.lengths = [0] * max_slots
         self._free = list(range(max_slots - 1, -1, -1))
 
@@ -47,10 +49,6 @@ class KVCache:
         if not self._free:
             raise CacheFullError(f"all {self.max_slots} KV slots are in use")
         slot = self._free.pop()
-        if self._k[slot] is None:
-            shape = (self.n_layers, self.n_kv_heads, self.capacity, self.head_dim)
-            self._k[slot] = torch.empty(shape, dtype=self.dtype, device=self.device)
-            self._v[slot] = torch.empty(shape, dtype=self.dtype, device=self.device)
         self.lengths[slot] = 0
         return slot
 
@@ -69,6 +67,10 @@ class KVCache:
     def layer(self, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Full-capacity K and V views `[kv_heads, capacity, head_dim]` of one layer (no copy)."""
         return self._k[slot][layer], self._v[slot][layer]
+
+    def all_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V views `[max_slots, kv_heads, capacity, head_dim]` of one layer for every slot."""
+        return self._k[:, layer], self._v[:, layer]
 
     def prefix(self, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The committed K and V of one layer, as views."""

@@ -96,7 +96,7 @@ def test_hybrid_equals_full_masked_attention(prefix_path, dtype, ratio, s, kind)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("backend", ["eager", "sdpa_masked"])
+@pytest.mark.parametrize("backend", ["eager", "sdpa_masked", "sdpa_hf"])
 @pytest.mark.parametrize("s", [0, 200])
 def test_baselines_equal_reference(dtype, backend, s):
     """The benchmark baselines compute the same function (bf16: HF-style bf16 scores, so looser)."""
@@ -108,6 +108,26 @@ def test_baselines_equal_reference(dtype, backend, s):
         assert_close(out, exact, dtype, backend)
     else:  # eager rounds the scores to bf16 before the softmax, as HF does
         assert torch.allclose(out.double(), exact, atol=6e-2, rtol=6e-2)
+
+
+@pytest.mark.parametrize("ratio", [1, 3, 7])
+@pytest.mark.parametrize("s", [0, 5, 700])
+def test_cross_attention_equals_unmasked_fp64(prefix_path, ratio, s):
+    """Draft cross-attention (every query sees the whole context) on the hybrid's prefix path."""
+    q, kp, vp, _, _ = make_case(ratio, s, 6, torch.float32, seed=77 + s + ratio)
+    out = attn.cross_attention(q, kp, vp, backend="cpu")
+    hkv = kp.shape[0]
+    exact = torch.zeros(q.shape, dtype=torch.float64)
+    for head in range(q.shape[0]) if s else ():
+        kv = head // (q.shape[0] // hkv)
+        probs = torch.softmax(q[head].double() @ kp[kv].double().T / math.sqrt(q.shape[-1]), dim=-1)
+        exact[head] = probs @ vp[kv].double()
+    assert out.shape == q.shape
+    assert_close(out, exact, torch.float32, f"cross attention s={s}")
+    if triton_available():  # the GPU entry point's torch fallback when no GPU is present
+        assert_close(attn.cross_attention(q, kp, vp, backend="triton"), exact, torch.float32, "triton backend")
+    with pytest.raises(ValueError, match="cross_attention"):
+        attn.cross_attention(q, kp, vp, backend="eager")
 
 
 def test_single_token_and_tiny_prefix(prefix_path):

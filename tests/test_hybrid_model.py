@@ -110,6 +110,39 @@ def test_verify_logits_triton_backend(tiny_dir):
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), f"max diff {(got - want).abs().max():.3g}"
 
 
+@pytest.mark.skipif(not triton_available(), reason="triton kernel cannot run (no GPU, no TRITON_INTERPRET=1)")
+def test_batched_verify_triton_backend(tiny_dir):
+    """Three sequences with different committed lengths (one empty) and trees of different shapes (a tree, a
+    chain, a root-only step) in one forward: the "triton" backend attends to all of them in one batched call
+    per layer (prefixes read in place by slot) and gives each the logits it gets alone with the reference."""
+    model = load_transformer(tiny_dir["llama"])
+    g = torch.Generator().manual_seed(8)
+    vocab = model.args.vocab_size
+    lengths = {0: 37, 1: 0, 2: 21}
+    trees = {0: random_tree(9, vocab, g), 1: DraftTree.chain(5, [6, 7, 8]), 2: DraftTree.root_only(12)}
+    old = model.attention_backend
+    try:
+        results = {}
+        for backend in ("reference", "triton"):
+            model.attention_backend = "cpu"
+            cache = model.new_cache(64, 4)
+            slots = [cache.allocate() for _ in range(4)][1:]  # slot 0 stays unused: slot ids != batch rows
+            for i, slot in enumerate(slots):
+                if lengths[i]:
+                    model.prefill(cache, slot, torch.randint(3, vocab, (lengths[i],), generator=g.manual_seed(i)))
+            segs = [
+                Segment(slot, lengths[i], trees[i].tokens, trees[i].positions(lengths[i]), trees[i].mask(), "all")
+                for i, slot in enumerate(slots)
+            ]
+            model.attention_backend = backend
+            results[backend] = model(segs, cache)
+    finally:
+        model.attention_backend = old
+    for got, want in zip(results["triton"], results["reference"], strict=True):
+        assert got.shape == want.shape
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), f"max diff {(got - want).abs().max():.3g}"
+
+
 def test_engine_greedy_identical_with_reference_attention(tiny_target):
     """Speculative greedy decoding (n-gram drafter, batch 2) gives the same tokens with hybrid attention
     as with the naive reference attention."""

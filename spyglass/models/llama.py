@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from spyglass.attention import tree_attention
+from spyglass.attention import batched_tree_attention, causal_mask, resolve_backend, tree_attention
 from spyglass.kv_cache import KVCache
 
 
@@ -133,21 +133,52 @@ class Block(nn.Module):
         q = apply_rope(qkv[:, :q_dim].view(t, a.n_heads, a.head_dim), cos, sin)
         k = apply_rope(qkv[:, q_dim : q_dim + kv_dim].view(t, a.n_kv_heads, a.head_dim), cos, sin)
         v = qkv[:, q_dim + kv_dim :].view(t, a.n_kv_heads, a.head_dim)
-        outs = []
-        offset = 0
-        for seg in segments:
-            n = seg.tokens.shape[0]
-            qs = q[offset : offset + n].transpose(0, 1)
-            ks = k[offset : offset + n].transpose(0, 1)
-            vs = v[offset : offset + n].transpose(0, 1)
-            k_pre, v_pre = cache.prefix(seg.slot, layer)
-            cache.write(seg.slot, layer, seg.start, ks, vs)
-            o = tree_attention(qs, k_pre, v_pre, ks, vs, seg.mask, backend=backend)
-            outs.append(o.transpose(0, 1).reshape(n, q_dim))
-            offset += n
-        h = x + self.wo(torch.cat(outs) if len(outs) > 1 else outs[0])
+        if backend == "triton" and len(segments) > 1:
+            o = attend_batched(q, k, v, segments, cache, layer)
+        else:
+            outs = []
+            offset = 0
+            for seg in segments:
+                n = seg.tokens.shape[0]
+                qs = q[offset : offset + n].transpose(0, 1)
+                ks = k[offset : offset + n].transpose(0, 1)
+                vs = v[offset : offset + n].transpose(0, 1)
+                k_pre, v_pre = cache.prefix(seg.slot, layer)
+                cache.write(seg.slot, layer, seg.start, ks, vs)
+                outs.append(tree_attention(qs, k_pre, v_pre, ks, vs, seg.mask, backend=backend).transpose(0, 1))
+                offset += n
+            o = torch.cat(outs) if len(outs) > 1 else outs[0]
+        h = x + self.wo(o.reshape(t, q_dim))
         gate, up = self.w_gate_up(self.mlp_norm(h)).chunk(2, dim=-1)
         return h + self.w_down(F.silu(gate) * up)
+
+
+def attend_batched(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[Segment], cache: KVCache, layer: int
+) -> torch.Tensor:
+    """All segments in one batched hybrid call (GPU: one flash-attn kvcache launch over every committed
+    prefix, read in place by slot, plus one Triton launch over the trees). q/k/v `[T, heads, D]` packed;
+    trees are padded to the longest with hidden mask rows/columns. Returns `[T, H, D]`."""
+    m = max(seg.tokens.shape[0] for seg in segments)
+    b, h, hkv, d = len(segments), q.shape[1], k.shape[1], q.shape[2]
+    qb = q.new_zeros(b, h, m, d)
+    kb, vb = k.new_zeros(b, hkv, m, d), v.new_zeros(b, hkv, m, d)
+    mask = torch.zeros(b, m, m, dtype=torch.bool, device=q.device)
+    offset = 0
+    for i, seg in enumerate(segments):
+        n = seg.tokens.shape[0]
+        qb[i, :, :n] = q[offset : offset + n].transpose(0, 1)
+        kb[i, :, :n] = k[offset : offset + n].transpose(0, 1)
+        vb[i, :, :n] = v[offset : offset + n].transpose(0, 1)
+        mask[i, :n, :n] = seg.mask if seg.mask is not None else causal_mask(n, q.device)
+        cache.write(seg.slot, layer, seg.start, kb[i, :, :n], vb[i, :, :n])  # read only past seqlens[i]
+        offset += n
+    seqlens = [cache.lengths[seg.slot] for seg in segments]
+    k_cache, v_cache = cache.all_slots(layer)
+    out = batched_tree_attention(
+        qb, k_cache, v_cache, seqlens, kb, vb, mask, backend="triton", cache_batch_idx=[s.slot for s in segments]
+    )
+    return torch.cat([out[i, :, : seg.tokens.shape[0]].transpose(0, 1) for i, seg in enumerate(segments)])
 
 
 class Transformer(nn.Module):
@@ -197,8 +228,9 @@ class Transformer(nn.Module):
         positions = torch.cat([s.positions for s in segments]) if len(segments) > 1 else segments[0].positions
         cos, sin = self._rope(positions)
         x = self.embed(tokens)
+        backend = resolve_backend(self.attention_backend, self.device)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, segments, cache, i, self.attention_backend)
+            x = layer(x, cos, sin, segments, cache, i, backend)
         rows, offset, picks = [], 0, []
         for s in segments:
             n = s.tokens.shape[0]

@@ -16,7 +16,8 @@ Three measurements, all side by side in one run (ratios are what we quote; the m
    the same SDPA call as transformers makes it on CPU (K/V concatenated by its dynamic cache and repeated per
    query head, since a mask is passed). "gemm_floor" is not attention: the hybrid's tree part plus only the
    two matmuls of the prefix part (no softmax); sdpa_masked / gemm_floor bounds what any exact prefix kernel
-   built on those matmuls could give the step.
+   built on those matmuls could give the step. Beside each: the last 512-token prefill chunk before that
+   context (causal over itself), hybrid vs one masked SDPA call.
 
 Every block of measurements waits for the CPU to be free of other processes and is repeated (twice at most)
 if another process used more than 0.35 cores while it ran; the results record what the machine did.
@@ -249,6 +250,41 @@ def gemm_floor_attention(q, k_prefix, v_prefix, k_tree, v_tree, mask, backend=No
     return (out_t + out_p).to(q.dtype)
 
 
+PREFILL_CHUNK = 512  # the engine's default prefill chunk
+
+
+def bench_prefill_chunk(model, cache, slot: int, chunk: torch.Tensor, gate: IdleGate) -> dict[str, Any]:
+    """The last prefill chunk before the committed length: causal over itself, full view of the prefix. Hybrid
+    (unmasked prefix + causal chunk) vs one masked SDPA call over prefix + chunk."""
+    from spyglass.models.llama import Segment
+
+    start = cache.lengths[slot] - chunk.shape[0]
+    cache.truncate(slot, start)
+    seg = Segment(slot, start, chunk, torch.arange(start, start + chunk.shape[0]), None, "last")
+
+    def run(backend: str) -> torch.Tensor:
+        model.attention_backend = backend
+        return model([seg], cache)[0]
+
+    diff = (run("cpu") - run("sdpa_masked")).abs().max().item()
+    t, machine = run_clean(
+        lambda: time_interleaved({b: (lambda b=b: run(b)) for b in ("cpu", "sdpa_masked")}, repeats=3),
+        gate,
+        retries=RETRIES[0],
+    )
+    cache.commit(slot, start, list(range(chunk.shape[0])))
+    model.attention_backend = "cpu"
+    out = {"chunk": chunk.shape[0], "hybrid_ms": t["cpu"]["median_ms"], "sdpa_masked_ms": t["sdpa_masked"]["median_ms"]}
+    out["hybrid_vs_sdpa"] = out["sdpa_masked_ms"] / out["hybrid_ms"]
+    out["logits_max_abs_diff"] = diff
+    out["machine"] = machine
+    log(
+        f"prefill chunk of {chunk.shape[0]} at {start + chunk.shape[0]}: hybrid {out['hybrid_ms']:.0f} ms, "
+        f"sdpa {out['sdpa_masked_ms']:.0f} ms ({out['hybrid_vs_sdpa']:.2f}x)"
+    )
+    return out
+
+
 def bench_verify(contexts: list[int], repeats: int, dtypes: list[str], gate: IdleGate) -> list[dict[str, Any]]:
     from spyglass.models import llama
     from spyglass.models.llama import Segment, load_transformer
@@ -315,6 +351,7 @@ def bench_verify(contexts: list[int], repeats: int, dtypes: list[str], gate: Idl
             row["hybrid_vs_eager"] = row["eager_ms"] / row["hybrid_ms"]
             row["hybrid_vs_sdpa_hf"] = row["sdpa_hf_ms"] / row["hybrid_ms"]
             row["ceiling_vs_sdpa"] = row["sdpa_masked_ms"] / row["gemm_floor_ms"]
+            row["prefill_chunk"] = bench_prefill_chunk(model, cache, slot, ids[s - PREFILL_CHUNK : s], gate)
             rows.append(row)
             log(
                 f"verify {dname} S={s}: hybrid {row['hybrid_ms']:.1f} ms, sdpa {row['sdpa_masked_ms']:.1f} ms "
@@ -353,6 +390,7 @@ def make_figures(kernel: list[dict], verify: list[dict], contexts: list[int]) ->
             figures[f"verify_step_hybrid_vs_sdpa_{label}"] = round(r["hybrid_vs_sdpa"], 3)
             figures[f"verify_step_hybrid_vs_sdpa_hf_{label}"] = round(r["hybrid_vs_sdpa_hf"], 3)
             figures[f"verify_step_ceiling_vs_sdpa_{label}"] = round(r["ceiling_vs_sdpa"], 3)
+            figures[f"prefill_chunk_hybrid_vs_sdpa_{label}"] = round(r["prefill_chunk"]["hybrid_vs_sdpa"], 3)
     figures["figure_config"] = {
         "kernel": f"SmolLM2 shape (9 q / 3 kv heads, D 64), {DEFAULT_DTYPE}, prefix {s16}, 68-node tree",
         "verify_step": f"SmolLM2-135M, {DEFAULT_DTYPE} (the project's default dtype), 32-node tree",
@@ -368,6 +406,7 @@ def make_figures(kernel: list[dict], verify: list[dict], contexts: list[int]) ->
         by_config[f"verify_{r['dtype']}_{r['context']}_vs_eager"] = round(r["hybrid_vs_eager"], 3)
         by_config[f"verify_{r['dtype']}_{r['context']}_vs_sdpa_hf"] = round(r["hybrid_vs_sdpa_hf"], 3)
         by_config[f"verify_{r['dtype']}_{r['context']}_ceiling_vs_sdpa"] = round(r["ceiling_vs_sdpa"], 3)
+        by_config[f"prefill_chunk_{r['dtype']}_{r['context']}_vs_sdpa"] = round(r["prefill_chunk"]["hybrid_vs_sdpa"], 3)
     figures["by_config"] = by_config
     return figures
 

@@ -5,6 +5,8 @@ Three measurements, all side by side in one run (ratios are what we quote; the m
 1. ``prefix_choice``: for the unmasked prefix part, two matmuls vs ATen's flash attention for CPU, by number
    of folded query rows (GQA group x tree tokens) and context, fp32 and bf16. Sets
    ``spyglass.attention.MATMUL_PREFIX_MAX_ROWS``.
+   ``kv_split``: the flash call over the whole prefix vs split into 2 key chunks per thread (one batched call,
+   merged by LSE), by rows and context, fp32 and bf16. Sets ``KV_SPLIT_MIN_KEYS`` / ``KV_SPLIT_MAX_ROWS``.
 2. ``kernel``: one attention call (one layer, one sequence) of SmolLM2-135M (9 q / 3 kv heads, D 64) and
    Qwen2.5-0.5B (14 q / 2 kv heads, D 64) shapes, prefix 1K-32K, trees of 8/32/68 nodes (random trees),
    fp32 and bf16: hybrid ("cpu" backend) vs "eager" (materialised scores + additive float mask, K/V repeated
@@ -138,6 +140,56 @@ def bench_prefix_choice(contexts: list[int], rows_list: list[int], repeats: int,
         }
         log(f"prefix choice {dname}: best threshold {best_thr} rows (code: {attn.matmul_prefix_max_rows(dtype)})")
     return out
+
+
+def bench_kv_split(contexts: list[int], rows_list: list[int], repeats: int, gate: IdleGate) -> dict[str, Any]:
+    """Flash for CPU over the whole prefix vs split into 2 chunks per thread (one batched call + LSE merge),
+    3 KV heads, D 64. Sets `spyglass.attention.KV_SPLIT_MIN_KEYS` / `KV_SPLIT_MAX_ROWS`."""
+    parts = 2 * torch.get_num_threads()
+    table = []
+    for dname, dtype in DTYPES.items():
+        for s in contexts:
+            k = torch.randn(3, s + 64, 64, dtype=dtype)[:, :s]  # a view with cache-like strides
+            v = torch.randn(3, s + 64, 64, dtype=dtype)[:, :s]
+            qs = {rows: torch.randn(3, rows, 64, dtype=dtype) for rows in rows_list}
+
+            def whole(q, k=k, v=v):
+                return attn._flash_cpu(q[None], k[None], v[None], scale=0.125)[:2]
+
+            def block(k=k, v=v, qs=qs, whole=whole) -> dict[int, dict]:
+                return {
+                    rows: time_interleaved(
+                        {
+                            "whole": lambda q=q: whole(q),
+                            "split": lambda q=q: attn.split_flash_attention(q, k, v, 0.125, parts),
+                        },
+                        repeats=2 * repeats,
+                        min_block_s=MIN_BLOCK_S,
+                    )
+                    for rows, q in qs.items()
+                }
+
+            res, machine = run_clean(block, gate, retries=RETRIES[0])
+            for rows, t in res.items():
+                gain = t["whole"]["median_ms"] / t["split"]["median_ms"]
+                chosen = attn.kv_split_parts(dtype, rows, s)
+                table.append(
+                    {
+                        "dtype": dname,
+                        "context": s,
+                        "rows": rows,
+                        "whole_ms": t["whole"]["median_ms"],
+                        "split_ms": t["split"]["median_ms"],
+                        "split_gain": round(gain, 3),
+                        "code_splits": chosen > 1,
+                        "machine": machine,
+                    }
+                )
+            log(
+                f"kv split {dname} S={s}: gains "
+                + ", ".join(f"{r['rows']} rows {r['split_gain']:.2f}x" for r in table[-len(rows_list) :])
+            )
+    return {"parts": parts, "rows": rows_list, "contexts": contexts, "table": table}
 
 
 # --------------------------------------------------------------------------- 2. kernel level
@@ -411,7 +463,7 @@ def make_figures(kernel: list[dict], verify: list[dict], contexts: list[int]) ->
     return figures
 
 
-def make_plot(path: Path, prefix: dict, kernel: list[dict], verify: list[dict]) -> Path:
+def make_plot(path: Path, prefix: dict, kv_split: dict, kernel: list[dict], verify: list[dict]) -> Path:
     panels = []
     for metric, goal in (("hybrid_vs_eager", 4.0), ("hybrid_vs_sdpa", 1.5)):
         series = {}
@@ -471,6 +523,23 @@ def make_plot(path: Path, prefix: dict, kernel: list[dict], verify: list[dict]) 
             "hline": 1.0,
         }
     )
+    series = {}
+    for dname in DTYPES:
+        for rows in kv_split["rows"]:
+            pts = [
+                (r["context"], r["split_gain"]) for r in kv_split["table"] if r["dtype"] == dname and r["rows"] == rows
+            ]
+            series[f"{dname} {rows} rows"] = ([p[0] for p in pts], [p[1] for p in pts])
+    panels.append(
+        {
+            "title": f"prefix part: whole / {kv_split['parts']}-way key split time (>1: split wins)",
+            "xlabel": "prefix tokens",
+            "ylabel": "speedup (x)",
+            "series": series,
+            "logx": True,
+            "hline": 1.0,
+        }
+    )
     if verify:
         series = {}
         for dname in DTYPES:
@@ -519,10 +588,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         contexts, trees, rep = [1024, 4096], [8, 68], 3
         prefix_ctx, prefix_rows = [1024, 4096], [8, 64, 256]
+        split_ctx = [2048, 8192]
         verify_ctx, verify_rep = [1024, 2048], 2
     else:
         contexts, trees, rep = [1024, 4096, 8192, 16384, 32768], [8, 32, 68], 7
         prefix_ctx, prefix_rows = [1024, 4096, 8192, 16384], [3, 8, 16, 32, 48, 64, 96, 128, 192, 256, 476]
+        split_ctx = [2048, 4096, 8192, 16384, 32768]
         verify_ctx, verify_rep = [4096, 8160], 7
     name = args.name or ("attention_quick" if args.quick else "attention")
 
@@ -544,6 +615,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     RETRIES[0] = args.retries
     prefix = bench_prefix_choice(prefix_ctx, prefix_rows, rep, gate)
+    kv_split = bench_kv_split(split_ctx, [3, 24, 96, 204], rep, gate)
     load_mid = machine_load()
     kernel = bench_kernel(contexts, trees, rep, gate)
     verify = [] if args.skip_verify else bench_verify(verify_ctx, verify_rep, list(DTYPES), gate)
@@ -551,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"load after: {load_after}; took {time.perf_counter() - t_start:.0f} s")
 
     figures = make_figures(kernel, verify, contexts)
-    blocks = [r["machine"] for r in kernel + verify] + [
+    blocks = [r["machine"] for r in kernel + verify + kv_split["table"]] + [
         r["machine"] for d in prefix["by_dtype"].values() for r in d["table"]
     ]
     figures["machine"] = {
@@ -560,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
         "blocks_clean": f"{sum(b['clean'] for b in blocks)}/{len(blocks)}",
         "note": "clean = other processes used < 0.35 cores while the block ran",
     }
-    raw = {"prefix_choice": prefix, "kernel": kernel, "verify_step": verify}
+    raw = {"prefix_choice": prefix, "kv_split": kv_split, "kernel": kernel, "verify_step": verify}
     meta = {
         "quick": args.quick,
         "threads": args.threads,
@@ -575,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": rep,
     }
     path = write_results(name, figures, raw, meta)
-    png = make_plot(RESULTS_DIR / f"{name}.png", prefix, kernel, verify)
+    png = make_plot(RESULTS_DIR / f"{name}.png", prefix, kv_split, kernel, verify)
     log(f"wrote {path} and {png}")
     for k, v in figures.items():
         if k not in ("by_config", "figure_config"):

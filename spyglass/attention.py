@@ -42,6 +42,44 @@ _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 MATMUL_PREFIX_MAX_ROWS: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 0}
 
 
+# ATen's flash kernel for CPU spreads (batch, head, query block) over the threads, and a verify step has few
+# of those (SmolLM2, 32-node tree: 3 KV heads x 3 blocks of 32 rows; a decode step: 3 x 1). Cutting the prefix
+# into chunks that run as one batch, merged by their LSE (flash-decoding's split-K), keeps every thread busy.
+# Measured in bench/attention.py (`kv_split`, 2 threads): fp32 gains 5-25% from 4K keys at every row count;
+# bf16 gains with few rows (<= 32) from 8K keys and loses up to 7% with more rows, so it splits only then.
+KV_SPLIT_MIN_KEYS: dict[torch.dtype, int] = {torch.float32: 4096, torch.bfloat16: 8192}
+KV_SPLIT_MAX_ROWS: dict[torch.dtype, int | None] = {torch.float32: None, torch.bfloat16: 32}
+
+
+def kv_split_parts(dtype: torch.dtype, rows: int, keys: int) -> int:
+    """Key chunks for one CPU flash call: two per thread where the measurements above say it pays, else 1."""
+    threads = torch.get_num_threads()
+    min_keys = KV_SPLIT_MIN_KEYS.get(dtype, KV_SPLIT_MIN_KEYS[torch.bfloat16])
+    max_rows = KV_SPLIT_MAX_ROWS.get(dtype, KV_SPLIT_MAX_ROWS[torch.bfloat16])
+    if threads < 2 or keys < min_keys or (max_rows is not None and rows > max_rows):
+        return 1
+    return 2 * threads
+
+
+def split_flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, parts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ATen's flash for CPU over `parts` key chunks in one batched call (views, no copy) -> (out fp32, lse fp32).
+
+    The last S % parts keys, if any, take two matmuls; all partial results merge exactly by their LSE."""
+    s = k.shape[1]
+    c = s // parts
+    kc = k[:, : parts * c].unflatten(1, (parts, c)).transpose(0, 1)
+    vc = v[:, : parts * c].unflatten(1, (parts, c)).transpose(0, 1)
+    out, lse = _flash_cpu(q.expand(parts, -1, -1, -1), kc, vc, scale=scale)[:2]
+    out, lse = out.float(), lse.float()
+    if parts * c < s:
+        out_r, lse_r = matmul_prefix_attention(q, k[:, parts * c :], v[:, parts * c :], scale)
+        out, lse = torch.cat([out, out_r.unsqueeze(0)]), torch.cat([lse, lse_r.unsqueeze(0)])
+    total = torch.logsumexp(lse, dim=0)
+    return (out * torch.exp(lse - total).unsqueeze(-1)).sum(dim=0), total
+
+
 def matmul_prefix_max_rows(dtype: torch.dtype) -> int:
     """Crossover for `dtype` (fp16 and others follow bf16: same kernels, same 2-byte traffic)."""
     return MATMUL_PREFIX_MAX_ROWS.get(dtype, MATMUL_PREFIX_MAX_ROWS[torch.bfloat16])
@@ -87,7 +125,8 @@ def prefix_attention(
     """Unmasked attention of folded queries `[Hkv, R, D]` over `[Hkv, S, D]` -> (out, lse fp32 `[Hkv, R]`).
 
     Picks two matmuls for few rows (the flash kernel's blocking does not pay off there) and ATen's
-    flash attention for CPU otherwise. S = 0 gives out 0 and lse -inf, which the merge ignores.
+    flash attention for CPU otherwise, split along the keys where that pays (`kv_split_parts`). S = 0
+    gives out 0 and lse -inf, which the merge ignores.
     """
     hkv, rows, d = q.shape
     if k.shape[1] == 0:
@@ -97,6 +136,9 @@ def prefix_attention(
     use_flash = q.device.type == "cpu" and q.dtype == k.dtype == v.dtype and rows > matmul_prefix_max_rows(q.dtype)
     if not use_flash:
         return matmul_prefix_attention(q, k, v, scale)
+    parts = min(kv_split_parts(q.dtype, rows, k.shape[1]), k.shape[1])
+    if parts > 1:
+        return split_flash_attention(q, k, v, scale, parts)
     out, lse = _flash_cpu(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale=scale)[:2]
     return out.squeeze(0), lse.squeeze(0).float()
 

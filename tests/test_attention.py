@@ -69,11 +69,14 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     assert err.mean() <= mean_tol, f"{what}: mean err {err.mean():.3g}"
 
 
-@pytest.fixture(params=["matmul", "flash"])
+@pytest.fixture(params=["matmul", "flash", "split"])
 def prefix_path(request, monkeypatch):
-    """Force the CPU prefix part through two matmuls or through ATen's flash kernel for CPU."""
+    """Force the CPU prefix part through two matmuls or through ATen's flash kernel for CPU, whole or
+    split into 3 key chunks (plus a remainder) run as one batch."""
     rows = 10**9 if request.param == "matmul" else 0
     monkeypatch.setattr(attn, "MATMUL_PREFIX_MAX_ROWS", {torch.float32: rows, torch.bfloat16: rows})
+    parts = 3 if request.param == "split" else 1
+    monkeypatch.setattr(attn, "kv_split_parts", lambda dtype, rows, keys: parts)
     return request.param
 
 
@@ -169,6 +172,22 @@ def test_prefix_path_follows_threshold(monkeypatch):
         attn.prefix_attention(torch.randn(3, rows, 16), k, k, 0.25)
     assert calls == [21]
     assert attn.matmul_prefix_max_rows(torch.float16) == 20  # fp16 follows bf16
+
+
+def test_kv_split_rule():
+    """Two chunks per thread where bench/attention.py measured a gain, one call elsewhere and on one thread."""
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert attn.kv_split_parts(torch.float32, 96, 4096) == 4
+        assert attn.kv_split_parts(torch.float32, 96, 4095) == 1
+        assert attn.kv_split_parts(torch.bfloat16, 32, 8192) == 4
+        assert attn.kv_split_parts(torch.bfloat16, 33, 8192) == 1  # bf16 with many rows: no gain measured
+        assert attn.kv_split_parts(torch.bfloat16, 3, 4096) == 1
+        torch.set_num_threads(1)
+        assert attn.kv_split_parts(torch.float32, 96, 1 << 16) == 1
+    finally:
+        torch.set_num_threads(old)
 
 
 def test_resolve_backend():

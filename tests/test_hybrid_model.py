@@ -50,11 +50,14 @@ def make_inputs(model: Transformer, seed: int, prompt_len: int = 150, tree_size:
     return torch.randint(3, vocab, (prompt_len,), generator=g), random_tree(tree_size, vocab, g)
 
 
-@pytest.fixture(params=["matmul", "flash"])
+@pytest.fixture(params=["matmul", "flash", "split"])
 def prefix_path(request, monkeypatch):
-    """Force the hybrid's prefix part through two matmuls or ATen's flash kernel for CPU."""
+    """Force the hybrid's prefix part through two matmuls or ATen's flash kernel for CPU, whole or
+    split into 3 key chunks (plus a remainder) run as one batch."""
     rows = 10**9 if request.param == "matmul" else 0
     monkeypatch.setattr(attn, "MATMUL_PREFIX_MAX_ROWS", {torch.float32: rows, torch.bfloat16: rows})
+    parts = 3 if request.param == "split" else 1
+    monkeypatch.setattr(attn, "kv_split_parts", lambda dtype, rows, keys: parts)
     return request.param
 
 

@@ -6,7 +6,7 @@ Three measurements, all side by side in one run (ratios are what we quote; the m
    of folded query rows (GQA group x tree tokens) and context, fp32 and bf16. Sets
    ``spyglass.attention.MATMUL_PREFIX_MAX_ROWS``.
    ``kv_split``: the flash call over the whole prefix vs split into 2 key chunks per thread (one batched call,
-   merged by LSE), by rows and context, fp32 and bf16. Sets ``KV_SPLIT_MIN_KEYS`` / ``KV_SPLIT_MAX_ROWS``.
+   merged by LSE), by rows and context, fp32 and bf16. Sets ``KV_SPLIT_MIN_KEYS``.
 2. ``kernel``: one attention call (one layer, one sequence) of SmolLM2-135M (9 q / 3 kv heads, D 64) and
    Qwen2.5-0.5B (14 q / 2 kv heads, D 64) shapes, prefix 1K-32K, trees of 8/32/68 nodes (random trees),
    fp32 and bf16: hybrid ("cpu" backend) vs "eager" (materialised scores + additive float mask, K/V repeated
@@ -144,7 +144,7 @@ def bench_prefix_choice(contexts: list[int], rows_list: list[int], repeats: int,
 
 def bench_kv_split(contexts: list[int], rows_list: list[int], repeats: int, gate: IdleGate) -> dict[str, Any]:
     """Flash for CPU over the whole prefix vs split into 2 chunks per thread (one batched call + LSE merge),
-    3 KV heads, D 64. Sets `spyglass.attention.KV_SPLIT_MIN_KEYS` / `KV_SPLIT_MAX_ROWS`."""
+    3 KV heads, D 64. Sets `spyglass.attention.KV_SPLIT_MIN_KEYS`."""
     parts = 2 * torch.get_num_threads()
     table = []
     for dname, dtype in DTYPES.items():
@@ -172,7 +172,7 @@ def bench_kv_split(contexts: list[int], rows_list: list[int], repeats: int, gate
             res, machine = run_clean(block, gate, retries=RETRIES[0])
             for rows, t in res.items():
                 gain = t["whole"]["median_ms"] / t["split"]["median_ms"]
-                chosen = attn.kv_split_parts(dtype, rows, s)
+                chosen = attn.kv_split_parts(dtype, s)
                 table.append(
                     {
                         "dtype": dname,

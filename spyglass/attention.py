@@ -44,19 +44,16 @@ MATMUL_PREFIX_MAX_ROWS: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat
 
 # ATen's flash kernel for CPU spreads (batch, head, query block) over the threads, and a verify step has few
 # of those (SmolLM2, 32-node tree: 3 KV heads x 3 blocks of 32 rows; a decode step: 3 x 1). Cutting the prefix
-# into chunks that run as one batch, merged by their LSE (flash-decoding's split-K), keeps every thread busy.
-# Measured in bench/attention.py (`kv_split`, 2 threads): fp32 gains 5-25% from 4K keys at every row count;
-# bf16 gains with few rows (<= 32) from 8K keys and loses up to 7% with more rows, so it splits only then.
-KV_SPLIT_MIN_KEYS: dict[torch.dtype, int] = {torch.float32: 4096, torch.bfloat16: 8192}
-KV_SPLIT_MAX_ROWS: dict[torch.dtype, int | None] = {torch.float32: None, torch.bfloat16: 32}
+# into chunks that run as one batch, merged by their LSE (flash-decoding's split-K), keeps every thread busy,
+# at the price of a merge. Measured in bench/attention.py (`kv_split`, 2 threads, 3-204 rows): fp32 gains
+# 5-25% from 8K keys (mixed at 4K, a loss below); bf16 only gains reliably from 32K keys.
+KV_SPLIT_MIN_KEYS: dict[torch.dtype, int] = {torch.float32: 8192, torch.bfloat16: 32768}
 
 
-def kv_split_parts(dtype: torch.dtype, rows: int, keys: int) -> int:
-    """Key chunks for one CPU flash call: two per thread where the measurements above say it pays, else 1."""
+def kv_split_parts(dtype: torch.dtype, keys: int) -> int:
+    """Key chunks for one CPU flash call: two per thread from KV_SPLIT_MIN_KEYS[dtype] keys (fp16 as bf16)."""
     threads = torch.get_num_threads()
-    min_keys = KV_SPLIT_MIN_KEYS.get(dtype, KV_SPLIT_MIN_KEYS[torch.bfloat16])
-    max_rows = KV_SPLIT_MAX_ROWS.get(dtype, KV_SPLIT_MAX_ROWS[torch.bfloat16])
-    if threads < 2 or keys < min_keys or (max_rows is not None and rows > max_rows):
+    if threads < 2 or keys < KV_SPLIT_MIN_KEYS.get(dtype, KV_SPLIT_MIN_KEYS[torch.bfloat16]):
         return 1
     return 2 * threads
 
@@ -136,7 +133,7 @@ def prefix_attention(
     use_flash = q.device.type == "cpu" and q.dtype == k.dtype == v.dtype and rows > matmul_prefix_max_rows(q.dtype)
     if not use_flash:
         return matmul_prefix_attention(q, k, v, scale)
-    parts = min(kv_split_parts(q.dtype, rows, k.shape[1]), k.shape[1])
+    parts = min(kv_split_parts(q.dtype, k.shape[1]), k.shape[1])
     if parts > 1:
         return split_flash_attention(q, k, v, scale, parts)
     out, lse = _flash_cpu(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale=scale)[:2]
@@ -254,7 +251,8 @@ def cross_attention(
 ) -> torch.Tensor:
     """Draft queries `[H, n, D]` over a context every one of them sees in full, `[Hkv, S, D]` (LongSpec's and
     GLIDE's cross-attention into the target's KV cache at inference): the hybrid's prefix part on its own,
-    GQA folded, no mask. Returns `[H, n, D]` in q's dtype (zeros when S = 0)."""
+    GQA folded, no mask. Returns `[H, n, D]` in q's dtype (zeros when S = 0). With no mask the tree-attention
+    baselines have nothing to differ in: "eager" and "sdpa_*" run the "cpu" path, "reference" the naive one."""
     h, n, d = q.shape
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
     backend = resolve_backend(backend, q.device)
@@ -262,8 +260,12 @@ def cross_attention(
         from kernels.dispatch import prefix_attention as gpu_prefix_attention
 
         return gpu_prefix_attention(q, k, v, scale)[0].to(q.dtype)
-    if backend != "cpu":
-        raise ValueError(f"cross_attention runs on the 'cpu' or 'triton' backend, not {backend!r}")
+    if backend == "reference":
+        if k.shape[1] == 0:
+            return torch.zeros_like(q)
+        g = h // k.shape[0]
+        scores = torch.matmul(q.float(), k.float().repeat_interleave(g, dim=0).transpose(-1, -2)) * scale
+        return torch.matmul(torch.softmax(scores, dim=-1), v.float().repeat_interleave(g, dim=0)).to(q.dtype)
     out, _ = prefix_attention(_fold_groups(q, k.shape[0]), k, v, scale)
     return _unfold_groups(out, h, n).to(q.dtype)
 

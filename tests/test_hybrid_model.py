@@ -57,7 +57,7 @@ def prefix_path(request, monkeypatch):
     rows = 10**9 if request.param == "matmul" else 0
     monkeypatch.setattr(attn, "MATMUL_PREFIX_MAX_ROWS", {torch.float32: rows, torch.bfloat16: rows})
     parts = 3 if request.param == "split" else 1
-    monkeypatch.setattr(attn, "kv_split_parts", lambda dtype, rows, keys: parts)
+    monkeypatch.setattr(attn, "kv_split_parts", lambda dtype, keys: parts)
     return request.param
 
 

@@ -3,8 +3,9 @@
 `LongSpecDraft` is the LongSpec one-block drafter: sliding-window self-attention over its own tokens,
 cross-attention into the target's last-layer post-RoPE K/V (GLIDE reads the top layers the same way),
 a SwiGLU MLP, and the target's frozen embedding and LM head (no final norm, as in LongSpec). Only the
-block is trained and checkpointed; the frozen parts are re-read from the target. The serving drafter
-(spyglass/drafters/longspec.py) can load these weights and run the same block over the KVCache.
+block is trained and checkpointed; the frozen parts are re-read from the target. `draft_logits` runs the
+same block at inference over a window cache and the target's KVCache, through the hybrid tree attention
+(`spyglass.attention`), for the serving drafter to wrap.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spyglass.attention import cross_attention, tree_attention
 from spyglass.models.llama import ModelArgs, RMSNorm, Transformer, apply_rope
 
 
@@ -173,6 +175,64 @@ class LongSpecDraft(nn.Module):
         o = F.scaled_dot_product_attention(qc, tk, tv, attn_mask=cmask.to(x.device), scale=1.0 / math.sqrt(c.head_dim))
         o = o.masked_fill(empty.to(x.device).view(1, 1, length, 1), 0.0)
         x = x + self.cross_o(o.transpose(1, 2).reshape(b, length, q_dim))
+
+        gate, up = self.w_gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        x = x + self.w_down(F.silu(gate) * up)
+        return self.lm_head(x.to(self.lm_head.weight.dtype)).float()
+
+    # --- inference: the same block over caches, through the hybrid tree attention ----------------------
+
+    @torch.inference_mode()
+    def window_kv(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Post-RoPE self-attention K/V `[kvh, n, D]` of committed tokens `[n]`. The block's first sub-layer
+        makes them a function of token and position only, so the draft's window cache needs nothing else."""
+        c = self.cfg
+        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        n = tokens.shape[0]
+        x = self.attn_norm(self.embed(tokens).to(self.wqkv.weight.dtype))
+        bias = self.wqkv.bias[q_dim:] if self.wqkv.bias is not None else None
+        kv = F.linear(x, self.wqkv.weight[q_dim:], bias)
+        cos, sin = self.rope(positions.unsqueeze(0), x.dtype)
+        k = apply_rope(kv[:, :kv_dim].view(n, c.n_kv_heads, c.head_dim), cos[0], sin[0])
+        return k.transpose(0, 1), kv[:, kv_dim:].view(n, c.n_kv_heads, c.head_dim).transpose(0, 1)
+
+    @torch.inference_mode()
+    def draft_logits(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        tree_mask: torch.Tensor | None,
+        window_k: torch.Tensor,
+        window_v: torch.Tensor,
+        target_k: torch.Tensor,
+        target_v: torch.Tensor,
+        backend: str = "auto",
+    ) -> torch.Tensor:
+        """fp32 logits `[n, vocab]` for n draft-tree tokens (tree_mask `[n, n]`, None = chain).
+
+        Self-attention: hybrid tree attention over the window cache (`window_kv` of the last committed tokens,
+        all visible) plus the tree under its mask. Cross-attention: every node sees the target's whole
+        committed last-layer K/V `[kvh, C, D]` (post-RoPE, e.g. a KVCache prefix view), so it is the hybrid's
+        unmasked prefix part alone. As in training, a node at depth d sees the target up to d + 1 tokens back.
+        """
+        c = self.cfg
+        n = tokens.shape[0]
+        dtype = self.wqkv.weight.dtype
+        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        cos, sin = self.rope(positions.unsqueeze(0), dtype)
+        cos, sin = cos[0], sin[0]
+        x = self.embed(tokens).to(dtype)
+        qkv = self.wqkv(self.attn_norm(x))
+        q = apply_rope(qkv[:, :q_dim].view(n, c.n_heads, c.head_dim), cos, sin).transpose(0, 1)
+        k = apply_rope(qkv[:, q_dim : q_dim + kv_dim].view(n, c.n_kv_heads, c.head_dim), cos, sin).transpose(0, 1)
+        v = qkv[:, q_dim + kv_dim :].view(n, c.n_kv_heads, c.head_dim).transpose(0, 1)
+        a = tree_attention(q, window_k.to(dtype), window_v.to(dtype), k, v, tree_mask, backend=backend)
+        x = x + self.wo(a.transpose(0, 1).reshape(n, q_dim))
+
+        qc = self.cross_q(self.cross_norm(x)).view(n, c.n_heads, c.head_dim)
+        qc = apply_rope(qc, cos, sin).transpose(0, 1)
+        o = cross_attention(qc, target_k.to(dtype), target_v.to(dtype), backend=backend)
+        x = x + self.cross_o(o.transpose(0, 1).reshape(n, q_dim))
 
         gate, up = self.w_gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         x = x + self.w_down(F.silu(gate) * up)

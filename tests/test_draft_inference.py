@@ -1,0 +1,93 @@
+"""The LongSpec draft block at inference (window cache + the target's KVCache, hybrid tree attention) computes
+what its training forward (SDPA over the whole sequence, lagged cross-attention mask) computes.
+
+A chain of n draft tokens after C committed ones: node d (position C + d) sees the target's K/V up to C - 1,
+which is the training forward's cross mask with lag d + 1, so row d must equal that forward at C + d. Tiny
+random target and draft, fp32; tolerance 1e-4 on logits of magnitude ~1.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spyglass.models.llama import load_transformer
+from spyglass.training.draft_models import LongSpecDraft
+from spyglass.tree import DraftTree
+
+LENGTH, COMMITTED = 40, 36
+
+
+@pytest.fixture(scope="module")
+def target_and_kv(tiny_dir):
+    """Tiny target, a random sequence, and the target's last-layer K/V for it (from the KVCache, post-RoPE)."""
+    target = load_transformer(tiny_dir["llama"])
+    tokens = torch.randint(3, target.args.vocab_size, (LENGTH,), generator=torch.Generator().manual_seed(0))
+    cache = target.new_cache(LENGTH + 8, 1)
+    slot = cache.allocate()
+    target.prefill(cache, slot, tokens)
+    k, v = cache.layer(slot, target.args.n_layers - 1)
+    return target, tokens, k[:, :LENGTH].clone(), v[:, :LENGTH].clone()
+
+
+def make_draft(target, window: int) -> LongSpecDraft:
+    torch.manual_seed(1)
+    draft = LongSpecDraft.from_target(target, window=window, init_std=0.2)  # larger init: non-flat logits
+    return draft.eval()
+
+
+def training_logits(draft, tokens, k, v, lag: int) -> torch.Tensor:
+    with torch.no_grad():
+        positions = torch.arange(tokens.shape[0]).unsqueeze(0)
+        return draft(tokens.unsqueeze(0), positions, k.unsqueeze(0), v.unsqueeze(0), lag=lag)[0]
+
+
+def test_chain_equals_training_forward(target_and_kv):
+    target, tokens, k, v = target_and_kv
+    draft = make_draft(target, window=64)  # the window covers the whole sequence
+    positions = torch.arange(LENGTH)
+    wk, wv = draft.window_kv(tokens[:COMMITTED], positions[:COMMITTED])
+    got = draft_chain(draft, tokens, positions, wk, wv, k, v)
+    assert got.shape == (LENGTH - COMMITTED, target.args.vocab_size)
+    for d in range(LENGTH - COMMITTED):
+        want = training_logits(draft, tokens, k, v, lag=d + 1)[COMMITTED + d]
+        assert torch.allclose(got[d], want, atol=1e-4, rtol=1e-4), f"depth {d}: {(got[d] - want).abs().max():.3g}"
+    assert got.std() > 0.1, "flat logits would make the comparison weak"
+
+
+def draft_chain(draft, tokens, positions, wk, wv, k, v, backend: str = "cpu") -> torch.Tensor:
+    return draft.draft_logits(
+        tokens[COMMITTED:], positions[COMMITTED:], None, wk, wv, k[:, :COMMITTED], v[:, :COMMITTED], backend
+    )
+
+
+def test_root_with_a_sliding_window(target_and_kv):
+    """With a window shorter than the context, the cache holds the last window - 1 committed tokens, so the
+    root (the token after them) sees exactly the training forward's window."""
+    target, tokens, k, v = target_and_kv
+    window = 16
+    draft = make_draft(target, window=window)
+    positions = torch.arange(LENGTH)
+    lo = COMMITTED - (window - 1)
+    wk, wv = draft.window_kv(tokens[lo:COMMITTED], positions[lo:COMMITTED])
+    got = draft_chain(draft, tokens, positions, wk, wv, k, v)[0]
+    want = training_logits(draft, tokens, k, v, lag=1)[COMMITTED]
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), f"max diff {(got - want).abs().max():.3g}"
+    wider = draft.window_kv(tokens[lo - 4 : COMMITTED], positions[lo - 4 : COMMITTED])
+    assert not torch.allclose(draft_chain(draft, tokens, positions, *wider, k, v)[0], want, atol=1e-4)
+
+
+def test_tree_hybrid_equals_reference(target_and_kv):
+    """A branching draft tree through the hybrid ("cpu") and the naive ("reference") attention."""
+    target, tokens, k, v = target_and_kv
+    draft = make_draft(target, window=64)
+    tree = DraftTree(tokens[COMMITTED - 7 : COMMITTED].clone(), [-1, 0, 0, 1, 1, 2, 5])
+    wk, wv = draft.window_kv(tokens[:COMMITTED], torch.arange(COMMITTED))
+    args = (tree.tokens, tree.positions(COMMITTED), tree.mask(), wk, wv, k[:, :COMMITTED], v[:, :COMMITTED])
+    hybrid = draft.draft_logits(*args, backend="cpu")
+    reference = draft.draft_logits(*args, backend="reference")
+    assert torch.allclose(hybrid, reference, atol=1e-4, rtol=1e-4), f"max diff {(hybrid - reference).abs().max():.3g}"
+    chain_root = draft.draft_logits(tree.tokens[:1], tree.positions(COMMITTED)[:1], None, *args[3:], backend="cpu")
+    assert torch.allclose(hybrid[0], chain_root[0], atol=1e-5), "the root sees no other tree node"
+    siblings = hybrid[1], hybrid[2]  # same parent, different tokens: distinct rows
+    assert not torch.allclose(*siblings)

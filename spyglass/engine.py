@@ -60,6 +60,7 @@ class SpecEngine:
         self.tokenizer = tokenizer
         self.capacity = self.config.max_context or min(target.args.max_position, 8192)
         self.cache = target.new_cache(self.capacity, self.config.max_batch)
+        self.drafter.bind(target, self.cache)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.eos_ids = set(target.args.eos_token_ids)

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from spyglass.sequence import Sequence
 from spyglass.tree import DraftTree
 from spyglass.verify import Accepted
 
+if TYPE_CHECKING:
+    from spyglass.kv_cache import KVCache
+    from spyglass.models.llama import Transformer
+
 
 @runtime_checkable
 class Drafter(Protocol):
     name: str
+
+    def bind(self, target: Transformer, cache: KVCache) -> None:
+        """Called once by the engine with its target and KVCache, for drafters that read the target's K/V in
+        place (LongSpec, GLIDE: `cache.prefix(seq.slot, layer)` is the committed K/V, no copy)."""
 
     def start(self, seq: Sequence) -> None:
         """Called once after the target's prefill (the sequence holds the prompt and its first token)."""
@@ -33,6 +41,9 @@ class StatelessDrafter:
     """Defaults for drafters that keep no per-sequence state."""
 
     name = "stateless"
+
+    def bind(self, target: Transformer, cache: KVCache) -> None:
+        pass
 
     def start(self, seq: Sequence) -> None:
         pass

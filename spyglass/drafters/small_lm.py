@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spyglass.kv_cache import KVCache
 from spyglass.models.llama import Segment, Transformer
 from spyglass.sampling import presence_rows, process, sample
 from spyglass.sequence import Sequence
@@ -33,6 +34,9 @@ class SmallLMDrafter:
         self.draft = draft
         self.gamma = gamma
         self.cache = draft.new_cache(max_context, max_batch)
+
+    def bind(self, target: Transformer, cache: KVCache) -> None:
+        """The draft keeps its own model and cache."""
 
     def start(self, seq: Sequence) -> None:
         gen = None

@@ -176,6 +176,10 @@ class LongSpecDraft(nn.Module):
         o = o.masked_fill(empty.to(x.device).view(1, 1, length, 1), 0.0)
         x = x + self.cross_o(o.transpose(1, 2).reshape(b, length, q_dim))
 
+        return self.mlp_logits(x)
+
+    def mlp_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's last sub-layer and the shared LM head: fp32 logits."""
         gate, up = self.w_gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         x = x + self.w_down(F.silu(gate) * up)
         return self.lm_head(x.to(self.lm_head.weight.dtype)).float()
@@ -234,9 +238,7 @@ class LongSpecDraft(nn.Module):
         o = cross_attention(qc, target_k.to(dtype), target_v.to(dtype), backend=backend)
         x = x + self.cross_o(o.transpose(0, 1).reshape(n, q_dim))
 
-        gate, up = self.w_gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
-        x = x + self.w_down(F.silu(gate) * up)
-        return self.lm_head(x.to(self.lm_head.weight.dtype)).float()
+        return self.mlp_logits(x)
 
 
 DRAFT_MODELS = {"longspec": LongSpecDraft}

@@ -25,12 +25,13 @@ def _add_generate(sub) -> None:
     src.add_argument("--demo", action="store_true", help="the built-in long-context code-editing task")
     p.add_argument("--model", default=None, help="local HF directory or .gguf file (default: embedded SmolLM2)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--method", default="ngram", help="ar | ngram | small-lm (default ngram)")
+    p.add_argument("--method", default="ngram", help="ar | ngram | small-lm | longspec (default ngram)")
     p.add_argument("--draft-model", default=None, help="small-lm: draft model source (same tokenizer)")
     p.add_argument(
         "--draft-layers", type=int, default=None, help="small-lm without --draft-model: use the target's first N layers"
     )
-    p.add_argument("--gamma", type=int, default=None, help="small-lm: tokens drafted per step")
+    p.add_argument("--draft-checkpoint", default=None, help="longspec: a trained draft (trainer checkpoint dir)")
+    p.add_argument("--gamma", type=int, default=None, help="small-lm, longspec: tokens drafted per step")
     p.add_argument("--ngram-min", type=int, default=None)
     p.add_argument("--ngram-max", type=int, default=None)
     p.add_argument("--draft-len", type=int, default=None, help="ngram: tokens per candidate")
@@ -145,6 +146,7 @@ def _run_generate(args) -> int:
             draft_len=args.draft_len,
             max_candidates=args.max_candidates,
             draft_model=draft_model,
+            draft_checkpoint=args.draft_checkpoint,
             gamma=args.gamma,
         )
         engine = SpecEngine(target, drafter, config, tokenizer)

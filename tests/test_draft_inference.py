@@ -11,10 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spyglass.drafters.base import StatelessDrafter
-from spyglass.engine import EngineConfig, SpecEngine, plain_generate
 from spyglass.models.llama import load_transformer
-from spyglass.sampling import SamplingParams
 from spyglass.training.draft_models import LongSpecDraft
 from spyglass.tree import DraftTree
 
@@ -94,52 +91,3 @@ def test_tree_hybrid_equals_reference(target_and_kv):
     assert torch.allclose(hybrid[0], chain_root[0], atol=1e-5), "the root sees no other tree node"
     siblings = hybrid[1], hybrid[2]  # same parent, different tokens: distinct rows
     assert not torch.allclose(*siblings)
-
-
-class LongSpecChainDrafter(StatelessDrafter):
-    """Test drafter: a greedy chain from an untrained LongSpec block that reads the engine's target KVCache in
-    place through `bind`, with its window cache recomputed each step (the serving drafter will keep one)."""
-
-    name = "test-longspec-chain"
-
-    def __init__(self, draft: LongSpecDraft, gamma: int = 3) -> None:
-        self.draft, self.gamma = draft, gamma
-        self.views_in_place: list[bool] = []
-        self.lengths_ok: list[bool] = []
-
-    def bind(self, target, cache) -> None:
-        self.cache, self.layer = cache, target.args.n_layers - 1
-
-    def propose(self, batch):
-        trees = []
-        for seq in batch:
-            committed = self.cache.lengths[seq.slot]
-            self.lengths_ok.append(committed == seq.num_tokens - 1)  # everything but the root is in the cache
-            tk, tv = self.cache.prefix(seq.slot, self.layer)
-            self.views_in_place.append(tk.data_ptr() == self.cache.layer(seq.slot, self.layer)[0].data_ptr())
-            lo = max(0, committed - (self.draft.cfg.window - 1))
-            wk, wv = self.draft.window_kv(seq.tokens[lo:committed], torch.arange(lo, committed))
-            chain = [int(seq.root)]
-            for _ in range(self.gamma):
-                logits = self.draft.draft_logits(
-                    torch.tensor(chain), torch.arange(committed, committed + len(chain)), None, wk, wv, tk, tv
-                )
-                chain.append(int(logits[-1].argmax()))
-            trees.append(DraftTree.chain(chain[0], chain[1:]))
-        return trees
-
-
-def test_engine_serves_a_draft_that_reads_the_target_cache(tiny_dir):
-    """Through the engine (batch 2): the drafter gets the live KVCache via `bind`, reads each sequence's
-    committed last-layer K/V as views, and the greedy output equals plain decoding."""
-    target = load_transformer(tiny_dir["llama"])
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, target.args.vocab_size, (n,), generator=g).tolist() for n in (30, 45)]
-    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    drafter = LongSpecChainDrafter(make_draft(target, window=16))
-    engine = SpecEngine(target, drafter, EngineConfig(max_batch=2, max_context=128))
-    got = [s.output_ids for s in engine.run(prompts, params)]
-    want = [plain_generate(target, p, params) for p in prompts]
-    assert got == want
-    assert drafter.views_in_place and all(drafter.views_in_place)
-    assert all(drafter.lengths_ok)

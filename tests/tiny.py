@@ -49,3 +49,20 @@ def make_tiny_model(
         raise ValueError(family)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def layer_copy_draft(target, window: int = 512, cross_std: float = 0.01):
+    """A LongSpec draft whose block is the target's first layer, with a small random cross-attention: untrained,
+    yet it agrees with the target often (HF's random init leaves RMSNorm weights at 1, so skipping the final norm
+    keeps the argmax), so lossless tests exercise acceptance."""
+    from torch import nn
+
+    from spyglass.training.draft_models import LongSpecDraft
+
+    a = target.args
+    draft = LongSpecDraft.from_target(target, window=window, qkv_bias=a.qkv_bias, intermediate_size=a.intermediate_size)
+    with torch.no_grad():
+        for name in ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down"):
+            getattr(draft, name).load_state_dict(getattr(target.layers[0], name).state_dict())
+        nn.init.normal_(draft.cross_o.weight, std=cross_std)
+    return draft.eval()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from spyglass.drafters.base import Drafter, NullDrafter
 
-METHODS = ("ar", "ngram", "small-lm")
+METHODS = ("ar", "ngram", "small-lm", "longspec")
 
 
 def build_drafter(method: str, target, *, max_batch: int = 4, max_context: int = 8192, **options) -> Drafter | None:
@@ -24,6 +24,13 @@ def build_drafter(method: str, target, *, max_batch: int = 4, max_context: int =
             raise ValueError("method small-lm needs a draft model (--draft-model)")
         gamma = options.get("gamma") or 4
         return SmallLMDrafter(draft, gamma=gamma, max_batch=max_batch, max_context=max_context)
+    if method == "longspec":
+        from spyglass.drafters.longspec import LongSpecDrafter, load_longspec_draft
+
+        checkpoint = options.get("draft_checkpoint")
+        if checkpoint is None:
+            raise ValueError("method longspec needs a trained draft (--draft-checkpoint DIR)")
+        return LongSpecDrafter(load_longspec_draft(checkpoint, target), gamma=options.get("gamma") or 4)
     raise ValueError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
 
 

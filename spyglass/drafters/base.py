@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+import torch
+
+from spyglass.sampling import presence_rows, process, sample
 from spyglass.sequence import Sequence
 from spyglass.tree import DraftTree
 from spyglass.verify import Accepted
@@ -65,3 +68,19 @@ class NullDrafter(StatelessDrafter):
 
     def propose(self, batch: list[Sequence]) -> list[DraftTree]:
         return [DraftTree.root_only(s.root) for s in batch]
+
+
+def choose_draft_token(
+    seq: Sequence, drafted: list[int], logits: torch.Tensor, generator: torch.Generator | None
+) -> tuple[int, torch.Tensor]:
+    """The next chain token from draft logits `[1, V]` under the sequence's sampling parameters (penalties see
+    the history plus the tokens drafted so far): the argmax when greedy, else a sample. Returns the token and
+    the processed row, which is the proposal distribution the verifier's rejection step needs."""
+    presence = None
+    if seq.params.repetition_penalty != 1.0:
+        history = torch.cat([seq.tokens, torch.tensor(drafted, dtype=torch.long)])
+        presence = presence_rows(history, logits.shape[-1], 1)
+    row = process(logits, seq.params, presence)[0]
+    if seq.params.greedy:
+        return int(row.argmax()), row
+    return sample(row, generator), row

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from spyglass.drafters.base import choose_draft_token
 from spyglass.kv_cache import KVCache
 from spyglass.models.llama import Segment, Transformer
-from spyglass.sampling import presence_rows, process, sample
 from spyglass.sequence import Sequence
 from spyglass.tree import DraftTree
 from spyglass.verify import Accepted
@@ -64,7 +64,7 @@ class SmallLMDrafter:
             logits = self.draft(segments, self.cache)
             for i, (seq, st, seg, lg) in enumerate(zip(batch, states, segments, logits, strict=True)):
                 self.cache.commit(st.slot, seg.start, list(range(len(seg.tokens))))
-                tok, dist = self._choose(seq, drafted[i], lg, st.generator)
+                tok, dist = choose_draft_token(seq, drafted[i], lg, st.generator)
                 drafted[i].append(tok)
                 dists[i].append(dist)
                 feeds[i] = torch.tensor([tok])
@@ -75,16 +75,6 @@ class SmallLMDrafter:
                 probs = torch.stack([torch.zeros_like(ds[0]), *ds])
             trees.append(DraftTree.chain(seq.root, toks, probs))
         return trees
-
-    def _choose(self, seq: Sequence, drafted: list[int], logits: torch.Tensor, gen) -> tuple[int, torch.Tensor]:
-        presence = None
-        if seq.params.repetition_penalty != 1.0:
-            history = torch.cat([seq.tokens, torch.tensor(drafted, dtype=torch.long)])
-            presence = presence_rows(history, logits.shape[-1], 1)
-        row = process(logits, seq.params, presence)[0]
-        if seq.params.greedy:
-            return int(row.argmax()), row
-        return sample(row, gen), row
 
     def commit(self, seq: Sequence, accepted: Accepted) -> None:
         # The draft cache holds the sequence up to the root plus drafted tokens 1..gamma-1; keep the

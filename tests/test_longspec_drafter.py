@@ -1,0 +1,111 @@
+"""The LongSpec serving drafter: lossless through the engine, constant memory, trainer checkpoints load, bad
+checkpoints are refused with a clear error. (Sampling fidelity is in test_sampling_fidelity.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from spyglass.cli import main
+from spyglass.drafters import build_drafter
+from spyglass.drafters.longspec import LongSpecDrafter, load_longspec_draft
+from spyglass.engine import EngineConfig, SpecEngine, plain_generate
+from spyglass.sampling import SamplingParams
+from tests.test_engine_identity import make_prompts
+from tests.tiny import layer_copy_draft
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_new_tokens=32, ignore_eos=True),
+        SamplingParams(max_new_tokens=24, repetition_penalty=1.3, ignore_eos=True),
+    ],
+    ids=["plain", "rep-penalty"],
+)
+def test_greedy_identity_batch1_and_batch4(tiny_target, params):
+    prompts = make_prompts(tiny_target.args.vocab_size, 12, seed=7)
+    reference = [plain_generate(tiny_target, p, params) for p in prompts]
+    for batch in (1, 4):
+        drafter = LongSpecDrafter(layer_copy_draft(tiny_target), gamma=4)
+        engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=batch, max_context=512))
+        assert drafter.cache is engine.cache  # bound: cross-attention reads the live target cache in place
+        seqs = engine.run(prompts, params)
+        for i, (seq, ref) in enumerate(zip(seqs, reference, strict=True)):
+            assert seq.output_ids == ref, f"batch {batch} prompt {i} differs"
+        taus = [s.stats.summary(s.num_generated)["tau"] for s in seqs]
+        assert max(taus) > 1.0, "nothing was ever accepted"
+        assert engine.cache.free_slots == batch and all(s.drafter_state is None for s in seqs)
+
+
+def test_memory_is_constant_in_the_context(tiny_target):
+    """The ring holds window - 1 tokens' K/V whatever the prompt length; it fills up, then stays."""
+    window = 16
+    drafter = LongSpecDrafter(layer_copy_draft(tiny_target, window=window), gamma=3)
+    engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=2, max_context=512))
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    sizes, fills = [], []
+    for n in (5, 300):
+        seq = engine.add_request([3 + i % 100 for i in range(n)], params)
+        while not seq.finished:
+            engine.step()
+            if seq.drafter_state is not None:
+                sizes.append(drafter.state_bytes(seq))
+                fills.append(seq.drafter_state.filled)
+    a = tiny_target.args
+    assert set(sizes) == {2 * a.n_kv_heads * (window - 1) * a.head_dim * 4}
+    assert max(fills) == window - 1 and min(fills) < window - 1
+
+
+def save_checkpoint(draft, root):
+    """The trainer's checkpoint layout (actors/trainer.py): draft_config.json + the trainable weights."""
+    root.mkdir(parents=True)
+    (root / "draft_config.json").write_text(json.dumps({"kind": "longspec", **draft.cfg.to_dict()}))
+    save_file({k: v.contiguous() for k, v in draft.trainable_state_dict().items()}, str(root / "draft.safetensors"))
+
+
+def test_checkpoint_round_trip(tiny_target, tmp_path):
+    draft = layer_copy_draft(tiny_target, window=32)
+    save_checkpoint(draft, tmp_path / "ckpt")
+    loaded = load_longspec_draft(tmp_path / "ckpt", tiny_target)
+    assert loaded.cfg == draft.cfg
+    for name, p in draft.trainable_state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], p), name
+    drafter = build_drafter("longspec", tiny_target, draft_checkpoint=str(tmp_path / "ckpt"), gamma=2)
+    assert isinstance(drafter, LongSpecDrafter) and drafter.gamma == 2
+
+
+def test_bad_checkpoints_are_refused(tiny_target, tmp_path):
+    with pytest.raises(ValueError, match="not a draft checkpoint"):
+        load_longspec_draft(tmp_path, tiny_target)
+    with pytest.raises(ValueError, match="needs a trained draft"):
+        build_drafter("longspec", tiny_target)
+    root = tmp_path / "ckpt"
+    save_checkpoint(layer_copy_draft(tiny_target), root)
+    good = (root / "draft_config.json").read_text()
+
+    def edit_config(**changes) -> None:
+        (root / "draft_config.json").write_text(json.dumps({**json.loads(good), **changes}))
+
+    edit_config(kind="dflash")
+    with pytest.raises(ValueError, match="'dflash' draft"):
+        load_longspec_draft(root, tiny_target)
+    edit_config(hidden_size=tiny_target.args.hidden_size + 8)
+    with pytest.raises(ValueError, match="does not fit the target"):
+        load_longspec_draft(root, tiny_target)
+    edit_config()
+    save_file({"wqkv.weight": torch.zeros(3, 3)}, str(root / "draft.safetensors"))
+    with pytest.raises(ValueError, match="wqkv"):
+        load_longspec_draft(root, tiny_target)
+    save_file({}, str(root / "draft.safetensors"))
+    with pytest.raises(ValueError, match="missing"):
+        load_longspec_draft(root, tiny_target)
+
+
+def test_cli_without_checkpoint_is_a_clear_error(capsys):
+    assert main(["generate", "--prompt", "hi", "--method", "longspec", "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("spyglass: error:") and "--draft-checkpoint" in err

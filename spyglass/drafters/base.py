@@ -84,3 +84,13 @@ def choose_draft_token(
     if seq.params.greedy:
         return int(row.argmax()), row
     return sample(row, generator), row
+
+
+def draft_generator(seq: Sequence) -> torch.Generator | None:
+    """The drafter's own random stream for a sampled sequence, seeded from the sequence's, so a seeded request
+    drafts (and so runs) the same way twice; None when greedy."""
+    if seq.generator is None:
+        return None
+    gen = torch.Generator()
+    gen.manual_seed(int(torch.randint(0, 2**62, (), generator=seq.generator)))
+    return gen

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from spyglass.drafters.base import choose_draft_token
+from spyglass.drafters.base import choose_draft_token, draft_generator
 from spyglass.kv_cache import KVCache
 from spyglass.models.llama import Transformer
 from spyglass.sequence import Sequence
@@ -78,13 +78,9 @@ class LongSpecDrafter:
 
     def start(self, seq: Sequence) -> None:
         c = self.draft.cfg
-        gen = None
-        if seq.generator is not None:
-            gen = torch.Generator()
-            gen.manual_seed(int(torch.randint(0, 2**62, (), generator=seq.generator)))
         dtype = self.draft.wqkv.weight.dtype
         empty = torch.empty(c.n_kv_heads, self.ring, c.head_dim, dtype=dtype)
-        seq.drafter_state = _Window(empty, torch.empty_like(empty), 0, 0, gen)
+        seq.drafter_state = _Window(empty, torch.empty_like(empty), 0, 0, draft_generator(seq))
 
     def _sync(self, seq: Sequence, w: _Window, committed: int) -> None:
         """Push the committed tokens the ring has not seen (only the last `ring` of them matter)."""

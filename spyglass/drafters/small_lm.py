@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spyglass.drafters.base import choose_draft_token
+from spyglass.drafters.base import choose_draft_token, draft_generator
 from spyglass.kv_cache import KVCache
 from spyglass.models.llama import Segment, Transformer
 from spyglass.sequence import Sequence
@@ -39,11 +39,7 @@ class SmallLMDrafter:
         """The draft keeps its own model and cache."""
 
     def start(self, seq: Sequence) -> None:
-        gen = None
-        if seq.generator is not None:
-            gen = torch.Generator()
-            gen.manual_seed(int(torch.randint(0, 2**62, (), generator=seq.generator)))
-        state = _DraftState(self.cache.allocate(), gen)
+        state = _DraftState(self.cache.allocate(), draft_generator(seq))
         seq.drafter_state = state
         # The draft holds every token but the root; the root is fed with the next proposal.
         self.draft.prefill(self.cache, state.slot, seq.tokens[:-1].clone())

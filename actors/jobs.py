@@ -98,7 +98,8 @@ def train_command(args) -> int:
     from actors.trainer import run_training
 
     _logging()
-    cfg = load_config(args.config, args.set, args.workdir)
+    overrides = [*args.set, "train.diagnose=true"] if getattr(args, "diagnose", False) else args.set
+    cfg = load_config(args.config, overrides, args.workdir)
     validate(cfg)
     ensure_ray()
     out: dict[str, Any] = {}

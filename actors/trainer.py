@@ -50,6 +50,10 @@ class TrainSpec:
     seed: int = 42
     lag: tuple[int, int] = (1, 4)
     distill_weight: float = 0.0
+    soft_distill: bool = False  # distil the target's top-k log-probs (KL) rather than its top-1
+    all_lags: bool = False  # train every lag in `lag` each step instead of one drawn per step
+    lag_weights: list[float] | None = None
+    diagnose: bool = False  # at each checkpoint: top-1 agreement with the target by lag on the eval split
     threads: int = 1
     split: str = "train"
     deepspeed: dict | None = None  # e.g. {"zero_stage": 2, "config": {...extra DeepSpeed keys}}
@@ -115,22 +119,44 @@ class ShardDataset:
 
 @torch.no_grad()
 def evaluate(model, loss_fn, data: ShardDataset | None, spec: TrainSpec, rank: int, world: int, dist) -> dict:
-    """Mean loss and top-1 agreement over the held-out split (rank r takes contexts r::world), at the smallest lag."""
+    """Over the held-out split (rank r takes contexts r::world): loss and top-1 agreement with the target at the
+    smallest lag, and the agreement at every lag of the range (`eval_agree_lag{l}`: what depth l - 1 of a chain
+    can expect)."""
     if data is None:
         return {}
     idx = list(range(rank, data.n, world))
     chunk = max(1, spec.batch_size // world)
-    sums = torch.zeros(3, dtype=torch.float64)  # loss*n, agreement*n, n
+    lags = tuple(range(spec.lag[0], spec.lag[1] + 1))
+    sums = torch.zeros(2 + len(lags), dtype=torch.float64)  # loss*n, agreement*n per lag, n
     for i in range(0, len(idx), chunk):
         batch = {k: v[idx[i : i + chunk]] for k, v in data.data.items()}
+        n = len(idx[i : i + chunk])
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec.dtype == "bfloat16"):
             loss, metrics = loss_fn(model, batch, spec.lag[0])
-        n = len(idx[i : i + chunk])
-        sums += torch.tensor([loss.item() * n, float(metrics["top1_agreement"]) * n, n], dtype=torch.float64)
+            row = [loss.item() * n, float(metrics["top1_agreement"]) * n]
+            for lg in lags[1:]:
+                row.append(float(loss_fn(model, batch, lg)[1]["top1_agreement"]) * n)
+        sums += torch.tensor([*row, n], dtype=torch.float64)
     if world > 1:
         dist.all_reduce(sums)
-    n = max(1.0, float(sums[2]))
-    return {"eval_loss": float(sums[0]) / n, "eval_top1_agreement": float(sums[1]) / n, "eval_contexts": int(sums[2])}
+    n = max(1.0, float(sums[-1]))
+    out = {"eval_loss": float(sums[0]) / n, "eval_top1_agreement": float(sums[1]) / n, "eval_contexts": int(sums[-1])}
+    out.update({f"eval_agree_lag{lg}": float(sums[1 + j]) / n for j, lg in enumerate(lags)})
+    return out
+
+
+def diagnose_line(step: int, record: dict) -> str:
+    """The `--diagnose` report: agreement by lag on the eval split (lag l = what chain depth l - 1 drafts from)."""
+    lags = sorted(int(k.removeprefix("eval_agree_lag")) for k in record if k.startswith("eval_agree_lag"))
+    by_lag = "  ".join(f"lag {lg}: {record[f'eval_agree_lag{lg}']:.3f}" for lg in lags)
+    return f"diagnose step {step}: eval top-1 agreement with the target by lag  {by_lag}"
+
+
+def rank_vocab(tokens: torch.Tensor, size: int, vocab: int) -> torch.Tensor:
+    """The `size` most frequent token ids of the training contexts (ties by id), for a reduced draft head."""
+    counts = torch.bincount(tokens.flatten(), minlength=vocab).double()
+    counts -= torch.arange(vocab, dtype=torch.float64) * 1e-9  # deterministic tie-break
+    return counts.topk(size).indices.sort().values
 
 
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
@@ -158,7 +184,13 @@ def _train_loop(config: dict[str, Any]) -> None:
     kv_layer = manifest["kv_layers"][-1]
 
     loss_fn = LOSSES[spec.draft](
-        kv_layer=kv_layer, lag_min=spec.lag[0], lag_max=spec.lag[1], distill_weight=spec.distill_weight
+        kv_layer=kv_layer,
+        lag_min=spec.lag[0],
+        lag_max=spec.lag[1],
+        distill_weight=spec.distill_weight,
+        soft_distill=spec.soft_distill,
+        all_lags=spec.all_lags,
+        lag_weights=spec.lag_weights,
     )
     data = ShardDataset(extract_dir, loss_fn.required_keys())
     eval_dir = extract_dir.parent / spec.eval_split
@@ -169,6 +201,8 @@ def _train_loop(config: dict[str, Any]) -> None:
     torch.manual_seed(spec.seed)  # identical initial weights on every rank
     draft = DRAFT_MODELS[spec.draft].from_target(target, **spec.draft_options)
     del target
+    if getattr(draft.cfg, "draft_vocab", 0):
+        draft.set_vocab(rank_vocab(data.data["tokens"], draft.cfg.draft_vocab, draft.cfg.vocab_size))
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(spec))
@@ -179,6 +213,8 @@ def _train_loop(config: dict[str, Any]) -> None:
         state = json.loads((resume / "trainer_state.json").read_text())
         start_step = state["step"]
         draft.load_state_dict(load_file(str(resume / "draft.safetensors")), strict=False)
+        if getattr(draft.cfg, "draft_vocab", 0):
+            draft.set_vocab(draft.vocab_ids.clone())
 
     engine = None
     if spec.deepspeed is not None:
@@ -241,6 +277,7 @@ def _train_loop(config: dict[str, Any]) -> None:
             dist.all_reduce(vals)
             vals /= world
         record = {"step": step + 1, "loss": float(vals[0])}
+        lag = list(lag) if isinstance(lag, tuple) else lag
         record.update({k: float(v) for k, v in zip(metrics, vals[1:].tolist(), strict=True)})
         record.update(
             {
@@ -252,13 +289,20 @@ def _train_loop(config: dict[str, Any]) -> None:
                 "world": world,
             }
         )
-        if step + 1 == spec.steps or (spec.eval_every and (step + 1) % spec.eval_every == 0):
+        at_checkpoint = (step + 1) % spec.checkpoint_every == 0
+        if (
+            step + 1 == spec.steps
+            or (spec.eval_every and (step + 1) % spec.eval_every == 0)
+            or (spec.diagnose and at_checkpoint)
+        ):
             record.update(evaluate(model, loss_fn, eval_data, spec, rank, world, dist))
+            if spec.diagnose and rank == 0 and eval_data is not None:
+                print(diagnose_line(step + 1, record), flush=True)
         if rank == 0:
             with log_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
             bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.3f}", agree=f"{record['top1_agreement']:.3f}")
+            bar.set_postfix(loss=f"{record['loss']:.3f}", agree=f"{record['top1_agreement']:.3f}", refresh=False)
         checkpoint = None
         if (step + 1) % spec.checkpoint_every == 0 or step + 1 == spec.steps:
             checkpoint = _save_checkpoint(ckpt_root, step + 1, draft, opt, sched, engine, spec, rank, world, dist)

@@ -225,6 +225,11 @@ def _add_training(sub) -> None:
         p.add_argument("--workdir", default=None, help="output directory (overrides the config's workdir)")
         if name == "train":
             p.add_argument("--skip-extract", action="store_true", help="train on existing shards only")
+            p.add_argument(
+                "--diagnose",
+                action="store_true",
+                help="after each checkpoint, print the draft's top-1 agreement with the target by lag (eval split)",
+            )
 
 
 def _run_training_command(args) -> int:

@@ -35,6 +35,8 @@ class LongSpecDraftConfig:
     window: int = 512
     qkv_bias: bool = True
     init_std: float = 0.02
+    draft_vocab: int = 0  # > 0: the head scores only this many frequency-ranked tokens (FR-Spec); 0 = all
+    init_layer: int | None = None  # copy the self-attention and MLP of this target layer instead of random init
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -111,9 +113,14 @@ class LongSpecDraft(nn.Module):
                     nn.init.zeros_(m.bias)
         # Frozen, shared with the target (not part of checkpoints).
         self.embed = embed
-        self.lm_head = lm_head
+        self.full_head = lm_head
         for p in (*embed.parameters(), *lm_head.parameters()):
             p.requires_grad_(False)
+        # The reduced head: rows `vocab_ids` of the shared head (set_vocab); the ids ship in the checkpoint.
+        self.register_buffer("vocab_ids", torch.arange(cfg.draft_vocab or cfg.vocab_size), persistent=True)
+        self.lm_head = lm_head if not cfg.draft_vocab else nn.Linear(cfg.hidden_size, cfg.draft_vocab, bias=False)
+        if cfg.draft_vocab:
+            self.set_vocab(self.vocab_ids)
         self.register_buffer("inv_freq", inv_freq.clone().float(), persistent=False)
         self.rope_scaling = rope_scaling
 
@@ -127,11 +134,44 @@ class LongSpecDraft(nn.Module):
             head.weight = embed.weight
         else:
             head.weight = nn.Parameter(target.lm_head.weight.detach().clone().float(), requires_grad=False)
-        return cls(cfg, embed, head, target.inv_freq, target.rope_scaling)
+        draft = cls(cfg, embed, head, target.inv_freq, target.rope_scaling)
+        if cfg.init_layer is not None:
+            layer = target.layers[cfg.init_layer]
+            with torch.no_grad():
+                for name in ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down"):
+                    src = getattr(layer, name).state_dict()
+                    if all(src[k].shape == v.shape for k, v in getattr(draft, name).state_dict().items() if k in src):
+                        getattr(draft, name).load_state_dict(src, strict=False)
+        return draft
+
+    def set_vocab(self, ids: torch.Tensor) -> None:
+        """Score only the target tokens `ids` (most frequent first): the head becomes those rows of the shared
+        head. Tokens outside are never proposed, which costs acceptance only when the target picks one."""
+        if not self.cfg.draft_vocab or ids.shape != (self.cfg.draft_vocab,):
+            raise ValueError(f"vocab ids must have shape ({self.cfg.draft_vocab},) for this draft")
+        self.vocab_ids.copy_(ids)
+        w = self.full_head.weight.detach()[ids.to(self.full_head.weight.device)].clone()
+        self.lm_head.weight = nn.Parameter(w, requires_grad=False)
+
+    def full_to_draft_ids(self) -> torch.Tensor:
+        """`[vocab]` map from a target token id to its row in the draft head, -1 when not scored."""
+        table = torch.full((self.cfg.vocab_size,), -1, dtype=torch.long)
+        table[self.vocab_ids] = torch.arange(self.vocab_ids.shape[0])
+        return table
+
+    def to_full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-head logits `[..., Vd]` as target-vocab logits (unscored tokens at -inf)."""
+        if not self.cfg.draft_vocab:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.cfg.vocab_size), float("-inf"))
+        full[..., self.vocab_ids] = logits
+        return full
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """Only the draft block: what checkpoints hold."""
+        """Only the draft block (and the reduced head's token ids): what checkpoints hold."""
         names = {n for n, p in self.named_parameters() if p.requires_grad}
+        if self.cfg.draft_vocab:
+            names.add("vocab_ids")
         return {k: v for k, v in self.state_dict().items() if k in names}
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,9 +188,10 @@ class LongSpecDraft(nn.Module):
         positions: torch.Tensor,
         target_k: torch.Tensor,
         target_v: torch.Tensor,
-        lag: int = 1,
+        lag: int | tuple[int, ...] = 1,
     ) -> torch.Tensor:
-        """tokens/positions `[B, L]`; target_k/v `[B, kvh, L, D]` (post-RoPE); returns fp32 logits `[B, L, V]`."""
+        """tokens/positions `[B, L]`; target_k/v `[B, kvh, L, D]` (post-RoPE); returns fp32 draft-head logits
+        `[B, L, Vd]`, or `[len(lag), B, L, Vd]` for a tuple of lags (the self-attention is shared between them)."""
         c = self.cfg
         b, length = tokens.shape
         dtype = self.wqkv.weight.dtype
@@ -171,12 +212,14 @@ class LongSpecDraft(nn.Module):
         qc = self.cross_q(self.cross_norm(x)).view(b, length, c.n_heads, c.head_dim)
         qc = apply_rope(qc, cos, sin).transpose(1, 2)
         tk, tv = _repeat_kv(target_k.to(dtype), n_rep), _repeat_kv(target_v.to(dtype), n_rep)
-        cmask, empty = lagged_cross_mask(length, tk.shape[2], lag, dtype)
-        o = F.scaled_dot_product_attention(qc, tk, tv, attn_mask=cmask.to(x.device), scale=1.0 / math.sqrt(c.head_dim))
-        o = o.masked_fill(empty.to(x.device).view(1, 1, length, 1), 0.0)
-        x = x + self.cross_o(o.transpose(1, 2).reshape(b, length, q_dim))
-
-        return self.mlp_logits(x)
+        outs = []
+        for one_lag in lag if isinstance(lag, tuple) else (lag,):
+            cmask, empty = lagged_cross_mask(length, tk.shape[2], one_lag, dtype)
+            scale = 1.0 / math.sqrt(c.head_dim)
+            o = F.scaled_dot_product_attention(qc, tk, tv, attn_mask=cmask.to(x.device), scale=scale)
+            o = o.masked_fill(empty.to(x.device).view(1, 1, length, 1), 0.0)
+            outs.append(self.mlp_logits(x + self.cross_o(o.transpose(1, 2).reshape(b, length, q_dim))))
+        return torch.stack(outs) if isinstance(lag, tuple) else outs[0]
 
     def mlp_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The block's last sub-layer and the shared LM head: fp32 logits."""
@@ -212,7 +255,7 @@ class LongSpecDraft(nn.Module):
         target_v: torch.Tensor,
         backend: str = "auto",
     ) -> torch.Tensor:
-        """fp32 logits `[n, vocab]` for n draft-tree tokens (tree_mask `[n, n]`, None = chain).
+        """fp32 target-vocab logits `[n, vocab]` for n draft-tree tokens (tree_mask `[n, n]`, None = chain).
 
         Self-attention: hybrid tree attention over the window cache (`window_kv` of the last committed tokens,
         all visible) plus the tree under its mask. Cross-attention: every node sees the target's whole
@@ -238,7 +281,7 @@ class LongSpecDraft(nn.Module):
         o = cross_attention(qc, target_k.to(dtype), target_v.to(dtype), backend=backend)
         x = x + self.cross_o(o.transpose(0, 1).reshape(n, q_dim))
 
-        return self.mlp_logits(x)
+        return self.to_full_vocab(self.mlp_logits(x))
 
 
 DRAFT_MODELS = {"longspec": LongSpecDraft}

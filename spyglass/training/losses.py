@@ -10,47 +10,119 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class LongSpecLoss(nn.Module):
-    """Next-token cross-entropy of the LongSpec draft over a context, cross-attending to the target's
-    last-layer K/V with a lag (Flash Noisy Training); optionally distils the target's top-1.
+def soft_topk_ce(logp: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of draft log-probs `[N, Vd]` against the target's top-k distribution (renormalised over
+    the ids the draft head scores; `topk_ids` already mapped to draft rows, -1 = not scored): KL to the
+    target's top-k up to a constant, per row `[N]`. Rows whose top-k the draft scores none of give 0."""
+    scored = topk_ids >= 0
+    p = torch.softmax(topk_logprobs.masked_fill(~scored, float("-inf")), dim=-1).nan_to_num(0.0)
+    picked = logp.gather(-1, topk_ids.clamp(min=0))
+    return -(p * picked.masked_fill(~scored, 0.0)).sum(-1)
 
-    Metrics: `loss`, `ce` and `top1_agreement` (the draft's argmax equals the target's argmax, measured on
-    the positions where the draft sees some target context).
+
+class LongSpecLoss(nn.Module):
+    """Next-token loss of the LongSpec draft over a context, cross-attending to the target's last-layer K/V
+    with a lag (Flash Noisy Training).
+
+    - `all_lags`: every lag in [lag_min, lag_max] in each step (the self-attention is shared), weighted by
+      `lag_weights`; otherwise one lag drawn per step. A chain node at depth d sees the target d + 1 back, so
+      lag l trains what depth l - 1 proposes.
+    - `distill_weight` mixes the corpus CE with distillation: to the target's top-k distribution when
+      `soft_distill` (needs `topk_logprobs` in the shards), else to its top-1.
+    - A draft with a reduced head (`draft_vocab`) is trained over its own rows; labels it cannot score are
+      left out of the CE.
+
+    Metrics: `loss`, `ce`, `top1_agreement` (the draft's argmax equals the target's, on the positions that see
+    some target context), `token_accuracy`, and per lag `agree_lag{l}` when several lags run.
     """
 
-    def __init__(self, kv_layer: int, lag_min: int = 1, lag_max: int = 4, distill_weight: float = 0.0) -> None:
+    def __init__(
+        self,
+        kv_layer: int,
+        lag_min: int = 1,
+        lag_max: int = 4,
+        distill_weight: float = 0.0,
+        soft_distill: bool = False,
+        all_lags: bool = False,
+        lag_weights: list[float] | None = None,
+    ) -> None:
         super().__init__()
         self.kv_layer = kv_layer
         self.lag_min, self.lag_max = lag_min, lag_max
         self.distill_weight = distill_weight
+        self.soft_distill = soft_distill
+        self.all_lags = all_lags
+        n = lag_max - lag_min + 1
+        self.lag_weights = list(lag_weights) if lag_weights else [1.0] * n
+        if len(self.lag_weights) != n:
+            raise ValueError(f"lag_weights needs {n} entries (lags {lag_min}..{lag_max})")
+        self._id_map: torch.Tensor | None = None
 
     def required_keys(self) -> list[str]:
-        return ["tokens", "positions", f"kv.{self.kv_layer}", "topk_ids"]
+        keys = ["tokens", "positions", f"kv.{self.kv_layer}", "topk_ids"]
+        return [*keys, "topk_logprobs"] if self.soft_distill else keys
 
-    def lag(self, step: int, seed: int) -> int:
+    def lag(self, step: int, seed: int) -> int | tuple[int, ...]:
         """Per step, identical on every rank and after a resume."""
+        if self.all_lags:
+            return tuple(range(self.lag_min, self.lag_max + 1))
         g = torch.Generator().manual_seed(seed * 1_000_003 + step)
         return int(torch.randint(self.lag_min, self.lag_max + 1, (1,), generator=g))
 
-    def forward(self, model: nn.Module, batch: dict[str, torch.Tensor], lag: int) -> tuple[torch.Tensor, dict]:
+    def _draft_ids(self, model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        draft = getattr(model, "module", model)
+        if not draft.cfg.draft_vocab:
+            return ids
+        if self._id_map is None or not torch.equal(self._id_map_src, draft.vocab_ids):
+            self._id_map, self._id_map_src = draft.full_to_draft_ids(), draft.vocab_ids.clone()
+        return self._id_map[ids]
+
+    def forward(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], lag: int | tuple[int, ...]
+    ) -> tuple[torch.Tensor, dict]:
         tokens, positions = batch["tokens"], batch["positions"]
         kv = batch[f"kv.{self.kv_layer}"]  # [B, 2, kvh, L, D]
-        logits = model(tokens, positions, kv[:, 0], kv[:, 1], lag=lag)  # [B, L, V]
-        labels = tokens[:, 1:]
-        pred = logits[:, :-1]
-        valid = torch.zeros_like(labels, dtype=torch.bool)
-        valid[:, lag:] = True  # queries t >= lag see target K/V; earlier ones still get a CE term
-        ce = F.cross_entropy(pred.reshape(-1, pred.shape[-1]), labels.reshape(-1))
-        loss = ce
-        target_top1 = batch["topk_ids"][:, :-1, 0]
-        if self.distill_weight > 0:
-            kd = F.cross_entropy(pred.reshape(-1, pred.shape[-1]), target_top1.reshape(-1))
-            loss = (1 - self.distill_weight) * ce + self.distill_weight * kd
-        with torch.no_grad():
-            agree = (pred.argmax(-1) == target_top1) & valid
-            agreement = agree.sum().float() / valid.sum().clamp(min=1)
-            token_acc = ((pred.argmax(-1) == labels) & valid).sum().float() / valid.sum().clamp(min=1)
-        return loss, {"ce": ce.detach(), "top1_agreement": agreement, "token_accuracy": token_acc}
+        lags = lag if isinstance(lag, tuple) else (lag,)
+        logits = model(tokens, positions, kv[:, 0], kv[:, 1], lag=lags)  # [nlags, B, L, Vd]
+        labels = self._draft_ids(model, tokens[:, 1:])
+        target_top1 = self._draft_ids(model, batch["topk_ids"][:, :-1, 0])
+        soft = None
+        if self.soft_distill:
+            soft = (self._draft_ids(model, batch["topk_ids"][:, :-1]), batch["topk_logprobs"][:, :-1].float())
+        loss = logits.new_zeros(())
+        metrics: dict[str, torch.Tensor] = {}
+        ce_sum = agree_sum = acc_sum = 0.0
+        weights = [self.lag_weights[lg - self.lag_min] for lg in lags]
+        for lg, w, lgt in zip(lags, weights, logits, strict=True):
+            pred = lgt[:, :-1]
+            logp = torch.log_softmax(pred.float(), dim=-1)
+            ce = F.nll_loss(logp.reshape(-1, logp.shape[-1]), labels.reshape(-1), ignore_index=-1)
+            one = ce
+            if self.distill_weight > 0:
+                if soft is not None:
+                    kd = soft_topk_ce(logp.reshape(-1, logp.shape[-1]), soft[0].flatten(0, 1), soft[1].flatten(0, 1))
+                    kd = kd.mean()
+                else:
+                    kd = F.nll_loss(logp.reshape(-1, logp.shape[-1]), target_top1.reshape(-1), ignore_index=-1)
+                one = (1 - self.distill_weight) * ce + self.distill_weight * kd
+            loss = loss + w * one
+            with torch.no_grad():
+                valid = torch.zeros_like(labels, dtype=torch.bool)
+                valid[:, lg:] = True  # queries t >= lag see target K/V; earlier ones still get a loss term
+                argmax = pred.argmax(-1)
+                n = valid.sum().clamp(min=1)
+                agree = (((argmax == target_top1) & valid).sum().float() / n).detach()
+                ce_sum += float(ce)
+                agree_sum += float(agree)
+                acc_sum += float(((argmax == labels) & valid).sum().float() / n)
+                if len(lags) > 1:
+                    metrics[f"agree_lag{lg}"] = agree
+        loss = loss / sum(weights)
+        k = len(lags)
+        metrics.update(
+            {"ce": torch.tensor(ce_sum / k), "top1_agreement": torch.tensor(agree_sum / k), "token_accuracy": torch.tensor(acc_sum / k)}
+        )
+        return loss, metrics
 
 
 LOSSES = {"longspec": LongSpecLoss}

@@ -1,0 +1,103 @@
+"""LongSpec training options: multi-lag loss, top-k distillation, the reduced (frequency-ranked) head, init from a
+target layer, the per-lag diagnosis."""
+
+from __future__ import annotations
+
+import torch
+
+from actors.trainer import diagnose_line, rank_vocab
+from spyglass.models.llama import load_transformer
+from spyglass.training.draft_models import LongSpecDraft
+from spyglass.training.losses import LongSpecLoss, soft_topk_ce
+from tests.tiny import make_tiny_model
+
+
+def _target(tmp_path):
+    return load_transformer(make_tiny_model(tmp_path / "m", vocab=96), dtype=torch.float32)
+
+
+def _batch(target, b=2, length=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, target.args.vocab_size, (b, length), generator=g)
+    positions = torch.arange(length).repeat(b, 1)
+    kv = torch.randn(b, 2, target.args.n_kv_heads, length, target.args.head_dim, generator=g)
+    logits = torch.randn(b, length, target.args.vocab_size, generator=g)
+    lp, ids = torch.log_softmax(logits, -1).topk(4, -1)
+    return {"tokens": tokens, "positions": positions, "kv.1": kv, "topk_ids": ids, "topk_logprobs": lp}
+
+
+def test_soft_topk_ce_matches_hand_computation():
+    logp = torch.log_softmax(torch.tensor([[0.0, 1.0, 2.0, 3.0]]), -1)
+    ids = torch.tensor([[3, 1, -1]])  # the third id is not scored by the draft head
+    lps = torch.tensor([[-0.5, -1.5, -0.1]])
+    p = torch.softmax(torch.tensor([-0.5, -1.5]), -1)
+    want = -(p[0] * logp[0, 3] + p[1] * logp[0, 1])
+    assert torch.allclose(soft_topk_ce(logp, ids, lps), want.view(1))
+    # nothing scored: contributes zero rather than NaN
+    assert soft_topk_ce(logp, torch.tensor([[-1, -1, -1]]), lps).item() == 0.0
+
+
+def test_multi_lag_forward_equals_single_lags(tmp_path):
+    target = _target(tmp_path)
+    torch.manual_seed(0)
+    draft = LongSpecDraft.from_target(target, window=8)
+    b = _batch(target)
+    kv = b["kv.1"]
+    both = draft(b["tokens"], b["positions"], kv[:, 0], kv[:, 1], lag=(1, 3))
+    for i, lag in enumerate((1, 3)):
+        one = draft(b["tokens"], b["positions"], kv[:, 0], kv[:, 1], lag=lag)
+        assert torch.allclose(both[i], one, atol=1e-5)
+    assert not torch.allclose(both[0], both[1])
+
+
+def test_all_lags_loss_reports_each_lag_and_trains(tmp_path):
+    target = _target(tmp_path)
+    torch.manual_seed(0)
+    draft = LongSpecDraft.from_target(target, window=8, draft_vocab=64)
+    draft.set_vocab(rank_vocab(_batch(target)["tokens"], 64, target.args.vocab_size))
+    loss_fn = LongSpecLoss(kv_layer=1, lag_min=1, lag_max=3, distill_weight=0.5, soft_distill=True, all_lags=True)
+    assert loss_fn.lag(0, 0) == (1, 2, 3)
+    batch = _batch(target)
+    loss, metrics = loss_fn(draft, batch, loss_fn.lag(0, 0))
+    assert {"agree_lag1", "agree_lag2", "agree_lag3"} <= set(metrics)
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
+    first = float(loss)
+    for _ in range(30):
+        opt.zero_grad()
+        loss, _ = loss_fn(draft, batch, (1, 2, 3))
+        loss.backward()
+        opt.step()
+    assert float(loss) < first - 0.5
+
+
+def test_reduced_head_maps_back_to_target_vocab(tmp_path):
+    target = _target(tmp_path)
+    draft = LongSpecDraft.from_target(target, window=8, draft_vocab=10)
+    ids = torch.tensor([3, 5, 7, 11, 13, 17, 19, 23, 29, 31])
+    draft.set_vocab(ids)
+    assert torch.equal(draft.lm_head.weight, target.lm_head.weight[ids].float())
+    sub = torch.randn(2, 10)
+    full = draft.to_full_vocab(sub)
+    assert full.shape == (2, target.args.vocab_size)
+    assert torch.equal(full[:, ids], sub)
+    assert torch.isinf(full[:, 4]).all() and int(full.argmax(-1)[0]) in ids.tolist()
+    table = draft.full_to_draft_ids()
+    assert table[17] == 5 and table[4] == -1
+    assert "vocab_ids" in draft.trainable_state_dict()
+
+
+def test_rank_vocab_picks_most_frequent():
+    tokens = torch.tensor([[5, 5, 5, 2, 2, 9, 1]])
+    assert rank_vocab(tokens, 2, 12).tolist() == [2, 5]
+
+
+def test_init_layer_copies_the_target_layer(tmp_path):
+    target = _target(tmp_path)
+    draft = LongSpecDraft.from_target(target, window=8, init_layer=0, intermediate_size=target.args.intermediate_size)
+    assert torch.equal(draft.wqkv.weight, target.layers[0].wqkv.weight.float())
+    assert torch.equal(draft.w_down.weight, target.layers[0].w_down.weight.float())
+
+
+def test_diagnose_line_lists_every_lag():
+    line = diagnose_line(100, {"eval_agree_lag1": 0.5, "eval_agree_lag2": 0.25, "loss": 1.0})
+    assert "step 100" in line and "lag 1: 0.500" in line and "lag 2: 0.250" in line

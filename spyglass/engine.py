@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from spyglass.context_cache import ContextCache, kv_blocks_from_cache, load_blocks_into_cache
+from spyglass.controller import CostCurve, SpeculationController, measured_curve
 from spyglass.drafters.base import Drafter, NullDrafter
 from spyglass.models.llama import Segment, Transformer
 from spyglass.sampling import SamplingParams, presence_rows, process, sample
@@ -32,6 +33,9 @@ class EngineConfig:
     max_batch: int = 4
     max_context: int | None = None  # KV capacity per sequence; default: the model's, capped at 8192
     prefill_chunk: int = 512
+    # Tree sizing: "measure" = the speculation controller with the verify-cost curve measured at start-up on
+    # this machine; "off" = verify every node the drafter proposes. A CostCurve here is used as given.
+    controller: str | CostCurve = "measure"
 
 
 @dataclass
@@ -61,6 +65,14 @@ class SpecEngine:
         self.capacity = self.config.max_context or min(target.args.max_position, 8192)
         self.cache = target.new_cache(self.capacity, self.config.max_batch)
         self.drafter.bind(target, self.cache)
+        self.controller: SpeculationController | None = None
+        if drafter is not None and self.config.controller != "off":
+            curve = self.config.controller
+            if curve == "measure":
+                curve = measured_curve(target, self.cache)
+            elif not isinstance(curve, CostCurve):
+                raise ValueError(f"controller must be 'measure', 'off' or a CostCurve, not {curve!r}")
+            self.controller = SpeculationController(curve)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.eos_ids = set(target.args.eos_token_ids)
@@ -179,7 +191,18 @@ class SpecEngine:
 
     def _spec_round(self, batch: list[Sequence]) -> list[Event]:
         t0 = time.perf_counter()
-        trees = self.drafter.propose(batch)
+        ctl = self.controller
+        drafting = [s for s in batch if ctl is None or ctl.wants_draft(s)]
+        proposed = dict(zip(map(id, drafting), self.drafter.propose(drafting) if drafting else [], strict=True))
+        trees = []
+        for seq in batch:
+            tree = proposed.get(id(seq))
+            if tree is None:  # the controller keeps this sequence on plain decoding until its next probe
+                ctl.skip(seq)
+                tree = DraftTree.root_only(seq.root)
+            elif ctl is not None:
+                tree = ctl.size(seq, tree, len(batch))
+            trees.append(tree)
         t1 = time.perf_counter()
         segments = []
         for seq, tree in zip(batch, trees, strict=True):
@@ -193,6 +216,8 @@ class SpecEngine:
             if len(seg.tokens) < len(tree):
                 tree = DraftTree(seg.tokens, tree.parents[: len(seg.tokens)])
             result = accept(tree, lg, seq.tokens, seq.params, seq.generator)
+            if ctl is not None:
+                ctl.observe(seq, tree, result)
             start = seq.committed
             self.cache.commit(seq.slot, start, result.path)
             new = self._append(seq, result.tokens)

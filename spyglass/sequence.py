@@ -14,6 +14,27 @@ _ids = itertools.count()
 
 
 @dataclass
+class ControllerStats:
+    """What the controller decided for one sequence (reported in the per-request stats)."""
+
+    drafted_steps: int = 0
+    plain_steps: int = 0
+    probe_steps: int = 0
+    proposed_nodes: int = 0
+    verified_nodes: int = 0
+
+    def summary(self) -> dict:
+        steps = self.drafted_steps + self.plain_steps
+        return {
+            "plain_steps": self.plain_steps,
+            "probe_steps": self.probe_steps,
+            "proposed_nodes": self.proposed_nodes,
+            "verified_nodes": self.verified_nodes,
+            "mean_verified_nodes": self.verified_nodes / steps if steps else 0.0,
+        }
+
+
+@dataclass
 class SeqStats:
     steps: int = 0
     new_tokens_per_step: list[int] = field(default_factory=list)
@@ -29,6 +50,7 @@ class SeqStats:
     t_start: float = field(default_factory=time.perf_counter)
     t_first_token: float | None = None
     t_end: float | None = None
+    control: ControllerStats = field(default_factory=ControllerStats)
 
     def record_step(self, tree_depth: int, tree_nodes: int, accepted: int, new_tokens: int, batch: int) -> None:
         self.steps += 1
@@ -61,6 +83,7 @@ class SeqStats:
             "decode_time_s": decode_time,
             "tokens_per_s": decode_tokens / decode_time if decode_time > 0 else 0.0,
             "mean_batch_size": sum(self.batch_sizes) / len(self.batch_sizes) if self.batch_sizes else 0.0,
+            "controller": self.control.summary(),
         }
 
 
@@ -84,6 +107,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stats = SeqStats()
         self.drafter_state: object = None  # owned by the drafter
+        self.control: object = None  # owned by the engine's speculation controller
 
     @property
     def tokens(self) -> torch.Tensor:

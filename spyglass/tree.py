@@ -17,6 +17,9 @@ class DraftTree:
     # Optional proposal distributions: probs[i] is the distribution node i's token was drawn from
     # (row 0 unused). Only meaningful for sampled chains (probability-ratio rejection sampling).
     probs: torch.Tensor | None = None
+    # Optional per-node estimate of P(node is accepted) (root 1.0, never larger than its parent's): what the
+    # engine's speculation controller sizes the tree by. None = no estimate (the controller learns one).
+    scores: list[float] | None = None
     _depths: list[int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -25,14 +28,43 @@ class DraftTree:
         for i, p in enumerate(self.parents[1:], start=1):
             if not 0 <= p < i:
                 raise ValueError(f"node {i} has parent {p}: nodes must follow their parents")
+        if self.scores is not None and len(self.scores) != len(self.parents):
+            raise ValueError("a draft tree needs one score per node")
 
     @classmethod
     def root_only(cls, root: int) -> DraftTree:
         return cls(torch.tensor([root]), [-1])
 
     @classmethod
-    def chain(cls, root: int, tokens: list[int], probs: torch.Tensor | None = None) -> DraftTree:
-        return cls(torch.tensor([root, *tokens]), list(range(-1, len(tokens))), probs)
+    def chain(
+        cls, root: int, tokens: list[int], probs: torch.Tensor | None = None, scores: list[float] | None = None
+    ) -> DraftTree:
+        return cls(torch.tensor([root, *tokens]), list(range(-1, len(tokens))), probs, scores)
+
+    def subtree(self, keep: list[int]) -> DraftTree:
+        """The nodes `keep` (ascending, root first, each one's parent kept too), re-indexed."""
+        if keep == list(range(len(self.parents))):
+            return self
+        index = {old: new for new, old in enumerate(keep)}
+        try:
+            parents = [-1] + [index[self.parents[i]] for i in keep[1:]]
+        except KeyError as e:
+            raise ValueError(f"subtree keeps a node without its parent {e}") from None
+        probs = self.probs[keep] if self.probs is not None else None
+        scores = [self.scores[i] for i in keep] if self.scores is not None else None
+        return DraftTree(self.tokens[keep], parents, probs, scores)
+
+    def best_nodes(self, scores: list[float], k: int) -> list[int]:
+        """The root and the k non-root nodes of highest score (ties: earlier first), ascending. With scores that
+        never exceed a parent's, every kept node's parent is kept: a valid subtree."""
+        order = sorted(range(1, len(self.parents)), key=lambda i: (-scores[i], i))[:k]
+        keep = set(order)
+        for i in order:  # guard against scores that grow along a path: keep ancestors
+            p = self.parents[i]
+            while p > 0 and p not in keep:
+                keep.add(p)
+                p = self.parents[p]
+        return [0, *sorted(keep)]
 
     @classmethod
     def from_paths(cls, root: int, paths: list[list[int]], max_nodes: int | None = None) -> DraftTree:

@@ -1,0 +1,267 @@
+"""Speculation that pays: the engine-level controller that sizes every drafter's tree.
+
+Each extra verified token costs target time, by an amount that depends on the machine (fp32 vs bf16, AMX or
+not), the context length and the batch. So the controller measures that cost once at start-up (`CostCurve`)
+and, per sequence and step, keeps the tree nodes that maximise expected tokens per second:
+
+    (1 + sum of the kept nodes' acceptance probabilities) / time(verify the kept nodes)
+
+which may be no node at all (plain decoding for that sequence). Node probabilities come from the drafter's
+scores (`DraftTree.scores`, or a neutral prior when it has none), calibrated per depth against the acceptance
+the sequence actually sees; a sequence that stopped speculating probes again after a back-off. Pruning only
+drops nodes, so every guarantee of the verifier holds whatever the controller decides.
+"""
+
+from __future__ import annotations
+
+import bisect
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from spyglass.sequence import Sequence
+from spyglass.tree import DraftTree
+from spyglass.verify import Accepted
+
+PRIOR_CONDITIONAL = 0.6  # a node's chance given its parent, for drafters that give no scores
+PSEUDO_COUNT = 0.2  # evidence the calibration starts with (observed = predicted)
+
+
+def cpu_model() -> str:
+    """The CPU model name (recorded with every measurement: the cost curve differs between CPUs)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@dataclass
+class CostCurve:
+    """Seconds of one target forward with `sizes[j]` new tokens over a `contexts[i]`-token prefix."""
+
+    contexts: list[int]
+    sizes: list[int]
+    seconds: list[list[float]]  # [context][size]
+    cpu: str = field(default_factory=cpu_model)
+
+    @classmethod
+    def linear(cls, base: float = 1.0, per_token: float = 0.1, max_size: int = 64) -> CostCurve:
+        """A synthetic curve (tests, or a machine where measuring is not wanted)."""
+        sizes = [1, 2, 4, 8, 16, 32, max_size]
+        return cls([1], sizes, [[base + per_token * (s - 1) for s in sizes]], cpu="synthetic")
+
+    @classmethod
+    @torch.inference_mode()
+    def measure(
+        cls,
+        target,
+        cache,
+        contexts: tuple[int, ...] = (256, 2048, 6144),
+        sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
+        repeats: int = 2,
+    ) -> CostCurve:
+        """Time verify-shaped forwards on this machine (the best of `repeats`: robust to other work). The prefix
+        K/V are zeros: the attention's cost does not depend on their values. Also warms up every shape."""
+        from spyglass.models.llama import Segment
+
+        slot = cache.allocate()
+        try:
+            ctxs = sorted({min(c, cache.capacity - max(sizes) - 1) for c in contexts if c > 0})
+            ctxs = [c for c in ctxs if c > 0] or [1]
+            for layer in range(cache.n_layers):
+                k, v = cache.layer(slot, layer)
+                k[:, : ctxs[-1]].zero_()
+                v[:, : ctxs[-1]].zero_()
+            vocab = target.args.vocab_size
+            table = []
+            for ctx in ctxs:
+                cache.lengths[slot] = ctx
+                row = []
+                for n in sizes:
+                    toks = torch.randint(0, vocab, (n,))
+                    seg = Segment(slot, ctx, toks, torch.arange(ctx, ctx + n), None, "all")
+                    target([seg], cache)  # warm-up of this shape
+                    best = float("inf")
+                    for _ in range(repeats):
+                        t0 = time.perf_counter()
+                        target([seg], cache)
+                        best = min(best, time.perf_counter() - t0)
+                    row.append(best)
+                table.append(row)
+        finally:
+            cache.lengths[slot] = 0
+            cache.release(slot)
+        return cls(ctxs, list(sizes), table)
+
+    def time(self, tokens: int, context: int) -> float:
+        """Interpolated forward time (linear in tokens and context; extrapolated past the largest size)."""
+        rows = [self._in_size(r, tokens) for r in self.seconds]
+        if len(rows) == 1 or context <= self.contexts[0]:
+            return rows[0]
+        if context >= self.contexts[-1]:
+            c0, c1 = self.contexts[-2], self.contexts[-1]
+            i = len(self.contexts) - 2
+        else:
+            i = bisect.bisect_right(self.contexts, context) - 1
+            c0, c1 = self.contexts[i], self.contexts[i + 1]
+        w = (context - c0) / (c1 - c0)
+        return max(1e-9, rows[i] + w * (rows[i + 1] - rows[i]))
+
+    def _in_size(self, row: list[float], tokens: int) -> float:
+        s = self.sizes
+        if tokens <= s[0]:
+            return row[0]
+        j = min(bisect.bisect_right(s, tokens) - 1, len(s) - 2)
+        w = (tokens - s[j]) / (s[j + 1] - s[j])
+        return row[j] + w * (row[j + 1] - row[j])
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _SeqControl:
+    hits: list[float] = field(default_factory=list)  # per depth: decayed accepted count
+    expected: list[float] = field(default_factory=list)  # per depth: decayed predicted count
+    plain_streak: int = 0  # consecutive steps without speculation
+    backoff: int = 4  # plain steps before the next probe
+    probing: bool = False  # this step is a probe
+
+
+class SpeculationController:
+    """Per sequence: how many of the drafter's nodes to verify this step (0 = plain decoding)."""
+
+    def __init__(
+        self,
+        curve: CostCurve,
+        max_nodes: int | None = None,
+        decay: float = 0.85,
+        max_backoff: int = 64,
+    ) -> None:
+        self.curve = curve
+        self.max_nodes = max_nodes if max_nodes is not None else max(curve.sizes) - 1
+        self.decay = decay
+        self.max_backoff = max_backoff
+
+    def _state(self, seq: Sequence) -> _SeqControl:
+        if seq.control is None:
+            seq.control = _SeqControl()
+        return seq.control
+
+    def wants_draft(self, seq: Sequence) -> bool:
+        """False while a sequence decodes plainly between probes: its drafter need not run at all."""
+        st = self._state(seq)
+        if st.plain_streak == 0:
+            return True
+        st.probing = st.plain_streak >= st.backoff
+        return st.probing
+
+    def skip(self, seq: Sequence) -> None:
+        """The sequence decodes plainly this step without drafting."""
+        self._state(seq).plain_streak += 1
+        seq.stats.control.plain_steps += 1
+
+    def calibration(self, seq: Sequence, depth: int) -> float:
+        """Observed / predicted acceptance at a depth (1 with no evidence; deeper depths borrow the last seen)."""
+        st = self._state(seq)
+        if not st.hits:
+            return 1.0
+        d = min(depth, len(st.hits)) - 1
+        return (st.hits[d] + PSEUDO_COUNT) / (st.expected[d] + PSEUDO_COUNT)
+
+    def conditionals(self, tree: DraftTree) -> list[float]:
+        """Each node's chance of acceptance given its parent's, as the drafter estimates it."""
+        out = [1.0] * len(tree)
+        if tree.scores is not None:
+            s = tree.scores
+            for i, p in enumerate(tree.parents[1:], start=1):
+                out[i] = min(1.0, s[i] / s[p]) if s[p] > 0 else 0.0
+            return out
+        kids = tree.children()
+        for node, children in enumerate(kids):
+            for rank, c in enumerate(children):
+                out[c] = PRIOR_CONDITIONAL / (rank + 1) / sum(1 / (r + 1) for r in range(len(children)))
+        return out
+
+    def scores(self, seq: Sequence, tree: DraftTree) -> list[float]:
+        """Calibrated P(node accepted), by cumulating calibrated conditionals down the tree."""
+        cond = self.conditionals(tree)
+        depths = tree.depths
+        s = [1.0] * len(tree)
+        for i, p in enumerate(tree.parents[1:], start=1):
+            s[i] = s[p] * min(1.0, cond[i] * self.calibration(seq, depths[i]))
+        return s
+
+    def size(self, seq: Sequence, tree: DraftTree, batch: int) -> DraftTree:
+        """The subtree of `tree` to verify this step."""
+        st = self._state(seq)
+        stats = seq.stats.control
+        stats.proposed_nodes += len(tree) - 1
+        if len(tree) == 1:
+            return tree
+        scores = self.scores(seq, tree)
+        order = sorted(scores[1:], reverse=True)[: self.max_nodes]
+        ctx = seq.committed
+        best_k, best_rate, gain = 0, 1.0 / self._cost(1, ctx, batch), 1.0
+        for k, sc in enumerate(order, start=1):
+            gain += sc
+            rate = gain / self._cost(k + 1, ctx, batch)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        if st.probing:
+            best_k = max(best_k, min(len(order), 4))  # a small probe: enough to re-measure the first depths
+            stats.probe_steps += 1
+        elif best_k == 0:
+            st.plain_streak += 1
+            stats.plain_steps += 1
+            return DraftTree.root_only(int(tree.tokens[0]))
+        stats.drafted_steps += 1
+        stats.verified_nodes += best_k
+        return tree.subtree(tree.best_nodes(scores, best_k))
+
+    def _cost(self, tokens: int, context: int, batch: int) -> float:
+        """This sequence's share of a step in which every sequence of the batch verifies about as many tokens."""
+        return self.curve.time(tokens * batch, context) / batch
+
+    def observe(self, seq: Sequence, tree: DraftTree, accepted: Accepted) -> None:
+        """Update the sequence's per-depth calibration from a verified tree and its accepted path."""
+        st = self._state(seq)
+        if len(tree) == 1:
+            return
+        cond = self.conditionals(tree)
+        kids = tree.children()
+        path = accepted.path
+        for d in range(1, tree.max_depth + 1):
+            if d - 1 >= len(path):  # the path stopped before this depth: no trial here
+                break
+            parent = path[d - 1]
+            if not kids[parent]:
+                break
+            if len(st.hits) < d:  # a depth's first trial starts from the evidence one level up
+                st.hits.append(st.hits[-1] if st.hits else 0.0)
+                st.expected.append(st.expected[-1] if st.expected else 0.0)
+            st.hits[d - 1] = self.decay * st.hits[d - 1] + (1.0 if d < len(path) else 0.0)
+            st.expected[d - 1] = self.decay * st.expected[d - 1] + min(1.0, sum(cond[c] for c in kids[parent]))
+        if st.probing:  # a probe that found acceptance ends the plain phase; one that did not backs off further
+            st.probing = False
+            if accepted.num_drafted_accepted > 0:
+                st.plain_streak, st.backoff = 0, 4
+            else:
+                st.plain_streak, st.backoff = 1, min(self.max_backoff, st.backoff * 2)
+
+
+_CURVES: dict[tuple, CostCurve] = {}
+
+
+def measured_curve(target, cache) -> CostCurve:
+    """The cost curve for this model, dtype, thread count and capacity, measured once per process."""
+    key = (target.model_id, str(target.dtype), torch.get_num_threads(), cache.capacity, str(cache.device))
+    if key not in _CURVES:
+        _CURVES[key] = CostCurve.measure(target, cache)
+    return _CURVES[key]

@@ -1,0 +1,134 @@
+"""The speculation controller: prunes trees by expected accepted tokens per unit of verify time, converges to
+plain decoding for a drafter that is always wrong, grows to the largest affordable tree for one that is always
+right, and never changes the output."""
+
+from __future__ import annotations
+
+import torch
+
+from spyglass.controller import CostCurve, SpeculationController
+from spyglass.drafters.base import StatelessDrafter
+from spyglass.engine import EngineConfig, SpecEngine, plain_generate
+from spyglass.sampling import SamplingParams
+from spyglass.sequence import Sequence
+from spyglass.tree import DraftTree
+from spyglass.verify import Accepted
+
+
+class OracleDrafter(StatelessDrafter):
+    """Drafts a chain of `n` tokens: the plain-decoding continuation (always right) or a wrong token (always wrong)."""
+
+    name = "oracle"
+
+    def __init__(self, reference: list[int], prompt_len: int, n: int, right: bool) -> None:
+        self.reference, self.prompt_len, self.n, self.right = reference, prompt_len, n, right
+        self.calls = 0
+
+    def propose(self, batch):
+        self.calls += 1
+        trees = []
+        for seq in batch:
+            done = seq.num_generated
+            nxt = self.reference[done : done + self.n]
+            if not self.right:
+                nxt = [(t + 1) % 96 for t in nxt]
+            trees.append(DraftTree.chain(seq.root, nxt, scores=[1.0] * (len(nxt) + 1)))
+        return trees
+
+
+def _prompt(n=20, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 96, (n,), generator=g).tolist()
+
+
+def test_curve_interpolates_and_extrapolates():
+    c = CostCurve([100, 300], [1, 4, 8], [[1.0, 2.0, 3.0], [2.0, 4.0, 6.0]])
+    assert c.time(1, 100) == 1.0
+    assert abs(c.time(6, 100) - 2.5) < 1e-9
+    assert abs(c.time(4, 200) - 3.0) < 1e-9
+    assert abs(c.time(12, 100) - 4.0) < 1e-9  # past the largest size: the last slope
+    assert c.time(1, 50) == 1.0
+
+
+def test_measured_curve_grows_with_tokens(tiny_target):
+    cache = tiny_target.new_cache(256, 2)
+    curve = CostCurve.measure(tiny_target, cache, contexts=(32, 128), sizes=(1, 16, 64), repeats=1)
+    assert curve.contexts == [32, 128] and len(curve.seconds) == 2
+    assert all(t > 0 for row in curve.seconds for t in row)
+    assert cache.free_slots == 2 and cache.lengths == [0, 0]  # nothing left behind
+    assert curve.cpu
+
+
+def test_pruning_keeps_best_valid_subtree():
+    tree = DraftTree(torch.tensor([9, 1, 2, 3, 4]), [-1, 0, 0, 1, 3], scores=[1.0, 0.9, 0.05, 0.8, 0.7])
+    keep = tree.best_nodes(tree.scores, 3)
+    assert keep == [0, 1, 3, 4]
+    sub = tree.subtree(keep)
+    assert sub.tokens.tolist() == [9, 1, 3, 4] and sub.parents == [-1, 0, 1, 2] and sub.scores[-1] == 0.7
+
+
+def test_cheap_tokens_keep_big_trees_costly_tokens_prune():
+    seq = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
+    tree = DraftTree.chain(5, [1, 2, 3, 4, 5, 6], scores=[1.0, 0.9, 0.8, 0.7, 0.3, 0.1, 0.05])
+    free = SpeculationController(CostCurve.linear(1.0, 0.0))
+    assert len(free.size(seq, tree, batch=1)) == 7  # extra tokens cost nothing: verify them all
+    seq2 = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
+    dear = SpeculationController(CostCurve.linear(1.0, 0.5))
+    kept = dear.size(seq2, tree, batch=1)
+    # each extra node costs half a step: only nodes with score > ~0.5 marginal benefit per cost stay
+    assert 2 <= len(kept) <= 5
+    seq3 = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
+    assert len(SpeculationController(CostCurve.linear(1.0, 2.0)).size(seq3, tree, batch=1)) == 1
+
+
+def test_calibration_learns_from_rejections():
+    ctl = SpeculationController(CostCurve.linear(1.0, 0.2))
+    seq = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
+    tree = DraftTree.chain(5, [1, 2, 3], scores=[1.0, 0.9, 0.8, 0.7])
+    before = ctl.scores(seq, tree)[1]
+    for _ in range(10):
+        ctl.observe(seq, tree, Accepted([0], [7]))
+    assert ctl.scores(seq, tree)[1] < before / 4
+
+
+def _engine(target, drafter, curve):
+    return SpecEngine(target, drafter, EngineConfig(max_batch=4, max_context=256, controller=curve))
+
+
+def test_always_wrong_converges_to_plain_decoding(tiny_target):
+    prompt = _prompt()
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    ref = plain_generate(tiny_target, prompt, params)
+    drafter = OracleDrafter(ref, len(prompt), 8, right=False)
+    engine = _engine(tiny_target, drafter, CostCurve.linear(1.0, 0.05))
+    (seq,) = engine.run([prompt], params)
+    assert seq.output_ids == ref
+    ctl = seq.stats.control
+    assert ctl.plain_steps >= 40  # within a few steps it stops speculating...
+    assert drafter.calls <= 20  # ...and stops running the drafter except for rare probes
+    assert seq.stats.steps >= 59  # one token per step, as plain decoding
+
+
+def test_always_right_grows_to_the_largest_tree(tiny_target):
+    prompt = _prompt(seed=2)
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    ref = plain_generate(tiny_target, prompt, params)
+    drafter = OracleDrafter(ref, len(prompt), 12, right=True)
+    curve = CostCurve.linear(1.0, 0.05, max_size=16)
+    engine = _engine(tiny_target, drafter, curve)
+    (seq,) = engine.run([prompt], params)
+    assert seq.output_ids == ref
+    assert seq.stats.control.plain_steps == 0
+    assert seq.stats.steps <= 60 / 12 + 2  # every step verifies and accepts the whole 12-token chain
+
+
+def test_greedy_identity_batch4_with_controller(tiny_target):
+    from spyglass.drafters.ngram import NgramDrafter
+
+    prompts = [_prompt(24, s) * 2 for s in range(4)]  # repeated text: n-gram drafting has something to find
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    engine = _engine(tiny_target, NgramDrafter(), "measure")
+    seqs = engine.run(prompts, params)
+    for p, s in zip(prompts, seqs, strict=True):
+        assert s.output_ids == plain_generate(tiny_target, p, params)
+        assert "controller" in s.stats.summary(s.num_generated)

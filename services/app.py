@@ -27,6 +27,15 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "infra" / "serve_config.yaml"
 SERVICER = "protos.spyglass_pb2_grpc.add_SpyglassServicer_to_server"
 APP_NAME = "spyglass"
+# Where the context cache lives when the config names no Redis (`redis_url: null`): set on the pods by
+# infra/k8s/rayservice.yaml, so the Serve config stays the same file locally and on Kubernetes.
+REDIS_URL_ENV = "SPYGLASS_REDIS_URL"
+
+
+def redis_url(args: dict[str, Any]) -> str | None:
+    """The Redis URL a config resolves to: `verifier.redis_url`, else `redis_url`, else $SPYGLASS_REDIS_URL."""
+    vcfg = args.get("verifier") or {}
+    return vcfg.get("redis_url") or args.get("redis_url") or os.environ.get(REDIS_URL_ENV) or None
 
 
 def verifier_actor_options(args: dict[str, Any]) -> dict[str, Any]:
@@ -50,8 +59,9 @@ def build_app(args: dict[str, Any] | None = None):
     """
     args = dict(args or {})
     vcfg = dict(args.get("verifier") or {})
-    if args.get("redis_url") and not vcfg.get("redis_url"):
-        vcfg["redis_url"] = args["redis_url"]
+    url = redis_url(args)
+    if url:
+        vcfg["redis_url"] = url
     opts = verifier_actor_options(args)
     verifiers = [
         Verifier.options(name=f"Verifier{i}", ray_actor_options=opts).bind(vcfg, f"verifier-{i}")
@@ -175,7 +185,7 @@ def serve_main(
     doc = load_config(config)
     app_args = doc["applications"][0].setdefault("args", {})
     redis = None
-    if not app_args.get("redis_url") and not (app_args.get("verifier") or {}).get("redis_url"):
+    if not redis_url(app_args):
         if shutil.which("redis-server"):
             redis = LocalRedis()
             app_args["redis_url"] = redis.url
@@ -212,4 +222,4 @@ def serve_main(
     return 0
 
 
-__all__ = ["LocalRedis", "build_app", "deploy", "load_config", "run_demo", "serve_main", "start_local_ray"]
+__all__ = ["LocalRedis", "build_app", "redis_url", "deploy", "load_config", "run_demo", "serve_main", "start_local_ray"]

@@ -319,11 +319,40 @@ def _run_serve(args) -> int:
         raise CliError(str(e)) from e
 
 
+def _add_health(sub) -> None:
+    # The readiness probe of the serving pods (infra/k8s/rayservice.yaml).
+    p = sub.add_parser("health", help="probe a running server's Health RPC: exit 0 when a verifier replica serves")
+    p.add_argument("--server", metavar="ADDRESS", default="127.0.0.1:9000", help="gRPC host:port (default %(default)s)")
+    p.add_argument("--timeout", type=float, default=5.0, help="RPC deadline in seconds (default %(default)s)")
+
+
+def _run_health(args) -> int:
+    """Ready = the RPC answers through this node's proxy and some replica has KV slots (a replica that failed
+    its own check is reported by name only, with no slots). "degraded" with one healthy replica is still ready."""
+    if args.timeout <= 0:
+        raise CliError("--timeout must be > 0")
+    from spyglass.client import Client, SpyglassError
+
+    try:
+        with Client(args.server, timeout=args.timeout) as client:
+            health = client.health()
+    except SpyglassError as e:
+        print(f"spyglass: unhealthy: {args.server}: {e.code.name}: {e.details}", file=sys.stderr)
+        return 1
+    print(json.dumps(health))
+    serving = [r["name"] for r in health.get("replicas", []) if r.get("total_kv_slots")]
+    if not serving:
+        print(f"spyglass: unhealthy: {args.server}: no verifier replica is serving", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spyglass", description="lossless speculative decoding for long contexts")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serve(sub)
+    _add_health(sub)
     _add_training(sub)
     return parser
 
@@ -336,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run_generate(args)
         if args.command == "serve":
             return _run_serve(args)
+        if args.command == "health":
+            return _run_health(args)
         if args.command in ("extract", "train"):
             return _run_training_command(args)
     except CliError as e:

@@ -72,8 +72,8 @@ class CostCurve:
 
         slot = cache.allocate()
         try:
-            ctxs = sorted({min(c, cache.capacity - max(sizes) - 1) for c in contexts if c > 0})
-            ctxs = [c for c in ctxs if c > 0] or [1]
+            sizes = tuple(n for n in sizes if n <= cache.capacity // 2) or (1,)
+            ctxs = sorted({min(c, cache.capacity - max(sizes)) for c in contexts if c > 0})
             for layer in range(cache.n_layers):
                 k, v = cache.layer(slot, layer)
                 k[:, : ctxs[-1]].zero_()

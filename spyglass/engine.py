@@ -65,6 +65,8 @@ class SpecEngine:
         self.capacity = self.config.max_context or min(target.args.max_position, 8192)
         self.cache = target.new_cache(self.capacity, self.config.max_batch)
         self.drafter.bind(target, self.cache)
+        n_layers = target.args.n_layers
+        self._capture = tuple(sorted({i % n_layers for i in getattr(self.drafter, "hidden_layers", ())}))
         self.controller: SpeculationController | None = None
         if drafter is not None and self.config.controller != "off":
             curve = self.config.controller
@@ -145,7 +147,8 @@ class SpecEngine:
                 segments.append(Segment(seq.slot, start, toks, torch.arange(start, start + take), None, "last"))
                 owners.append(seq)
                 budget -= take
-            for seq, seg, lg in zip(owners, segments, self.target(segments, self.cache), strict=True):
+            for j, (seq, seg, lg) in enumerate(zip(owners, segments, self._forward(segments), strict=True)):
+                self._hidden(seq, seg.start, j, list(range(len(seg.tokens))))
                 self.cache.commit(seq.slot, seg.start, list(range(len(seg.tokens))))
                 if self.cache.lengths[seq.slot] == seq.num_tokens:
                     last_logits[seq.seq_id] = lg[-1]
@@ -210,15 +213,16 @@ class SpecEngine:
             if len(tree) > room:
                 tree = DraftTree(tree.tokens[:room], tree.parents[:room])
             segments.append(Segment(seq.slot, seq.committed, tree.tokens, tree.positions(seq.committed), tree.mask()))
-        logits = self.target(segments, self.cache)
+        logits = self._forward(segments)
         events = []
-        for seq, seg, tree, lg in zip(batch, segments, trees, logits, strict=True):
+        for j, (seq, seg, tree, lg) in enumerate(zip(batch, segments, trees, logits, strict=True)):
             if len(seg.tokens) < len(tree):
                 tree = DraftTree(seg.tokens, tree.parents[: len(seg.tokens)])
             result = accept(tree, lg, seq.tokens, seq.params, seq.generator)
             if ctl is not None:
                 ctl.observe(seq, tree, result)
             start = seq.committed
+            self._hidden(seq, start, j, result.path)
             self.cache.commit(seq.slot, start, result.path)
             new = self._append(seq, result.tokens)
             seq.stats.record_step(tree.max_depth, len(tree), result.num_drafted_accepted, len(new), len(batch))
@@ -234,6 +238,15 @@ class SpecEngine:
             seq.stats.verify_time += t2 - t1
         return events
 
+    def _forward(self, segments: list[Segment]) -> list[torch.Tensor | None]:
+        self.target.capture_layers = self._capture
+        return self.target(segments, self.cache)
+
+    def _hidden(self, seq: Sequence, start: int, index: int, kept: list[int]) -> None:
+        """Hand the drafter the target's hidden states of the tokens just committed (if it reads them)."""
+        if self._capture:
+            self.drafter.observe_hidden(seq, start, self.target.captured[index], kept)
+
     def _append(self, seq: Sequence, tokens: list[int]) -> list[int]:
         """Append accepted tokens, honouring max_new_tokens, EOS and stop strings."""
         added = []
@@ -247,7 +260,7 @@ class SpecEngine:
                 seq.finish("length")
                 break
         if seq.params.stop and self.tokenizer is not None and not seq.finished:
-            text = self.tokenizer.decode(seq.output_ids)
+            text = self.decode(seq.output_ids)
             if any(s in text for s in seq.params.stop):
                 seq.finish("stop")
         return added
@@ -275,9 +288,14 @@ class SpecEngine:
             self.step()
         return seqs
 
+    def decode(self, ids: list[int]) -> str:
+        """Token ids -> user-facing text: special tokens (EOS such as `<|im_end|>`, chat markers) are never shown."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
     def text(self, seq: Sequence) -> str:
-        """Decoded output, cut at the first stop string."""
-        text = self.tokenizer.decode(seq.output_ids) if self.tokenizer is not None else ""
+        """Decoded output without special tokens, cut at the first stop string (what every output path shows:
+        the CLI, and the verifier's streamed deltas and final text)."""
+        text = self.decode(seq.output_ids)
         cuts = [text.find(s) for s in seq.params.stop if s in text]
         return text[: min(cuts)] if cuts else text
 

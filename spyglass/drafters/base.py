@@ -40,6 +40,14 @@ class Drafter(Protocol):
         """Memory the drafter holds for this sequence."""
 
 
+# Optional, for drafters that read the target's hidden states (TokenSwift, DFlash). A drafter with a non-empty
+# `hidden_layers: tuple[int, ...]` (layer indices, negative from the end; the output of that layer, before the
+# final norm) gets, after every target forward that commits tokens of a sequence (prefill chunks and verify
+# passes), `observe_hidden(seq, start, hidden, kept)`: `hidden[layer]` holds one row per token of that forward
+# and rows `kept[j]` are now committed at position `start + j` (verify: the accepted path, root first).
+# It is called before `commit` (verify) and before `start` (prefill).
+
+
 class StatelessDrafter:
     """Defaults for drafters that keep no per-sequence state."""
 

@@ -229,8 +229,15 @@ class Transformer(nn.Module):
         cos, sin = self._rope(positions)
         x = self.embed(tokens)
         backend = resolve_backend(self.attention_backend, self.device)
+        capture = getattr(self, "capture_layers", ())
+        kept: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, segments, cache, i, backend)
+            if i in capture:
+                kept[i] = x
+        if capture:  # hidden states (layer outputs) of every new token, per segment, for drafters that read them
+            bounds = torch.tensor([0, *(s.tokens.shape[0] for s in segments)]).cumsum(0).tolist()
+            self.captured = [{i: h[a:b] for i, h in kept.items()} for a, b in zip(bounds, bounds[1:], strict=False)]
         rows, offset, picks = [], 0, []
         for s in segments:
             n = s.tokens.shape[0]

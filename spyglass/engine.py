@@ -18,7 +18,7 @@ from spyglass.context_cache import ContextCache, kv_blocks_from_cache, load_bloc
 from spyglass.controller import CostCurve, SpeculationController, measured_curve
 from spyglass.drafters.base import Drafter, NullDrafter
 from spyglass.models.llama import Segment, Transformer
-from spyglass.sampling import SamplingParams, presence_rows, process, sample
+from spyglass.sampling import SamplingParams, process_in_context, sample
 from spyglass.sequence import Sequence
 from spyglass.tree import DraftTree
 from spyglass.verify import Accepted, accept
@@ -186,10 +186,7 @@ class SpecEngine:
             cc.store(seq.tokens.clone(), kv_blocks_from_cache(self.cache, seq.slot, first, last, cc.block_size))
 
     def _choose(self, logits: torch.Tensor, seq: Sequence) -> int:
-        presence = None
-        if seq.params.repetition_penalty != 1.0:
-            presence = presence_rows(seq.tokens, logits.shape[-1], 1)
-        rows = process(logits.unsqueeze(0), seq.params, presence)
+        rows = process_in_context(logits.unsqueeze(0), seq.params, seq.tokens)
         return int(rows[0].argmax()) if seq.params.greedy else sample(rows[0], seq.generator)
 
     def _spec_round(self, batch: list[Sequence]) -> list[Event]:
@@ -308,8 +305,7 @@ def plain_generate(model: Transformer, prompt_ids: list[int], params: SamplingPa
     logits = model.prefill(cache, slot, seq.tokens.clone())
     eos = set(model.args.eos_token_ids)
     while True:
-        presence = presence_rows(seq.tokens, logits.shape[-1], 1) if params.repetition_penalty != 1.0 else None
-        rows = process(logits.unsqueeze(0), params, presence)
+        rows = process_in_context(logits.unsqueeze(0), params, seq.tokens)
         tok = int(rows[0].argmax()) if params.greedy else sample(rows[0], seq.generator)
         seq.append(tok)
         if seq.num_generated >= params.max_new_tokens or (tok in eos and not params.ignore_eos):

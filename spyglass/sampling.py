@@ -1,8 +1,15 @@
 """Sampling parameters and the one logits pipeline applied identically to draft and target rows.
 
-Order (as HF generate): repetition penalty, temperature, top-k, top-p, min-p. Temperature 0 means
-greedy: the argmax of the penalised logits. Each row of a tree is processed with its own context:
-the sequence's tokens plus the drafted ancestors of that node.
+Order (as HF generate): repetition penalty, TokenSwift's contextual penalty, temperature, top-k, top-p,
+min-p. Temperature 0 means greedy: the argmax of the penalised logits. Each row of a tree is processed with
+its own context: the sequence's tokens plus the drafted ancestors of that node, so a drafted path is
+penalised exactly as plain decoding would penalise the same tokens (the contextual penalty's window of the
+last W tokens slides along the path too).
+
+Both penalties are sign-aware (CTRL / HF): a penalised logit l becomes l / theta if l > 0 else l * theta, once
+per distinct token, whatever its count. `repetition_penalty` covers every earlier token; `contextual_penalty`
+(TokenSwift) only the tokens among the last `penalty_window` ones, so long outputs are not penalised on the
+whole vocabulary. With both on, a token in the window gets both. (The penalties commute with temperature.)
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    contextual_penalty: float = 1.0  # TokenSwift's theta over the last `penalty_window` tokens (1 = off)
+    penalty_window: int = 1024
     seed: int | None = None
     max_new_tokens: int = 128
     stop: tuple[str, ...] = field(default_factory=tuple)
@@ -35,6 +44,10 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
         if not self.repetition_penalty > 0.0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not self.contextual_penalty >= 1.0:
+            raise ValueError(f"contextual_penalty must be >= 1 (1 = off), got {self.contextual_penalty}")
+        if self.penalty_window <= 0:
+            raise ValueError(f"penalty_window must be > 0 tokens, got {self.penalty_window}")
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
 
@@ -52,6 +65,46 @@ def presence_rows(history: torch.Tensor, vocab: int, n_rows: int, tree_tokens=No
         r, c = ancestors.nonzero(as_tuple=True)
         rows[r, tree_tokens[c]] = True
     return rows
+
+
+def window_rows(history: torch.Tensor, vocab: int, n_rows: int, window: int, tree_tokens=None, ancestors=None):
+    """`[n_rows, vocab]` bool: tokens among the last `window` of each row's context. Without a tree every row's
+    context is `history`; with one, row i's is `history` (ending with the root, tree_tokens[0]) followed by
+    node i's drafted ancestors and itself, so the window slides along the path as in plain decoding."""
+    base = torch.zeros(vocab, dtype=torch.bool)
+    base[history[-window:]] = True
+    if tree_tokens is None or ancestors is None:
+        return base.expand(n_rows, vocab).clone()
+    path = ancestors.clone()
+    path[:, 0] = False  # the root is history[-1]
+    depths = path.sum(dim=1).tolist()
+    rows = torch.zeros(n_rows, vocab, dtype=torch.bool)
+    for d in sorted(set(depths)):
+        idx = [i for i, di in enumerate(depths) if di == d]
+        if d < window:
+            bd = torch.zeros(vocab, dtype=torch.bool)
+            bd[history[-(window - d) :]] = True
+            rows[idx] = bd
+            sub = path[idx]
+            r, c = sub.nonzero(as_tuple=True)
+            rows[torch.tensor(idx)[r], tree_tokens[c]] = True
+        else:  # the window lies inside the drafted path: its last `window` nodes (ancestors are in index order)
+            for i in idx:
+                nodes = path[i].nonzero().flatten()[-window:]
+                rows[i, tree_tokens[nodes]] = True
+    return rows
+
+
+def penalty_masks(
+    p: SamplingParams, history: torch.Tensor, vocab: int, n_rows: int = 1, tree_tokens=None, ancestors=None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(presence, window) masks for the penalties `p` turns on (None for one that is off)."""
+    presence = window = None
+    if p.repetition_penalty != 1.0:
+        presence = presence_rows(history, vocab, n_rows, tree_tokens, ancestors)
+    if p.contextual_penalty != 1.0:
+        window = window_rows(history, vocab, n_rows, p.penalty_window, tree_tokens, ancestors)
+    return presence, window
 
 
 def apply_repetition_penalty(logits: torch.Tensor, presence: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -80,15 +133,30 @@ def warp(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def process(logits: torch.Tensor, p: SamplingParams, presence: torch.Tensor | None) -> torch.Tensor:
+def process(
+    logits: torch.Tensor, p: SamplingParams, presence: torch.Tensor | None, window: torch.Tensor | None = None
+) -> torch.Tensor:
     """Greedy: penalised logits (take the argmax). Sampling: the probabilities to sample from."""
     if p.repetition_penalty != 1.0 and presence is not None:
         logits = apply_repetition_penalty(logits, presence, p.repetition_penalty)
+    if p.contextual_penalty != 1.0 and window is not None:
+        logits = apply_repetition_penalty(logits, window, p.contextual_penalty)
     return logits if p.greedy else warp(logits, p)
 
 
 def needs_presence(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0
+    """Whether processing depends on the context (a penalty is on)."""
+    return p.repetition_penalty != 1.0 or p.contextual_penalty != 1.0
+
+
+def process_in_context(
+    logits: torch.Tensor, p: SamplingParams, history: torch.Tensor, tree_tokens=None, ancestors=None
+) -> torch.Tensor:
+    """`process` for rows whose context is `history` (plus, for a tree, each node's ancestors)."""
+    if not needs_presence(p):
+        return process(logits, p, None)
+    presence, window = penalty_masks(p, history, logits.shape[-1], logits.shape[0], tree_tokens, ancestors)
+    return process(logits, p, presence, window)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:

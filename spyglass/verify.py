@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spyglass.sampling import SamplingParams, presence_rows, process, sample
+from spyglass.sampling import SamplingParams, needs_presence, process, process_in_context, sample
 from spyglass.tree import DraftTree
 
 
@@ -31,10 +31,9 @@ class Accepted:
 
 def target_rows(logits: torch.Tensor, tree: DraftTree, history: torch.Tensor, params: SamplingParams):
     """Processed target rows for every node (penalised logits if greedy, else probabilities)."""
-    presence = None
-    if params.repetition_penalty != 1.0:
-        presence = presence_rows(history, logits.shape[-1], len(tree), tree.tokens, tree.ancestor_mask())
-    return process(logits, params, presence)
+    if not needs_presence(params):
+        return process(logits, params, None)
+    return process_in_context(logits, params, history, tree.tokens, tree.ancestor_mask())
 
 
 def accept(

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
-from spyglass.sampling import presence_rows, process, sample
+from spyglass.sampling import needs_presence, process_in_context, sample
 from spyglass.sequence import Sequence
 from spyglass.tree import DraftTree
 from spyglass.verify import Accepted
@@ -84,11 +84,10 @@ def choose_draft_token(
     """The next chain token from draft logits `[1, V]` under the sequence's sampling parameters (penalties see
     the history plus the tokens drafted so far): the argmax when greedy, else a sample. Returns the token and
     the processed row, which is the proposal distribution the verifier's rejection step needs."""
-    presence = None
-    if seq.params.repetition_penalty != 1.0:
+    history = seq.tokens
+    if drafted and needs_presence(seq.params):
         history = torch.cat([seq.tokens, torch.tensor(drafted, dtype=torch.long)])
-        presence = presence_rows(history, logits.shape[-1], 1)
-    row = process(logits, seq.params, presence)[0]
+    row = process_in_context(logits, seq.params, history)[0]
     if seq.params.greedy:
         return int(row.argmax()), row
     return sample(row, generator), row

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/spyglass.proto\x12\x0bspyglass.v1\"\xe8\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"\xfc\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x0b\n\x03raw\x18\x03 \x01(\x08\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.spyglass.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x0e\n\x06method\x18\x08 \x01(\t\x12\x12\n\ncontext_id\x18\t \x01(\t\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x11\n\ttimeout_s\x18\x0c \x01(\x02\"\xdf\x02\n\x05Stats\x12\x0b\n\x03tau\x18\x01 \x01(\x02\x12\x1b\n\x13\x61\x63\x63\x65ptance_by_depth\x18\x02 \x03(\x02\x12\x0e\n\x06ttft_s\x18\x03 \x01(\x02\x12\x14\n\x0ctokens_per_s\x18\x04 \x01(\x02\x12\x1c\n\x14\x63\x61\x63hed_prefix_tokens\x18\x05 \x01(\r\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x18\n\x10generated_tokens\x18\x07 \x01(\r\x12\r\n\x05steps\x18\x08 \x01(\r\x12\x17\n\x0fmean_batch_size\x18\t \x01(\x02\x12\x16\n\x0eprefill_time_s\x18\n \x01(\x02\x12\x15\n\rdecode_time_s\x18\x0b \x01(\x02\x12\x16\n\x0e\x64rafted_tokens\x18\x0c \x01(\r\x12\x0e\n\x06method\x18\r \x01(\t\x12\x0f\n\x07replica\x18\x0e \x01(\t\x12\x11\n\tlatency_s\x18\x0f \x01(\x02\x12\x14\n\x0cqueue_time_s\x18\x10 \x01(\x02\"\xba\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\r\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\r\n\x05\x66inal\x18\x06 \x01(\x08\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12!\n\x05stats\x18\x08 \x01(\x0b\x32\x12.spyglass.v1.Stats\"\x81\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12!\n\x05stats\x18\x05 \x01(\x0b\x32\x12.spyglass.v1.Stats\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\x94\x02\n\rReplicaHealth\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0elive_sequences\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x15\n\rfree_kv_slots\x18\x04 \x01(\r\x12\x16\n\x0etotal_kv_slots\x18\x05 \x01(\r\x12\r\n\x05steps\x18\x06 \x01(\x04\x12\x10\n\x08\x66inished\x18\x07 \x01(\x04\x12\x0f\n\x07\x61\x62orted\x18\x08 \x01(\x04\x12:\n\x08\x63ounters\x18\t \x03(\x0b\x32(.spyglass.v1.ReplicaHealth.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x88\x01\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12,\n\x08replicas\x18\x02 \x03(\x0b\x32\x1a.spyglass.v1.ReplicaHealth\x12\x13\n\x0bqueue_depth\x18\x03 \x01(\r\x12\x11\n\tin_flight\x18\x04 \x01(\r\x12\x10\n\x08rejected\x18\x05 \x01(\x04\"\x12\n\x10ModelInfoRequest\"\x8b\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\x0f\n\x07methods\x18\x03 \x03(\t\x12\x16\n\x0e\x64\x65\x66\x61ult_method\x18\x04 \x01(\t\x12\x1c\n\x14max_new_tokens_limit\x18\x05 \x01(\r\x12\x11\n\tmax_batch\x18\x06 \x01(\r\x12\x15\n\rnum_verifiers\x18\x07 \x01(\r\x12\x12\n\nvocab_size\x18\x08 \x01(\r\x12\x15\n\rcontext_cache\x18\t \x01(\x08\x12\x18\n\x10\x63\x61\x63he_block_size\x18\n \x01(\r\x12\x12\n\nmax_queued\x18\x0b \x01(\r\x12\r\n\x05\x64type\x18\x0c \x01(\t2\xe9\x02\n\x08Spyglass\x12\x46\n\x08Generate\x12\x1c.spyglass.v1.GenerateRequest\x1a\x1a.spyglass.v1.GenerateChunk0\x01\x12K\n\x0cGenerateOnce\x12\x1c.spyglass.v1.GenerateRequest\x1a\x1d.spyglass.v1.GenerateResponse\x12>\n\x05\x41\x62ort\x12\x19.spyglass.v1.AbortRequest\x1a\x1a.spyglass.v1.AbortResponse\x12\x41\n\x06Health\x12\x1a.spyglass.v1.HealthRequest\x1a\x1b.spyglass.v1.HealthResponse\x12\x45\n\x0cGetModelInfo\x12\x1d.spyglass.v1.ModelInfoRequest\x1a\x16.spyglass.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/spyglass.proto\x12\x0bspyglass.v1\"\xd0\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x1f\n\x12\x63ontextual_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1b\n\x0epenalty_window\x18\x08 \x01(\x05H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x15\n\x13_contextual_penaltyB\x11\n\x0f_penalty_window\"\xfc\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x0b\n\x03raw\x18\x03 \x01(\x08\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.spyglass.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x0e\n\x06method\x18\x08 \x01(\t\x12\x12\n\ncontext_id\x18\t \x01(\t\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x11\n\ttimeout_s\x18\x0c \x01(\x02\"\xdf\x02\n\x05Stats\x12\x0b\n\x03tau\x18\x01 \x01(\x02\x12\x1b\n\x13\x61\x63\x63\x65ptance_by_depth\x18\x02 \x03(\x02\x12\x0e\n\x06ttft_s\x18\x03 \x01(\x02\x12\x14\n\x0ctokens_per_s\x18\x04 \x01(\x02\x12\x1c\n\x14\x63\x61\x63hed_prefix_tokens\x18\x05 \x01(\r\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x18\n\x10generated_tokens\x18\x07 \x01(\r\x12\r\n\x05steps\x18\x08 \x01(\r\x12\x17\n\x0fmean_batch_size\x18\t \x01(\x02\x12\x16\n\x0eprefill_time_s\x18\n \x01(\x02\x12\x15\n\rdecode_time_s\x18\x0b \x01(\x02\x12\x16\n\x0e\x64rafted_tokens\x18\x0c \x01(\r\x12\x0e\n\x06method\x18\r \x01(\t\x12\x0f\n\x07replica\x18\x0e \x01(\t\x12\x11\n\tlatency_s\x18\x0f \x01(\x02\x12\x14\n\x0cqueue_time_s\x18\x10 \x01(\x02\"\xba\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\r\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\r\n\x05\x66inal\x18\x06 \x01(\x08\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12!\n\x05stats\x18\x08 \x01(\x0b\x32\x12.spyglass.v1.Stats\"\x81\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12!\n\x05stats\x18\x05 \x01(\x0b\x32\x12.spyglass.v1.Stats\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\x94\x02\n\rReplicaHealth\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0elive_sequences\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x15\n\rfree_kv_slots\x18\x04 \x01(\r\x12\x16\n\x0etotal_kv_slots\x18\x05 \x01(\r\x12\r\n\x05steps\x18\x06 \x01(\x04\x12\x10\n\x08\x66inished\x18\x07 \x01(\x04\x12\x0f\n\x07\x61\x62orted\x18\x08 \x01(\x04\x12:\n\x08\x63ounters\x18\t \x03(\x0b\x32(.spyglass.v1.ReplicaHealth.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x88\x01\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12,\n\x08replicas\x18\x02 \x03(\x0b\x32\x1a.spyglass.v1.ReplicaHealth\x12\x13\n\x0bqueue_depth\x18\x03 \x01(\r\x12\x11\n\tin_flight\x18\x04 \x01(\r\x12\x10\n\x08rejected\x18\x05 \x01(\x04\"\x12\n\x10ModelInfoRequest\"\x8b\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\x0f\n\x07methods\x18\x03 \x03(\t\x12\x16\n\x0e\x64\x65\x66\x61ult_method\x18\x04 \x01(\t\x12\x1c\n\x14max_new_tokens_limit\x18\x05 \x01(\r\x12\x11\n\tmax_batch\x18\x06 \x01(\r\x12\x15\n\rnum_verifiers\x18\x07 \x01(\r\x12\x12\n\nvocab_size\x18\x08 \x01(\r\x12\x15\n\rcontext_cache\x18\t \x01(\x08\x12\x18\n\x10\x63\x61\x63he_block_size\x18\n \x01(\r\x12\x12\n\nmax_queued\x18\x0b \x01(\r\x12\r\n\x05\x64type\x18\x0c \x01(\t2\xe9\x02\n\x08Spyglass\x12\x46\n\x08Generate\x12\x1c.spyglass.v1.GenerateRequest\x1a\x1a.spyglass.v1.GenerateChunk0\x01\x12K\n\x0cGenerateOnce\x12\x1c.spyglass.v1.GenerateRequest\x1a\x1d.spyglass.v1.GenerateResponse\x12>\n\x05\x41\x62ort\x12\x19.spyglass.v1.AbortRequest\x1a\x1a.spyglass.v1.AbortResponse\x12\x41\n\x06Health\x12\x1a.spyglass.v1.HealthRequest\x1a\x1b.spyglass.v1.HealthResponse\x12\x45\n\x0cGetModelInfo\x12\x1d.spyglass.v1.ModelInfoRequest\x1a\x16.spyglass.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,31 +34,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPLICAHEALTH_COUNTERSENTRY']._loaded_options = None
   _globals['_REPLICAHEALTH_COUNTERSENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=39
-  _globals['_SAMPLINGPARAMS']._serialized_end=271
-  _globals['_GENERATEREQUEST']._serialized_start=274
-  _globals['_GENERATEREQUEST']._serialized_end=526
-  _globals['_STATS']._serialized_start=529
-  _globals['_STATS']._serialized_end=880
-  _globals['_GENERATECHUNK']._serialized_start=883
-  _globals['_GENERATECHUNK']._serialized_end=1069
-  _globals['_GENERATERESPONSE']._serialized_start=1072
-  _globals['_GENERATERESPONSE']._serialized_end=1201
-  _globals['_ABORTREQUEST']._serialized_start=1203
-  _globals['_ABORTREQUEST']._serialized_end=1237
-  _globals['_ABORTRESPONSE']._serialized_start=1239
-  _globals['_ABORTRESPONSE']._serialized_end=1271
-  _globals['_HEALTHREQUEST']._serialized_start=1273
-  _globals['_HEALTHREQUEST']._serialized_end=1288
-  _globals['_REPLICAHEALTH']._serialized_start=1291
-  _globals['_REPLICAHEALTH']._serialized_end=1567
-  _globals['_REPLICAHEALTH_COUNTERSENTRY']._serialized_start=1520
-  _globals['_REPLICAHEALTH_COUNTERSENTRY']._serialized_end=1567
-  _globals['_HEALTHRESPONSE']._serialized_start=1570
-  _globals['_HEALTHRESPONSE']._serialized_end=1706
-  _globals['_MODELINFOREQUEST']._serialized_start=1708
-  _globals['_MODELINFOREQUEST']._serialized_end=1726
-  _globals['_MODELINFO']._serialized_start=1729
-  _globals['_MODELINFO']._serialized_end=1996
-  _globals['_SPYGLASS']._serialized_start=1999
-  _globals['_SPYGLASS']._serialized_end=2360
+  _globals['_SAMPLINGPARAMS']._serialized_end=375
+  _globals['_GENERATEREQUEST']._serialized_start=378
+  _globals['_GENERATEREQUEST']._serialized_end=630
+  _globals['_STATS']._serialized_start=633
+  _globals['_STATS']._serialized_end=984
+  _globals['_GENERATECHUNK']._serialized_start=987
+  _globals['_GENERATECHUNK']._serialized_end=1173
+  _globals['_GENERATERESPONSE']._serialized_start=1176
+  _globals['_GENERATERESPONSE']._serialized_end=1305
+  _globals['_ABORTREQUEST']._serialized_start=1307
+  _globals['_ABORTREQUEST']._serialized_end=1341
+  _globals['_ABORTRESPONSE']._serialized_start=1343
+  _globals['_ABORTRESPONSE']._serialized_end=1375
+  _globals['_HEALTHREQUEST']._serialized_start=1377
+  _globals['_HEALTHREQUEST']._serialized_end=1392
+  _globals['_REPLICAHEALTH']._serialized_start=1395
+  _globals['_REPLICAHEALTH']._serialized_end=1671
+  _globals['_REPLICAHEALTH_COUNTERSENTRY']._serialized_start=1624
+  _globals['_REPLICAHEALTH_COUNTERSENTRY']._serialized_end=1671
+  _globals['_HEALTHRESPONSE']._serialized_start=1674
+  _globals['_HEALTHRESPONSE']._serialized_end=1810
+  _globals['_MODELINFOREQUEST']._serialized_start=1812
+  _globals['_MODELINFOREQUEST']._serialized_end=1830
+  _globals['_MODELINFO']._serialized_start=1833
+  _globals['_MODELINFO']._serialized_end=2100
+  _globals['_SPYGLASS']._serialized_start=2103
+  _globals['_SPYGLASS']._serialized_end=2464
 # @@protoc_insertion_point(module_scope)

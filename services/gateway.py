@@ -32,7 +32,16 @@ from protos import spyglass_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "contextual_penalty",
+    "penalty_window",
+    "seed",
+)
 STATS_FIELDS = set(pb.Stats.DESCRIPTOR.fields_by_name)
 ERROR_CODES = {
     "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,

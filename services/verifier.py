@@ -77,7 +77,8 @@ def sampling_from_request(req: dict[str, Any], cfg: VerifierConfig):
     max_new = int(req.get("max_new_tokens") or cfg.default_max_new_tokens)
     if max_new > cfg.max_new_tokens_limit:
         raise ValueError(f"max_new_tokens must be <= {cfg.max_new_tokens_limit}, got {max_new}")
-    kwargs = {k: s[k] for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed") if k in s}
+    keys = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "contextual_penalty", "penalty_window")
+    kwargs = {k: s[k] for k in (*keys, "seed") if k in s}
     return SamplingParams(
         max_new_tokens=max_new, stop=tuple(req.get("stop") or ()), ignore_eos=bool(req.get("ignore_eos")), **kwargs
     )

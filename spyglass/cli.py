@@ -41,6 +41,10 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument(
+        "--contextual-penalty", type=float, default=1.0, help="TokenSwift: theta (>= 1) on tokens of the last W"
+    )
+    p.add_argument("--penalty-window", type=int, default=1024, help="W: tokens the contextual penalty looks back")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -78,6 +82,8 @@ def _params(args):
             top_p=args.top_p,
             min_p=args.min_p,
             repetition_penalty=args.repetition_penalty,
+            contextual_penalty=args.contextual_penalty,
+            penalty_window=args.penalty_window,
             seed=args.seed,
             max_new_tokens=args.max_new_tokens,
             stop=tuple(args.stop),
@@ -258,6 +264,8 @@ def _run_remote_generate(args) -> int:
         top_p=params.top_p,
         min_p=params.min_p,
         repetition_penalty=params.repetition_penalty,
+        contextual_penalty=params.contextual_penalty,
+        penalty_window=params.penalty_window,
         seed=params.seed,
         stop=list(params.stop),
         raw=args.raw,

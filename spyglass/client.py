@@ -86,6 +86,8 @@ def build_request(
     top_p: float | None = None,
     min_p: float | None = None,
     repetition_penalty: float | None = None,
+    contextual_penalty: float | None = None,
+    penalty_window: int | None = None,
     seed: int | None = None,
     stop: list[str] | tuple[str, ...] = (),
     ignore_eos: bool = False,
@@ -104,6 +106,8 @@ def build_request(
             top_p=top_p,
             min_p=min_p,
             repetition_penalty=repetition_penalty,
+            contextual_penalty=contextual_penalty,
+            penalty_window=penalty_window,
             seed=seed,
         ).items()
         if v is not None

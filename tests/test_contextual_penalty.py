@@ -100,3 +100,31 @@ def test_plain_decoding_and_engine_apply_it(tiny_target):
     for drafter in (None, NgramDrafter(n_min=1, n_max=3, draft_len=4, max_candidates=3)):
         engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=2, max_context=128, controller="off"))
         assert [s.output_ids for s in engine.run([prompt, prompt], pen)] == [ref, ref]
+
+
+def test_request_field_travels_sdk_proto_gateway_verifier():
+    """SDK -> wire -> gateway dict -> verifier SamplingParams, and a bad value is a clear ValueError there."""
+    from services.gateway import request_to_dict
+    from services.verifier import VerifierConfig, sampling_from_request
+    from spyglass.client import build_request
+
+    req = build_request("hi", temperature=0.5, contextual_penalty=1.25, penalty_window=64, max_new_tokens=8)
+    wire = type(req).FromString(req.SerializeToString())
+    params = sampling_from_request(request_to_dict(wire, "r1"), VerifierConfig())
+    assert (params.contextual_penalty, params.penalty_window, params.temperature) == (1.25, 64, 0.5)
+    unset = sampling_from_request(request_to_dict(build_request("hi"), "r2"), VerifierConfig())
+    assert (unset.contextual_penalty, unset.penalty_window) == (1.0, 1024)
+    with pytest.raises(ValueError, match="contextual_penalty must be >= 1"):
+        sampling_from_request(request_to_dict(build_request("hi", contextual_penalty=0.5), "r3"), VerifierConfig())
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [(["--contextual-penalty", "0.8"], "contextual_penalty"), (["--penalty-window", "0"], "penalty_window")],
+)
+def test_cli_bad_penalty_gives_clear_error(argv, needle, capsys):
+    from spyglass.cli import main
+
+    assert main(["generate", "--prompt", "hi", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("spyglass: error:") and needle in err

@@ -132,10 +132,12 @@ def _run_generate(args) -> int:
         if args.method == "small-lm":
             if args.draft_model:
                 draft_model = load_transformer(resolve_model(args.draft_model, dtype=args.dtype).path, dtype=dtype)
-            else:
+            elif args.draft_layers:
                 from spyglass.drafters.small_lm import truncated_draft
 
-                draft_model = truncated_draft(target, args.draft_layers or max(1, target.args.n_layers // 4))
+                draft_model = truncated_draft(target, args.draft_layers)
+            else:  # the target's own first layers accept almost nothing on SmolLM2: no silent slow default
+                raise CliError("method small-lm needs a draft model: --draft-model SOURCE (or --draft-layers N)")
     except ModelLoadError as e:
         raise CliError(str(e)) from e
     prompt_ids = _encode(tokenizer, prompt, args.raw)

@@ -8,6 +8,7 @@ import torch
 from spyglass.drafters.longspec import LongSpecDrafter
 from spyglass.drafters.ngram import NgramDrafter
 from spyglass.drafters.small_lm import SmallLMDrafter, truncated_draft
+from spyglass.drafters.suffix import SuffixDrafter
 from spyglass.engine import EngineConfig, SpecEngine, plain_generate
 from spyglass.sampling import SamplingParams
 from tests.tiny import layer_copy_draft
@@ -30,6 +31,7 @@ def make_prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
 
 def drafters(target):
     yield "ngram", NgramDrafter(n_min=1, n_max=3, draft_len=6, max_candidates=3)
+    yield "suffix", SuffixDrafter(max_depth=8, max_nodes=24)
     yield "small-lm", SmallLMDrafter(truncated_draft(target, 1), gamma=4, max_batch=4, max_context=512)
     yield "longspec", LongSpecDrafter(layer_copy_draft(target), gamma=4)
 

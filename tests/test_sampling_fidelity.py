@@ -16,6 +16,7 @@ from scipy import stats
 
 from spyglass.drafters.longspec import LongSpecDrafter
 from spyglass.drafters.ngram import NgramDrafter
+from spyglass.drafters.suffix import SuffixDrafter
 from spyglass.drafters.small_lm import SmallLMDrafter, truncated_draft
 from spyglass.engine import EngineConfig, SpecEngine, plain_generate
 from spyglass.models.llama import load_transformer
@@ -106,12 +107,13 @@ def sample_joint(model, drafter, prompt, temperature: float, top_p: float) -> tu
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.9)], ids=["T1", "T0.8-topp0.9"])
-@pytest.mark.parametrize("method", ["ar", "ngram", "small-lm", "longspec"])
+@pytest.mark.parametrize("method", ["ar", "ngram", "suffix", "small-lm", "longspec"])
 def test_first_three_tokens_match_plain_sampling(sampling_model, prompt, method, temperature, top_p):
     model = load_transformer(sampling_model)
     drafter = {
         "ar": lambda: None,
         "ngram": lambda: NgramDrafter(n_min=1, n_max=3, draft_len=3, max_candidates=4),
+        "suffix": lambda: SuffixDrafter(max_depth=3, max_nodes=16, alpha=3.0),
         "small-lm": lambda: SmallLMDrafter(truncated_draft(model, 1), gamma=3, max_batch=500, max_context=64),
         "longspec": lambda: LongSpecDrafter(layer_copy_draft(model), gamma=3),
     }[method]()

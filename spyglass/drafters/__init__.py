@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from spyglass.drafters.base import Drafter, NullDrafter
 
-METHODS = ("ar", "ngram", "small-lm", "longspec")
+METHODS = ("ar", "ngram", "suffix", "small-lm", "longspec", "dflash", "dflash-dels", "tokenswift", "streaming")
 
 
 def build_drafter(method: str, target, *, max_batch: int = 4, max_context: int = 8192, **options) -> Drafter | None:
@@ -16,6 +16,10 @@ def build_drafter(method: str, target, *, max_batch: int = 4, max_context: int =
 
         keys = ("n_min", "n_max", "draft_len", "max_candidates")
         return NgramDrafter(**{k: options[k] for k in keys if options.get(k) is not None})
+    if method == "suffix":
+        from spyglass.drafters.suffix import SuffixDrafter
+
+        return SuffixDrafter()
     if method == "small-lm":
         from spyglass.drafters.small_lm import SmallLMDrafter
 
@@ -31,6 +35,28 @@ def build_drafter(method: str, target, *, max_batch: int = 4, max_context: int =
         if checkpoint is None:
             raise ValueError("method longspec needs a trained draft (--draft-checkpoint DIR)")
         return LongSpecDrafter(load_longspec_draft(checkpoint, target), gamma=options.get("gamma") or 4)
+    if method in ("dflash", "dflash-dels", "tokenswift", "streaming"):
+        from spyglass.drafters.dflash import build_dflash_drafter
+
+        return build_dflash_drafter(
+            target,
+            options.get("draft_checkpoint"),
+            options.get("dels_checkpoint"),
+            dels=method == "dflash-dels",
+            block_size=options.get("block_size"),
+            alpha=options.get("alpha"),
+            beta=options.get("beta"),
+        )
+    if method == "tokenswift":
+        from spyglass.drafters.tokenswift import build_tokenswift
+
+        keys = ("ngram_k", "sinks", "policy", "draft_pass")
+        extra = {k: options[k] for k in keys if options.get(k) is not None}
+        return build_tokenswift(target, options.get("draft_checkpoint"), budget=options.get("partial_budget"), **extra)
+    if method == "streaming":
+        from spyglass.drafters.streaming import StreamingDrafter
+
+        return StreamingDrafter(budget=options.get("partial_budget"), gamma=options.get("gamma") or 4)
     raise ValueError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
 
 

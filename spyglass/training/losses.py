@@ -120,7 +120,11 @@ class LongSpecLoss(nn.Module):
         loss = loss / sum(weights)
         k = len(lags)
         metrics.update(
-            {"ce": torch.tensor(ce_sum / k), "top1_agreement": torch.tensor(agree_sum / k), "token_accuracy": torch.tensor(acc_sum / k)}
+            {
+                "ce": torch.tensor(ce_sum / k),
+                "top1_agreement": torch.tensor(agree_sum / k),
+                "token_accuracy": torch.tensor(acc_sum / k),
+            }
         )
         return loss, metrics
 

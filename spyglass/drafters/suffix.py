@@ -1,0 +1,263 @@
+"""Suffix drafting (SuffixDecoding-style): speculation from suffix automata over the request and past outputs.
+
+Per request, a suffix automaton over prompt + output answers "what is the longest suffix of the text that
+occurred before, and what followed it, how often" in O(1) per step: appending a token is amortised O(1), the
+longest repeated suffix is the suffix link of the last state, and all strings of a state share their
+continuations. Per replica, a global automaton over previous requests' outputs (generations rotated to bound
+memory) catches what a new request repeats from earlier ones (the same file edited again, another question on
+the same document); each request follows it with an incremental matcher.
+
+From the matched states a tree is grown best-first by estimated acceptance (continuation counts, shrunk for
+small samples), to at most `alpha` times the match length deep, every node scored: the engine's controller
+decides how much of it to verify.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from spyglass.drafters.base import StatelessDrafter
+from spyglass.sequence import Sequence
+from spyglass.tree import DraftTree
+from spyglass.verify import Accepted
+
+COUNT_WALK = 64  # suffix-link steps that get an occurrence count per append (bounds the worst case)
+
+
+class SuffixAutomaton:
+    """Online suffix automaton over int tokens with occurrence counts.
+
+    State arrays: `length` (longest string of the state), `link` (suffix link), `next` (transitions) and
+    `count` (occurrences of the state's strings, i.e. |endpos|).
+    """
+
+    def __init__(self) -> None:
+        self.length = [0]
+        self.link = [-1]
+        self.next: list[dict[int, int]] = [{}]
+        self.count = [0]
+        self.last = 0
+        self.tokens: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def _new(self, length: int, link: int, nxt: dict[int, int], count: int) -> int:
+        self.length.append(length)
+        self.link.append(link)
+        self.next.append(nxt)
+        self.count.append(count)
+        return len(self.length) - 1
+
+    def append(self, tok: int) -> None:
+        self.tokens.append(tok)
+        cur = self._new(self.length[self.last] + 1, -1, {}, 0)
+        p = self.last
+        while p != -1 and tok not in self.next[p]:
+            self.next[p][tok] = cur
+            p = self.link[p]
+        if p == -1:
+            self.link[cur] = 0
+        else:
+            q = self.next[p][tok]
+            if self.length[p] + 1 == self.length[q]:
+                self.link[cur] = q
+            else:
+                clone = self._new(self.length[p] + 1, self.link[q], dict(self.next[q]), self.count[q])
+                while p != -1 and self.next[p].get(tok) == q:
+                    self.next[p][tok] = clone
+                    p = self.link[p]
+                self.link[q] = clone
+                self.link[cur] = clone
+        self.last = cur
+        # Every suffix of the text gained an occurrence ending here.
+        s, steps = cur, 0
+        while s > 0 and steps < COUNT_WALK:
+            self.count[s] += 1
+            s = self.link[s]
+            steps += 1
+
+    def extend(self, toks) -> None:
+        for t in toks:
+            self.append(int(t))
+
+    def longest_repeat(self) -> tuple[int, int]:
+        """(state, length) of the longest suffix of the text that also occurs earlier (so has a continuation)."""
+        s = self.link[self.last] if self.last > 0 else 0
+        return max(s, 0), self.length[max(s, 0)]
+
+    def continuations(self, state: int) -> list[tuple[int, int, int]]:
+        """(token, next state, occurrences) for every token that followed the state's strings."""
+        return [(t, n, self.count[n]) for t, n in self.next[state].items()]
+
+    def nbytes(self) -> int:
+        """A rough size: per state ~ 5 list slots + its dict, per transition ~ a dict entry."""
+        edges = sum(len(d) for d in self.next)
+        return 8 * 5 * len(self.length) + 64 * len(self.next) + 48 * edges + 8 * len(self.tokens)
+
+
+class Matcher:
+    """Follows a growing token stream through an automaton built elsewhere: the longest suffix of the stream
+    that occurs in it, updated in amortised O(1) per token."""
+
+    def __init__(self, sam: SuffixAutomaton) -> None:
+        self.sam, self.state, self.length = sam, 0, 0
+
+    def feed(self, tok: int) -> None:
+        sam = self.sam
+        while self.state > 0 and tok not in sam.next[self.state]:
+            self.state = sam.link[self.state]
+            self.length = sam.length[self.state]
+        nxt = sam.next[self.state].get(tok)
+        if nxt is None:
+            self.state, self.length = 0, 0
+        else:
+            self.state, self.length = nxt, self.length + 1
+
+
+class GlobalIndex:
+    """Outputs of earlier requests, shared by the sequences of one engine, bounded to ~`max_tokens` tokens
+    (and ~`max_bytes`): two generations of automata; when the newer one is full the older is dropped."""
+
+    def __init__(self, max_tokens: int = 200_000, max_bytes: int = 64 << 20) -> None:
+        self.max_tokens, self.max_bytes = max_tokens, max_bytes
+        self.generations: list[SuffixAutomaton] = [SuffixAutomaton()]
+        self._sep = itertools.count(1)
+        self.epoch = 0  # bumps on rotation: matchers on a dropped automaton restart
+
+    def add(self, tokens: list[int]) -> None:
+        cur = self.generations[-1]
+        cur.extend(tokens)
+        cur.append(-next(self._sep))  # a unique separator: no match runs across two outputs
+        if len(cur) >= self.max_tokens // 2 or cur.nbytes() >= self.max_bytes // 2:
+            self.generations = [cur, SuffixAutomaton()]
+            self.epoch += 1
+
+    def nbytes(self) -> int:
+        return sum(g.nbytes() for g in self.generations)
+
+
+@dataclass
+class _SuffixState:
+    sam: SuffixAutomaton
+    matchers: list[Matcher] = field(default_factory=list)
+    epoch: int = -1
+
+
+class SuffixDrafter(StatelessDrafter):
+    name = "suffix"
+
+    def __init__(
+        self,
+        max_depth: int = 16,
+        max_nodes: int = 48,
+        alpha: float = 2.0,
+        min_prob: float = 0.05,
+        use_global: bool = True,
+        global_tokens: int = 200_000,
+        lead_in: int = 32,
+    ) -> None:
+        if max_depth < 1 or max_nodes < 1 or alpha <= 0:
+            raise ValueError("max_depth and max_nodes must be >= 1 and alpha > 0")
+        self.max_depth, self.max_nodes, self.alpha, self.min_prob = max_depth, max_nodes, alpha, min_prob
+        self.global_index = GlobalIndex(global_tokens) if use_global else None
+        self.lead_in = lead_in
+
+    # --- lifecycle --------------------------------------------------------------------------------
+    def start(self, seq: Sequence) -> None:
+        sam = SuffixAutomaton()
+        sam.extend(seq.tokens.tolist())
+        seq.drafter_state = _SuffixState(sam)
+        self._sync_global(seq.drafter_state)
+
+    def _sync_global(self, st: _SuffixState) -> None:
+        g = self.global_index
+        if g is None:
+            return
+        if st.epoch != g.epoch or len(st.matchers) != len(g.generations):
+            st.matchers = [Matcher(sam) for sam in g.generations]
+            st.epoch = g.epoch
+            for m in st.matchers:  # re-follow the recent text (matches never need more than max_depth back)
+                for t in st.sam.tokens[-4 * self.max_depth :]:
+                    m.feed(t)
+
+    def commit(self, seq: Sequence, accepted: Accepted) -> None:
+        st: _SuffixState = seq.drafter_state
+        for t in seq.tokens[len(st.sam) :].tolist():
+            st.sam.append(t)
+            for m in st.matchers:
+                m.feed(t)
+
+    def release(self, seq: Sequence) -> None:
+        st: _SuffixState | None = seq.drafter_state
+        if st is not None and self.global_index is not None and seq.num_generated > 0:
+            start = max(0, seq.num_prompt - self.lead_in)
+            self.global_index.add(seq.tokens[start:].tolist())
+        seq.drafter_state = None
+
+    def state_bytes(self, seq: Sequence) -> int:
+        st: _SuffixState | None = seq.drafter_state
+        return 0 if st is None else st.sam.nbytes()
+
+    # --- drafting ---------------------------------------------------------------------------------
+    def propose(self, batch: list[Sequence]) -> list[DraftTree]:
+        return [self.propose_one(seq) for seq in batch]
+
+    def propose_one(self, seq: Sequence) -> DraftTree:
+        st: _SuffixState = seq.drafter_state
+        self._sync_global(st)
+        root = seq.root
+        sources = []  # (automaton, state, match length)
+        state, length = st.sam.longest_repeat()
+        if length > 0:
+            sources.append((st.sam, state, length))
+        for m in st.matchers:
+            if m.length > 0 and m.sam.next[m.state]:
+                sources.append((m.sam, m.state, m.length))
+        if not sources:
+            return DraftTree.root_only(root)
+        room = self.max_nodes
+        depth_cap = min(self.max_depth, max(1, int(self.alpha * max(s[2] for s in sources))))
+        return self._grow(root, sources, min(room, seq.params.max_new_tokens * 4), depth_cap)
+
+    def _grow(self, root: int, sources, budget: int, depth_cap: int) -> DraftTree:
+        """Best-first growth by score over the merged continuations of every source; a node's score is its
+        parent's times the continuation's estimated probability (count / (total + 1))."""
+        tokens, parents, scores, depths = [root], [-1], [1.0], [0]
+        children: dict[tuple[int, int], int] = {}
+        heap: list[tuple] = []
+        tie = itertools.count()
+
+        def push_children(node: int, sam: SuffixAutomaton, state: int, match: int) -> None:
+            # Frequency of each continuation, shrunk more when the match (what the estimate rests on) is short.
+            conts = sam.continuations(state)
+            total = sum(c for _, _, c in conts) + 1.0 / (1.0 + match / 2.0)
+            for tok, nxt, c in conts:
+                heapq.heappush(heap, (-scores[node] * c / total, next(tie), node, tok, sam, nxt, match + 1))
+
+        for sam, state, length in sources:
+            push_children(0, sam, state, length)
+        while heap and len(tokens) <= budget:
+            neg, _, parent, tok, sam, state, match = heapq.heappop(heap)
+            score = -neg
+            if score < self.min_prob:
+                break
+            key = (parent, tok)
+            if key in children:  # another source proposed the same node: keep its best score, follow both
+                node = children[key]
+                if depths[node] < depth_cap:
+                    push_children(node, sam, state, match)
+                continue
+            node = len(tokens)
+            children[key] = node
+            tokens.append(tok)
+            parents.append(parent)
+            scores.append(score)
+            depths.append(depths[parent] + 1)
+            if depths[node] < depth_cap:
+                push_children(node, sam, state, match)
+        return DraftTree(torch.tensor(tokens), parents, scores=scores)

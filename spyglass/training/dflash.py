@@ -1,0 +1,316 @@
+"""Training the DFlash block drafter and the DeLS-Spec local head on the offline corpus (train split only).
+
+A small CPU recipe, resumable (the work directory holds `state.pt`, written every few minutes, and the
+loss log), with a progress bar and a loss-curve PNG, then an export into a checkpoint directory:
+
+    python -m spyglass.training.dflash dflash --workdir .cache/runs/dflash-smollm2 --minutes 14 \
+        --out spyglass/drafts/smollm2-135m-dflash
+    python -m spyglass.training.dflash dels --workdir .cache/runs/dflash-smollm2 --minutes 6 \
+        --out spyglass/drafts/smollm2-135m-dels
+
+DFlash: the target's hidden states are computed on the fly (only its layers up to the deepest tapped one run,
+in inference mode); each context feeds `--inner` optimiser steps, each on a fresh set of random anchors.
+DeLS: only the target's embedding and head are read (`read_frozen_io`); windows of 16 tokens from random
+anchors, exp(-k/7)-weighted next-token loss; the unigram prior is counted over the same train split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from spyglass.training.data import CorpusConfig, build_corpus, load_contexts
+
+
+def _lr(step: int, total: int, base: float, warmup: float = 0.04) -> float:
+    w = max(1, int(total * warmup))
+    if step < w:
+        return base * (step + 1) / w
+    return base * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - w) / max(1, total - w))))
+
+
+def _corpus(workdir: Path, model_path: Path, train_contexts: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    from spyglass.models.loader import load_tokenizer
+
+    cfg = CorpusConfig(max_contexts={"train": train_contexts, "eval": 48})
+    manifest = build_corpus(cfg, load_tokenizer(model_path), workdir / "corpus")
+    return load_contexts(workdir / "corpus", "train"), load_contexts(workdir / "corpus", "eval"), manifest
+
+
+def _plot(log: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    steps = [r["step"] for r in log]
+    ax.plot(steps, [r["loss"] for r in log], lw=0.8, label="train loss")
+    if len(log) > 20:
+        k = 20
+        smooth = [sum(r["loss"] for r in log[max(0, i - k) : i + 1]) / min(i + 1, k + 1) for i in range(len(log))]
+        ax.plot(steps, smooth, lw=1.5, label="moving mean")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _save_state(path: Path, **state) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)
+
+
+def target_features(stack, cache, slot: int, tokens: torch.Tensor, layers: tuple[int, ...]) -> torch.Tensor:
+    """Concatenated hidden states `[L, len(layers)*H]` of `tokens` (one forward, nothing committed)."""
+    from spyglass.models.llama import Segment
+
+    stack.capture_layers = layers
+    stack([Segment(slot, 0, tokens, torch.arange(tokens.shape[0]), None, "none")], cache)
+    return torch.cat([stack.captured[0][i] for i in layers], dim=-1).clone()
+
+
+def train_dflash(args) -> dict:
+    from tqdm import tqdm
+
+    from spyglass.drafters.dflash import DFlashDraft, dflash_loss, save_dflash
+    from spyglass.drafters.small_lm import truncated_draft
+    from spyglass.models.llama import load_transformer
+    from spyglass.models.loader import resolve_model
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    model_path = resolve_model(args.model, dtype="float32").path
+    train, evals, manifest = _corpus(work, model_path, args.train_contexts)
+    target = load_transformer(model_path)
+    overrides = {"n_layers": args.layers, "block_size": args.block, "intermediate_size": args.intermediate}
+    if args.target_layers:
+        overrides["target_layers"] = tuple(int(x) for x in args.target_layers.split(","))
+    draft = DFlashDraft.from_target(target, init_from_target=args.init_from_target, **overrides).float().train()
+    layers = draft.cfg.target_layers
+    stack = truncated_draft(target, max(layers) + 1)
+    cache = stack.new_cache(train.shape[1], 1)
+    slot = cache.allocate()
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    state_path = work / "dflash-state.pt"
+    step, log, elapsed, seen_tokens = 0, [], 0.0, 0
+    if state_path.exists() and not args.fresh:
+        st = torch.load(state_path, weights_only=False)
+        draft.load_state_dict(st["draft"])
+        opt.load_state_dict(st["opt"])
+        step, log, elapsed, seen_tokens = st["step"], st["log"], st["elapsed"], st["seen_tokens"]
+    order = torch.randperm(train.shape[0], generator=torch.Generator().manual_seed(args.seed))
+    b = draft.cfg.block_size
+    total = args.max_steps
+    bar = tqdm(total=total, initial=step, desc="dflash", mininterval=5)
+    t_last_save = time.monotonic()
+    t0 = time.monotonic() - elapsed
+    gen = torch.Generator().manual_seed(args.seed + step)
+    while step < total and time.monotonic() - t0 < args.minutes * 60:
+        tokens = train[order[(step // args.inner) % train.shape[0]]]
+        with torch.no_grad():  # (the forward runs in inference mode; the concatenation makes a normal tensor)
+            feats = target_features(stack, cache, slot, tokens, layers)
+        seen_tokens += tokens.shape[0]
+        for _ in range(args.inner):
+            anchors = torch.randperm(tokens.shape[0] - b - 1, generator=gen)[: args.anchors].sort().values + 1
+            for g in opt.param_groups:
+                g["lr"] = _lr(step, total, args.lr)
+            loss, m = dflash_loss(draft, feats, tokens, anchors, args.gamma)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            log.append({"step": step, "loss": float(loss), **m})
+            step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(loss):.3f}", acc1=f"{m['acc_first']:.2f}", chain=f"{m['accepted_chain']:.2f}")
+        if time.monotonic() - t_last_save > 120:
+            _save_state(
+                state_path,
+                draft=draft.state_dict(),
+                opt=opt.state_dict(),
+                step=step,
+                log=log,
+                elapsed=time.monotonic() - t0,
+                seen_tokens=seen_tokens,
+            )
+            t_last_save = time.monotonic()
+    bar.close()
+    elapsed = time.monotonic() - t0
+    _save_state(
+        state_path,
+        draft=draft.state_dict(),
+        opt=opt.state_dict(),
+        step=step,
+        log=log,
+        elapsed=elapsed,
+        seen_tokens=seen_tokens,
+    )
+    # held-out: the eval split's packages/documents never trained on
+    draft.eval()
+    ev_loss, ev_acc1, ev_chain = [], [], []
+    with torch.inference_mode():
+        for i in range(min(args.eval_contexts, evals.shape[0])):
+            tokens = evals[i]
+            feats = target_features(stack, cache, slot, tokens, layers)
+            anchors = torch.arange(1, tokens.shape[0] - b - 1, 7)
+            loss, m = dflash_loss(draft, feats, tokens, anchors, args.gamma)
+            ev_loss.append(float(loss))
+            ev_acc1.append(m["acc_first"])
+            ev_chain.append(m["accepted_chain"])
+    _plot(log, work / "dflash-loss.png", "DFlash draft, SmolLM2-135M")
+    tail = log[-50:]
+    summary = {
+        "steps": step,
+        "wall_time_s": round(elapsed, 1),
+        "context_tokens_seen": seen_tokens,
+        "block_tokens_trained": step * args.anchors * (b - 1),
+        "final_train_loss_mean50": sum(r["loss"] for r in tail) / max(1, len(tail)),
+        "eval_loss": sum(ev_loss) / max(1, len(ev_loss)),
+        "eval_first_token_acc_vs_text": sum(ev_acc1) / max(1, len(ev_acc1)),
+        "eval_chain_accepted_vs_text": sum(ev_chain) / max(1, len(ev_chain)),
+        "train_split": {k: manifest["splits"]["train"][k] for k in ("contexts", "tokens", "kinds")},
+        "config": draft.cfg.to_dict(),
+        "recipe": {k: v for k, v in vars(args).items() if k not in ("func",)},
+    }
+    (work / "dflash-summary.json").write_text(json.dumps(summary, indent=1))
+    if args.out:
+        save_dflash(draft, args.out, card=summary)
+    return summary
+
+
+def train_dels(args) -> dict:
+    from tqdm import tqdm
+
+    from spyglass.drafters.dels import (
+        LocalHead,
+        LocalHeadConfig,
+        read_frozen_io,
+        save_local_head,
+        token_counts,
+        unigram_log_prior,
+    )
+    from spyglass.models.loader import resolve_model
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    model_path = resolve_model(args.model, dtype="float32").path
+    train, evals, manifest = _corpus(work, model_path, args.train_contexts)
+    embed, head_w = read_frozen_io(model_path)  # the target's layers are never loaded
+    cfg = LocalHeadConfig(embed.shape[1], embed.shape[0], args.gru_hidden, args.rank, args.window, args.gamma)
+    head = LocalHead(cfg, embed, head_w).train()
+    head.log_unigram.copy_(unigram_log_prior(token_counts(train, cfg.vocab_size)))
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    state_path = work / "dels-state.pt"
+    step, log, elapsed = 0, [], 0.0
+    if state_path.exists() and not args.fresh:
+        st = torch.load(state_path, weights_only=False)
+        head.load_state_dict(st["head"])
+        opt.load_state_dict(st["opt"])
+        step, log, elapsed = st["step"], st["log"], st["elapsed"]
+    flat = train.reshape(-1)
+    gen = torch.Generator().manual_seed(args.seed + step)
+    bar = tqdm(total=args.max_steps, initial=step, desc="dels", mininterval=5)
+    t0 = time.monotonic() - elapsed
+    t_last_save = time.monotonic()
+    while step < args.max_steps and time.monotonic() - t0 < args.minutes * 60:
+        starts = torch.randint(0, flat.shape[0] - cfg.window, (args.batch,), generator=gen)
+        windows = flat[starts.unsqueeze(1) + torch.arange(cfg.window)]
+        for g in opt.param_groups:
+            g["lr"] = _lr(step, args.max_steps, args.lr)
+        loss = head.window_loss(windows)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        log.append({"step": step, "loss": float(loss)})
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{float(loss):.3f}")
+        if time.monotonic() - t_last_save > 120:
+            _save_state(state_path, head=head.state_dict(), opt=opt.state_dict(), step=step, log=log,
+                        elapsed=time.monotonic() - t0)  # fmt: skip
+            t_last_save = time.monotonic()
+    bar.close()
+    elapsed = time.monotonic() - t0
+    _save_state(state_path, head=head.state_dict(), opt=opt.state_dict(), step=step, log=log, elapsed=elapsed)
+    head.eval()
+    with torch.no_grad():
+        ev = evals.reshape(-1)
+        starts = torch.arange(0, ev.shape[0] - cfg.window, 97)[:512]
+        ev_loss = float(head.window_loss(ev[starts.unsqueeze(1) + torch.arange(cfg.window)]))
+    _plot(log, work / "dels-loss.png", "DeLS local head, SmolLM2-135M")
+    tail = log[-50:]
+    summary = {
+        "steps": step,
+        "wall_time_s": round(elapsed, 1),
+        "window_tokens_trained": step * args.batch * cfg.window,
+        "final_train_loss_mean50": sum(r["loss"] for r in tail) / max(1, len(tail)),
+        "eval_loss": ev_loss,
+        "unigram_counted_tokens": int(train.numel()),
+        "train_split": {k: manifest["splits"]["train"][k] for k in ("contexts", "tokens", "kinds")},
+        "config": cfg.to_dict(),
+        "recipe": {k: v for k, v in vars(args).items() if k not in ("func",)},
+    }
+    (work / "dels-summary.json").write_text(json.dumps(summary, indent=1))
+    if args.out:
+        save_local_head(head, args.out, card=summary)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m spyglass.training.dflash", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="stage", required=True)
+    for name in ("dflash", "dels"):
+        s = sub.add_parser(name)
+        s.add_argument("--workdir", required=True)
+        s.add_argument("--out", default=None, help="checkpoint directory to export to")
+        s.add_argument("--model", default=None, help="target (default: the embedded SmolLM2)")
+        s.add_argument("--minutes", type=float, default=10.0, help="wall-time budget (resumed runs count it all)")
+        s.add_argument("--threads", type=int, default=1)
+        s.add_argument("--seed", type=int, default=42)
+        s.add_argument("--train-contexts", type=int, default=1024)
+        s.add_argument("--gamma", type=float, default=7.0)
+        s.add_argument("--fresh", action="store_true", help="ignore a saved state")
+    d = sub.choices["dflash"]
+    d.add_argument("--layers", type=int, default=2)
+    d.add_argument("--block", type=int, default=16)
+    d.add_argument("--intermediate", type=int, default=None, help="draft MLP width (default: the target's)")
+    d.add_argument("--target-layers", default=None, help="comma-separated target layer indices")
+    d.add_argument("--init-from-target", action=argparse.BooleanOptionalAction, default=True)
+    d.add_argument("--anchors", type=int, default=32)
+    d.add_argument("--inner", type=int, default=2, help="optimiser steps per target forward")
+    d.add_argument("--lr", type=float, default=6e-4)
+    d.add_argument("--max-steps", type=int, default=600)
+    d.add_argument("--eval-contexts", type=int, default=8)
+    d.set_defaults(func=train_dflash)
+    h = sub.choices["dels"]
+    h.add_argument("--gru-hidden", type=int, default=256)
+    h.add_argument("--rank", type=int, default=128)
+    h.add_argument("--window", type=int, default=16)
+    h.add_argument("--batch", type=int, default=64)
+    h.add_argument("--lr", type=float, default=2e-3)
+    h.add_argument("--max-steps", type=int, default=400)
+    h.set_defaults(func=train_dels)
+    args = p.parse_args(argv)
+    print(json.dumps(args.func(args), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

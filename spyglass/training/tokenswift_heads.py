@@ -1,0 +1,117 @@
+"""TokenSwift's multi-token heads: gamma residual linear layers on the target's last hidden state.
+
+h_0 is the output of the target's last layer (before the final norm); head i computes
+h_i = h_{i-1} + W_i rmsnorm_i(h_{i-1}) and its logits go through the target's own frozen final norm and LM
+head, so one pass over the target gives gamma + 1 next-token distributions (positions t+1 .. t+1+gamma).
+The heads are chained, not independent (Medusa): each refines the previous one's residual stream.
+W_i starts at zero, so an untrained head repeats the base distribution (a usable, honest default).
+
+A checkpoint is `heads.safetensors` + `heads_config.json`; the config records the target's shape and a
+numeric signature of its final norm and LM head, so heads trained for another model are refused.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+CONFIG_FILE, WEIGHTS_FILE = "heads_config.json", "heads.safetensors"
+
+
+def target_signature(target) -> dict:
+    """Shape plus a few statistics of the frozen parts the heads were trained through (dtype-robust)."""
+    a = target.args
+    w = target.lm_head.weight.detach().float()
+    return {
+        "hidden_size": a.hidden_size,
+        "vocab_size": a.vocab_size,
+        "n_layers": a.n_layers,
+        "norm_weight_mean": float(target.norm.weight.detach().float().mean()),
+        "lm_head_abs_mean": float(w.abs().mean()),
+        "lm_head_row0_sum": float(w[0].sum()),
+    }
+
+
+def signature_mismatch(saved: dict, target) -> list[str]:
+    """Names of the signature entries that differ (statistics compared with a 2% tolerance)."""
+    now = target_signature(target)
+    bad = []
+    for key, value in now.items():
+        old = saved.get(key)
+        if isinstance(value, int):
+            if old != value:
+                bad.append(f"{key} {old} != {value}")
+        elif old is None or abs(old - value) > 0.02 * max(abs(value), 1e-3):
+            bad.append(f"{key} {old} != {value:.6g}")
+    return bad
+
+
+class TokenSwiftHeads(nn.Module):
+    def __init__(self, hidden_size: int, gamma: int = 3, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.gamma, self.eps = gamma, eps
+        self.norm_weight = nn.Parameter(torch.ones(gamma, hidden_size))
+        self.proj = nn.Parameter(torch.zeros(gamma, hidden_size, hidden_size))  # [i, out, in]
+
+    def forward(self, h0: torch.Tensor) -> list[torch.Tensor]:
+        """`h0` `[..., d]` -> [h_0, h_1, ..., h_gamma] (residual streams, not normalised)."""
+        hs = [h0]
+        h = h0
+        for i in range(self.gamma):
+            hf = h.float()
+            normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight[i]
+            h = h + (normed @ self.proj[i].T).to(h.dtype)
+            hs.append(h)
+        return hs
+
+    def logits(self, target, h0: torch.Tensor) -> torch.Tensor:
+        """`[gamma + 1, ..., V]` fp32 logits through the target's final norm and LM head."""
+        return torch.stack([target.lm_head(target.norm(h)).float() for h in self(h0)])
+
+    def save(self, out_dir: str | Path, target, extra: dict | None = None) -> None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        cfg = {"kind": "tokenswift-heads", "gamma": self.gamma, "eps": self.eps, "target": target_signature(target)}
+        cfg.update(extra or {})
+        state = {k: v.detach().to(torch.float32).contiguous() for k, v in self.state_dict().items()}
+        save_file(state, str(out / WEIGHTS_FILE))
+        (out / CONFIG_FILE).write_text(json.dumps(cfg, indent=1))
+
+
+def load_heads(checkpoint: str | Path, target) -> TokenSwiftHeads:
+    """Heads from a checkpoint directory, checked against `target`; ValueError says what does not fit."""
+    root = Path(checkpoint)
+    if not (root / CONFIG_FILE).is_file() or not (root / WEIGHTS_FILE).is_file():
+        raise ValueError(f"{root} is not a TokenSwift heads checkpoint (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
+    cfg = json.loads((root / CONFIG_FILE).read_text())
+    if cfg.get("kind") != "tokenswift-heads":
+        raise ValueError(f"{root} holds a {cfg.get('kind')!r} checkpoint, not TokenSwift heads")
+    bad = signature_mismatch(cfg.get("target", {}), target)
+    if bad:
+        raise ValueError(f"TokenSwift heads {root} were trained for another model ({'; '.join(bad)})")
+    heads = TokenSwiftHeads(target.args.hidden_size, int(cfg["gamma"]), float(cfg.get("eps", 1e-6)))
+    try:
+        heads.load_state_dict(load_file(str(root / WEIGHTS_FILE)))
+    except RuntimeError as e:
+        raise ValueError(f"TokenSwift heads {root}: {e}") from e
+    return heads.eval()
+
+
+def heads_loss(heads: TokenSwiftHeads, target, h0: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor):
+    """Sum over heads i = 1..gamma of CE(head i at position t, token t + 1 + i), through the frozen norm and head.
+
+    `h0` `[n, L, d]` last-layer hidden states, `tokens` `[n, L]`, `pos` `[m, 2]` (context, t) rows with
+    t + 1 + gamma < L. Returns (loss, per-head CE list, per-head top-1 accuracy list)."""
+    h = h0[pos[:, 0], pos[:, 1]].float()
+    ces, accs = [], []
+    streams = heads(h)
+    for i in range(1, heads.gamma + 1):
+        logits = target.lm_head(target.norm(streams[i])).float()
+        want = tokens[pos[:, 0], pos[:, 1] + 1 + i]
+        ces.append(nn.functional.cross_entropy(logits, want))
+        accs.append(float((logits.argmax(-1) == want).float().mean()))
+    return sum(ces), [float(c) for c in ces], accs

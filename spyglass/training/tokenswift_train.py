@@ -1,0 +1,224 @@
+"""Train TokenSwift heads on the offline corpus (CPU budget, resumable).
+
+    python -m spyglass.training.tokenswift_train configs/smollm2-tokenswift-heads.yaml
+
+1. corpus: `build_corpus` (train split only: the eval split's packages stay held out for benchmarks);
+2. extract: the frozen target's last-layer hidden states of every context, stored bf16 per shard (skipped when
+   already on disk);
+3. train: the heads only (AdamW, warmup + cosine), `batch_positions` random positions per step, loss = sum of
+   CE(head i at t, token t+1+i) through the frozen final norm + LM head; a checkpoint with optimizer state every
+   `checkpoint_every` steps, so rerunning the same command resumes; stops at `steps` or `max_minutes`;
+4. evaluate per-head top-1 agreement with the corpus on held-out train-split contexts, and write the heads plus
+   a model card into `out_dir`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+from spyglass.training.data import CorpusConfig, build_corpus, load_contexts
+from spyglass.training.tokenswift_heads import TokenSwiftHeads, heads_loss
+
+DEFAULTS = {
+    "model": None,
+    "workdir": ".cache/runs/tokenswift-heads",
+    "out_dir": "spyglass/drafts/smollm2-135m-tokenswift",
+    "corpus": {},
+    "train_contexts": 240,
+    "heldout_contexts": 16,
+    "shard": 16,
+    "gamma": 3,
+    "steps": 200,
+    "max_minutes": 15.0,
+    "batch_positions": 512,
+    "lr": 5.0e-3,
+    "weight_decay": 0.1,
+    "warmup": 20,
+    "checkpoint_every": 20,
+    "seed": 0,
+    "threads": 1,
+}
+
+
+def _load_target(model):
+    from spyglass.models.llama import load_transformer
+    from spyglass.models.loader import load_tokenizer, resolve_model
+
+    resolved = resolve_model(model, dtype="float32")
+    return load_transformer(resolved.path), resolved.path, load_tokenizer(resolved.path)
+
+
+@torch.inference_mode()
+def extract(target, contexts: torch.Tensor, out: Path, shard: int) -> torch.Tensor:
+    """Last-layer hidden states `[n, L, d]` (bf16), computed shard by shard and cached on disk."""
+    from spyglass.models.llama import Segment
+
+    out.mkdir(parents=True, exist_ok=True)
+    last = target.args.n_layers - 1
+    parts = []
+    for lo in range(0, contexts.shape[0], shard):
+        path = out / f"hidden-{lo:05d}.safetensors"
+        if path.exists():
+            parts.append(load_file(str(path))["hidden"])
+            continue
+        t0 = time.perf_counter()
+        rows = []
+        for ctx in contexts[lo : lo + shard]:
+            cache = target.new_cache(ctx.shape[0], 1)
+            slot = cache.allocate()
+            target.capture_layers = (last,)
+            target([Segment(slot, 0, ctx, torch.arange(ctx.shape[0]), None, "none")], cache)
+            rows.append(target.captured[0][last].to(torch.bfloat16))
+        target.capture_layers = ()
+        hidden = torch.stack(rows)
+        save_file({"hidden": hidden}, str(path))
+        parts.append(hidden)
+        print(f"extract {lo + len(rows)}/{contexts.shape[0]} ({time.perf_counter() - t0:.1f}s)", flush=True)
+    return torch.cat(parts)
+
+
+def _positions(n: int, length: int, gamma: int, count: int, g: torch.Generator) -> torch.Tensor:
+    return torch.stack(
+        [torch.randint(0, n, (count,), generator=g), torch.randint(0, length - 1 - gamma, (count,), generator=g)], 1
+    )
+
+
+@torch.no_grad()
+def evaluate(heads, target, hidden: torch.Tensor, tokens: torch.Tensor) -> dict:
+    """Per-head CE and top-1 accuracy against the corpus over every valid position (base head l0 too)."""
+    gamma = heads.gamma
+    n, length = tokens.shape
+    pos = torch.stack(torch.meshgrid(torch.arange(n), torch.arange(length - 1 - gamma), indexing="ij"), -1)
+    pos = pos.reshape(-1, 2)
+    ces, accs, base = [], [], 0.0
+    for chunk in pos.split(1024):
+        _, c, a = heads_loss(heads, target, hidden, tokens, chunk)
+        h = hidden[chunk[:, 0], chunk[:, 1]].float()
+        pred = target.lm_head(target.norm(h)).argmax(-1)
+        base += float((pred == tokens[chunk[:, 0], chunk[:, 1] + 1]).float().sum())
+        ces.append(torch.tensor(c) * len(chunk))
+        accs.append(torch.tensor(a) * len(chunk))
+    m = len(pos)
+    return {
+        "positions": m,
+        "base_top1": base / m,
+        "head_ce": (sum(ces) / m).tolist(),
+        "head_top1": (sum(accs) / m).tolist(),
+    }
+
+
+def run(cfg: dict) -> dict:
+    torch.set_num_threads(int(cfg["threads"]))
+    torch.manual_seed(cfg["seed"])
+    work = Path(cfg["workdir"])
+    target, model_path, tokenizer = _load_target(cfg["model"])
+    for p in target.parameters():
+        p.requires_grad_(False)
+    n_train, n_held = int(cfg["train_contexts"]), int(cfg["heldout_contexts"])
+    corpus_cfg = CorpusConfig.from_dict({"max_contexts": {"train": n_train + n_held, "eval": 0}, **cfg["corpus"]})
+    manifest = build_corpus(corpus_cfg, tokenizer, work / "corpus")
+    contexts = load_contexts(work / "corpus", "train")[: n_train + n_held]
+    hidden = extract(target, contexts, work / "hidden", int(cfg["shard"]))
+    train_h, train_t = hidden[:n_train], contexts[:n_train]
+    held_h, held_t = hidden[n_train:], contexts[n_train:]
+
+    heads = TokenSwiftHeads(target.args.hidden_size, int(cfg["gamma"]), target.args.rms_eps)
+    opt = torch.optim.AdamW(heads.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
+    steps, warmup = int(cfg["steps"]), int(cfg["warmup"])
+
+    def schedule(s: int) -> float:
+        return (s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * (s - warmup) / (steps - warmup)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    ckpt = work / "checkpoint.pt"
+    state = {"step": 0, "seconds": 0.0, "log": []}
+    if ckpt.exists():
+        saved = torch.load(ckpt, weights_only=False)
+        heads.load_state_dict(saved["heads"])
+        opt.load_state_dict(saved["opt"])
+        sched.load_state_dict(saved["sched"])
+        state = saved["state"]
+        print(f"resumed at step {state['step']}", flush=True)
+    g = torch.Generator().manual_seed(cfg["seed"] + state["step"])
+    budget = 60.0 * float(cfg["max_minutes"])
+    t_run = time.perf_counter()
+    while state["step"] < steps and state["seconds"] < budget:
+        t0 = time.perf_counter()
+        pos = _positions(n_train, train_t.shape[1], heads.gamma, int(cfg["batch_positions"]), g)
+        loss, ces, accs = heads_loss(heads, target, train_h, train_t, pos)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        state["step"] += 1
+        state["seconds"] += time.perf_counter() - t0
+        state["log"].append({"step": state["step"], "loss": float(loss), "ce": ces, "top1": accs})
+        if state["step"] % 5 == 0:
+            print(
+                f"step {state['step']} loss {float(loss):.3f} ce {[round(c, 3) for c in ces]} "
+                f"top1 {[round(a, 3) for a in accs]} ({state['seconds']:.0f}s)",
+                flush=True,
+            )
+        if state["step"] % int(cfg["checkpoint_every"]) == 0 or state["step"] == steps:
+            tmp = ckpt.with_suffix(".tmp")
+            torch.save(
+                {"heads": heads.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(), "state": state}, tmp
+            )
+            tmp.replace(ckpt)
+    heads.eval()
+    held = evaluate(heads, target, held_h, held_t)
+    untrained = evaluate(
+        TokenSwiftHeads(target.args.hidden_size, heads.gamma, target.args.rms_eps), target, held_h, held_t
+    )
+    split = manifest["splits"]["train"]
+    report = {
+        "model": str(model_path.name),
+        "train_contexts": n_train,
+        "heldout_contexts": n_held,
+        "context_tokens": int(train_t.shape[1]),
+        "corpus_train_groups": len(split["groups_used"]),
+        "steps": state["step"],
+        "positions_per_step": int(cfg["batch_positions"]),
+        "train_seconds": round(state["seconds"], 1),
+        "final_train_loss": state["log"][-1]["loss"] if state["log"] else None,
+        "heldout": held,
+        "heldout_untrained": untrained,
+        "config": cfg,
+        "wall_seconds_this_run": round(time.perf_counter() - t_run, 1),
+    }
+    out = Path(cfg["out_dir"])
+    heads.save(out, target, {"trained": {k: report[k] for k in ("steps", "train_contexts", "heldout")}})
+    (work / "report.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("config")
+    ap.add_argument("--max-minutes", type=float)
+    ap.add_argument("--steps", type=int)
+    args = ap.parse_args(argv)
+    cfg = {**DEFAULTS, **(yaml.safe_load(Path(args.config).read_text()) or {})}
+    unknown = set(cfg) - set(DEFAULTS)
+    if unknown:
+        raise SystemExit(f"unknown option(s): {', '.join(sorted(unknown))}")
+    if args.max_minutes is not None:
+        cfg["max_minutes"] = args.max_minutes
+    if args.steps is not None:
+        cfg["steps"] = args.steps
+    report = run(cfg)
+    print(json.dumps({k: v for k, v in report.items() if k != "config"}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

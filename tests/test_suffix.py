@@ -1,0 +1,137 @@
+"""Suffix drafting: the automaton against brute force, incremental matching, the bounded global index."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from spyglass.drafters.suffix import GlobalIndex, Matcher, SuffixAutomaton, SuffixDrafter
+from spyglass.sampling import SamplingParams
+from spyglass.sequence import Sequence
+
+
+def brute_longest_repeat(text: list[int]) -> int:
+    """Length of the longest suffix that also ends at an earlier position."""
+    n = len(text)
+    best = 0
+    for length in range(1, n):
+        suf = text[n - length :]
+        if any(text[e - length + 1 : e + 1] == suf for e in range(length - 1, n - 1)):
+            best = length
+    return best
+
+
+def brute_continuations(text: list[int], pattern: list[int]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    m = len(pattern)
+    for s in range(0, len(text) - m):
+        if text[s : s + m] == pattern:
+            t = text[s + m]
+            out[t] = out.get(t, 0) + 1
+    return out
+
+
+def _streams():
+    rng = random.Random(0)
+    yield [rng.randrange(4) for _ in range(200)]  # small alphabet: many repeats
+    base = [rng.randrange(50) for _ in range(40)]
+    yield base + [rng.randrange(50) for _ in range(10)] + base[5:30] + base  # copied spans
+    yield [7] * 100  # the worst case for suffix links
+    from pathlib import Path
+
+    text = Path(__file__).read_text()[:500]  # real text (bytes as tokens)
+    yield list(text.encode())
+
+
+def test_longest_repeat_and_counts_match_brute_force():
+    for stream in _streams():
+        sam = SuffixAutomaton()
+        for i, tok in enumerate(stream):
+            sam.append(tok)
+            if i % 7 and i < len(stream) - 1:
+                continue
+            state, length = sam.longest_repeat()
+            prefix = stream[: i + 1]
+            assert length == brute_longest_repeat(prefix), f"at {i}"
+            if length:
+                got = {t: c for t, _, c in sam.continuations(state)}
+                want = brute_continuations(prefix, prefix[len(prefix) - length :])
+                if stream != [7] * 100:  # counts are exact unless the suffix-link walk is capped
+                    assert got == want
+                else:
+                    assert set(got) == set(want)
+
+
+def test_matcher_follows_a_stream_through_another_text():
+    rng = random.Random(1)
+    corpus = [rng.randrange(6) for _ in range(400)]
+    sam = SuffixAutomaton()
+    sam.extend(corpus)
+    m = Matcher(sam)
+    stream = [rng.randrange(6) for _ in range(200)]
+    for i, t in enumerate(stream):
+        m.feed(t)
+        best = 0
+        for length in range(1, i + 2):
+            suf = stream[i + 1 - length : i + 1]
+            if any(corpus[s : s + length] == suf for s in range(len(corpus) - length + 1)):
+                best = length
+            else:
+                break
+        assert m.length == best
+
+
+def test_global_index_memory_is_bounded():
+    g = GlobalIndex(max_tokens=4_000)
+    rng = random.Random(2)
+    peak = 0
+    for _ in range(2_000):  # thousands of requests
+        g.add([rng.randrange(5000) for _ in range(rng.randrange(5, 40))])
+        peak = max(peak, sum(len(x) for x in g.generations))
+    assert peak <= 4_000 + 45
+    assert g.epoch > 5
+    assert g.nbytes() < 8 << 20
+
+
+def _seq(tokens, max_new=32):
+    seq = Sequence(tokens, SamplingParams(max_new_tokens=max_new))
+    return seq
+
+
+def test_drafts_the_continuation_of_a_repeat_with_scores():
+    text = list(range(10, 40)) + [5, 6, 7] + list(range(10, 20))
+    seq = _seq(text)
+    d = SuffixDrafter(use_global=False)
+    d.start(seq)
+    tree = d.propose([seq])[0]
+    assert tree.tokens[1:6].tolist() == [20, 21, 22, 23, 24]  # what followed 10..19 before
+    s = tree.scores
+    assert s[0] == 1.0 and all(0 < s[i] <= s[tree.parents[i]] for i in range(1, len(tree)))
+    assert tree.max_depth <= d.max_depth
+
+
+def test_global_index_drafts_what_an_earlier_request_generated():
+    d = SuffixDrafter()
+    first = _seq([1, 2, 3, 4], max_new=20)
+    d.start(first)
+    for t in range(100, 120):  # its "output"
+        first.append(t)
+    d.release(first)
+    second = _seq([9, 9, 3, 4, 100, 101, 102])
+    d.start(second)
+    tree = d.propose([second])[0]
+    assert tree.tokens[1:4].tolist() == [103, 104, 105]
+    no_global = SuffixDrafter(use_global=False)
+    no_global.start(second)
+    assert len(no_global.propose([second])[0]) == 1
+
+
+def test_state_grows_linearly_not_quadratically():
+    d = SuffixDrafter(use_global=False)
+    g = torch.Generator().manual_seed(0)
+    small = _seq(torch.randint(0, 1000, (1000,), generator=g).tolist())
+    big = _seq(torch.randint(0, 1000, (4000,), generator=g).tolist())
+    d.start(small)
+    d.start(big)
+    assert d.state_bytes(big) < 6 * d.state_bytes(small)

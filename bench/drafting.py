@@ -99,7 +99,7 @@ def compare(
             )
             row[name] = run_task(SpecEngine(target, make(), conf, context_cache=cache), task, params)
         base = row["ar"]["tok_s"]
-        for name, r in row.items():
+        for r in row.values():
             r["speedup"] = r["tok_s"] / base if base else None
             r["identical"] = r["tokens"] == row["ar"]["tokens"]
         log(
@@ -123,7 +123,8 @@ def repeat_workload(tokenizer) -> list[HeldOutTask]:
     funcs = [n.name for n in ast.walk(ast.parse(src)) if isinstance(n, ast.FunctionDef)][:12]
     out = []
     for fn in funcs[2:6]:
-        text = f"Here is the file `calendar.py`:\n\n```python\n{src}\n```\n\nRewrite `{fn}` with full type hints. Output only the code."
+        ask = f"Rewrite `{fn}` with full type hints. Output only the code."
+        text = f"Here is the file `calendar.py`:\n\n```python\n{src}\n```\n\n{ask}"
         out.append(HeldOutTask(f"repeat-edit:{fn}", "edit", _chat(tokenizer, text), "code:calendar"))
     return out
 

@@ -183,10 +183,10 @@ class SpeculationController:
             for i, p in enumerate(tree.parents[1:], start=1):
                 out[i] = min(1.0, s[i] / s[p]) if s[p] > 0 else 0.0
             return out
-        kids = tree.children()
-        for node, children in enumerate(kids):
+        for children in tree.children():
+            norm = sum(1 / (r + 1) for r in range(len(children)))
             for rank, c in enumerate(children):
-                out[c] = PRIOR_CONDITIONAL / (rank + 1) / sum(1 / (r + 1) for r in range(len(children)))
+                out[c] = PRIOR_CONDITIONAL / (rank + 1) / norm
         return out
 
     def scores(self, seq: Sequence, tree: DraftTree) -> list[float]:

@@ -35,7 +35,7 @@ def build_drafter(method: str, target, *, max_batch: int = 4, max_context: int =
         if checkpoint is None:
             raise ValueError("method longspec needs a trained draft (--draft-checkpoint DIR)")
         return LongSpecDrafter(load_longspec_draft(checkpoint, target), gamma=options.get("gamma") or 4)
-    if method in ("dflash", "dflash-dels", "tokenswift", "streaming"):
+    if method in ("dflash", "dflash-dels"):
         from spyglass.drafters.dflash import build_dflash_drafter
 
         return build_dflash_drafter(

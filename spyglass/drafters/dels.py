@@ -1,0 +1,168 @@
+"""DeLS-Spec local head: the short-context expert fused into DFlash's block drafts.
+
+DFlash predicts every block position from the context alone; the local head sees only the tokens drafted so
+far inside the block (a GRU from a zero state over the target's frozen embeddings), so fusing the two adds the
+intra-block dependency DFlash lacks. The output is tied to the target: GRU state -> rank projection (SiLU) ->
+`w_up` to the hidden size -> the target's frozen LM head, so only the small GRU and two projections are
+trained and shipped. A unigram log-prior from corpus counts is subtracted once in the fusion, since both
+experts already contain token frequency (`spyglass.drafters.dflash.fuse`).
+
+Training needs only the target's embedding and head matrices (`read_frozen_io` reads those two tensors from
+the safetensors files, never the transformer layers): next-token prediction in short windows from a zero
+state, loss weighted by exp(-k/7) for the k-th target of a window.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+
+@dataclass
+class LocalHeadConfig:
+    embed_dim: int
+    vocab_size: int
+    gru_hidden: int = 256
+    rank: int = 128
+    window: int = 16  # tokens per training window: window-1 inputs predict window-1 targets
+    gamma: float = 7.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def unigram_log_prior(counts: torch.Tensor, smoothing: float = 1.0) -> torch.Tensor:
+    """log p(v) = log((count_v + smoothing) / (total + smoothing * V)): every token gets some mass."""
+    c = counts.double() + smoothing
+    return (c / c.sum()).log().float()
+
+
+def token_counts(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    return torch.bincount(tokens.reshape(-1), minlength=vocab_size)[:vocab_size]
+
+
+def window_weights(n: int, gamma: float = 7.0) -> torch.Tensor:
+    """exp(-k/gamma) for targets k = 0..n-1 of a window: later positions are reached less often at drafting."""
+    return torch.exp(-torch.arange(n, dtype=torch.float32) / gamma)
+
+
+class LocalHead(nn.Module):
+    def __init__(self, cfg: LocalHeadConfig, embed_weight: torch.Tensor, head_weight: torch.Tensor) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.gru = nn.GRU(cfg.embed_dim, cfg.gru_hidden, num_layers=1, bias=False, batch_first=True)
+        self.w_rank = nn.Linear(cfg.gru_hidden, cfg.rank, bias=False)
+        self.w_up = nn.Linear(cfg.rank, cfg.embed_dim, bias=False)
+        nn.init.zeros_(self.w_up.weight)  # starts as a uniform expert: fusion is a no-op before training
+        self.register_buffer(
+            "log_unigram", torch.full((cfg.vocab_size,), -float(torch.log(torch.tensor(cfg.vocab_size))))
+        )
+        # Frozen target matrices: referenced in a tuple so they are neither trained nor checkpointed.
+        self._frozen = (embed_weight.detach(), head_weight.detach())
+        self._fused: torch.Tensor | None = None
+
+    def _vocab(self) -> torch.Tensor:
+        """`[V, rank]` = head @ w_up: logits from the rank-sized state in one small matmul."""
+        return self._frozen[1].float() @ self.w_up.weight.float()
+
+    def sequence_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced logits `[B, T, V]` for windows `tokens [B, T]` read from a zero state."""
+        x = F.embedding(tokens, self._frozen[0]).float()
+        out, _ = self.gru(x)
+        r = F.silu(self.w_rank(out))
+        return r @ self._vocab().T
+
+    def window_loss(self, windows: torch.Tensor) -> torch.Tensor:
+        """Weighted next-token loss over `windows [B, window]`: inputs [:, :-1], targets [:, 1:]."""
+        logits = self.sequence_logits(windows[:, :-1])
+        n = windows.shape[1] - 1
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1), reduction="none")
+        w = window_weights(n, self.cfg.gamma)
+        return (ce.view(-1, n) * w).sum() / (w.sum() * windows.shape[0])
+
+    # -- inference: one token at a time --------------------------------------------------------
+    def train(self, mode: bool = True):
+        self._fused = None  # the fused matrix is rebuilt from the current weights
+        return super().train(mode)
+
+    @torch.inference_mode()
+    def step(self, token: int, h: torch.Tensor | None) -> torch.Tensor:
+        """Advance the GRU by one drafted token (h None = zero state)."""
+        x = self._frozen[0][token].float().view(1, 1, -1)
+        _, h = self.gru(x, h)
+        return h
+
+    @torch.inference_mode()
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        if self._fused is None:
+            self._fused = self._vocab()
+        return self._fused @ F.silu(self.w_rank(h.view(-1)))
+
+
+def read_frozen_io(model_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's embedding and LM head matrices only, read tensor by tensor from its safetensors files
+    (the transformer layers are never loaded). A tied model returns the embedding twice."""
+    root = Path(model_dir)
+    cfg = json.loads((root / "config.json").read_text())
+    want = {"model.embed_tokens.weight": None, "lm_head.weight": None}
+    for f in sorted(root.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if name in want:
+                    want[name] = sf.get_tensor(name)
+    embed = want["model.embed_tokens.weight"]
+    if embed is None:
+        raise ValueError(f"{root}: no model.embed_tokens.weight")
+    head = want["lm_head.weight"]
+    if head is None or cfg.get("tie_word_embeddings"):
+        head = embed
+    return embed.float(), head.float()
+
+
+def save_local_head(head: LocalHead, out: str | Path, card: dict | None = None) -> None:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = {"kind": "dels-local-head", **head.cfg.to_dict(), **({"card": card} if card else {})}
+    (out / "head_config.json").write_text(json.dumps(cfg, indent=1))
+    save_file({k: v.detach().float().contiguous() for k, v in head.state_dict().items()}, str(out / "head.safetensors"))
+
+
+def load_local_head(checkpoint: str | Path, target) -> LocalHead:
+    """A local head on `target`'s frozen embedding and head (a Transformer). ValueError if it does not fit."""
+    root = Path(checkpoint)
+    cfg_file, weights = root / "head_config.json", root / "head.safetensors"
+    if not cfg_file.is_file() or not weights.is_file():
+        raise ValueError(f"{root} is not a DeLS local head (needs head_config.json and head.safetensors)")
+    cfg = json.loads(cfg_file.read_text())
+    if cfg.pop("kind", None) != "dels-local-head":
+        raise ValueError(f"{root} does not hold a DeLS local head")
+    cfg.pop("card", None)
+    c = LocalHeadConfig(**cfg)
+    a = target.args
+    if (c.embed_dim, c.vocab_size) != (a.hidden_size, a.vocab_size):
+        raise ValueError(f"local head {root} does not fit the target: {(c.embed_dim, c.vocab_size)}")
+    head = LocalHead(c, target.embed.weight, target.lm_head.weight)
+    try:
+        head.load_state_dict(load_file(str(weights)))
+    except RuntimeError as e:
+        raise ValueError(f"local head {root}: {e}") from e
+    return head.eval()
+
+
+__all__ = [
+    "LocalHead",
+    "LocalHeadConfig",
+    "load_local_head",
+    "read_frozen_io",
+    "save_local_head",
+    "token_counts",
+    "unigram_log_prior",
+    "window_weights",
+]

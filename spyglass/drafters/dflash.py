@@ -1,0 +1,473 @@
+"""DFlash block drafter, optionally fused with the DeLS-Spec local head (`spyglass.drafters.dels`).
+
+One draft forward proposes a whole block: the input is `[root, MASK x (b-1)]` at positions `P .. P+b-1`
+(P = the root's position), attention inside the block is non-causal, and every draft layer also attends to
+the *context stream*: hidden states of a few target layers, concatenated, projected (`fc`) and normalised
+(`hidden_norm`), then turned into that layer's keys/values. Outputs at block positions 1..b-1 go through the
+draft's final norm and the target's frozen LM head: b-1 draft distributions, each conditioned on the
+context only (positions inside the block do not see each other's drafted tokens).
+
+Per sequence the drafter keeps the context stream's keys/values per draft layer for every committed position
+whose target hidden states it was handed (`observe_hidden`, called by the engine after prefill chunks and
+verify passes with the committed rows only). Positions whose target forward never ran here (a prefix loaded
+from the Redis context cache) have no hidden states: the stream then covers only the positions seen, which
+costs acceptance, never correctness. Rows are kept by position and cropped to `start` before new rows are
+appended, so the cache always equals what recomputing it from scratch over the committed tokens would give.
+
+The tree is the block's top-1 chain plus, at low-confidence positions, a few alternative leaves; every node
+carries P(accepted) as the product of the draft's probabilities along its path (`DraftTree.scores`), and the
+engine's speculation controller prunes it by the measured verify-cost curve. Drafts are argmax even when
+sampling: the verifier then matches target samples against the tree (lossless for any tree).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from spyglass.models.llama import ModelArgs, RMSNorm, Transformer, apply_rope
+from spyglass.sequence import Sequence
+from spyglass.tree import DraftTree
+from spyglass.verify import Accepted
+
+PACKAGED = Path(__file__).resolve().parents[1] / "drafts"
+DEFAULT_DFLASH = PACKAGED / "smollm2-135m-dflash"
+DEFAULT_DELS = PACKAGED / "smollm2-135m-dels"
+
+
+def default_target_layers(n_target_layers: int, n: int = 3) -> tuple[int, ...]:
+    """`n` target layers evenly spaced from layer 1 to layer L-3 (DFlash's rule), as layer-output indices."""
+    lo, hi = 1, max(1, n_target_layers - 3)
+    if n == 1:
+        return (hi,)
+    return tuple(sorted({round(lo + i * (hi - lo) / (n - 1)) for i in range(n)}))
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    target_layers: tuple[int, ...]
+    n_layers: int = 2
+    block_size: int = 16
+    rms_eps: float = 1e-6
+    qkv_bias: bool = False
+    init_std: float = 0.02
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_target(cls, a: ModelArgs, **overrides) -> DFlashConfig:
+        base = dict(
+            hidden_size=a.hidden_size,
+            n_heads=a.n_heads,
+            n_kv_heads=a.n_kv_heads,
+            head_dim=a.head_dim,
+            intermediate_size=a.intermediate_size,
+            vocab_size=a.vocab_size,
+            rms_eps=a.rms_eps,
+            qkv_bias=a.qkv_bias,
+            target_layers=default_target_layers(a.n_layers),
+        )
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        base["target_layers"] = tuple(int(i) % a.n_layers for i in base["target_layers"])
+        return cls(**base)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["target_layers"] = list(self.target_layers)
+        return d
+
+
+class DFlashLayer(nn.Module):
+    """A Llama block whose keys/values are [context stream; block] and whose attention has no causal mask."""
+
+    def __init__(self, c: DFlashConfig) -> None:
+        super().__init__()
+        self.c = c
+        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        self.attn_norm = RMSNorm(c.hidden_size, c.rms_eps)
+        self.wqkv = nn.Linear(c.hidden_size, q_dim + 2 * kv_dim, bias=c.qkv_bias)
+        self.wo = nn.Linear(q_dim, c.hidden_size, bias=False)
+        self.mlp_norm = RMSNorm(c.hidden_size, c.rms_eps)
+        self.w_gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context keys/values `[kv_heads, n, D]` (keys roped at their positions) from the projected stream."""
+        c = self.c
+        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        w = self.wqkv.weight[q_dim:]
+        b = self.wqkv.bias[q_dim:] if self.wqkv.bias is not None else None
+        kv = F.linear(ctx, w, b)
+        n = ctx.shape[0]
+        k = apply_rope(kv[:, :kv_dim].view(n, c.n_kv_heads, c.head_dim), cos, sin)
+        v = kv[:, kv_dim:].view(n, c.n_kv_heads, c.head_dim)
+        return k.transpose(0, 1), v.transpose(0, 1)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask: torch.Tensor | None) -> torch.Tensor:
+        """x `[Q, H]` block tokens; ctx_k/v `[kv_heads, S, D]`; mask `[Q, S+Q]` bool (None = all visible)."""
+        c = self.c
+        n = x.shape[0]
+        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        qkv = self.wqkv(self.attn_norm(x))
+        q = apply_rope(qkv[:, :q_dim].view(n, c.n_heads, c.head_dim), cos, sin).transpose(0, 1)
+        k = apply_rope(qkv[:, q_dim : q_dim + kv_dim].view(n, c.n_kv_heads, c.head_dim), cos, sin).transpose(0, 1)
+        v = qkv[:, q_dim + kv_dim :].view(n, c.n_kv_heads, c.head_dim).transpose(0, 1)
+        k, v = torch.cat([ctx_k, k], dim=1), torch.cat([ctx_v, v], dim=1)
+        g = c.n_heads // c.n_kv_heads
+        if g > 1:
+            k, v = k.repeat_interleave(g, dim=0), v.repeat_interleave(g, dim=0)
+        o = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask)[0]
+        h = x + self.wo(o.transpose(0, 1).reshape(n, q_dim))
+        gate, up = self.w_gate_up(self.mlp_norm(h)).chunk(2, dim=-1)
+        return h + self.w_down(F.silu(gate) * up)
+
+
+class DFlashDraft(nn.Module):
+    """The trained part of DFlash (`fc`, `hidden_norm`, the mask embedding, the layers, a final norm) on top of
+    the target's frozen embedding and LM head, which are referenced, not owned (not in the state dict)."""
+
+    def __init__(self, cfg: DFlashConfig, embed: nn.Embedding, lm_head: nn.Linear, inv_freq, rope_scaling=1.0):
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.fc = nn.Linear(len(cfg.target_layers) * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, cfg.rms_eps)
+        self.mask_embed = nn.Parameter(torch.zeros(h))
+        self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(h, cfg.rms_eps)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=cfg.init_std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        nn.init.normal_(self.mask_embed, std=cfg.init_std)
+        self._io = (embed, lm_head)  # a tuple: shared with the target, frozen, never checkpointed
+        self.register_buffer("inv_freq", inv_freq.clone().float(), persistent=False)
+        self.rope_scaling = rope_scaling
+
+    @classmethod
+    def from_target(cls, target: Transformer, init_from_target: bool = False, **overrides) -> DFlashDraft:
+        """A draft sharing `target`'s embedding and head; `init_from_target` copies the target's last layers
+        and final norm where shapes match (a better start than random for a short training budget)."""
+        cfg = DFlashConfig.from_target(target.args, **overrides)
+        draft = cls(cfg, target.embed, target.lm_head, target.inv_freq, target.rope_scaling)
+        if init_from_target:
+            src_layers = target.layers[-cfg.n_layers :]
+            with torch.no_grad():
+                for dst, src in zip(draft.layers, src_layers, strict=True):
+                    for name in ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down"):
+                        s, d = getattr(src, name).state_dict(), getattr(dst, name).state_dict()
+                        if all(k in s and s[k].shape == v.shape for k, v in d.items()):
+                            getattr(dst, name).load_state_dict(s)
+                draft.norm.weight.copy_(target.norm.weight)
+        return draft.to(target.dtype)
+
+    @property
+    def embed(self) -> nn.Embedding:
+        return self._io[0]
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self._io[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos = (emb.cos() * self.rope_scaling).to(self.dtype).unsqueeze(1)
+        sin = (emb.sin() * self.rope_scaling).to(self.dtype).unsqueeze(1)
+        return cos, sin
+
+    def context_kv(self, feats: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Concatenated target hidden states `[n, layers*H]` -> per draft layer (k, v) `[kv_heads, n, D]`."""
+        ctx = self.hidden_norm(self.fc(feats.to(self.dtype)))
+        cos, sin = self.rope(positions)
+        return [layer.kv(ctx, cos, sin) for layer in self.layers]
+
+    def block_input(self, first: torch.Tensor, block: int) -> torch.Tensor:
+        """`[A]` first tokens -> `[A*block, H]` embeddings of `[first, MASK x (block-1)]` per block."""
+        x = self.mask_embed.expand(first.shape[0], block, -1).clone()
+        x[:, 0] = self.embed(first).to(x.dtype)
+        return x.reshape(-1, x.shape[-1])
+
+    def blocks_hidden(self, x, positions, ctx: list[tuple[torch.Tensor, torch.Tensor]], mask=None) -> torch.Tensor:
+        """Run the block tokens `x [Q, H]` through the layers; returns the final-normed hidden states."""
+        cos, sin = self.rope(positions)
+        for layer, (k, v) in zip(self.layers, ctx, strict=True):
+            x = layer(x, cos, sin, k, v, mask)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
+
+
+def training_mask(anchors: torch.Tensor, ctx_len: int, block: int) -> torch.Tensor:
+    """`[A*block, ctx_len + A*block]` bool: a block anchored at position a sees context positions < a (what the
+    target's hidden states cover when the root at a is drafted from) and every token of its own block."""
+    a = anchors.shape[0]
+    q_anchor = anchors.repeat_interleave(block).unsqueeze(1)
+    ctx_ok = torch.arange(ctx_len).unsqueeze(0) < q_anchor
+    blk = torch.arange(a).repeat_interleave(block)
+    blk_ok = blk.unsqueeze(1) == blk.unsqueeze(0)
+    return torch.cat([ctx_ok, blk_ok], dim=1)
+
+
+def dflash_loss(
+    draft: DFlashDraft, feats: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor, gamma: float = 7.0
+) -> tuple[torch.Tensor, dict]:
+    """Block loss on one context: `feats [L, layers*H]` target hidden states, `tokens [L]`, `anchors [A]` with
+    a + block <= L. Block position k >= 1 predicts tokens[a+k] with weight exp(-(k-1)/gamma) (DFlash's decay:
+    early positions matter most, as acceptance stops at the first miss)."""
+    b = draft.cfg.block_size
+    length = tokens.shape[0]
+    ctx = draft.context_kv(feats, torch.arange(length))
+    x = draft.block_input(tokens[anchors], b)
+    pos = (anchors.unsqueeze(1) + torch.arange(b)).reshape(-1)
+    mask = training_mask(anchors, length, b)
+    hid = draft.blocks_hidden(x, pos, ctx, mask).view(anchors.shape[0], b, -1)[:, 1:]
+    logits = draft.logits(hid.reshape(-1, hid.shape[-1]))
+    targets = tokens[(anchors.unsqueeze(1) + torch.arange(1, b)).reshape(-1)]
+    ce = F.cross_entropy(logits, targets, reduction="none").view(anchors.shape[0], b - 1)
+    w = torch.exp(-torch.arange(b - 1, dtype=torch.float32) / gamma)
+    loss = (ce * w).sum() / (w.sum() * anchors.shape[0])
+    with torch.no_grad():
+        hit = (logits.argmax(-1) == targets).view(anchors.shape[0], b - 1).float()
+        run = hit.cumprod(dim=1).sum(dim=1).mean()  # accepted drafted tokens if verified greedily as a chain
+    return loss, {"acc_first": float(hit[:, 0].mean()), "accepted_chain": float(run)}
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def save_dflash(draft: DFlashDraft, out: str | Path, dtype: torch.dtype = torch.bfloat16, card: dict | None = None):
+    """`draft_config.json` + `draft.safetensors` (trained tensors only, in `dtype`)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = {"kind": "dflash", **draft.cfg.to_dict(), **({"card": card} if card else {})}
+    (out / "draft_config.json").write_text(json.dumps(cfg, indent=1))
+    state = {k: v.detach().to(dtype).contiguous() for k, v in draft.state_dict().items()}
+    save_file(state, str(out / "draft.safetensors"))
+
+
+def load_dflash(checkpoint: str | Path, target: Transformer) -> DFlashDraft:
+    """A DFlash checkpoint on top of `target`'s frozen embedding and head. ValueError if it does not fit."""
+    root = Path(checkpoint)
+    cfg_file, weights = root / "draft_config.json", root / "draft.safetensors"
+    if not cfg_file.is_file() or not weights.is_file():
+        raise ValueError(f"{root} is not a DFlash checkpoint (needs draft_config.json and draft.safetensors)")
+    cfg = json.loads(cfg_file.read_text())
+    kind = cfg.pop("kind", None)
+    cfg.pop("card", None)
+    if kind != "dflash":
+        raise ValueError(f"{root} holds a {kind!r} draft, not a DFlash one")
+    a = target.args
+    shape = {"hidden_size": a.hidden_size, "vocab_size": a.vocab_size}
+    wrong = {k: (cfg.get(k), v) for k, v in shape.items() if cfg.get(k) != v}
+    if wrong or max(cfg["target_layers"]) >= a.n_layers:
+        raise ValueError(f"DFlash checkpoint {root} does not fit the target (draft, target): {wrong or 'layers'}")
+    draft = DFlashDraft.from_target(target, **cfg)
+    try:
+        draft.load_state_dict(load_file(str(weights)))
+    except RuntimeError as e:
+        raise ValueError(f"DFlash checkpoint {root}: {e}") from e
+    return draft.to(target.dtype).eval()
+
+
+# --------------------------------------------------------------------------- the serving drafter
+
+
+@dataclass
+class _Context:
+    """The context stream of one sequence: per draft layer K/V rows at ascending positions."""
+
+    k: list[torch.Tensor]  # per layer [kv_heads, cap, D]
+    v: list[torch.Tensor]
+    pos: torch.Tensor  # [cap] int64
+    n: int = 0
+
+    def crop(self, start: int) -> None:
+        """Drop rows at positions >= start (a verify pass re-commits from `start`)."""
+        self.n = int(torch.searchsorted(self.pos[: self.n], start))
+
+    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor) -> None:
+        m = positions.shape[0]
+        if self.n + m > self.pos.shape[0]:
+            cap = max(2 * self.pos.shape[0], self.n + m)
+            self.k = [_grow(t, cap) for t in self.k]
+            self.v = [_grow(t, cap) for t in self.v]
+            self.pos = torch.cat([self.pos, self.pos.new_zeros(cap - self.pos.shape[0])])
+        for i, (k, v) in enumerate(kv):
+            self.k[i][:, self.n : self.n + m] = k
+            self.v[i][:, self.n : self.n + m] = v
+        self.pos[self.n : self.n + m] = positions
+        self.n += m
+
+    def view(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(k[:, : self.n], v[:, : self.n]) for k, v in zip(self.k, self.v, strict=True)]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v)) + self.pos.numel() * 8
+
+
+def _grow(t: torch.Tensor, cap: int) -> torch.Tensor:
+    out = t.new_empty(t.shape[0], cap, t.shape[2])
+    out[:, : t.shape[1]] = t
+    return out
+
+
+class DFlashDrafter:
+    """DFlash block drafting (`local_head` None) or DFlash + DeLS-Spec fusion (a `LocalHead`)."""
+
+    def __init__(
+        self,
+        draft: DFlashDraft,
+        local_head=None,
+        alpha: float = 0.3,
+        beta: float = 0.3,
+        block_size: int | None = None,
+        alt_threshold: float = 0.6,
+        max_alternatives: int = 2,
+        max_alt_positions: int = 4,
+    ) -> None:
+        self.draft = draft.eval()
+        self.local = local_head.eval() if local_head is not None else None
+        self.alpha, self.beta = alpha, beta
+        self.block = block_size or draft.cfg.block_size
+        if self.block < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block}")
+        self.alt_threshold = alt_threshold
+        self.max_alternatives = max_alternatives
+        self.max_alt_positions = max_alt_positions
+        self.name = "dflash-dels" if local_head is not None else "dflash"
+        self.hidden_layers = tuple(draft.cfg.target_layers)
+        self.capacity: int | None = None
+
+    def bind(self, target: Transformer, cache) -> None:
+        self.capacity = cache.capacity
+
+    def _state(self, seq: Sequence) -> _Context:
+        if seq.drafter_state is None:
+            c = self.draft.cfg
+            cap = 256
+            k = [torch.empty(c.n_kv_heads, cap, c.head_dim, dtype=self.draft.dtype) for _ in range(c.n_layers)]
+            v = [torch.empty_like(t) for t in k]
+            seq.drafter_state = _Context(k, v, torch.zeros(cap, dtype=torch.long))
+        return seq.drafter_state
+
+    @torch.inference_mode()
+    def observe_hidden(self, seq: Sequence, start: int, hidden: dict[int, torch.Tensor], kept: list[int]) -> None:
+        st = self._state(seq)
+        st.crop(start)
+        idx = torch.tensor(kept, dtype=torch.long)
+        feats = torch.cat([hidden[i][idx] for i in self.hidden_layers], dim=-1)
+        positions = torch.arange(start, start + len(kept))
+        st.append(self.draft.context_kv(feats, positions), positions)
+
+    def start(self, seq: Sequence) -> None:
+        self._state(seq)
+
+    @torch.inference_mode()
+    def propose(self, batch: list[Sequence]) -> list[DraftTree]:
+        cap = self.capacity or 1 << 30
+        sizes, hiddens = [], []
+        for seq in batch:
+            b = max(1, min(self.block, cap - seq.num_tokens + 1))
+            sizes.append(b)
+            if b < 2:
+                continue
+            p = seq.committed
+            x = self.draft.block_input(torch.tensor([seq.root]), b)
+            hid = self.draft.blocks_hidden(x, torch.arange(p, p + b), self._state(seq).view())
+            hiddens.append(hid[1:])
+        long_logits = self.draft.logits(torch.cat(hiddens)) if hiddens else None
+        trees, offset = [], 0
+        for seq, b in zip(batch, sizes, strict=True):
+            if b < 2:
+                trees.append(DraftTree.root_only(seq.root))
+                continue
+            trees.append(self._tree(seq.root, long_logits[offset : offset + b - 1]))
+            offset += b - 1
+        return trees
+
+    def _tree(self, root: int, long_logits: torch.Tensor) -> DraftTree:
+        """Chain of argmaxes (fused with the local head after the first position) + alternative leaves."""
+        chain, probs = [], []
+        h = None
+        for j in range(long_logits.shape[0]):
+            logits = long_logits[j]
+            if self.local is not None and j > 0:
+                h = self.local.step(chain[-1], h)
+                logits = fuse(logits, self.local.logits(h), self.local.log_unigram, self.alpha, self.beta)
+            p = torch.softmax(logits, dim=-1)
+            chain.append(int(p.argmax()))
+            probs.append(p)
+        tokens, parents, scores = [root, *chain], list(range(-1, len(chain))), [1.0]
+        for p, tok in zip(probs, chain, strict=True):
+            scores.append(scores[-1] * float(p[tok]))
+        alt_positions = 0
+        for j, p in enumerate(probs):
+            if alt_positions >= self.max_alt_positions or self.max_alternatives == 0:
+                break
+            if float(p[chain[j]]) >= self.alt_threshold:
+                continue
+            alt_positions += 1
+            top = torch.topk(p, self.max_alternatives + 1)
+            for prob, tok in zip(top.values.tolist()[1:], top.indices.tolist()[1:], strict=True):
+                tokens.append(tok)
+                parents.append(j)  # the chain node before position j (node j), root for j = 0
+                scores.append(scores[j] * prob)
+        return DraftTree(torch.tensor(tokens), parents, None, scores)
+
+    def commit(self, seq: Sequence, accepted: Accepted) -> None:
+        """Nothing to do: `observe_hidden` already appended the accepted rows (and cropped before them)."""
+
+    def release(self, seq: Sequence) -> None:
+        seq.drafter_state = None
+
+    def state_bytes(self, seq: Sequence) -> int:
+        st: _Context | None = seq.drafter_state
+        return 0 if st is None else st.nbytes()
+
+
+def fuse(long_logits, short_logits, log_prior, alpha: float = 0.3, beta: float = 0.3) -> torch.Tensor:
+    """DeLS-Spec's product of experts in logit space: l = l_L + alpha * l_S - beta * log p_unigram."""
+    return long_logits + alpha * short_logits.to(long_logits.dtype) - beta * log_prior.to(long_logits.dtype)
+
+
+def build_dflash_drafter(target: Transformer, checkpoint=None, dels_checkpoint=None, dels: bool = False, **kw):
+    """The packaged SmolLM2 drafts when no checkpoint is given (ValueError if they do not fit the target)."""
+    draft = load_dflash(checkpoint or DEFAULT_DFLASH, target)
+    head = None
+    if dels:
+        from spyglass.drafters.dels import load_local_head
+
+        head = load_local_head(dels_checkpoint or DEFAULT_DELS, target)
+    return DFlashDrafter(draft, head, **{k: v for k, v in kw.items() if v is not None})
+
+
+__all__ = [
+    "DFlashConfig",
+    "DFlashDraft",
+    "DFlashDrafter",
+    "build_dflash_drafter",
+    "default_target_layers",
+    "dflash_loss",
+    "fuse",
+    "load_dflash",
+    "save_dflash",
+    "training_mask",
+]

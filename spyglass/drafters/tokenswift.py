@@ -1,0 +1,248 @@
+"""TokenSwift drafter: the target drafts for itself over a partial KV cache, with residual multi-token heads and
+n-gram reuse (Wu et al., ICML 2025), for ultra-long generation.
+
+Per step and sequence:
+1. the partial cache (`partial_kv.PartialKV`, budget |B| with |S| sinks, dynamic importance updates) takes in
+   the tokens committed since the last step;
+2. one target forward of the root over the partial cache gives the last hidden state h_0; the gamma = 3 heads
+   (`training.tokenswift_heads`) turn it into 4 next-token distributions p_0..p_3 through the target's final
+   norm and LM head, processed with the request's sampling parameters (penalties included);
+3. the static tree [1,3,3,3] (top-1 of p_0, top-3 of p_1..p_3, a Cartesian product) plus the top-k most
+   frequent n-grams that start with argmax p_0, taken from an incrementally maintained n-gram table, are
+   merged into one trie; every node is scored with an estimate of P(accepted) (product of the draft
+   probabilities along the path, or the n-gram's relative frequency when larger), and the engine's speculation
+   controller prunes the tree by the measured verify cost.
+Verification is the engine's: strict token matching (one target sample per visited node), so the output is
+plain decoding's, greedy or sampled, with or without the contextual penalty. Drafts are deterministic (top-k),
+so nothing here can bias the output.
+
+Variants (ablations): `policy="static"` (no dynamic KV updates), `policy="window"` (StreamingLLM-style partial
+cache), `ngram_k=0` (no n-gram reuse), `draft_pass=False` (no partial-cache pass: the heads read the exact
+full-cache hidden state of the last committed token, Medusa-style, from the engine's `observe_hidden`).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from spyglass.drafters.partial_kv import PartialKV, PartialState
+from spyglass.kv_cache import KVCache
+from spyglass.models.llama import Segment, Transformer
+from spyglass.sampling import process_in_context
+from spyglass.sequence import Sequence
+from spyglass.training.tokenswift_heads import TokenSwiftHeads, load_heads
+from spyglass.tree import DraftTree
+from spyglass.verify import Accepted
+
+DEFAULT_HEADS = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-tokenswift"
+
+
+class NgramTable:
+    """Counts of n-grams keyed by their first token, updated as tokens are committed (never rescanned)."""
+
+    def __init__(self, n: int = 4) -> None:
+        if n < 2:
+            raise ValueError(f"n-gram length must be >= 2, got {n}")
+        self.n = n
+        self.table: dict[int, dict[tuple[int, ...], list[int]]] = {}
+        self.synced = 0  # n-grams ending before this index are counted
+        self.entries = 0
+
+    def update(self, tokens: torch.Tensor, upto: int) -> None:
+        """Count the n-grams ending at indices (synced, upto] of `tokens`."""
+        lo = max(self.synced, self.n)
+        if upto < lo:
+            return
+        toks = tokens[lo - self.n : upto].tolist()
+        for e in range(lo, upto + 1):
+            gram = toks[e - lo : e - lo + self.n]
+            conts = self.table.setdefault(gram[0], {})
+            entry = conts.get(tuple(gram[1:]))
+            if entry is None:
+                conts[tuple(gram[1:])] = [1, e]
+                self.entries += 1
+            else:
+                entry[0] += 1
+                entry[1] = e
+        self.synced = upto + 1
+
+    def top(self, first: int, k: int) -> list[tuple[tuple[int, ...], float]]:
+        """The k most frequent continuations of `first` (ties: most recent first) with their relative frequency."""
+        conts = self.table.get(first)
+        if not conts or k <= 0:
+            return []
+        total = sum(c for c, _ in conts.values())
+        best = heapq.nlargest(k, conts.items(), key=lambda kv: (kv[1][0], kv[1][1]))
+        return [(cont, c / (total + 1)) for cont, (c, _) in best]
+
+
+@dataclass
+class _State:
+    partial: PartialState | None
+    ngrams: NgramTable
+    h_last: torch.Tensor | None = None  # exact hidden state of the last committed token (draft_pass=False)
+    stats: dict = field(default_factory=lambda: {"ngram_nodes": 0, "tree_nodes": 0})
+
+
+class TokenSwiftDrafter:
+    name = "tokenswift"
+    hidden_layers = (-1,)  # the engine hands over the target's last hidden states (observe_hidden)
+
+    def __init__(
+        self,
+        heads: TokenSwiftHeads,
+        budget: int | None = None,
+        sinks: int = 16,
+        policy: str = "importance",
+        widths: tuple[int, ...] = (1, 3, 3, 3),
+        ngram_k: int = 20,
+        ngram_n: int = 4,
+        ngram_lag: int = 0,
+        rebuild_every: int | None = None,
+        draft_pass: bool = True,
+    ) -> None:
+        if len(widths) > heads.gamma + (1 if draft_pass else 0) or not widths or min(widths) < 1:
+            raise ValueError(f"tree widths {widths} need one distribution per depth (heads give {heads.gamma + 1})")
+        self.heads = heads
+        self.budget, self.sinks, self.policy, self.rebuild_every = budget, sinks, policy, rebuild_every
+        self.widths, self.ngram_k, self.ngram_n, self.ngram_lag = tuple(widths), ngram_k, ngram_n, ngram_lag
+        self.draft_pass = draft_pass
+        self.pkv: PartialKV | None = None
+        self.target: Transformer | None = None
+        self._pending: dict[str, torch.Tensor] = {}
+
+    def bind(self, target: Transformer, cache: KVCache) -> None:
+        if self.heads.norm_weight.shape[1] != target.args.hidden_size:
+            raise ValueError("TokenSwift heads were built for another hidden size than the target's")
+        self.target = target
+        self.heads.to(target.dtype)
+        if self.draft_pass:
+            budget = self.budget if self.budget is not None else min(2048, cache.capacity // 4)
+            self.pkv = PartialKV(budget, min(self.sinks, budget - 1), self.policy, 1, self.rebuild_every)
+            self.pkv.bind(target, cache)
+        self.cache = cache
+
+    def observe_hidden(self, seq: Sequence, start: int, hidden: dict, kept: list[int]) -> None:
+        h = hidden[self.target.args.n_layers - 1][kept[-1]].clone()
+        st: _State | None = seq.drafter_state
+        if st is None:
+            self._pending[seq.seq_id] = h  # prefill: start() comes next
+        else:
+            st.h_last = h
+
+    def start(self, seq: Sequence) -> None:
+        table = NgramTable(self.ngram_n)
+        partial = self.pkv.start(seq.slot) if self.pkv is not None else None
+        seq.drafter_state = _State(partial, table, self._pending.pop(seq.seq_id, None))
+        if self.ngram_k > 0:
+            table.update(seq.tokens, seq.num_tokens - self.ngram_lag)
+
+    @torch.inference_mode()
+    def _distributions(self, batch: list[Sequence]) -> torch.Tensor:
+        """`[depths, batch, V]` raw logits for the tree's depths 1..len(widths)."""
+        t = self.target
+        last = t.args.n_layers - 1
+        if not self.draft_pass:
+            h = torch.stack([s.drafter_state.h_last for s in batch])
+            return self.heads.logits(t, h)[1 : 1 + len(self.widths)]
+        segments = []
+        for seq in batch:
+            st: PartialState = seq.drafter_state.partial
+            self.pkv.sync(st, seq.slot, seq.root)
+            pos = torch.tensor([seq.committed])
+            segments.append(Segment(st.slot, st.filled, torch.tensor([seq.root]), pos, None, "none"))
+        saved = getattr(t, "capture_layers", ())
+        t.capture_layers = (last,)
+        try:
+            t(segments, self.pkv.cache)
+            h = torch.cat([c[last] for c in t.captured])
+        finally:
+            t.capture_layers = saved
+        return self.heads.logits(t, h)[: len(self.widths)]
+
+    def propose(self, batch: list[Sequence]) -> list[DraftTree]:
+        if self.target is None:
+            raise RuntimeError("TokenSwiftDrafter is not bound to an engine")
+        logits = self._distributions(batch)
+        trees = []
+        for j, seq in enumerate(batch):
+            rows = process_in_context(logits[:, j], seq.params, seq.tokens)  # start-of-step context, as the paper
+            probs = torch.softmax(rows, -1) if seq.params.greedy else rows
+            trees.append(self._tree(seq, probs))
+        return trees
+
+    def _tree(self, seq: Sequence, probs: torch.Tensor) -> DraftTree:
+        tokens, parents, scores = [seq.root], [-1], [1.0]
+        index: dict[tuple[int, int], int] = {}
+
+        def add(parent: int, tok: int, score: float) -> int:
+            node = index.get((parent, tok))
+            if node is None:
+                node = len(tokens)
+                index[(parent, tok)] = node
+                tokens.append(tok)
+                parents.append(parent)
+                scores.append(score)
+            else:
+                scores[node] = max(scores[node], score)
+            return node
+
+        level = [0]
+        tops = [torch.topk(probs[d], w) for d, w in enumerate(self.widths)]
+        for top in tops:
+            nxt = []
+            for par in level:
+                for p, tok in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+                    if p > 0.0:
+                        nxt.append(add(par, tok, scores[par] * p))
+            level = nxt
+        st: _State = seq.drafter_state
+        if self.ngram_k > 0 and len(tokens) > 1:
+            first = tokens[1]  # argmax of p_0
+            depth = len(self.widths)
+            for cont, freq in st.ngrams.top(first, self.ngram_k):
+                node = index[(0, first)]
+                for d, tok in enumerate(cont, start=1):
+                    q = float(probs[d, tok]) if d < depth else 0.0
+                    node = add(node, tok, scores[node] * max(q, freq))
+        st.stats["tree_nodes"] += len(tokens) - 1
+        return DraftTree(torch.tensor(tokens), parents, scores=scores)
+
+    def commit(self, seq: Sequence, accepted: Accepted) -> None:
+        st: _State = seq.drafter_state
+        if self.ngram_k > 0:
+            st.ngrams.update(seq.tokens, seq.num_tokens - self.ngram_lag)
+
+    def release(self, seq: Sequence) -> None:
+        self._pending.pop(seq.seq_id, None)
+        st: _State | None = seq.drafter_state
+        if st is not None and self.pkv is not None:
+            self.pkv.release(st.partial)
+        seq.drafter_state = None
+
+    def partial_bytes(self, seq: Sequence) -> int:
+        """The partial KV cache's memory for this sequence: fixed by the budget."""
+        return self.pkv.slot_bytes() if self.pkv is not None and seq.drafter_state is not None else 0
+
+    def state_bytes(self, seq: Sequence) -> int:
+        st: _State | None = seq.drafter_state
+        if st is None:
+            return 0
+        return self.partial_bytes(seq) + 96 * st.ngrams.entries  # n-gram entries: a small tuple and a counter
+
+
+def build_tokenswift(target: Transformer, checkpoint: str | Path | None = None, **options) -> TokenSwiftDrafter:
+    """The drafter with heads from `checkpoint` (default: the heads shipped for SmolLM2-135M; "untrained" = zero
+    heads, which repeat the base distribution)."""
+    if checkpoint == "untrained":
+        heads = TokenSwiftHeads(target.args.hidden_size, 3, target.args.rms_eps)
+    else:
+        path = Path(checkpoint) if checkpoint is not None else DEFAULT_HEADS
+        if checkpoint is None and not path.is_dir():
+            raise ValueError(f"no TokenSwift heads shipped at {path}: pass --draft-checkpoint DIR")
+        heads = load_heads(path, target)
+    return TokenSwiftDrafter(heads, **{k: v for k, v in options.items() if v is not None})

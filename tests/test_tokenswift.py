@@ -1,0 +1,207 @@
+"""TokenSwift and StreamingLLM drafters: the partial KV cache (exact copies, budget, rebuilds, constant memory),
+the n-gram table, the tree, heads checkpoints and bad input. Greedy identity and sampling fidelity live in the
+shared suites (test_engine_identity.py, test_sampling_fidelity.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spyglass.drafters.partial_kv import PartialKV
+from spyglass.drafters.streaming import StreamingDrafter
+from spyglass.drafters.tokenswift import NgramTable, TokenSwiftDrafter, build_tokenswift
+from spyglass.engine import EngineConfig, SpecEngine, plain_generate
+from spyglass.sampling import SamplingParams
+from spyglass.training.tokenswift_heads import TokenSwiftHeads, load_heads
+
+
+def _filled_cache(target, length: int, seed: int = 0):
+    """A full KVCache slot holding `length` random committed entries (the partial cache only copies them)."""
+    a = target.args
+    cache = target.new_cache(256, 2)
+    slot = cache.allocate()
+    g = torch.Generator().manual_seed(seed)
+    for layer in range(a.n_layers):
+        k, v = cache.layer(slot, layer)
+        k[:, :length] = torch.randn(a.n_kv_heads, length, a.head_dim, generator=g)
+        v[:, :length] = torch.randn(a.n_kv_heads, length, a.head_dim, generator=g)
+    cache.lengths[slot] = length
+    return cache, slot
+
+
+def test_importance_policy_exact_budget_and_rebuild_schedule(tiny_target):
+    budget, sinks, prompt = 16, 4, 40
+    cache, slot = _filled_cache(tiny_target, 120)
+    pkv = PartialKV(budget, sinks, "importance")
+    pkv.bind(tiny_target, cache)
+    st = pkv.start(slot)
+    cache.lengths[slot] = prompt
+    pkv.sync(st, slot, query_token=7)
+    assert st.rebuilds == 1 and st.filled == budget and pkv.check_exact(st, slot)
+    # the selection is the top (budget - sinks) by sum-over-group q.k, best first, per layer and KV head
+    q = pkv.queries(slot, prompt, 7)
+    a = tiny_target.args
+    group = a.n_heads // a.n_kv_heads
+    for layer in range(a.n_layers):
+        k = cache.layer(slot, layer)[0][:, sinks:prompt]
+        scores = torch.einsum("hd,hnd->hn", q[layer].view(a.n_kv_heads, group, -1).sum(1), k)
+        want = torch.topk(scores, budget - sinks, dim=-1).indices + sinks
+        assert torch.equal(pkv.pos[st.slot, layer, :, sinks:budget], want)
+        assert pkv.pos[st.slot, layer, :, :sinks].tolist() == [list(range(sinks))] * a.n_kv_heads
+    # new tokens overwrite the least important entries, from the end; the 13th triggers a rebuild
+    for n in range(1, 13):
+        cache.lengths[slot] = prompt + n
+        pkv.sync(st, slot, query_token=7)
+        assert st.rebuilds == 1 and st.replaced == n and st.filled == budget
+        assert int(pkv.pos[st.slot, 0, 0, budget - n]) == prompt + n - 1
+        assert pkv.check_exact(st, slot)
+    cache.lengths[slot] = prompt + 13
+    pkv.sync(st, slot, query_token=7)
+    assert st.rebuilds == 2 and st.replaced == 0 and pkv.check_exact(st, slot)
+    # several tokens at once: a rebuild only when they would reach the sinks
+    cache.lengths[slot] = prompt + 13 + 12
+    pkv.sync(st, slot, query_token=7)
+    assert st.rebuilds == 2 and st.replaced == 12
+    cache.lengths[slot] = prompt + 13 + 14
+    pkv.sync(st, slot, query_token=7)
+    assert st.rebuilds == 3 and pkv.check_exact(st, slot)
+
+
+def test_window_and_static_policies(tiny_target):
+    budget, sinks = 12, 2
+    cache, slot = _filled_cache(tiny_target, 100, seed=1)
+    window, static = PartialKV(budget, sinks, "window"), PartialKV(budget, sinks, "static")
+    window.bind(tiny_target, cache)
+    static.bind(tiny_target, cache)
+    sw, ss = window.start(slot), static.start(slot)
+    for length in (5, 12, 30, 31, 37, 60):  # fits, full, over budget, then growing
+        cache.lengths[slot] = length
+        window.sync(sw, slot, 3)
+        static.sync(ss, slot, 3)
+        held = sorted(window.pos[sw.slot, 0, 0, : sw.filled].tolist())
+        want = list(range(length)) if length <= budget else [0, 1, *range(length - (budget - sinks), length)]
+        assert held == want and window.check_exact(sw, slot) and static.check_exact(ss, slot)
+        assert sw.filled == min(length, budget) and ss.filled == min(length, budget)
+    assert static.pos[ss.slot].max() < 30  # selected once (at 30 tokens), never updated
+    assert sw.rebuilds == 0 and ss.rebuilds == 1
+
+
+def test_partial_cache_in_the_engine_is_exact_and_constant_in_memory(tiny_target):
+    drafter = build_tokenswift(tiny_target, "untrained", budget=20, sinks=4)
+    engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=1, max_context=400, controller="off"))
+    prompt = torch.randint(3, tiny_target.args.vocab_size, (50,), generator=torch.Generator().manual_seed(0)).tolist()
+    seq = engine.add_request(prompt, SamplingParams(max_new_tokens=200, ignore_eos=True))
+    sizes, rebuilds = [], []
+    while not seq.finished:
+        engine.step()
+        st = seq.drafter_state
+        if st is not None and not seq.finished:
+            assert drafter.pkv.check_exact(st.partial, seq.slot)
+            assert st.partial.filled <= 20
+            sizes.append(drafter.partial_bytes(seq))
+            rebuilds.append(st.partial.rebuilds)
+    assert seq.output_ids == plain_generate(tiny_target, prompt, SamplingParams(max_new_tokens=200, ignore_eos=True))
+    assert len(set(sizes)) == 1 and sizes[0] > 0  # constant in the generated length
+    assert rebuilds[-1] >= 200 // 16  # one rebuild every (budget - sinks) = 16 generated tokens
+    assert drafter.pkv.cache.free_slots == 1  # released
+
+
+def test_streaming_drafter_memory_constant(tiny_target):
+    drafter = StreamingDrafter(budget=24, sinks=4, gamma=3)
+    engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=1, max_context=400, controller="off"))
+    seq = engine.add_request(list(range(3, 60)), SamplingParams(max_new_tokens=120, ignore_eos=True))
+    sizes = set()
+    while not seq.finished:
+        engine.step()
+        if not seq.finished:
+            assert drafter.pkv.check_exact(seq.drafter_state.partial, seq.slot)
+            sizes.add(drafter.state_bytes(seq))
+    assert len(sizes) == 1
+
+
+def test_ngram_table_incremental_and_top_k():
+    tokens = torch.tensor([1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3, 4, 9])
+    inc = NgramTable(4)
+    for upto in (3, 6, 7, 13):  # in pieces, as tokens get committed
+        inc.update(tokens, upto)
+    full = NgramTable(4)
+    full.update(tokens, 13)
+    assert inc.table == full.table and inc.entries == full.entries == 9
+    top = inc.top(1, 2)
+    assert [c for c, _ in top] == [(2, 3, 4), (2, 3, 5)]  # 2 counts first, then 1
+    assert top[0][1] == pytest.approx(2 / 4)
+    assert inc.top(42, 5) == [] and inc.top(1, 0) == []
+
+
+def test_tree_is_1_3_3_3_plus_ngrams_with_scores(tiny_target):
+    drafter = build_tokenswift(tiny_target, "untrained", budget=20, sinks=4, ngram_k=0)
+    engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=1, max_context=128, controller="off"))
+    seq = engine.add_request([5, 6, 7, 8] * 6, SamplingParams(max_new_tokens=50, ignore_eos=True))
+    engine.step()
+    tree = drafter.propose([seq])[0]
+    assert len(tree) == 41 and tree.max_depth == 4
+    assert [tree.depths.count(d) for d in range(5)] == [1, 1, 3, 9, 27]
+    assert all(tree.scores[i] <= tree.scores[p] + 1e-9 for i, p in enumerate(tree.parents) if p >= 0)
+    with_ngrams = build_tokenswift(tiny_target, "untrained", budget=20, sinks=4, ngram_k=20)
+    engine = SpecEngine(tiny_target, with_ngrams, EngineConfig(max_batch=1, max_context=128, controller="off"))
+    seq = engine.add_request([5, 6, 7, 8] * 6, SamplingParams(max_new_tokens=50, ignore_eos=True))
+    engine.step()
+    tree = with_ngrams.propose([seq])[0]
+    assert len(tree) >= 41 and len(set(zip(tree.parents, tree.tokens.tolist(), strict=True))) == len(tree)
+
+
+def test_draft_pass_off_reads_the_engines_hidden_states(tiny_target):
+    heads = TokenSwiftHeads(tiny_target.args.hidden_size, 3)
+    drafter = TokenSwiftDrafter(heads, widths=(1, 3, 3), draft_pass=False, ngram_k=4)
+    engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=2, max_context=256))
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    prompts = [[5, 6, 7, 8] * 5, list(range(10, 40))]
+    assert [s.output_ids for s in engine.run(prompts, params)] == [
+        plain_generate(tiny_target, p, params) for p in prompts
+    ]
+
+
+def test_heads_checkpoint_round_trip_and_wrong_model(tiny_dir, tmp_path):
+    from spyglass.models.llama import load_transformer
+
+    llama, qwen = load_transformer(tiny_dir["llama"]), load_transformer(tiny_dir["qwen2"])
+    heads = TokenSwiftHeads(llama.args.hidden_size, 3)
+    with torch.no_grad():
+        heads.proj.normal_(0, 0.02)
+    heads.save(tmp_path / "h", llama)
+    loaded = load_heads(tmp_path / "h", llama)
+    assert torch.equal(loaded.proj, heads.proj)
+    with pytest.raises(ValueError, match="trained for another model"):
+        load_heads(tmp_path / "h", qwen)
+    with pytest.raises(ValueError, match="not a TokenSwift heads checkpoint"):
+        load_heads(tmp_path, llama)
+
+
+def test_budget_larger_than_the_context_is_one_clear_error(tiny_target):
+    for drafter in (build_tokenswift(tiny_target, "untrained", budget=512), StreamingDrafter(budget=600)):
+        with pytest.raises(ValueError, match="must be smaller than the context"):
+            SpecEngine(tiny_target, drafter, EngineConfig(max_batch=1, max_context=512, controller="off"))
+    with pytest.raises(ValueError, match="must exceed the sink tokens"):
+        PartialKV(4, 4)
+    with pytest.raises(ValueError, match="policy"):
+        PartialKV(32, 4, "lru")
+
+
+def test_build_drafter_knows_both_methods(tiny_target):
+    from spyglass.drafters import METHODS, build_drafter
+
+    assert "tokenswift" in METHODS and "streaming" in METHODS
+    assert isinstance(build_drafter("streaming", tiny_target, partial_budget=32), StreamingDrafter)
+    d = build_drafter("tokenswift", tiny_target, draft_checkpoint="untrained", partial_budget=32, ngram_k=0)
+    assert isinstance(d, TokenSwiftDrafter) and d.ngram_k == 0
+    with pytest.raises(ValueError, match="another model"):  # the shipped SmolLM2 heads do not fit a tiny model
+        build_drafter("tokenswift", tiny_target)
+
+
+@pytest.mark.slow
+def test_shipped_heads_load_for_smollm2_and_beat_untrained(smollm2):
+    from spyglass.drafters import build_drafter
+
+    target, _ = smollm2
+    drafter = build_drafter("tokenswift", target)
+    assert drafter.heads.proj.abs().sum() > 0  # trained, not the zero init

@@ -91,3 +91,34 @@ def test_tree_hybrid_equals_reference(target_and_kv):
     assert torch.allclose(hybrid[0], chain_root[0], atol=1e-5), "the root sees no other tree node"
     siblings = hybrid[1], hybrid[2]  # same parent, different tokens: distinct rows
     assert not torch.allclose(*siblings)
+
+
+@pytest.mark.parametrize("window", [64, 16, 8])  # 16, 8: the context is longer than the window
+def test_serving_drafter_equals_training_forward_per_depth(target_and_kv, window):
+    """The serving drafter (ring window + incremental per-depth steps over the live KVCache) proposes, at every
+    depth d, the training forward's argmax with lag d + 1, with the same probability."""
+    from spyglass.drafters.longspec import LongSpecDrafter
+    from spyglass.sampling import SamplingParams
+    from spyglass.sequence import Sequence
+
+    target, tokens, k, v = target_and_kv
+    draft = make_draft(target, window=window)
+    cache = target.new_cache(LENGTH + 8, 1)
+    slot = cache.allocate()
+    target.prefill(cache, slot, tokens[:COMMITTED])
+    drafter = LongSpecDrafter(draft, gamma=4)
+    drafter.bind(target, cache)
+    seq = Sequence(tokens[: COMMITTED + 1].tolist(), SamplingParams(max_new_tokens=8))
+    seq.slot = slot
+    drafter.start(seq)
+    tree = drafter.propose([seq])[0]
+    assert tree.is_chain and len(tree) == 5
+    full = torch.cat([tokens[: COMMITTED + 1], tree.tokens[1:]])
+    kk = torch.cat([k[:, :COMMITTED], torch.zeros(k.shape[0], 5, k.shape[2])], dim=1)  # unseen: masked anyway
+    vv = torch.cat([v[:, :COMMITTED], torch.zeros(v.shape[0], 5, v.shape[2])], dim=1)
+    for d in range(4):
+        want = torch.softmax(training_logits(draft, full, kk, vv, lag=d + 1)[COMMITTED + d], -1)
+        tok = int(tree.tokens[d + 1])
+        assert tok == int(want.argmax()), f"window {window} depth {d}: a different token"
+        got_p = tree.scores[d + 1] / tree.scores[d]
+        assert abs(got_p - float(want[tok])) < 1e-4, f"window {window} depth {d}: {got_p} vs {float(want[tok])}"

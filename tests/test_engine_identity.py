@@ -8,10 +8,12 @@ import torch
 from spyglass.drafters.longspec import LongSpecDrafter
 from spyglass.drafters.ngram import NgramDrafter
 from spyglass.drafters.small_lm import SmallLMDrafter, truncated_draft
+from spyglass.drafters.streaming import StreamingDrafter
 from spyglass.drafters.suffix import SuffixDrafter
+from spyglass.drafters.tokenswift import build_tokenswift
 from spyglass.engine import EngineConfig, SpecEngine, plain_generate
 from spyglass.sampling import SamplingParams
-from tests.tiny import layer_copy_draft
+from tests.tiny import free_tokens_curve, layer_copy_draft
 
 N_PROMPTS = 20
 
@@ -34,6 +36,9 @@ def drafters(target):
     yield "suffix", SuffixDrafter(max_depth=8, max_nodes=24)
     yield "small-lm", SmallLMDrafter(truncated_draft(target, 1), gamma=4, max_batch=4, max_context=512)
     yield "longspec", LongSpecDrafter(layer_copy_draft(target), gamma=4)
+    # partial KV budgets below most prompts' lengths, so selection, replacement and rebuilds all happen
+    yield "tokenswift", build_tokenswift(target, "untrained", budget=24, sinks=4)
+    yield "streaming", StreamingDrafter(budget=24, sinks=4, gamma=4)
 
 
 @pytest.mark.parametrize(
@@ -41,15 +46,18 @@ def drafters(target):
     [
         SamplingParams(max_new_tokens=32, ignore_eos=True),
         SamplingParams(max_new_tokens=24, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(max_new_tokens=24, contextual_penalty=1.5, penalty_window=8, ignore_eos=True),
     ],
-    ids=["plain", "rep-penalty"],
+    ids=["plain", "rep-penalty", "ctx-penalty"],
 )
 def test_greedy_identity_batch1_and_batch4(tiny_target, params):
     prompts = make_prompts(tiny_target.args.vocab_size, N_PROMPTS, seed=len(tiny_target.layers))
     reference = [plain_generate(tiny_target, p, params) for p in prompts]
     for name, drafter in drafters(tiny_target):
         for batch in (1, 4):
-            engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=batch, max_context=512))
+            engine = SpecEngine(
+                tiny_target, drafter, EngineConfig(max_batch=batch, max_context=512, controller=free_tokens_curve())
+            )
             seqs = engine.run(prompts, params)
             for i, (seq, ref) in enumerate(zip(seqs, reference, strict=True)):
                 assert seq.output_ids == ref, f"{name} batch {batch} prompt {i} differs"
@@ -64,7 +72,7 @@ def test_greedy_identity_batch1_and_batch4(tiny_target, params):
 def test_plain_engine_equals_reference(tiny_target):
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     prompts = make_prompts(tiny_target.args.vocab_size, 6, seed=7)
-    engine = SpecEngine(tiny_target, None, EngineConfig(max_batch=3, max_context=512))
+    engine = SpecEngine(tiny_target, None, EngineConfig(max_batch=3, max_context=512, controller=free_tokens_curve()))
     seqs = engine.run(prompts, params)
     assert [s.output_ids for s in seqs] == [plain_generate(tiny_target, p, params) for p in prompts]
     assert all(s.stats.summary(s.num_generated)["tau"] == 1.0 for s in seqs)
@@ -76,7 +84,9 @@ def test_stops_eos_context_full_and_abort(tiny_target):
     params = SamplingParams(max_new_tokens=40)
     prompts = make_prompts(tiny_target.args.vocab_size, 8, seed=11)
     prompts = [p + [eos] * 3 for p in prompts]  # make EOS a likely n-gram continuation
-    engine = SpecEngine(tiny_target, NgramDrafter(), EngineConfig(max_batch=4, max_context=512))
+    engine = SpecEngine(
+        tiny_target, NgramDrafter(), EngineConfig(max_batch=4, max_context=512, controller=free_tokens_curve())
+    )
     reasons = []
     for seq in engine.run(prompts, params):
         ref = plain_generate(tiny_target, seq.tokens[: seq.num_prompt].tolist(), params)
@@ -92,7 +102,9 @@ def test_stops_eos_context_full_and_abort(tiny_target):
     assert seq.finish_reason == "length" and 1 <= seq.num_generated <= 6
     assert seq.output_ids == full[: seq.num_generated]
     # abort: the sequence ends and its KV slot returns to the pool
-    engine = SpecEngine(tiny_target, NgramDrafter(), EngineConfig(max_batch=2, max_context=512))
+    engine = SpecEngine(
+        tiny_target, NgramDrafter(), EngineConfig(max_batch=2, max_context=512, controller=free_tokens_curve())
+    )
     a = engine.add_request(prompt, SamplingParams(max_new_tokens=30, ignore_eos=True))
     b = engine.add_request(prompt, SamplingParams(max_new_tokens=30, ignore_eos=True))
     engine.step()
@@ -107,7 +119,7 @@ def test_stops_eos_context_full_and_abort(tiny_target):
 def test_rejects_bad_requests(tiny_target):
     from spyglass.engine import RequestError
 
-    engine = SpecEngine(tiny_target, None, EngineConfig(max_batch=1, max_context=32))
+    engine = SpecEngine(tiny_target, None, EngineConfig(max_batch=1, max_context=32, controller=free_tokens_curve()))
     params = SamplingParams(max_new_tokens=4)
     with pytest.raises(RequestError, match="empty"):
         engine.add_request([], params)

@@ -21,6 +21,7 @@ from spyglass.engine import EngineConfig, SpecEngine
 from spyglass.models.llama import Segment, Transformer, load_transformer
 from spyglass.sampling import SamplingParams
 from spyglass.tree import DraftTree
+from tests.tiny import free_tokens_curve
 
 
 def random_tree(n: int, vocab: int, gen: torch.Generator) -> DraftTree:
@@ -162,7 +163,9 @@ def test_engine_greedy_identical_with_reference_attention(tiny_target):
         for backend in ("cpu", "reference"):
             tiny_target.attention_backend = backend
             drafter = NgramDrafter(n_min=1, n_max=3, draft_len=6, max_candidates=3)
-            engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=2, max_context=512))
+            engine = SpecEngine(
+                tiny_target, drafter, EngineConfig(max_batch=2, max_context=512, controller=free_tokens_curve())
+            )
             seqs = engine.run(prompts, params)
             outputs[backend] = [s.output_ids for s in seqs]
             if backend == "cpu":

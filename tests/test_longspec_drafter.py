@@ -34,7 +34,7 @@ def test_memory_is_constant_in_the_context(tiny_target):
                 sizes.append(drafter.state_bytes(seq))
                 fills.append(seq.drafter_state.filled)
     a = tiny_target.args
-    assert set(sizes) == {2 * a.n_kv_heads * (window - 1) * a.head_dim * 4}
+    assert set(sizes) == {2 * a.n_kv_heads * (window - 1) * a.head_dim * 4 + (window - 1) * 8}
     assert max(fills) == window - 1 and min(fills) < window - 1
 
 
@@ -59,7 +59,7 @@ def test_checkpoint_round_trip(tiny_target, tmp_path):
 def test_bad_checkpoints_are_refused(tiny_target, tmp_path):
     with pytest.raises(ValueError, match="not a draft checkpoint"):
         load_longspec_draft(tmp_path, tiny_target)
-    with pytest.raises(ValueError, match="needs a trained draft"):
+    with pytest.raises(ValueError, match="smollm2-135m-longspec"):  # the shipped draft is for SmolLM2
         build_drafter("longspec", tiny_target)
     root = tmp_path / "ckpt"
     save_checkpoint(layer_copy_draft(tiny_target), root)
@@ -83,7 +83,8 @@ def test_bad_checkpoints_are_refused(tiny_target, tmp_path):
         load_longspec_draft(root, tiny_target)
 
 
-def test_cli_without_checkpoint_is_a_clear_error(capsys):
-    assert main(["generate", "--prompt", "hi", "--method", "longspec", "--max-new-tokens", "4"]) == 2
+def test_cli_with_a_bad_checkpoint_is_a_clear_error(capsys, tmp_path):
+    args = ["generate", "--prompt", "hi", "--method", "longspec", "--max-new-tokens", "4"]
+    assert main([*args, "--draft-checkpoint", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("spyglass: error:") and "--draft-checkpoint" in err
+    assert err.startswith("spyglass: error:") and "is not a draft checkpoint" in err

@@ -16,12 +16,14 @@ from scipy import stats
 
 from spyglass.drafters.longspec import LongSpecDrafter
 from spyglass.drafters.ngram import NgramDrafter
-from spyglass.drafters.suffix import SuffixDrafter
 from spyglass.drafters.small_lm import SmallLMDrafter, truncated_draft
+from spyglass.drafters.streaming import StreamingDrafter
+from spyglass.drafters.suffix import SuffixDrafter
+from spyglass.drafters.tokenswift import build_tokenswift
 from spyglass.engine import EngineConfig, SpecEngine, plain_generate
 from spyglass.models.llama import load_transformer
 from spyglass.sampling import SamplingParams
-from tests.tiny import layer_copy_draft, make_tiny_model
+from tests.tiny import free_tokens_curve, layer_copy_draft, make_tiny_model
 
 VOCAB = 24
 N_SAMPLES = 20_000
@@ -49,16 +51,23 @@ def prompt(sampling_model) -> list[int]:
     return candidate
 
 
-def exact_joint(path, prompt: list[int], temperature: float, top_p: float) -> np.ndarray:
-    """p(x1, x2, x3 | PROMPT) under HF's model and warpers, shape [V, V, V]."""
+def exact_joint(path, prompt: list[int], temperature: float, top_p: float, penalty=None) -> np.ndarray:
+    """p(x1, x2, x3 | PROMPT) under HF's model and warpers, shape [V, V, V]. `penalty` = (theta, W): TokenSwift's
+    contextual penalty, i.e. HF's repetition penalty applied to the last W tokens of each context."""
     from transformers import AutoModelForCausalLM
-    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+    from transformers.generation.logits_process import (
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
 
     def dist(contexts: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             logits = model(contexts).logits[:, -1].double()
+        if penalty is not None:
+            logits = RepetitionPenaltyLogitsProcessor(penalty[0])(contexts[:, -penalty[1] :], logits)
         logits = TemperatureLogitsWarper(temperature)(contexts, logits)
         if top_p < 1.0:
             logits = TopPLogitsWarper(top_p)(contexts, logits)
@@ -89,11 +98,18 @@ def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
 
 
-def sample_joint(model, drafter, prompt, temperature: float, top_p: float) -> tuple[np.ndarray, float]:
-    engine = SpecEngine(model, drafter, EngineConfig(max_batch=500, max_context=64))
+def sample_joint(model, drafter, prompt, temperature: float, top_p: float, penalty=None) -> tuple[np.ndarray, float]:
+    engine = SpecEngine(model, drafter, EngineConfig(max_batch=500, max_context=64, controller=free_tokens_curve()))
     counts = np.zeros((VOCAB,) * 3, dtype=np.int64)
     params = [
-        SamplingParams(temperature=temperature, top_p=top_p, seed=1000 + i, max_new_tokens=3, ignore_eos=True)
+        SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            seed=1000 + i,
+            max_new_tokens=3,
+            ignore_eos=True,
+            **({"contextual_penalty": penalty[0], "penalty_window": penalty[1]} if penalty else {}),
+        )
         for i in range(N_SAMPLES)
     ]
     seqs = engine.run([prompt] * N_SAMPLES, params)
@@ -106,9 +122,13 @@ def sample_joint(model, drafter, prompt, temperature: float, top_p: float) -> tu
     return counts, drafted / max(steps, 1)
 
 
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.9)], ids=["T1", "T0.8-topp0.9"])
-@pytest.mark.parametrize("method", ["ar", "ngram", "suffix", "small-lm", "longspec"])
-def test_first_three_tokens_match_plain_sampling(sampling_model, prompt, method, temperature, top_p):
+@pytest.mark.parametrize(
+    "temperature,top_p,penalty",
+    [(1.0, 1.0, None), (0.8, 0.9, None), (1.0, 1.0, (1.6, 3))],
+    ids=["T1", "T0.8-topp0.9", "T1-ctxpen1.6-W3"],
+)
+@pytest.mark.parametrize("method", ["ar", "ngram", "suffix", "small-lm", "longspec", "tokenswift", "streaming"])
+def test_first_three_tokens_match_plain_sampling(sampling_model, prompt, method, temperature, top_p, penalty):
     model = load_transformer(sampling_model)
     drafter = {
         "ar": lambda: None,
@@ -116,9 +136,12 @@ def test_first_three_tokens_match_plain_sampling(sampling_model, prompt, method,
         "suffix": lambda: SuffixDrafter(max_depth=3, max_nodes=16, alpha=3.0),
         "small-lm": lambda: SmallLMDrafter(truncated_draft(model, 1), gamma=3, max_batch=500, max_context=64),
         "longspec": lambda: LongSpecDrafter(layer_copy_draft(model), gamma=3),
+        # budgets below the prompt's length: the drafts come from a partial cache
+        "tokenswift": lambda: build_tokenswift(model, "untrained", budget=8, sinks=2, ngram_k=4),
+        "streaming": lambda: StreamingDrafter(budget=8, sinks=2, gamma=3),
     }[method]()
-    probs = exact_joint(sampling_model, prompt, temperature, top_p)
-    counts, accepted_per_step = sample_joint(model, drafter, prompt, temperature, top_p)
+    probs = exact_joint(sampling_model, prompt, temperature, top_p, penalty)
+    counts, accepted_per_step = sample_joint(model, drafter, prompt, temperature, top_p, penalty)
     assert counts.sum() == N_SAMPLES
     p_value = chi_square_p(counts, probs)
     assert p_value > 1e-3, f"{method}: chi-square p = {p_value:.2e}"

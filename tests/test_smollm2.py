@@ -12,6 +12,7 @@ from spyglass.drafters.small_lm import SmallLMDrafter, truncated_draft
 from spyglass.engine import EngineConfig, SpecEngine, plain_generate
 from spyglass.models.llama import Segment
 from spyglass.sampling import SamplingParams
+from tests.tiny import free_tokens_curve
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +70,9 @@ def test_greedy_identity_real_prompts(smollm2, prompts):
     ]
     for name, make in drafters:
         for batch, chosen in ((1, prompts[:3]), (4, prompts)):
-            engine = SpecEngine(model, make(), EngineConfig(max_batch=batch, max_context=4096))
+            engine = SpecEngine(
+                model, make(), EngineConfig(max_batch=batch, max_context=4096, controller=free_tokens_curve())
+            )
             seqs = engine.run(chosen, params)
             for i, seq in enumerate(seqs):
                 assert seq.output_ids == reference[i], f"{name} batch {batch} prompt {i} differs from plain decoding"

@@ -135,3 +135,16 @@ def test_state_grows_linearly_not_quadratically():
     d.start(small)
     d.start(big)
     assert d.state_bytes(big) < 6 * d.state_bytes(small)
+
+
+def test_never_drafts_past_the_end_of_an_earlier_output():
+    d = SuffixDrafter()
+    first = _seq([1, 2, 3], max_new=4)
+    d.start(first)
+    for t in (50, 51, 52):
+        first.append(t)
+    d.release(first)
+    second = _seq([7, 50, 51, 52])  # matches the whole earlier output, whose continuation is its end marker
+    d.start(second)
+    tree = d.propose([second])[0]
+    assert (tree.tokens >= 0).all()

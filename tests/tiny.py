@@ -66,3 +66,11 @@ def layer_copy_draft(target, window: int = 512, cross_std: float = 0.01):
             getattr(draft, name).load_state_dict(getattr(target.layers[0], name).state_dict())
         nn.init.normal_(draft.cross_o.weight, std=cross_std)
     return draft.eval()
+
+
+def free_tokens_curve():
+    """A verify-cost curve where extra tree tokens cost nothing: the engine's controller then keeps every node a
+    drafter proposes, so lossless tests exercise drafting whatever the machine's load does to a measured curve."""
+    from spyglass.controller import CostCurve
+
+    return CostCurve.linear(1.0, 0.0)

@@ -28,13 +28,12 @@ def build_drafter(method: str, target, *, max_batch: int = 4, max_context: int =
             raise ValueError("method small-lm needs a draft model (--draft-model)")
         gamma = options.get("gamma") or 4
         return SmallLMDrafter(draft, gamma=gamma, max_batch=max_batch, max_context=max_context)
-    if method == "longspec":
+    if method.startswith("longspec"):
         from spyglass.drafters.longspec import LongSpecDrafter, load_longspec_draft
 
-        checkpoint = options.get("draft_checkpoint")
-        if checkpoint is None:
-            raise ValueError("method longspec needs a trained draft (--draft-checkpoint DIR)")
-        return LongSpecDrafter(load_longspec_draft(checkpoint, target), gamma=options.get("gamma") or 4)
+        mode = method.removeprefix("longspec").removeprefix("-") or "chain"
+        draft = load_longspec_draft(options.get("draft_checkpoint"), target)  # None: the shipped draft
+        return LongSpecDrafter(draft, gamma=options.get("gamma") or 5, mode=mode)
     if method in ("dflash", "dflash-dels"):
         from spyglass.drafters.dflash import build_dflash_drafter
 

@@ -1,12 +1,21 @@
-"""LongSpec drafter: the trained one-block draft (`spyglass.training.draft_models.LongSpecDraft`) proposes a chain.
+"""LongSpec drafter: the trained one-block draft (`spyglass.training.draft_models.LongSpecDraft`) grows a tree.
 
 Per sequence it keeps only the self-attention K/V of the last `window - 1` committed tokens, in a ring (keys
 carry their RoPE positions, so order inside the ring does not matter): memory is constant in the context. The
 cross-attention reads the target's committed last-layer K/V in place from the engine's KVCache (`bind`), so
-the long context costs the draft no memory at all. Both go through the hybrid tree attention.
+the long context costs the draft no memory at all. A node at depth d sees the ring's newest `window - 1 - d`
+tokens, its ancestors and itself: exactly the `window` keys the training forward's sliding window shows it.
 
-Sampling: each draft token is drawn from the draft's processed distribution, which is handed to the verifier
-for probability-ratio rejection, so the output keeps the target's distribution.
+Drafting is incremental and batched: one `draft_step` per depth for every sequence of the step, each node's
+own K/V kept for its descendants (nothing is re-run). Tree shapes:
+- `chain`: the draft's choice at every depth (its argmax, or a sample when sampling);
+- `beam`: LongSpec's dynamic beam: at each depth the `width` best children by cumulative draft probability;
+- `cape`: the greedy chain plus, at each chain node, extra candidates whose number grows as the draft's
+  confidence falls (CAPE's bins over floor(10 * p_top1)), verified in the same pass.
+Every node carries its cumulative draft probability as its score; the engine's controller decides how much of
+the tree pays on this machine. Sampling: a chain is drawn from the draft's processed distribution and carries
+it for rejection sampling; beam and CAPE trees (the draft's top candidates) are verified by token matching. Both
+keep the target's distribution exactly.
 """
 
 from __future__ import annotations
@@ -26,20 +35,29 @@ from spyglass.training.draft_models import LongSpecDraft
 from spyglass.tree import DraftTree
 from spyglass.verify import Accepted
 
+SHIPPED = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-longspec"
+CAPE_BINS = (8, 8, 8, 6, 6, 6, 4, 4, 2, 2, 2)  # extra candidates by floor(10 * p_top1) (GPU default)
+CAPE_BINS_CPU = (3, 3, 3, 2, 2, 2, 1, 1, 1, 0, 0)  # on CPU every node costs verify time: fewer
+MODES = ("chain", "beam", "cape")
+
 
 @dataclass
 class _Window:
     k: torch.Tensor  # [kv_heads, window - 1, head_dim], a ring
     v: torch.Tensor
-    filled: int  # valid entries
+    pos: torch.Tensor  # [window - 1] position of each ring entry (-1 = empty)
     synced: int  # committed tokens already pushed
     generator: torch.Generator | None
 
+    @property
+    def filled(self) -> int:
+        return int((self.pos >= 0).sum())
 
-def load_longspec_draft(checkpoint: str | Path, target: Transformer) -> LongSpecDraft:
+
+def load_longspec_draft(checkpoint: str | Path | None, target: Transformer) -> LongSpecDraft:
     """A trainer checkpoint directory (`draft_config.json` + `draft.safetensors`) on top of `target`'s frozen
-    embedding and head. Raises ValueError naming what does not fit."""
-    root = Path(checkpoint)
+    embedding and head; None = the draft shipped with the package. Raises ValueError naming what does not fit."""
+    root = Path(checkpoint) if checkpoint is not None else SHIPPED
     cfg_file, weights = root / "draft_config.json", root / "draft.safetensors"
     if not cfg_file.is_file() or not weights.is_file():
         raise ValueError(f"{root} is not a draft checkpoint (needs draft_config.json and draft.safetensors)")
@@ -52,26 +70,43 @@ def load_longspec_draft(checkpoint: str | Path, target: Transformer) -> LongSpec
     wrong = {k: (cfg.get(k), v) for k, v in shape.items() if cfg.get(k) != v}
     if wrong or cfg.get("vocab_size") != a.vocab_size:
         raise ValueError(f"draft checkpoint {root} does not fit the target (draft, target): {wrong or 'vocab size'}")
+    cfg.pop("init_layer", None)  # an initialisation choice, not a shape: the weights below replace it
     draft = LongSpecDraft.from_target(target, **{k: v for k, v in cfg.items() if k not in shape})
     try:
         missing, unexpected = draft.load_state_dict(load_file(str(weights)), strict=False)
     except RuntimeError as e:  # a tensor of the wrong shape
         raise ValueError(f"draft checkpoint {root}: {e}") from e
     trained = {n for n, p in draft.named_parameters() if p.requires_grad}
+    if draft.cfg.draft_vocab:
+        trained.add("vocab_ids")
     if unexpected or trained & set(missing):
         raise ValueError(f"draft checkpoint {root}: missing {sorted(trained & set(missing))}, unexpected {unexpected}")
+    if draft.cfg.draft_vocab:
+        draft.set_vocab(draft.vocab_ids.clone())
     return draft.to(target.dtype).eval()
 
 
 class LongSpecDrafter:
     name = "longspec"
 
-    def __init__(self, draft: LongSpecDraft, gamma: int = 4) -> None:
+    def __init__(
+        self,
+        draft: LongSpecDraft,
+        gamma: int = 5,
+        mode: str = "chain",
+        width: int = 3,
+        cape_bins: tuple[int, ...] = CAPE_BINS_CPU,
+    ) -> None:
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
-        self.draft, self.gamma = draft, gamma
+        if mode not in MODES:
+            raise ValueError(f"unknown LongSpec tree mode {mode!r}; choose from {', '.join(MODES)}")
+        if width < 1:
+            raise ValueError(f"width must be >= 1, got {width}")
+        self.draft, self.gamma, self.mode, self.width, self.cape_bins = draft, gamma, mode, width, cape_bins
         self.ring = draft.cfg.window - 1  # + the token being drafted from = the training window
         self.cache: KVCache | None = None
+        self.name = "longspec" if mode == "chain" else f"longspec-{mode}"
 
     def bind(self, target: Transformer, cache: KVCache) -> None:
         self.cache, self.layer = cache, target.args.n_layers - 1
@@ -79,8 +114,9 @@ class LongSpecDrafter:
     def start(self, seq: Sequence) -> None:
         c = self.draft.cfg
         dtype = self.draft.wqkv.weight.dtype
-        empty = torch.empty(c.n_kv_heads, self.ring, c.head_dim, dtype=dtype)
-        seq.drafter_state = _Window(empty, torch.empty_like(empty), 0, 0, draft_generator(seq))
+        empty = torch.zeros(c.n_kv_heads, self.ring, c.head_dim, dtype=dtype)
+        pos = torch.full((self.ring,), -1, dtype=torch.long)
+        seq.drafter_state = _Window(empty, torch.zeros_like(empty), pos, 0, draft_generator(seq))
 
     def _sync(self, seq: Sequence, w: _Window, committed: int) -> None:
         """Push the committed tokens the ring has not seen (only the last `ring` of them matter)."""
@@ -89,36 +125,83 @@ class LongSpecDrafter:
             k, v = self.draft.window_kv(seq.tokens[lo:committed], torch.arange(lo, committed))
             slots = torch.arange(lo, committed) % self.ring
             w.k[:, slots], w.v[:, slots] = k, v
-            w.filled = min(self.ring, w.filled + committed - lo)
+            w.pos[slots] = torch.arange(lo, committed)
         w.synced = committed
 
     def propose(self, batch: list[Sequence]) -> list[DraftTree]:
         if self.cache is None:
             raise RuntimeError("LongSpecDrafter is not bound to an engine's KV cache")
-        trees = []
-        for seq in batch:
-            w: _Window = seq.drafter_state
-            committed = self.cache.lengths[seq.slot]  # every token but the root
-            self._sync(seq, w, committed)
-            tk, tv = self.cache.prefix(seq.slot, self.layer)
-            room = self.cache.capacity - seq.num_tokens
-            chain, dists = [int(seq.root)], []
-            for _ in range(max(0, min(self.gamma, room))):
-                logits = self.draft.draft_logits(
-                    torch.tensor(chain),
-                    torch.arange(committed, committed + len(chain)),
-                    None,
-                    w.k[:, : w.filled],
-                    w.v[:, : w.filled],
-                    tk,
-                    tv,
-                )
-                tok, dist = choose_draft_token(seq, chain[1:], logits[-1:], w.generator)
-                chain.append(tok)
-                dists.append(dist)
-            probs = torch.stack([torch.zeros_like(dists[0]), *dists]) if dists and not seq.params.greedy else None
-            trees.append(DraftTree.chain(chain[0], chain[1:], probs))
-        return trees
+        if not batch:
+            return []
+        states: list[_Window] = [s.drafter_state for s in batch]
+        committed = [self.cache.lengths[s.slot] for s in batch]  # every token but the root
+        for seq, w, c in zip(batch, states, committed, strict=True):
+            self._sync(seq, w, c)
+        targets = [self.cache.prefix(s.slot, self.layer) for s in batch]
+        depth_cap = [max(0, min(self.gamma, self.cache.capacity - s.num_tokens)) for s in batch]
+        trees = [_Growing(int(s.root)) for s in batch]
+        frontier = [[0] if depth_cap[i] > 0 else [] for i in range(len(batch))]
+        for depth in range(max(depth_cap, default=0)):
+            rows = [(i, node) for i in range(len(batch)) for node in frontier[i]]
+            if not rows:
+                break
+            logits = self._step(rows, trees, states, committed, targets, depth)
+            for i in range(len(batch)):
+                frontier[i] = []
+            for r, (i, node) in enumerate(rows):
+                kids = self._children(batch[i], trees[i], node, logits[r], states[i].generator)
+                if depth + 1 < depth_cap[i]:
+                    frontier[i].extend(kids)
+            if self.mode == "beam":  # keep the `width` best new nodes per sequence
+                for i, g in enumerate(trees):
+                    frontier[i] = sorted(frontier[i], key=lambda n, g=g: -g.scores[n])[: self.width]
+        return [g.tree(s) for g, s in zip(trees, batch, strict=True)]
+
+    def _step(self, rows, trees, states, committed, targets, depth: int) -> torch.Tensor:
+        """The draft's logits (target vocabulary) at the frontier nodes of every sequence, in one draft_step."""
+        tokens, positions, self_groups, cross_groups = [], [], [], {}
+        by_parent: dict[tuple[int, int], list[int]] = {}
+        for r, (i, node) in enumerate(rows):
+            g = trees[i]
+            tokens.append(g.tokens[node])
+            positions.append(committed[i] + depth)
+            by_parent.setdefault((i, g.parents[node]), []).append(r)
+            cross_groups.setdefault(i, []).append(r)
+        for (i, parent), rs in by_parent.items():
+            w, g = states[i], trees[i]
+            keep = (w.pos >= 0) & (w.pos > committed[i] + depth - self.draft.cfg.window)  # training's window
+            path = g.path(parent)  # the ancestors of these siblings, root first
+            pk = torch.cat([w.k[:, keep], *(g.k[n] for n in path)], dim=1) if path else w.k[:, keep]
+            pv = torch.cat([w.v[:, keep], *(g.v[n] for n in path)], dim=1) if path else w.v[:, keep]
+            self_groups.append((rs, pk, pv))
+        crosses = [(rs, targets[i][0], targets[i][1]) for i, rs in cross_groups.items()]
+        logits, k, v = self.draft.draft_step(
+            torch.tensor(tokens), torch.tensor(positions), self_groups, crosses, backend="auto"
+        )
+        for r, (i, node) in enumerate(rows):
+            trees[i].k[node], trees[i].v[node] = k[:, r : r + 1], v[:, r : r + 1]
+        return self.draft.to_full_vocab(logits)
+
+    def _children(self, seq: Sequence, g: _Growing, node: int, logits: torch.Tensor, gen) -> list[int]:
+        """Add the node's children to the tree; returns those to expand further."""
+        if self.mode == "chain":
+            drafted = g.tokens_to(node)
+            tok, dist = choose_draft_token(seq, drafted, logits.unsqueeze(0), gen)
+            p = float(dist[tok]) if not seq.params.greedy else float(torch.softmax(logits, -1)[tok])
+            child = g.add(node, tok, g.scores[node] * p, None if seq.params.greedy else dist)
+            return [child]
+        probs = torch.softmax(logits, -1)
+        if self.mode == "beam":
+            top = probs.topk(self.width)
+            return [
+                g.add(node, int(t), g.scores[node] * float(p)) for p, t in zip(top.values, top.indices, strict=True)
+            ]
+        # cape: the top-1 continues the chain; `bins` extra candidates as leaves by the top-1's confidence
+        top1 = float(probs.max())
+        extra = self.cape_bins[min(len(self.cape_bins) - 1, int(10 * top1))]
+        top = probs.topk(1 + extra)
+        kids = [g.add(node, int(t), g.scores[node] * float(p)) for p, t in zip(top.values, top.indices, strict=True)]
+        return kids[:1]
 
     def commit(self, seq: Sequence, accepted: Accepted) -> None:
         """Nothing to undo: the ring only ever holds committed tokens; the next propose catches up."""
@@ -128,4 +211,41 @@ class LongSpecDrafter:
 
     def state_bytes(self, seq: Sequence) -> int:
         w: _Window | None = seq.drafter_state
-        return 0 if w is None else 2 * w.k.numel() * w.k.element_size()
+        return 0 if w is None else 2 * w.k.numel() * w.k.element_size() + w.pos.numel() * w.pos.element_size()
+
+
+class _Growing:
+    """A draft tree under construction, with each node's draft K/V (`[kvh, 1, D]`) for its descendants."""
+
+    def __init__(self, root: int) -> None:
+        self.tokens, self.parents, self.scores = [root], [-1], [1.0]
+        self.dists: list[torch.Tensor | None] = [None]
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+
+    def add(self, parent: int, tok: int, score: float, dist: torch.Tensor | None = None) -> int:
+        self.tokens.append(tok)
+        self.parents.append(parent)
+        self.scores.append(score)
+        self.dists.append(dist)
+        return len(self.tokens) - 1
+
+    def path(self, node: int) -> list[int]:
+        """`node` and its ancestors, root first (empty for the root's parent)."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+    def tokens_to(self, node: int) -> list[int]:
+        """Drafted tokens from the root (excluded) down to `node`."""
+        return [self.tokens[n] for n in self.path(node)[1:]]
+
+    def tree(self, seq: Sequence) -> DraftTree:
+        probs = None
+        if not seq.params.greedy and len(self.tokens) > 1 and all(d is not None for d in self.dists[1:]):
+            chain = all(p == i - 1 for i, p in enumerate(self.parents))
+            if chain:
+                probs = torch.stack([torch.zeros_like(self.dists[1]), *self.dists[1:]])
+        return DraftTree(torch.tensor(self.tokens), self.parents, probs, list(self.scores))

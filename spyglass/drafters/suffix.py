@@ -234,7 +234,7 @@ class SuffixDrafter(StatelessDrafter):
 
         def push_children(node: int, sam: SuffixAutomaton, state: int, match: int) -> None:
             # Frequency of each continuation, shrunk more when the match (what the estimate rests on) is short.
-            conts = sam.continuations(state)
+            conts = [c for c in sam.continuations(state) if c[0] >= 0]  # never past an output's end marker
             total = sum(c for _, _, c in conts) + 1.0 / (1.0 + match / 2.0)
             for tok, nxt, c in conts:
                 heapq.heappush(heap, (-scores[node] * c / total, next(tie), node, tok, sam, nxt, match + 1))

@@ -283,5 +283,47 @@ class LongSpecDraft(nn.Module):
 
         return self.to_full_vocab(self.mlp_logits(x))
 
+    @torch.inference_mode()
+    def draft_step(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        self_groups: list[tuple[list[int], torch.Tensor, torch.Tensor]],
+        cross_groups: list[tuple[list[int], torch.Tensor, torch.Tensor]],
+        backend: str = "auto",
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One incremental drafting step for M new tree nodes of several sequences at once: the matmuls run over
+        all of them; attention runs per group. A self group `(rows, prefix_k, prefix_v)` is sibling nodes that
+        see `prefix` (window + their ancestors' K/V `[kvh, P, D]`) and each itself; a cross group is the nodes
+        of one sequence and the target's committed last-layer K/V. Returns draft-head logits `[M, Vd]` and the
+        nodes' own self-attention K/V `[kvh, M, D]` (their descendants' prefix)."""
+        c = self.cfg
+        m = tokens.shape[0]
+        dtype = self.wqkv.weight.dtype
+        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        cos, sin = self.rope(positions.unsqueeze(0), dtype)
+        cos, sin = cos[0], sin[0]
+        x = self.embed(tokens).to(dtype)
+        qkv = self.wqkv(self.attn_norm(x))
+        q = apply_rope(qkv[:, :q_dim].view(m, c.n_heads, c.head_dim), cos, sin).transpose(0, 1)
+        k = apply_rope(qkv[:, q_dim : q_dim + kv_dim].view(m, c.n_kv_heads, c.head_dim), cos, sin).transpose(0, 1)
+        v = qkv[:, q_dim + kv_dim :].view(m, c.n_kv_heads, c.head_dim).transpose(0, 1)
+        a = torch.empty_like(q)
+        for rows, pk, pv in self_groups:
+            idx = torch.tensor(rows)
+            n = len(rows)
+            mask = None if n == 1 else torch.eye(n, dtype=torch.bool)
+            a[:, idx] = tree_attention(
+                q[:, idx], pk.to(dtype), pv.to(dtype), k[:, idx], v[:, idx], mask, backend=backend
+            )
+        x = x + self.wo(a.transpose(0, 1).reshape(m, q_dim))
+        qc = apply_rope(self.cross_q(self.cross_norm(x)).view(m, c.n_heads, c.head_dim), cos, sin).transpose(0, 1)
+        o = torch.empty_like(qc)
+        for rows, tk, tv in cross_groups:
+            idx = torch.tensor(rows)
+            o[:, idx] = cross_attention(qc[:, idx], tk.to(dtype), tv.to(dtype), backend=backend)
+        x = x + self.cross_o(o.transpose(0, 1).reshape(m, q_dim))
+        return self.mlp_logits(x), k, v
+
 
 DRAFT_MODELS = {"longspec": LongSpecDraft}

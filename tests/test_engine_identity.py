@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from spyglass.drafters.composite import CompositeDrafter
 from spyglass.drafters.longspec import LongSpecDrafter
 from spyglass.drafters.ngram import NgramDrafter
 from spyglass.drafters.small_lm import SmallLMDrafter, truncated_draft
@@ -36,6 +37,10 @@ def drafters(target):
     yield "suffix", SuffixDrafter(max_depth=8, max_nodes=24)
     yield "small-lm", SmallLMDrafter(truncated_draft(target, 1), gamma=4, max_batch=4, max_context=512)
     yield "longspec", LongSpecDrafter(layer_copy_draft(target), gamma=4)
+    yield "longspec-beam", LongSpecDrafter(layer_copy_draft(target), gamma=3, mode="beam", width=2)
+    yield "longspec-cape", LongSpecDrafter(layer_copy_draft(target), gamma=4, mode="cape")
+    parts = [SuffixDrafter(max_depth=6), LongSpecDrafter(layer_copy_draft(target), gamma=3)]
+    yield "composite", CompositeDrafter(parts)
     # partial KV budgets below most prompts' lengths, so selection, replacement and rebuilds all happen
     yield "tokenswift", build_tokenswift(target, "untrained", budget=24, sinks=4)
     yield "streaming", StreamingDrafter(budget=24, sinks=4, gamma=4)

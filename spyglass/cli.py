@@ -30,7 +30,14 @@ def _add_generate(sub) -> None:
     p.add_argument(
         "--draft-layers", type=int, default=None, help="small-lm without --draft-model: use the target's first N layers"
     )
-    p.add_argument("--draft-checkpoint", default=None, help="longspec: a trained draft (trainer checkpoint dir)")
+    p.add_argument(
+        "--draft-checkpoint",
+        default=None,
+        help="longspec: a trained draft (trainer checkpoint dir); tokenswift: heads (default: the shipped ones)",
+    )
+    p.add_argument(
+        "--partial-budget", type=int, default=None, help="tokenswift, streaming: partial KV budget in tokens"
+    )
     p.add_argument("--gamma", type=int, default=None, help="small-lm, longspec: tokens drafted per step")
     p.add_argument("--ngram-min", type=int, default=None)
     p.add_argument("--ngram-max", type=int, default=None)
@@ -156,6 +163,7 @@ def _run_generate(args) -> int:
             draft_model=draft_model,
             draft_checkpoint=args.draft_checkpoint,
             gamma=args.gamma,
+            partial_budget=args.partial_budget,
         )
         engine = SpecEngine(target, drafter, config, tokenizer)
         result = _generate_once(engine, prompt_ids, params, stream=not args.json)

@@ -34,6 +34,7 @@ DEFAULTS = {
     "corpus": {},
     "train_contexts": 240,
     "heldout_contexts": 16,
+    "corpus_contexts": None,  # train-split contexts the corpus is built with (default: train + held out)
     "shard": 16,
     "gamma": 3,
     "steps": 200,
@@ -123,7 +124,8 @@ def run(cfg: dict) -> dict:
     for p in target.parameters():
         p.requires_grad_(False)
     n_train, n_held = int(cfg["train_contexts"]), int(cfg["heldout_contexts"])
-    corpus_cfg = CorpusConfig.from_dict({"max_contexts": {"train": n_train + n_held, "eval": 0}, **cfg["corpus"]})
+    n_corpus = int(cfg["corpus_contexts"] or n_train + n_held)
+    corpus_cfg = CorpusConfig.from_dict({"max_contexts": {"train": n_corpus, "eval": 0}, **cfg["corpus"]})
     manifest = build_corpus(corpus_cfg, tokenizer, work / "corpus")
     contexts = load_contexts(work / "corpus", "train")[: n_train + n_held]
     hidden = extract(target, contexts, work / "hidden", int(cfg["shard"]))

@@ -53,6 +53,7 @@ class TrainSpec:
     soft_distill: bool = False  # distil the target's top-k log-probs (KL) rather than its top-1
     all_lags: bool = False  # train every lag in `lag` each step instead of one drawn per step
     lag_weights: list[float] | None = None
+    loss_from: int = 0  # positions before this get no loss (their logits are not computed): cheaper steps
     diagnose: bool = False  # at each checkpoint: top-1 agreement with the target by lag on the eval split
     threads: int = 1
     split: str = "train"
@@ -191,6 +192,7 @@ def _train_loop(config: dict[str, Any]) -> None:
         soft_distill=spec.soft_distill,
         all_lags=spec.all_lags,
         lag_weights=spec.lag_weights,
+        loss_from=spec.loss_from,
     )
     data = ShardDataset(extract_dir, loss_fn.required_keys())
     eval_dir = extract_dir.parent / spec.eval_split

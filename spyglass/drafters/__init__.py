@@ -4,7 +4,20 @@ from __future__ import annotations
 
 from spyglass.drafters.base import Drafter, NullDrafter
 
-METHODS = ("ar", "ngram", "suffix", "small-lm", "longspec", "dflash", "dflash-dels", "tokenswift", "streaming")
+METHODS = (
+    "ar",
+    "ngram",
+    "suffix",
+    "small-lm",
+    "longspec",
+    "longspec-beam",
+    "longspec-cape",
+    "composite",
+    "dflash",
+    "dflash-dels",
+    "tokenswift",
+    "streaming",
+)
 
 
 def build_drafter(method: str, target, *, max_batch: int = 4, max_context: int = 8192, **options) -> Drafter | None:
@@ -28,6 +41,14 @@ def build_drafter(method: str, target, *, max_batch: int = 4, max_context: int =
             raise ValueError("method small-lm needs a draft model (--draft-model)")
         gamma = options.get("gamma") or 4
         return SmallLMDrafter(draft, gamma=gamma, max_batch=max_batch, max_context=max_context)
+    if method == "composite":  # suffix + LongSpec candidates in one tree
+        from spyglass.drafters.composite import CompositeDrafter
+
+        parts = [
+            build_drafter(m, target, max_batch=max_batch, max_context=max_context, **options)
+            for m in ("suffix", "longspec")
+        ]
+        return CompositeDrafter(parts)
     if method.startswith("longspec"):
         from spyglass.drafters.longspec import LongSpecDrafter, load_longspec_draft
 

@@ -189,9 +189,11 @@ class LongSpecDraft(nn.Module):
         target_k: torch.Tensor,
         target_v: torch.Tensor,
         lag: int | tuple[int, ...] = 1,
+        logits_from: int = 0,
     ) -> torch.Tensor:
         """tokens/positions `[B, L]`; target_k/v `[B, kvh, L, D]` (post-RoPE); returns fp32 draft-head logits
-        `[B, L, Vd]`, or `[len(lag), B, L, Vd]` for a tuple of lags (the self-attention is shared between them)."""
+        `[B, L, Vd]`, or `[len(lag), B, L, Vd]` for a tuple of lags (the self-attention is shared between them);
+        with `logits_from`, only positions from there on get logits (the LM head is most of the cost)."""
         c = self.cfg
         b, length = tokens.shape
         dtype = self.wqkv.weight.dtype
@@ -218,7 +220,8 @@ class LongSpecDraft(nn.Module):
             scale = 1.0 / math.sqrt(c.head_dim)
             o = F.scaled_dot_product_attention(qc, tk, tv, attn_mask=cmask.to(x.device), scale=scale)
             o = o.masked_fill(empty.to(x.device).view(1, 1, length, 1), 0.0)
-            outs.append(self.mlp_logits(x + self.cross_o(o.transpose(1, 2).reshape(b, length, q_dim))))
+            y = x + self.cross_o(o.transpose(1, 2).reshape(b, length, q_dim))
+            outs.append(self.mlp_logits(y[:, logits_from:]))
         return torch.stack(outs) if isinstance(lag, tuple) else outs[0]
 
     def mlp_logits(self, x: torch.Tensor) -> torch.Tensor:

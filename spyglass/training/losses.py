@@ -45,6 +45,7 @@ class LongSpecLoss(nn.Module):
         soft_distill: bool = False,
         all_lags: bool = False,
         lag_weights: list[float] | None = None,
+        loss_from: int = 0,
     ) -> None:
         super().__init__()
         self.kv_layer = kv_layer
@@ -56,6 +57,7 @@ class LongSpecLoss(nn.Module):
         self.lag_weights = list(lag_weights) if lag_weights else [1.0] * n
         if len(self.lag_weights) != n:
             raise ValueError(f"lag_weights needs {n} entries (lags {lag_min}..{lag_max})")
+        self.loss_from = loss_from  # positions before it get no loss (and no logits): cheaper steps
         self._id_map: torch.Tensor | None = None
 
     def required_keys(self) -> list[str]:
@@ -83,12 +85,13 @@ class LongSpecLoss(nn.Module):
         tokens, positions = batch["tokens"], batch["positions"]
         kv = batch[f"kv.{self.kv_layer}"]  # [B, 2, kvh, L, D]
         lags = lag if isinstance(lag, tuple) else (lag,)
-        logits = model(tokens, positions, kv[:, 0], kv[:, 1], lag=lags)  # [nlags, B, L, Vd]
-        labels = self._draft_ids(model, tokens[:, 1:])
-        target_top1 = self._draft_ids(model, batch["topk_ids"][:, :-1, 0])
+        lo = min(self.loss_from, tokens.shape[1] - 2)
+        logits = model(tokens, positions, kv[:, 0], kv[:, 1], lag=lags, logits_from=lo)  # [nlags, B, L - lo, Vd]
+        labels = self._draft_ids(model, tokens[:, lo + 1 :])
+        target_top1 = self._draft_ids(model, batch["topk_ids"][:, lo:-1, 0])
         soft = None
         if self.soft_distill:
-            soft = (self._draft_ids(model, batch["topk_ids"][:, :-1]), batch["topk_logprobs"][:, :-1].float())
+            soft = (self._draft_ids(model, batch["topk_ids"][:, lo:-1]), batch["topk_logprobs"][:, lo:-1].float())
         loss = logits.new_zeros(())
         metrics: dict[str, torch.Tensor] = {}
         ce_sum = agree_sum = acc_sum = 0.0
@@ -108,7 +111,7 @@ class LongSpecLoss(nn.Module):
             loss = loss + w * one
             with torch.no_grad():
                 valid = torch.zeros_like(labels, dtype=torch.bool)
-                valid[:, lg:] = True  # queries t >= lag see target K/V; earlier ones still get a loss term
+                valid[:, max(0, lg - lo) :] = True  # queries t >= lag see target K/V; earlier ones still get a loss
                 argmax = pred.argmax(-1)
                 n = valid.sum().clamp(min=1)
                 agree = (((argmax == target_top1) & valid).sum().float() / n).detach()

@@ -1,0 +1,154 @@
+"""The shipped LongSpec draft against n-gram and suffix drafting on held-out long-context prompts (code completion,
+code editing, summarisation; SmolLM2, fp32), every method on the same prompts in one run, at T=0 and T=1.
+Writes bench/results/longspec.json (+ .png).
+
+    python bench/longspec.py [--max-new-tokens 96] [--per-kind 2] [--t1-kinds code]
+
+Also: the draft's memory at 1K and 8K tokens of context (LongSpec: a fixed window; small-lm: its own KV cache,
+which grows), and the training figures from the shipped model card's metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.common import RESULTS_DIR, machine_load, median, plot_panels, wait_for_quiet, write_results  # noqa: E402
+from bench.drafting import by_kind, compare  # noqa: E402
+from bench.tasks import heldout_tasks  # noqa: E402
+from spyglass.context_cache import ContextCache  # noqa: E402
+from spyglass.drafters import build_drafter  # noqa: E402
+from spyglass.drafters.longspec import SHIPPED  # noqa: E402
+from spyglass.engine import EngineConfig, SpecEngine  # noqa: E402
+from spyglass.models.llama import load_transformer  # noqa: E402
+from spyglass.models.loader import load_tokenizer, resolve_model  # noqa: E402
+from spyglass.sampling import SamplingParams  # noqa: E402
+
+METHODS = ("ngram", "suffix", "longspec", "longspec-beam", "longspec-cape", "composite")
+
+
+def state_bytes(target, method: str, context: int) -> int:
+    """What the drafter holds for one sequence after a `context`-token prompt (small-lm: the KV it has filled)."""
+    kw = {}
+    if method == "small-lm":
+        from spyglass.drafters.small_lm import truncated_draft
+
+        kw["draft_model"] = truncated_draft(target, 8)
+    drafter = build_drafter(method, target, max_batch=1, max_context=8192, **kw)
+    engine = SpecEngine(target, drafter, EngineConfig(max_batch=1, max_context=8192, controller="off"))
+    ids = [int(t) for t in torch.randint(100, 20000, (context,), generator=torch.Generator().manual_seed(0))]
+    seq = engine.add_request(ids, SamplingParams(max_new_tokens=3, ignore_eos=True))
+    engine.step()
+    if method == "small-lm":
+        per_token = drafter.cache.slot_bytes() // drafter.cache.capacity
+        used = drafter.cache.lengths[seq.drafter_state.slot] * per_token
+    else:
+        used = drafter.state_bytes(seq)
+    while engine.has_work:
+        engine.step()
+    return int(used)
+
+
+def training_figures() -> dict:
+    card = SHIPPED / "training.json"
+    if not card.exists():
+        return {}
+    t = json.loads(card.read_text())
+    return {k: t.get(k) for k in ("train_tokens", "train_wall_s", "steps", "eval_agree_by_lag")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--per-kind", type=int, default=2)
+    ap.add_argument("--t1-kinds", default="code", help="kinds also run at T=1 (comma list, '' = none)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--methods", default=",".join(METHODS))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    quiet = wait_for_quiet(max_load=1.0, timeout_s=120)
+    from services.local_redis import LocalRedis
+
+    redis = LocalRedis()
+    path = resolve_model(None, dtype="float32").path
+    target = load_transformer(path, dtype=torch.float32)
+    tok = load_tokenizer(path)
+    cache = ContextCache(redis.url, f"bench-longspec:{target.model_id}", block_size=128)
+    methods = [m for m in args.methods.split(",") if m]
+    makers = {m: (lambda m=m: build_drafter(m, target, max_batch=1, max_context=8192)) for m in methods}
+    tasks = heldout_tasks(tok, per_kind=args.per_kind)
+    load_before = machine_load()
+    t0_results = compare(target, tasks, makers, SamplingParams(max_new_tokens=args.max_new_tokens), cache)
+    t1_kinds = tuple(k for k in args.t1_kinds.split(",") if k)
+    t1_tasks = [t for t in tasks if t.kind in t1_kinds]
+    t1_params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, seed=7)
+    t1_results = compare(target, t1_tasks, makers, t1_params, cache) if t1_tasks else {}
+
+    figures: dict = {}
+    for m in methods:
+        tag = "" if m == "longspec" else "_" + m.replace("-", "_")
+        for kind in ("code", "edit", "summary"):
+            figures[f"tau_{kind}_t0{tag}"] = by_kind(t0_results, tasks, m, "tau").get(kind)
+            figures[f"speedup_{kind}_t0{tag}"] = by_kind(t0_results, tasks, m, "speedup").get(kind)
+        for kind in t1_kinds:
+            figures[f"tau_{kind}_t1{tag}"] = by_kind(t1_results, t1_tasks, m, "tau").get(kind)
+            figures[f"speedup_{kind}_t1{tag}"] = by_kind(t1_results, t1_tasks, m, "speedup").get(kind)
+    figures["identical_t0_all"] = all(r["identical"] for row in t0_results.values() for r in row.values())
+    figures["acceptance_by_depth_longspec"] = (
+        [
+            round(median([t0_results[t.name]["longspec"]["acceptance_by_depth"][d] for t in tasks]), 3)
+            for d in range(min(len(t0_results[t.name]["longspec"]["acceptance_by_depth"]) for t in tasks))
+        ]
+        if "longspec" in methods
+        else None
+    )
+    for ctx in (1024, 8000):
+        label = "1k" if ctx == 1024 else "8k"
+        figures[f"state_bytes_{label}"] = state_bytes(target, "longspec", ctx)
+        figures[f"state_bytes_{label}_small_lm"] = state_bytes(target, "small-lm", ctx)
+    figures.update(training_figures())
+    meta = {
+        "what": "decode speedup over plain decoding, held-out prompts (eval-split sources), SmolLM2 fp32",
+        "draft": str(SHIPPED),
+        "max_new_tokens": args.max_new_tokens,
+        "tasks": {t.name: len(t.prompt_ids) for t in tasks},
+        "quiet_before": quiet,
+        "load_before": load_before,
+        "load_after": machine_load(),
+        "threads": args.threads,
+    }
+    out = write_results("longspec", figures, {"t0": t0_results, "t1": t1_results}, meta)
+    xs = list(range(len(tasks)))
+    plot_panels(
+        RESULTS_DIR / "longspec.png",
+        [
+            {
+                "title": "decode speedup, T=0",
+                "xlabel": "prompt",
+                "ylabel": "x",
+                "hline": 1.0,
+                "series": {m: (xs, [t0_results[t.name][m]["speedup"] for t in tasks]) for m in methods},
+            },
+            {
+                "title": "tau, T=0",
+                "xlabel": "prompt",
+                "ylabel": "tokens per step",
+                "series": {m: (xs, [t0_results[t.name][m]["tau"] for t in tasks]) for m in methods},
+            },
+        ],
+        title="LongSpec vs model-free drafting, held-out long-context prompts (SmolLM2 fp32)",
+    )
+    redis.stop()
+    print(out)
+    for k, v in figures.items():
+        print(f"{k}: {v}")
+
+
+if __name__ == "__main__":
+    main()

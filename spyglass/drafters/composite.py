@@ -1,0 +1,102 @@
+"""Composite drafting: several drafters' trees merged into one, verified in one pass.
+
+Copying from the context (suffix) and predicting what the model writes next (LongSpec) are right at different
+places: merged, each path keeps the best score any drafter gave it, and the engine's controller keeps the nodes
+that pay. Every part drafts for every sequence; sampling is verified by token matching (merged trees carry no
+single proposal distribution), which keeps the target's distribution exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spyglass.drafters.base import Drafter
+from spyglass.sequence import Sequence
+from spyglass.tree import DraftTree
+from spyglass.verify import Accepted
+
+
+def merge_trees(trees: list[DraftTree]) -> DraftTree:
+    """One trie of every tree's paths under the common root; a node's score is the best any tree gave it
+    (a tree without scores counts as PRIOR for every node)."""
+    root = int(trees[0].tokens[0])
+    tokens, parents, scores = [root], [-1], [1.0]
+    index: dict[tuple[int, int], int] = {}
+    for tree in trees:
+        if int(tree.tokens[0]) != root:
+            raise ValueError("trees to merge must share their root")
+        tree_scores = tree.scores or [1.0] + [0.5**d for d in tree.depths[1:]]
+        mapped = [0]
+        for i in range(1, len(tree)):
+            key = (mapped[tree.parents[i]], int(tree.tokens[i]))
+            node = index.get(key)
+            if node is None:
+                node = index[key] = len(tokens)
+                tokens.append(key[1])
+                parents.append(key[0])
+                scores.append(tree_scores[i])
+            else:
+                scores[node] = max(scores[node], tree_scores[i])
+            mapped.append(node)
+    for i in range(1, len(tokens)):  # a child never above its parent
+        scores[i] = min(scores[i], scores[parents[i]])
+    return DraftTree(torch.tensor(tokens), parents, scores=scores)
+
+
+class CompositeDrafter:
+    def __init__(self, parts: list[Drafter], name: str = "composite") -> None:
+        if not parts:
+            raise ValueError("a composite drafter needs at least one part")
+        self.parts, self.name = parts, name
+        layers = {i for p in parts for i in getattr(p, "hidden_layers", ())}
+        self.hidden_layers = tuple(sorted(layers))
+
+    def _each(self, seq: Sequence):
+        """Run a part with its own per-sequence state swapped in."""
+        states = seq.drafter_state or [None] * len(self.parts)
+        for i, part in enumerate(self.parts):
+            seq.drafter_state = states[i]
+            yield part
+            states[i] = seq.drafter_state
+        seq.drafter_state = states
+
+    def bind(self, target, cache) -> None:
+        for p in self.parts:
+            p.bind(target, cache)
+
+    def start(self, seq: Sequence) -> None:
+        for part in self._each(seq):
+            part.start(seq)
+
+    def observe_hidden(self, seq: Sequence, start: int, hidden, kept) -> None:
+        for part in self._each(seq):
+            if getattr(part, "hidden_layers", ()):
+                part.observe_hidden(seq, start, hidden, kept)
+
+    def propose(self, batch: list[Sequence]) -> list[DraftTree]:
+        saved = [s.drafter_state for s in batch]
+        per_part = []
+        for i, part in enumerate(self.parts):
+            for s, st in zip(batch, saved, strict=True):
+                s.drafter_state = st[i]
+            per_part.append(part.propose(batch))
+            for s, st in zip(batch, saved, strict=True):
+                st[i] = s.drafter_state
+        for s, st in zip(batch, saved, strict=True):
+            s.drafter_state = st
+        return [merge_trees([trees[j] for trees in per_part]) for j in range(len(batch))]
+
+    def commit(self, seq: Sequence, accepted: Accepted) -> None:
+        for part in self._each(seq):
+            part.commit(seq, accepted)
+
+    def release(self, seq: Sequence) -> None:
+        for part in self._each(seq):
+            part.release(seq)
+        seq.drafter_state = None
+
+    def state_bytes(self, seq: Sequence) -> int:
+        total = 0
+        for part in self._each(seq):
+            total += part.state_bytes(seq)
+        return total

@@ -101,17 +101,31 @@ def load_heads(checkpoint: str | Path, target) -> TokenSwiftHeads:
     return heads.eval()
 
 
-def heads_loss(heads: TokenSwiftHeads, target, h0: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor):
+def heads_loss(
+    heads: TokenSwiftHeads,
+    target,
+    h0: torch.Tensor,
+    tokens: torch.Tensor,
+    pos: torch.Tensor,
+    vocab: torch.Tensor | None = None,
+):
     """Sum over heads i = 1..gamma of CE(head i at position t, token t + 1 + i), through the frozen norm and head.
 
     `h0` `[n, L, d]` last-layer hidden states, `tokens` `[n, L]`, `pos` `[m, 2]` (context, t) rows with
-    t + 1 + gamma < L. Returns (loss, per-head CE list, per-head top-1 accuracy list)."""
+    t + 1 + gamma < L. `vocab` (sorted token ids): a cheaper training loss over only those rows of the LM head,
+    positions whose target lies outside dropped (the head is most of the cost on a CPU). Returns (loss, per-head
+    CE list, per-head top-1 accuracy list)."""
     h = h0[pos[:, 0], pos[:, 1]].float()
     ces, accs = [], []
     streams = heads(h)
+    weight = target.lm_head.weight if vocab is None else target.lm_head.weight[vocab]
     for i in range(1, heads.gamma + 1):
-        logits = target.lm_head(target.norm(streams[i])).float()
+        logits = (target.norm(streams[i]) @ weight.T).float()
         want = tokens[pos[:, 0], pos[:, 1] + 1 + i]
+        if vocab is not None:
+            idx = torch.searchsorted(vocab, want).clamp(max=len(vocab) - 1)
+            keep = vocab[idx] == want
+            logits, want = logits[keep], idx[keep]
         ces.append(nn.functional.cross_entropy(logits, want))
         accs.append(float((logits.argmax(-1) == want).float().mean()))
-    return sum(ces), [float(c) for c in ces], accs
+    return sum(ces), [float(c.detach()) for c in ces], accs

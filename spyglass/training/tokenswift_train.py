@@ -40,6 +40,7 @@ DEFAULTS = {
     "steps": 200,
     "max_minutes": 15.0,
     "batch_positions": 512,
+    "train_vocab": None,  # train the CE over the most frequent N training tokens only (None = full vocabulary)
     "lr": 5.0e-3,
     "weight_decay": 0.1,
     "warmup": 20,
@@ -93,12 +94,13 @@ def _positions(n: int, length: int, gamma: int, count: int, g: torch.Generator) 
 
 
 @torch.no_grad()
-def evaluate(heads, target, hidden: torch.Tensor, tokens: torch.Tensor) -> dict:
-    """Per-head CE and top-1 accuracy against the corpus over every valid position (base head l0 too)."""
+def evaluate(heads, target, hidden: torch.Tensor, tokens: torch.Tensor, stride: int = 4) -> dict:
+    """Per-head CE and top-1 accuracy against the corpus (full vocabulary) at every `stride`-th valid position
+    (base head l0 too)."""
     gamma = heads.gamma
     n, length = tokens.shape
     pos = torch.stack(torch.meshgrid(torch.arange(n), torch.arange(length - 1 - gamma), indexing="ij"), -1)
-    pos = pos.reshape(-1, 2)
+    pos = pos.reshape(-1, 2)[::stride]
     ces, accs, base = [], [], 0.0
     for chunk in pos.split(1024):
         _, c, a = heads_loss(heads, target, hidden, tokens, chunk)
@@ -150,12 +152,17 @@ def run(cfg: dict) -> dict:
         state = saved["state"]
         print(f"resumed at step {state['step']}", flush=True)
     g = torch.Generator().manual_seed(cfg["seed"] + state["step"])
+    vocab = None
+    if cfg["train_vocab"]:
+        counts = torch.bincount(train_t.flatten(), minlength=target.args.vocab_size)
+        vocab = torch.sort(torch.topk(counts, int(cfg["train_vocab"])).indices).values
+        print(f"train vocab: {len(vocab)} tokens cover {float(counts[vocab].sum() / counts.sum()):.3f}", flush=True)
     budget = 60.0 * float(cfg["max_minutes"])
     t_run = time.perf_counter()
     while state["step"] < steps and state["seconds"] < budget:
         t0 = time.perf_counter()
         pos = _positions(n_train, train_t.shape[1], heads.gamma, int(cfg["batch_positions"]), g)
-        loss, ces, accs = heads_loss(heads, target, train_h, train_t, pos)
+        loss, ces, accs = heads_loss(heads, target, train_h, train_t, pos, vocab)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)
@@ -190,6 +197,7 @@ def run(cfg: dict) -> dict:
         "corpus_train_groups": len(split["groups_used"]),
         "steps": state["step"],
         "positions_per_step": int(cfg["batch_positions"]),
+        "train_vocab": int(cfg["train_vocab"]) if cfg["train_vocab"] else None,
         "train_seconds": round(state["seconds"], 1),
         "final_train_loss": state["log"][-1]["loss"] if state["log"] else None,
         "heldout": held,

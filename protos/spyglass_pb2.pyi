@@ -53,7 +53,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., raw: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., method: _Optional[str] = ..., context_id: _Optional[str] = ..., request_id: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("tau", "acceptance_by_depth", "ttft_s", "tokens_per_s", "cached_prefix_tokens", "prompt_tokens", "generated_tokens", "steps", "mean_batch_size", "prefill_time_s", "decode_time_s", "drafted_tokens", "method", "replica", "latency_s", "queue_time_s")
+    __slots__ = ("tau", "acceptance_by_depth", "ttft_s", "tokens_per_s", "cached_prefix_tokens", "prompt_tokens", "generated_tokens", "steps", "mean_batch_size", "prefill_time_s", "decode_time_s", "drafted_tokens", "method", "replica", "latency_s", "queue_time_s", "controller_plain_steps", "controller_probe_steps", "controller_verified_nodes", "controller_proposed_nodes")
     TAU_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_BY_DEPTH_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,10 @@ class Stats(_message.Message):
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     LATENCY_S_FIELD_NUMBER: _ClassVar[int]
     QUEUE_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_PLAIN_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_PROBE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_VERIFIED_NODES_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_PROPOSED_NODES_FIELD_NUMBER: _ClassVar[int]
     tau: float
     acceptance_by_depth: _containers.RepeatedScalarFieldContainer[float]
     ttft_s: float
@@ -86,7 +90,11 @@ class Stats(_message.Message):
     replica: str
     latency_s: float
     queue_time_s: float
-    def __init__(self, tau: _Optional[float] = ..., acceptance_by_depth: _Optional[_Iterable[float]] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., cached_prefix_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., mean_batch_size: _Optional[float] = ..., prefill_time_s: _Optional[float] = ..., decode_time_s: _Optional[float] = ..., drafted_tokens: _Optional[int] = ..., method: _Optional[str] = ..., replica: _Optional[str] = ..., latency_s: _Optional[float] = ..., queue_time_s: _Optional[float] = ...) -> None: ...
+    controller_plain_steps: int
+    controller_probe_steps: int
+    controller_verified_nodes: int
+    controller_proposed_nodes: int
+    def __init__(self, tau: _Optional[float] = ..., acceptance_by_depth: _Optional[_Iterable[float]] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., cached_prefix_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., mean_batch_size: _Optional[float] = ..., prefill_time_s: _Optional[float] = ..., decode_time_s: _Optional[float] = ..., drafted_tokens: _Optional[int] = ..., method: _Optional[str] = ..., replica: _Optional[str] = ..., latency_s: _Optional[float] = ..., queue_time_s: _Optional[float] = ..., controller_plain_steps: _Optional[int] = ..., controller_probe_steps: _Optional[int] = ..., controller_verified_nodes: _Optional[int] = ..., controller_proposed_nodes: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "accepted_tokens", "batch_size", "final", "finish_reason", "stats")

@@ -84,6 +84,7 @@ class SeqStats:
             "tokens_per_s": decode_tokens / decode_time if decode_time > 0 else 0.0,
             "mean_batch_size": sum(self.batch_sizes) / len(self.batch_sizes) if self.batch_sizes else 0.0,
             "controller": self.control.summary(),
+            **{f"controller_{k}": v for k, v in self.control.summary().items() if k != "mean_verified_nodes"},
         }
 
 

@@ -22,6 +22,7 @@ from spyglass.client import AsyncClient, Client, SpyglassError
 MAX_CONTEXT = 2048
 GATEWAY_MAX_QUEUED = 2
 MAX_BATCH = 4
+SERVED_METHODS = ["ngram", "ar", "suffix", "longspec", "longspec-cape", "composite"]  # the first is the default
 PROMPTS = [
     "List the days of the week, one per line.",
     "Count from one to twenty in words, separated by commas.",
@@ -133,7 +134,7 @@ def stack(ray_cluster, redis_server):
         "redis_url": redis_server.url,
         "gateway": {"max_queued": GATEWAY_MAX_QUEUED},
         "verifier": {
-            "methods": ["ngram", "ar"],
+            "methods": SERVED_METHODS,
             "max_batch": MAX_BATCH,
             "max_context": MAX_CONTEXT,
             "threads": 1,
@@ -199,7 +200,7 @@ def test_health_and_model_info(client):
     info = client.model_info()
     assert info["model"].startswith("SmolLM2")
     assert info["context_length"] == MAX_CONTEXT
-    assert info["methods"] == ["ngram", "ar"] and info["default_method"] == "ngram"
+    assert info["methods"] == SERVED_METHODS and info["default_method"] == "ngram"
     assert info["num_verifiers"] == 1 and info["max_batch"] == MAX_BATCH and info["context_cache"]
     health = client.health()
     assert health["status"] == "ok"
@@ -229,6 +230,20 @@ def test_stream_and_unary_equal_engine_and_plain_decoding(client, reference):
     counters = client.health()["replicas"][0]["counters"]
     assert counters["spec_decode_num_drafts_total"] > 0
     assert counters["spec_decode_num_draft_tokens_total"] >= counters["spec_decode_num_accepted_tokens_total"]
+
+
+@pytest.mark.parametrize("method", [m for m in SERVED_METHODS if m not in ("ngram", "ar")])
+def test_every_served_drafter_equals_plain_decoding(client, reference, method):
+    """Each drafter colocated in the verifier replica (reading the same KVCache), chosen per request."""
+    text = PROMPTS[1]
+    n = 16
+    out = client.generate_text(text, max_new_tokens=n, method=method)
+    assert out.token_ids == reference["plain"](text, n)
+    assert out.stats["method"] == method and out.stats["steps"] >= 1
+    # the controller's decisions travel with the stats: every step either verified nodes or decoded plainly
+    s = out.stats
+    assert s["controller_proposed_nodes"] >= s["controller_verified_nodes"]
+    assert s.get("controller_verified_nodes", 0) > 0 or s.get("controller_plain_steps", 0) > 0
 
 
 def test_prometheus_metrics_are_exported(client, ray_cluster):

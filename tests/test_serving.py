@@ -242,7 +242,7 @@ def test_every_served_drafter_equals_plain_decoding(client, reference, method):
     assert out.stats["method"] == method and out.stats["steps"] >= 1
     # the controller's decisions travel with the stats: every step either verified nodes or decoded plainly
     s = out.stats
-    assert s["controller_proposed_nodes"] >= s["controller_verified_nodes"]
+    assert s.get("controller_proposed_nodes", 0) >= s.get("controller_verified_nodes", 0)
     assert s.get("controller_verified_nodes", 0) > 0 or s.get("controller_plain_steps", 0) > 0
 
 

@@ -88,3 +88,23 @@ def test_cli_with_a_bad_checkpoint_is_a_clear_error(capsys, tmp_path):
     assert main([*args, "--draft-checkpoint", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("spyglass: error:") and "is not a draft checkpoint" in err
+
+
+def test_reduced_head_checkpoint_round_trip(tiny_target, tmp_path):
+    """A draft with a frequency-ranked head keeps its token ids through a checkpoint and proposes only them."""
+    from spyglass.training.draft_models import LongSpecDraft
+
+    torch.manual_seed(0)
+    draft = LongSpecDraft.from_target(tiny_target, window=16, draft_vocab=24, init_std=0.2)
+    ids = torch.randperm(tiny_target.args.vocab_size)[:24].sort().values
+    draft.set_vocab(ids)
+    save_checkpoint(draft, tmp_path / "ckpt")
+    loaded = load_longspec_draft(tmp_path / "ckpt", tiny_target)
+    assert torch.equal(loaded.vocab_ids, ids)
+    assert torch.equal(loaded.lm_head.weight, tiny_target.lm_head.weight[ids])
+    drafter = LongSpecDrafter(loaded, gamma=3)
+    engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=1, max_context=256, controller="off"))
+    seq = engine.add_request(list(range(3, 40)), SamplingParams(max_new_tokens=6, ignore_eos=True))
+    engine.step()
+    tree = drafter.propose([seq])[0]
+    assert set(tree.tokens[1:].tolist()) <= set(ids.tolist())

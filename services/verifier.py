@@ -48,6 +48,8 @@ class VerifierConfig:
     cache_block_size: int = 128
     cache_max_bytes: int = 2 << 30
     threads: int | None = None  # torch threads in the replica (default: the CPUs Ray gave it)
+    # Warm-up before the replica reports ready (see `warm_up`): 0 = off; else the synthetic prompt's tokens.
+    warmup_prompt_tokens: int = 800
     drafter_options: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -372,6 +374,58 @@ def _merge_by_sequence(events: list) -> list:
     return list(merged.values())
 
 
+# ~1.8K tokens of repetitive code: n-gram and suffix drafters find long matches, so real trees get verified.
+WARMUP_TEXT = "Here is a small Python module. Repeat its functions exactly, in order.\n\n" + "".join(
+    f"def scale_{i}(values, k={i}):\n    return [v * k + {i} for v in values]\n\n" for i in range(60)
+)
+
+
+def warm_up(engines: dict[str, Any], tokenizer, cfg: VerifierConfig, prompt_tokens: int | None = None) -> dict:
+    """Pay the one-time costs of a fresh process before the replica reports ready, not on the first request.
+
+    The speculation controller's cost-curve measurement (at engine construction) already runs verify-shaped
+    forwards over the tree sizes it will use. What stays cold is everything else a first request touches:
+    the chat template (compiled on first use), prefill forwards of full and partial chunks and of several
+    sequences packed into one forward, the KV pages of the slots requests will use, the drafter's own work
+    (index building, proposals, commits) and the verify passes over the trees it really proposes, sampling
+    and acceptance, and decode steps over a long prefix. So every engine serves, in-process, two requests
+    together on a synthetic repetitive prompt (greedy and sampled) with the context cache detached: nothing is
+    written to Redis and no real request is affected. Returns what was done and how long it took."""
+    from spyglass.sampling import SamplingParams
+
+    t0 = time.perf_counter()
+    ids = encode_prompt(tokenizer, WARMUP_TEXT, raw=False)  # also compiles the chat template
+    encode_prompt(tokenizer, "warm-up", raw=True)
+    out: dict[str, Any] = {"methods": {}}
+    for method, engine in engines.items():
+        cap = engine.capacity
+        chunk = engine.config.prefill_chunk
+        # a full chunk and a partial one (or what the context holds), with room left for decoding
+        n = min(prompt_tokens or chunk + chunk // 2 + 7, cap - 80, len(ids))
+        n = max(n, 2)
+        prompts = [ids[:n], ids[: max(2, n // 3)]]
+        params = [
+            SamplingParams(max_new_tokens=24, ignore_eos=True),
+            SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.8, top_p=0.95, seed=0),
+        ]
+        saved, engine.context_cache = engine.context_cache, None
+        t = time.perf_counter()
+        try:
+            import torch
+
+            with torch.inference_mode():
+                seqs = engine.run(prompts, params)
+        finally:
+            engine.context_cache = saved
+        out["methods"][method] = {
+            "seconds": round(time.perf_counter() - t, 3),
+            "prompt_tokens": [len(p) for p in prompts],
+            "generated": [s.num_generated for s in seqs],
+        }
+    out["seconds"] = round(time.perf_counter() - t0, 3)
+    return out
+
+
 def build_engines(cfg: VerifierConfig) -> tuple[dict[str, Any], Any, dict[str, Any]]:
     """Load the target once and build one SpecEngine per method (sharing the target and context cache)."""
     import torch
@@ -483,6 +537,13 @@ class Verifier:
         self.cfg.threads = self.cfg.threads or int(os.environ.get("OMP_NUM_THREADS") or 1)
         engines, tokenizer, self._info = build_engines(self.cfg)
         self.name = name
+        if self.cfg.warmup_prompt_tokens > 0:
+            import torch
+
+            torch.set_num_threads(self.cfg.threads)  # the engine loop's thread count, so warmed shapes match
+            report = warm_up(engines, tokenizer, self.cfg, self.cfg.warmup_prompt_tokens)
+            self._info["warmup_s"] = report["seconds"]
+            log.info("verifier %s warmed up in %.1f s: %s", name, report["seconds"], report["methods"])
         self.loop = EngineLoop(engines, tokenizer, self.cfg, name=name, on_metrics=_make_metrics(name))
 
     async def generate(self, req: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -508,4 +569,4 @@ class Verifier:
             loop.stop(drain_timeout_s=5.0)
 
 
-__all__ = ["EngineLoop", "Verifier", "VerifierConfig", "build_engines", "encode_prompt"]
+__all__ = ["EngineLoop", "Verifier", "VerifierConfig", "build_engines", "encode_prompt", "warm_up"]

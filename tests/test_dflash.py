@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,14 +26,14 @@ from spyglass.sampling import SamplingParams
 from tests.test_engine_identity import make_prompts
 from tests.test_sampling_fidelity import (  # noqa: F401 - the shared fidelity suite's fixtures and helpers
     N_SAMPLES,
+    VOCAB,
     chi_square_p,
     exact_joint,
     prompt,
-    sample_joint,
     sampling_model,
 )
 
-_TRAINED: dict[int, tuple[DFlashDraft, LocalHead]] = {}
+_TRAINED: dict[tuple, tuple] = {}
 
 
 def full_features(target, tokens: torch.Tensor, layers) -> torch.Tensor:
@@ -47,18 +48,23 @@ def full_features(target, tokens: torch.Tensor, layers) -> torch.Tensor:
         target.capture_layers = ()
 
 
-def trained_tiny(target, block: int = 6, steps: int = 120) -> tuple[DFlashDraft, LocalHead]:
-    """A DFlash draft and a local head trained for a few seconds on the target's own greedy text, so the lossless
-    suites exercise acceptance (random weights would almost never be accepted)."""
-    key = id(target)
+def trained_tiny(target, block: int = 6, steps: int = 120, prefix: list[int] | None = None):
+    """A DFlash draft and a local head trained for a few seconds on the target's own text (greedy continuations
+    of random prompts, plus sampled continuations of `prefix` if given), so the lossless suites exercise
+    acceptance: random weights would almost never be accepted. Cached per target and prompt."""
+    key = (id(target), tuple(prefix or ()))
     if key in _TRAINED:
-        return _TRAINED[key]
+        return _TRAINED[key][:2]
     torch.manual_seed(0)
     vocab = target.args.vocab_size
     texts = []
     for p in make_prompts(vocab, 12, seed=99):
         out = plain_generate(target, p, SamplingParams(max_new_tokens=40, ignore_eos=True))
         texts.append(torch.tensor(p + out))
+    if prefix is not None:  # distillation on the very distribution the fidelity test samples
+        for i in range(48):
+            sp = SamplingParams(temperature=1.0, seed=i, max_new_tokens=block + 2, ignore_eos=True)
+            texts.append(torch.tensor(prefix + plain_generate(target, prefix, sp)))
     layers = tuple(range(target.args.n_layers))
     draft = DFlashDraft.from_target(target, target_layers=layers, n_layers=1, block_size=block).float().train()
     feats = [full_features(target, t, layers) for t in texts]
@@ -82,8 +88,8 @@ def trained_tiny(target, block: int = 6, steps: int = 120) -> tuple[DFlashDraft,
         loss.backward()
         opt.step()
     head.log_unigram.copy_(unigram_log_prior(token_counts(flat, vocab)))
-    _TRAINED[key] = (draft.eval(), head.eval())
-    return _TRAINED[key]
+    _TRAINED[key] = (draft.eval(), head.eval(), target)  # (the target keeps its id from being reused)
+    return _TRAINED[key][:2]
 
 
 def dflash_drafters(target):
@@ -117,15 +123,33 @@ def test_greedy_identity_batch1_and_batch4(tiny_target, params):
                 assert max(max(s.stats.batch_sizes) for s in seqs) == 4, "sequences were not batched"
 
 
+def sample_joint_all_nodes(model, drafter, prompt, temperature: float, top_p: float):  # noqa: F811
+    """The shared suite's `sample_joint` with the controller off, so every node of every tree (chain and
+    alternatives) is verified: at batch 500 the controller would rightly prune a tiny draft's trees to nothing."""
+    engine = SpecEngine(model, drafter, EngineConfig(max_batch=500, max_context=64, controller="off"))
+    counts = np.zeros((VOCAB,) * 3, dtype=np.int64)
+    params = [
+        SamplingParams(temperature=temperature, top_p=top_p, seed=1000 + i, max_new_tokens=3, ignore_eos=True)
+        for i in range(N_SAMPLES)
+    ]
+    steps = drafted = 0
+    for s in engine.run([prompt] * N_SAMPLES, params):
+        a, b, c = s.output_ids
+        counts[a, b, c] += 1
+        steps += s.stats.steps
+        drafted += sum(s.stats.new_tokens_per_step) - s.stats.steps
+    return counts, drafted / max(steps, 1)
+
+
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.9)], ids=["T1", "T0.8-topp0.9"])
 @pytest.mark.parametrize("method", ["dflash", "dflash-dels"])
 def test_first_three_tokens_match_plain_sampling(sampling_model, prompt, method, temperature, top_p):  # noqa: F811
     """The shared chi-square suite (tests/test_sampling_fidelity.py) with DFlash and DFlash + DeLS."""
     model = load_transformer(sampling_model)
-    draft, head = trained_tiny(model, block=4)
+    draft, head = trained_tiny(model, block=4, steps=240, prefix=prompt)
     drafter = DFlashDrafter(draft, head if method == "dflash-dels" else None)
     probs = exact_joint(sampling_model, prompt, temperature, top_p)
-    counts, accepted_per_step = sample_joint(model, drafter, prompt, temperature, top_p)
+    counts, accepted_per_step = sample_joint_all_nodes(model, drafter, prompt, temperature, top_p)
     assert counts.sum() == N_SAMPLES
     p_value = chi_square_p(counts, probs)
     assert p_value > 1e-3, f"{method}: chi-square p = {p_value:.2e}"

@@ -227,11 +227,18 @@ def training_mask(anchors: torch.Tensor, ctx_len: int, block: int) -> torch.Tens
 
 
 def dflash_loss(
-    draft: DFlashDraft, feats: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor, gamma: float = 7.0
+    draft: DFlashDraft,
+    feats: torch.Tensor,
+    tokens: torch.Tensor,
+    anchors: torch.Tensor,
+    gamma: float = 7.0,
+    vocab_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """Block loss on one context: `feats [L, layers*H]` target hidden states, `tokens [L]`, `anchors [A]` with
     a + block <= L. Block position k >= 1 predicts tokens[a+k] with weight exp(-(k-1)/gamma) (DFlash's decay:
-    early positions matter most, as acceptance stops at the first miss)."""
+    early positions matter most, as acceptance stops at the first miss). `vocab_ids` (frequency-ranked token
+    ids) restricts the softmax to those rows of the shared head, a CPU saving: targets outside are skipped;
+    serving always uses the full head."""
     b = draft.cfg.block_size
     length = tokens.shape[0]
     ctx = draft.context_kv(feats, torch.arange(length))
@@ -239,11 +246,18 @@ def dflash_loss(
     pos = (anchors.unsqueeze(1) + torch.arange(b)).reshape(-1)
     mask = training_mask(anchors, length, b)
     hid = draft.blocks_hidden(x, pos, ctx, mask).view(anchors.shape[0], b, -1)[:, 1:]
-    logits = draft.logits(hid.reshape(-1, hid.shape[-1]))
+    hid = hid.reshape(-1, hid.shape[-1])
     targets = tokens[(anchors.unsqueeze(1) + torch.arange(1, b)).reshape(-1)]
-    ce = F.cross_entropy(logits, targets, reduction="none").view(anchors.shape[0], b - 1)
-    w = torch.exp(-torch.arange(b - 1, dtype=torch.float32) / gamma)
-    loss = (ce * w).sum() / (w.sum() * anchors.shape[0])
+    if vocab_ids is None:
+        logits = draft.logits(hid)
+    else:
+        logits = F.linear(hid.to(draft.lm_head.weight.dtype), draft.lm_head.weight[vocab_ids]).float()
+        remap = torch.full((draft.cfg.vocab_size,), -100, dtype=torch.long)
+        remap[vocab_ids] = torch.arange(vocab_ids.shape[0])
+        targets = remap[targets]
+    ce = F.cross_entropy(logits, targets, reduction="none", ignore_index=-100).view(anchors.shape[0], b - 1)
+    w = torch.exp(-torch.arange(b - 1, dtype=torch.float32) / gamma) * (targets != -100).view(ce.shape).float()
+    loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
     with torch.no_grad():
         hit = (logits.argmax(-1) == targets).view(anchors.shape[0], b - 1).float()
         run = hit.cumprod(dim=1).sum(dim=1).mean()  # accepted drafted tokens if verified greedily as a chain

@@ -64,6 +64,12 @@ def _plot(log: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def _spent(t0_wall: float, t0_cpu: float, budget: str) -> float:
+    """Seconds counted against --minutes: this process's CPU time (default; on a shared machine wall time says
+    little about the work done) or wall time."""
+    return (time.process_time() - t0_cpu) if budget == "cpu" else (time.monotonic() - t0_wall)
+
+
 def _save_state(path: Path, **state) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
@@ -77,6 +83,23 @@ def target_features(stack, cache, slot: int, tokens: torch.Tensor, layers: tuple
     stack.capture_layers = layers
     stack([Segment(slot, 0, tokens, torch.arange(tokens.shape[0]), None, "none")], cache)
     return torch.cat([stack.captured[0][i] for i in layers], dim=-1).clone()
+
+
+def write_model_card(out: Path, title: str, what: str, summary: dict) -> None:
+    """MODEL_CARD.md beside an exported checkpoint: data, tokens, steps, time, losses (acceptance on held-out
+    prompts is measured by bench/dflash.py and added under its own heading)."""
+    skip = ("config", "recipe", "train_split")
+    lines = [f"# {title}", "", what, "", "## Training (this repository, `python -m spyglass.training.dflash`)", ""]
+    split = summary.get("train_split", {})
+    lines.append(
+        f"- data: the offline corpus's **train split** only ({split.get('contexts')} contexts of 512 tokens, "
+        f"{split.get('tokens')} tokens; groups: {split.get('kinds')}); the eval split's packages and documents "
+        "(the benchmark prompts' sources) were never trained on"
+    )
+    lines += [f"- {k}: {v}" for k, v in summary.items() if k not in skip]
+    lines += ["", "Recipe:", "", "```json", json.dumps(summary.get("recipe", {}), indent=1), "```", ""]
+    lines += ["Configuration:", "", "```json", json.dumps(summary.get("config", {}), indent=1), "```", ""]
+    (Path(out) / "MODEL_CARD.md").write_text("\n".join(lines))
 
 
 def train_dflash(args) -> dict:
@@ -104,21 +127,27 @@ def train_dflash(args) -> dict:
     slot = cache.allocate()
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    vocab_ids = None
+    if args.train_vocab:  # the most frequent train-split tokens: the head's softmax is most of a CPU step
+        counts = torch.bincount(train.reshape(-1), minlength=draft.cfg.vocab_size)
+        vocab_ids = counts.argsort(descending=True)[: args.train_vocab].sort().values
     state_path = work / "dflash-state.pt"
-    step, log, elapsed, seen_tokens = 0, [], 0.0, 0
+    step, log, elapsed, seen_tokens, cpu_s = 0, [], 0.0, 0, 0.0
     if state_path.exists() and not args.fresh:
         st = torch.load(state_path, weights_only=False)
         draft.load_state_dict(st["draft"])
         opt.load_state_dict(st["opt"])
         step, log, elapsed, seen_tokens = st["step"], st["log"], st["elapsed"], st["seen_tokens"]
+        cpu_s = st.get("cpu_s", elapsed)  # states written before CPU accounting: count their wall time
     order = torch.randperm(train.shape[0], generator=torch.Generator().manual_seed(args.seed))
     b = draft.cfg.block_size
     total = args.max_steps
     bar = tqdm(total=total, initial=step, desc="dflash", mininterval=5)
     t_last_save = time.monotonic()
     t0 = time.monotonic() - elapsed
+    t0_cpu = time.process_time() - cpu_s
     gen = torch.Generator().manual_seed(args.seed + step)
-    while step < total and time.monotonic() - t0 < args.minutes * 60:
+    while step < total and _spent(t0, t0_cpu, args.budget) < args.minutes * 60:
         tokens = train[order[(step // args.inner) % train.shape[0]]]
         with torch.no_grad():  # (the forward runs in inference mode; the concatenation makes a normal tensor)
             feats = target_features(stack, cache, slot, tokens, layers)
@@ -127,7 +156,7 @@ def train_dflash(args) -> dict:
             anchors = torch.randperm(tokens.shape[0] - b - 1, generator=gen)[: args.anchors].sort().values + 1
             for g in opt.param_groups:
                 g["lr"] = _lr(step, total, args.lr)
-            loss, m = dflash_loss(draft, feats, tokens, anchors, args.gamma)
+            loss, m = dflash_loss(draft, feats, tokens, anchors, args.gamma, vocab_ids)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -144,11 +173,12 @@ def train_dflash(args) -> dict:
                 step=step,
                 log=log,
                 elapsed=time.monotonic() - t0,
+                cpu_s=time.process_time() - t0_cpu,
                 seen_tokens=seen_tokens,
             )
             t_last_save = time.monotonic()
     bar.close()
-    elapsed = time.monotonic() - t0
+    elapsed, cpu_s = time.monotonic() - t0, time.process_time() - t0_cpu
     _save_state(
         state_path,
         draft=draft.state_dict(),
@@ -156,6 +186,7 @@ def train_dflash(args) -> dict:
         step=step,
         log=log,
         elapsed=elapsed,
+        cpu_s=cpu_s,
         seen_tokens=seen_tokens,
     )
     # held-out: the eval split's packages/documents never trained on
@@ -175,6 +206,7 @@ def train_dflash(args) -> dict:
     summary = {
         "steps": step,
         "wall_time_s": round(elapsed, 1),
+        "cpu_time_s": round(cpu_s, 1),
         "context_tokens_seen": seen_tokens,
         "block_tokens_trained": step * args.anchors * (b - 1),
         "final_train_loss_mean50": sum(r["loss"] for r in tail) / max(1, len(tail)),
@@ -188,6 +220,15 @@ def train_dflash(args) -> dict:
     (work / "dflash-summary.json").write_text(json.dumps(summary, indent=1))
     if args.out:
         save_dflash(draft, args.out, card=summary)
+        write_model_card(
+            Path(args.out),
+            "DFlash block drafter for SmolLM2-135M(-Instruct)",
+            "Block drafter (spyglass/drafters/dflash.py): [root, MASK x (b-1)] through "
+            f"{draft.cfg.n_layers} non-causal layers whose keys/values also cover the context stream "
+            f"(target layers {list(draft.cfg.target_layers)} concatenated -> fc -> RMSNorm); the target's "
+            "embedding and LM head are shared and frozen (not in this checkpoint). Weights in bf16.",
+            summary,
+        )
     return summary
 
 
@@ -217,18 +258,19 @@ def train_dels(args) -> dict:
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     state_path = work / "dels-state.pt"
-    step, log, elapsed = 0, [], 0.0
+    step, log, elapsed, cpu_s = 0, [], 0.0, 0.0
     if state_path.exists() and not args.fresh:
         st = torch.load(state_path, weights_only=False)
         head.load_state_dict(st["head"])
         opt.load_state_dict(st["opt"])
-        step, log, elapsed = st["step"], st["log"], st["elapsed"]
+        step, log, elapsed, cpu_s = st["step"], st["log"], st["elapsed"], st.get("cpu_s", st["elapsed"])
     flat = train.reshape(-1)
     gen = torch.Generator().manual_seed(args.seed + step)
     bar = tqdm(total=args.max_steps, initial=step, desc="dels", mininterval=5)
     t0 = time.monotonic() - elapsed
+    t0_cpu = time.process_time() - cpu_s
     t_last_save = time.monotonic()
-    while step < args.max_steps and time.monotonic() - t0 < args.minutes * 60:
+    while step < args.max_steps and _spent(t0, t0_cpu, args.budget) < args.minutes * 60:
         starts = torch.randint(0, flat.shape[0] - cfg.window, (args.batch,), generator=gen)
         windows = flat[starts.unsqueeze(1) + torch.arange(cfg.window)]
         for g in opt.param_groups:
@@ -244,11 +286,13 @@ def train_dels(args) -> dict:
         bar.set_postfix(loss=f"{float(loss):.3f}")
         if time.monotonic() - t_last_save > 120:
             _save_state(state_path, head=head.state_dict(), opt=opt.state_dict(), step=step, log=log,
-                        elapsed=time.monotonic() - t0)  # fmt: skip
+                        elapsed=time.monotonic() - t0, cpu_s=time.process_time() - t0_cpu)  # fmt: skip
             t_last_save = time.monotonic()
     bar.close()
-    elapsed = time.monotonic() - t0
-    _save_state(state_path, head=head.state_dict(), opt=opt.state_dict(), step=step, log=log, elapsed=elapsed)
+    elapsed, cpu_s = time.monotonic() - t0, time.process_time() - t0_cpu
+    _save_state(
+        state_path, head=head.state_dict(), opt=opt.state_dict(), step=step, log=log, elapsed=elapsed, cpu_s=cpu_s
+    )
     head.eval()
     with torch.no_grad():
         ev = evals.reshape(-1)
@@ -259,6 +303,7 @@ def train_dels(args) -> dict:
     summary = {
         "steps": step,
         "wall_time_s": round(elapsed, 1),
+        "cpu_time_s": round(cpu_s, 1),
         "window_tokens_trained": step * args.batch * cfg.window,
         "final_train_loss_mean50": sum(r["loss"] for r in tail) / max(1, len(tail)),
         "eval_loss": ev_loss,
@@ -270,6 +315,16 @@ def train_dels(args) -> dict:
     (work / "dels-summary.json").write_text(json.dumps(summary, indent=1))
     if args.out:
         save_local_head(head, args.out, card=summary)
+        write_model_card(
+            Path(args.out),
+            "DeLS-Spec local head for SmolLM2-135M(-Instruct)",
+            "Short-context expert (spyglass/drafters/dels.py): the target's frozen embeddings -> bias-free GRU "
+            f"({cfg.gru_hidden}) -> rank {cfg.rank} (SiLU) -> w_up -> the target's frozen LM head, plus the "
+            "unigram log-prior of the train split (add-one smoothing). Trained without the target's layers "
+            "(only its embedding and head matrices are read). Fused into DFlash's block as "
+            "l = l_L + alpha * l_S - beta * log p_unigram from the second drafted position on.",
+            summary,
+        )
     return summary
 
 
@@ -281,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("--workdir", required=True)
         s.add_argument("--out", default=None, help="checkpoint directory to export to")
         s.add_argument("--model", default=None, help="target (default: the embedded SmolLM2)")
-        s.add_argument("--minutes", type=float, default=10.0, help="wall-time budget (resumed runs count it all)")
+        s.add_argument("--minutes", type=float, default=10.0, help="budget (resumed runs count it all)")
+        s.add_argument("--budget", choices=("cpu", "wall"), default="cpu", help="what --minutes counts")
         s.add_argument("--threads", type=int, default=1)
         s.add_argument("--seed", type=int, default=42)
         s.add_argument("--train-contexts", type=int, default=1024)
@@ -297,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--inner", type=int, default=2, help="optimiser steps per target forward")
     d.add_argument("--lr", type=float, default=6e-4)
     d.add_argument("--max-steps", type=int, default=600)
+    d.add_argument("--train-vocab", type=int, default=0, help="softmax over the N most frequent tokens (0 = all)")
     d.add_argument("--eval-contexts", type=int, default=8)
     d.set_defaults(func=train_dflash)
     h = sub.choices["dels"]

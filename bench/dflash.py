@@ -1,0 +1,316 @@
+"""DFlash and DFlash + DeLS-Spec on held-out long-context prompts (bench/tasks.py), SmolLM2 fp32, vs plain
+decoding and n-gram drafting, side by side in one run. Writes bench/results/dflash.json (+ .png).
+
+    python bench/dflash.py [--per-kind 1] [--max-new-tokens 96] [--kinds code,edit,summary] [--sampled]
+
+Two parts:
+1. End to end through the engine (speculation controller on, as served): per prompt, decode tokens/s of ar,
+   ngram, dflash, dflash-dels (speedup = ratio to ar on the same prompt), tau, greedy identity; `--sampled` adds
+   T=1 runs (seeded) of ar, dflash and dflash-dels.
+2. Acceptance along the greedy output (no controller, no timing): one target forward over prompt + ar's
+   output gives the hidden states; at every output position the block is drafted exactly as served (context
+   stream = positions before the root) and its chain compared with the text that follows. This gives acceptance
+   by block position for DFlash and DeLS and the 3x3 grid of alpha, beta in {0.1, 0.3, 0.5} (chain tau =
+   1 + mean accepted drafts per position).
+
+No Redis context cache here: a cached prefix has no target hidden states, and DFlash's context stream would
+then miss it. Decode speed is measured after the first token, so prefill does not enter the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.common import RESULTS_DIR, machine_load, median, plot_panels, wait_for_quiet, write_results  # noqa: E402
+from bench.tasks import HeldOutTask, heldout_tasks  # noqa: E402
+from spyglass.controller import measured_curve  # noqa: E402
+from spyglass.drafters.dels import load_local_head  # noqa: E402
+from spyglass.drafters.dflash import (  # noqa: E402
+    DEFAULT_DELS,
+    DEFAULT_DFLASH,
+    DFlashDrafter,
+    fuse,
+    load_dflash,
+    training_mask,
+)
+from spyglass.drafters.ngram import NgramDrafter  # noqa: E402
+from spyglass.engine import EngineConfig, SpecEngine  # noqa: E402
+from spyglass.models.llama import Segment, load_transformer  # noqa: E402
+from spyglass.models.loader import load_tokenizer, resolve_model  # noqa: E402
+from spyglass.sampling import SamplingParams  # noqa: E402
+
+GRID = (0.1, 0.3, 0.5)
+
+
+def run_task(engine: SpecEngine, task: HeldOutTask, params: SamplingParams) -> dict:
+    (seq,) = engine.run([task.prompt_ids], params)
+    st = seq.stats.summary(seq.num_generated)
+    return {
+        "tokens": seq.output_ids,
+        "tau": st["tau"],
+        "tok_s": st["tokens_per_s"],
+        "acceptance_by_depth": [round(a, 3) for a in st["acceptance_by_depth"][:15]],
+        "controller": st["controller"],
+        "draft_s": round(st["draft_time_s"], 3),
+        "verify_s": round(st["verify_time_s"], 3),
+        "prefill_s": round(st["prefill_time_s"], 2),
+    }
+
+
+@torch.inference_mode()
+def chain_acceptance(target, draft, head, task: HeldOutTask, output: list[int], grid, chunk: int = 16) -> dict:
+    """Accepted drafted tokens per output position for DFlash alone and for each (alpha, beta) of DeLS."""
+    tokens = torch.tensor(task.prompt_ids + output)
+    n_prompt = len(task.prompt_ids)
+    layers = draft.cfg.target_layers
+    cache = target.new_cache(tokens.shape[0] + 1, 1)
+    slot = cache.allocate()
+    target.capture_layers = tuple(layers)
+    try:
+        for s in range(0, tokens.shape[0], 512):
+            part = tokens[s : s + 512]
+            target([Segment(slot, s, part, torch.arange(s, s + part.shape[0]), None, "none")], cache)
+            cache.commit(slot, s, list(range(part.shape[0])))
+            feats_part = torch.cat([target.captured[0][i] for i in layers], dim=-1)
+            ctx_part = draft.context_kv(feats_part, torch.arange(s, s + part.shape[0]))
+            if s == 0:
+                ctx = [([k], [v]) for k, v in ctx_part]
+            else:
+                for (ks, vs), (k, v) in zip(ctx, ctx_part, strict=True):
+                    ks.append(k)
+                    vs.append(v)
+    finally:
+        target.capture_layers = ()
+    ctx = [(torch.cat(ks, dim=1), torch.cat(vs, dim=1)) for ks, vs in ctx]
+    b = draft.cfg.block_size
+    # roots at every output position with a full block of text after it
+    roots = torch.arange(n_prompt, tokens.shape[0] - b)
+    runs = {"dflash": [], **{f"{a},{bt}": [] for a, bt in grid}}
+    by_pos = {"dflash": torch.zeros(b - 1), "dels": torch.zeros(b - 1)}
+    for c in range(0, roots.shape[0], chunk):
+        anchors = roots[c : c + chunk]
+        x = draft.block_input(tokens[anchors], b)
+        pos = (anchors.unsqueeze(1) + torch.arange(b)).reshape(-1)
+        mask = training_mask(anchors, tokens.shape[0], b)
+        hid = draft.blocks_hidden(x, pos, ctx, mask).view(anchors.shape[0], b, -1)[:, 1:]
+        long = draft.logits(hid.reshape(-1, hid.shape[-1])).view(anchors.shape[0], b - 1, -1)
+        for r, a in enumerate(anchors.tolist()):
+            truth = tokens[a + 1 : a + b].tolist()
+            chain = long[r].argmax(-1).tolist()
+            k = _run(chain, truth)
+            runs["dflash"].append(k)
+            by_pos["dflash"][:k] += 1
+            for alpha, beta in grid:
+                chain = _fused_chain(long[r], head, alpha, beta)
+                k = _run(chain, truth)
+                runs[f"{alpha},{beta}"].append(k)
+                if (alpha, beta) == (0.3, 0.3):
+                    by_pos["dels"][:k] += 1
+    n = max(1, roots.shape[0])
+    return {
+        "positions": int(roots.shape[0]),
+        "tau": {k: 1 + sum(v) / n for k, v in runs.items()},
+        "acceptance_by_position": {k: (v / n).tolist() for k, v in by_pos.items()},
+    }
+
+
+def _run(chain: list[int], truth: list[int]) -> int:
+    k = 0
+    while k < len(chain) and chain[k] == truth[k]:
+        k += 1
+    return k
+
+
+def _fused_chain(long: torch.Tensor, head, alpha: float, beta: float) -> list[int]:
+    """The served DeLS chain (`DFlashDrafter._tree`'s argmaxes): first position DFlash alone."""
+    chain, h = [int(long[0].argmax())], None
+    for j in range(1, long.shape[0]):
+        h = head.step(chain[-1], h)
+        chain.append(int(fuse(long[j], head.logits(h), head.log_unigram, alpha, beta).argmax()))
+    return chain
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--per-kind", type=int, default=1)
+    ap.add_argument("--kinds", default="code,edit,summary")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--sampled", action="store_true", help="also T=1 runs of ar, dflash, dflash-dels")
+    ap.add_argument("--no-grid", action="store_true")
+    ap.add_argument("--dflash", default=str(DEFAULT_DFLASH))
+    ap.add_argument("--dels", default=str(DEFAULT_DELS))
+    ap.add_argument("--name", default="dflash")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    quiet = wait_for_quiet(max_load=1.0, timeout_s=60)
+    path = resolve_model(None, dtype="float32").path
+    target = load_transformer(path, dtype=torch.float32)
+    tok = load_tokenizer(path)
+    draft = load_dflash(args.dflash, target)
+    head = load_local_head(args.dels, target)
+    t0 = time.perf_counter()
+    curve = measured_curve(target, target.new_cache(8192, 1))
+    curve_s = time.perf_counter() - t0
+    tasks = heldout_tasks(tok, kinds=tuple(args.kinds.split(",")), per_kind=args.per_kind)
+    makers = {
+        "ngram": NgramDrafter,
+        "dflash": lambda: DFlashDrafter(draft),
+        "dflash-dels": lambda: DFlashDrafter(draft, head),
+    }
+    load_before = machine_load()
+    greedy = SamplingParams(max_new_tokens=args.max_new_tokens)
+    results: dict[str, dict] = {}
+    offline: dict[str, dict] = {}
+    grid = [] if args.no_grid else [(a, b) for a in GRID for b in GRID]
+    if (0.3, 0.3) not in grid:
+        grid.append((0.3, 0.3))
+    for task in tasks:
+        row = {"ar": run_task(SpecEngine(target, None, EngineConfig(max_batch=1, max_context=8192)), task, greedy)}
+        for name, make in makers.items():
+            row[name] = run_task(SpecEngine(target, make(), EngineConfig(max_batch=1, max_context=8192)), task, greedy)
+        if args.sampled:
+            for name in ("ar", "dflash", "dflash-dels"):
+                sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, seed=1234)
+                drafter = makers[name]() if name != "ar" else None
+                row[f"{name}@T1"] = run_task(SpecEngine(target, drafter, EngineConfig(max_batch=1, max_context=8192)),
+                                             task, sp)  # fmt: skip
+        base, base_t1 = row["ar"]["tok_s"], row.get("ar@T1", {}).get("tok_s")
+        for name, r in row.items():
+            ref = base_t1 if name.endswith("@T1") else base
+            r["speedup"] = r["tok_s"] / ref if ref else None
+            r["identical"] = r["tokens"] == (row["ar@T1"] if name.endswith("@T1") else row["ar"])["tokens"]
+        offline[task.name] = chain_acceptance(target, draft, head, task, row["ar"]["tokens"], grid)
+        print(
+            f"{task.name} ({len(task.prompt_ids)} tok): "
+            + "  ".join(f"{n} {r['speedup']:.2f}x tau {r['tau']:.2f}" for n, r in row.items())
+            + f"  | chain tau {json.dumps({k: round(v, 2) for k, v in offline[task.name]['tau'].items()})}",
+            flush=True,
+        )
+        for r in row.values():
+            r.pop("tokens")
+        results[task.name] = row
+
+    def med(method: str, key: str) -> float | None:
+        vals = [results[t.name][method][key] for t in tasks if method in results[t.name]]
+        return median(vals) if vals else None
+
+    def pooled_tau(key: str) -> float:
+        pos = sum(offline[t.name]["positions"] for t in tasks)
+        return sum((offline[t.name]["tau"][key] - 1) * offline[t.name]["positions"] for t in tasks) / max(1, pos) + 1
+
+    cards = {}
+    for d in (Path(args.dflash), Path(args.dels)):
+        for f in ("draft_config.json", "head_config.json"):
+            if (d / f).exists():
+                cards[d.name] = json.loads((d / f).read_text()).get("card", {})
+    figures = {
+        "tau_dflash": med("dflash", "tau"),
+        "tau_dels": med("dflash-dels", "tau"),
+        "speedup_dflash": med("dflash", "speedup"),
+        "speedup_dels": med("dflash-dels", "speedup"),
+        "speedup_ngram": med("ngram", "speedup"),
+        "tau_ngram": med("ngram", "tau"),
+        "identical_all_greedy": all(
+            r["identical"] for row in results.values() for n, r in row.items() if not n.endswith("@T1")
+        ),
+        "chain_tau_dflash": pooled_tau("dflash"),
+        "chain_tau_dels": pooled_tau("0.3,0.3"),
+        "chain_tau_grid": {k: pooled_tau(k) for k in offline[tasks[0].name]["tau"] if k != "dflash"} if tasks else {},
+        "training": {
+            name: {
+                k: c.get(k)
+                for k in (
+                    "steps",
+                    "wall_time_s",
+                    "context_tokens_seen",
+                    "block_tokens_trained",
+                    "window_tokens_trained",
+                    "eval_loss",
+                )
+            }  # fmt: skip
+            for name, c in cards.items()
+        },
+    }
+    if args.sampled:
+        figures.update(
+            {
+                "tau_dflash_T1": med("dflash@T1", "tau"),
+                "tau_dels_T1": med("dflash-dels@T1", "tau"),
+                "speedup_dflash_T1": med("dflash@T1", "speedup"),
+                "speedup_dels_T1": med("dflash-dels@T1", "speedup"),
+            }
+        )
+    n_pos = {t.name: offline[t.name]["positions"] for t in tasks}
+    acc_pos = {
+        k: [
+            sum(offline[t.name]["acceptance_by_position"][k][i] * n_pos[t.name] for t in tasks)
+            / max(1, sum(n_pos.values()))
+            for i in range(draft.cfg.block_size - 1)
+        ]
+        for k in ("dflash", "dels")
+    }
+    figures["acceptance_by_block_position"] = {k: [round(x, 4) for x in v] for k, v in acc_pos.items()}
+    meta = {
+        "what": "DFlash / DFlash+DeLS vs plain decoding and n-gram on held-out prompts (eval split), SmolLM2 fp32",
+        "run": vars(args),
+        "tasks": {t.name: len(t.prompt_ids) for t in tasks},
+        "cost_curve": curve.to_dict(),
+        "cost_curve_measure_s": round(curve_s, 2),
+        "quiet_before": quiet,
+        "load_before": load_before,
+        "load_after": machine_load(),
+        "pid": os.getpid(),
+        "note": "speedups are medians over prompts of decode tok/s ratios to ar on the same prompt, one run each",
+    }
+    out = write_results(args.name, figures, {"per_task": results, "chain_acceptance": offline}, meta)
+    xs = list(range(1, draft.cfg.block_size))
+    plot_panels(
+        RESULTS_DIR / f"{args.name}.png",
+        [
+            {
+                "title": "P(block position accepted) along the greedy output",
+                "xlabel": "block position",
+                "ylabel": "P(accepted)",
+                "series": {k: (xs, v) for k, v in acc_pos.items()},
+            },
+            {
+                "title": "decode speedup vs plain decoding (T=0)",
+                "xlabel": "prompt",
+                "ylabel": "x",
+                "series": {
+                    m: (list(range(len(tasks))), [results[t.name][m]["speedup"] for t in tasks])
+                    for m in ("ngram", "dflash", "dflash-dels")
+                },
+                "hline": 1.0,
+            },
+            {
+                "title": "DeLS chain tau over the alpha x beta grid",
+                "xlabel": "alpha",
+                "ylabel": "chain tau",
+                "series": {
+                    f"beta={b}": (list(GRID), [figures["chain_tau_grid"].get(f"{a},{b}") for a in GRID])
+                    for b in GRID
+                    if all(f"{a},{b}" in figures["chain_tau_grid"] for a in GRID)
+                }
+                | {"dflash alone": (list(GRID), [figures["chain_tau_dflash"]] * len(GRID))},
+            },
+        ],
+        title="DFlash / DeLS-Spec, held-out long-context prompts (SmolLM2 fp32)",
+    )
+    print(out)
+    for k, v in figures.items():
+        print(f"{k}: {v}")
+
+
+if __name__ == "__main__":
+    main()

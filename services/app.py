@@ -86,10 +86,16 @@ def load_config(path: str | Path | None) -> dict[str, Any]:
     return doc
 
 
+# Largest gRPC message the proxy accepts (Serve's default is 2 GiB): a bigger one is RESOURCE_EXHAUSTED before
+# it is read into memory. Prompts are limited further by the gateway (`max_prompt_chars`).
+MAX_GRPC_MESSAGE_BYTES = 8 << 20
+
+
 def start_local_ray(num_cpus: int | None = None) -> None:
     """A local cluster that stays on loopback (environment.md: the env var, usage stats off)."""
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(MAX_GRPC_MESSAGE_BYTES))  # inherited by the proxy
     import ray
 
     if not ray.is_initialized():
@@ -211,7 +217,16 @@ def serve_main(
     demo_tokens: int = 64,
     no_demo: bool = False,
 ) -> int:
-    """`spyglass serve`: bring the stack up, run the demo, keep serving until Ctrl-C (or exit with --once)."""
+    """`spyglass serve`: bring the stack up, run the demo, keep serving until Ctrl-C or SIGTERM (or exit with
+    --once). SIGTERM (what Kubernetes and systemd send) shuts down like Ctrl-C: Serve drains its replicas
+    (`graceful_shutdown_timeout_s`), Ray stops, the local redis-server stops, and any process this command
+    started that is still alive after a grace period is killed, so nothing is left behind."""
+    import signal
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
     doc = load_config(config)
     app_args = doc["applications"][0].setdefault("args", {})
     redis = None
@@ -241,15 +256,70 @@ def serve_main(
             while True:
                 time.sleep(3600)
     except KeyboardInterrupt:
-        pass
+        print("[spyglass] stopping: draining requests", file=sys.stderr)
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
+        started = descendants(os.getpid())
         try:
             serve.shutdown()
+        except Exception as e:  # noqa: BLE001 - shutting down: report and go on stopping the rest
+            print(f"[spyglass] serve shutdown: {e}", file=sys.stderr)
         finally:
             ray.shutdown()
             if redis is not None:
                 redis.stop()
+            reap(started)
+            signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (children, their children, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def reap(pids: list[int], grace_s: float = 10.0) -> list[int]:
+    """SIGTERM, then after `grace_s` SIGKILL, the given processes (ones this command started) still alive."""
+    import signal
+
+    def alive(p: int) -> bool:
+        try:
+            os.kill(p, 0)
+            stat = Path(f"/proc/{p}/stat").read_text()
+            return stat.rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, IndexError):
+            return False
+
+    left = [p for p in pids if alive(p)]
+    for p in left:
+        try:
+            os.kill(p, signal.SIGTERM)
+        except OSError:
+            pass
+    deadline = time.monotonic() + grace_s
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = [p for p in left if alive(p)]
+    for p in left:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
+    if left:
+        print(f"[spyglass] killed {len(left)} process(es) that ignored SIGTERM", file=sys.stderr)
+    return left
 
 
 __all__ = ["LocalRedis", "build_app", "redis_url", "deploy", "load_config", "run_demo", "serve_main", "start_local_ray"]

@@ -14,8 +14,11 @@
 
 import asyncio
 import hashlib
+import hmac
 import json
 import logging
+import math
+import os
 import time
 import uuid
 from collections import deque
@@ -29,6 +32,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
 from protos import spyglass_pb2 as pb
+from services.grpc_api import MALFORMED  # a request the gRPC layer could not parse: INVALID_ARGUMENT
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +55,19 @@ ERROR_CODES = {
 }
 
 
+def replica_failure(streamed_tokens: int) -> "GatewayError":
+    """What a client sees when its verifier replica dies or becomes unreachable mid-request."""
+    if streamed_tokens:
+        return GatewayError(
+            grpc.StatusCode.ABORTED,
+            f"the server serving this request stopped after {streamed_tokens} tokens; "
+            "the output is incomplete: retry the request",
+        )
+    return GatewayError(
+        grpc.StatusCode.UNAVAILABLE, "the server serving this request is temporarily unavailable: retry shortly"
+    )
+
+
 class GatewayError(Exception):
     """A request that ends with a gRPC status other than OK."""
 
@@ -63,12 +80,24 @@ class GatewayError(Exception):
         return (GatewayError, (self.code, self.message))
 
 
+# Where a bearer token for the gRPC service may be given (the config names the variable, never the secret).
+AUTH_TOKEN_ENV = "SPYGLASS_AUTH_TOKEN"
+
+
 @dataclass
 class GatewayConfig:
     max_queued: int = 16  # per verifier, beyond its in-flight limit
     batch_wait_timeout_s: float = 0.005  # admission batching window
     affinity_prefix_chars: int = 2048  # prompt prefix hashed for affinity when no context id is given
     min_affinity_chars: int = 256  # shorter prompts carry no useful context: least loaded wins
+    # Limits checked on the parsed request before anything is tokenized, queued or allocated.
+    max_prompt_chars: int = 1 << 20  # prompt text (the context limit is checked on tokens by the verifier)
+    max_stop_strings: int = 16
+    max_stop_chars: int = 256  # per stop string
+    max_id_chars: int = 128  # request_id and context_id
+    max_timeout_s: float = 3600.0
+    health_timeout_s: float = 5.0  # a verifier that does not answer Health within this is reported down
+    auth_token_env: str = AUTH_TOKEN_ENV  # bearer token required on every RPC when this variable is set
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "GatewayConfig":
@@ -216,6 +245,30 @@ def request_to_dict(r: pb.GenerateRequest, request_id: str) -> dict[str, Any]:
     }
 
 
+def check_sampling(sp: pb.SamplingParams) -> None:
+    """The sampling fields' ranges, checked at the gateway (the verifier's SamplingParams checks them again)."""
+
+    def bad(name: str, rule: str) -> GatewayError:
+        return GatewayError(grpc.StatusCode.INVALID_ARGUMENT, f"{name} must be {rule}, got {getattr(sp, name)}")
+
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "contextual_penalty"):
+        if sp.HasField(name) and not math.isfinite(getattr(sp, name)):
+            raise bad(name, "a finite number")
+    checks = {
+        "temperature": (lambda v: v >= 0, ">= 0 (0 = greedy)"),
+        "top_k": (lambda v: v >= 0, ">= 0 (0 = off)"),
+        "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+        "min_p": (lambda v: 0 <= v < 1, "in [0, 1)"),
+        "repetition_penalty": (lambda v: v > 0, "> 0"),
+        "contextual_penalty": (lambda v: v >= 1, ">= 1 (1 = off)"),
+        "penalty_window": (lambda v: v > 0, "> 0 tokens"),
+        "seed": (lambda v: 0 <= v < 2**63, "in [0, 2**63)"),
+    }
+    for name, (ok, rule) in checks.items():
+        if sp.HasField(name) and not ok(getattr(sp, name)):
+            raise bad(name, rule)
+
+
 def stats_to_pb(stats: dict[str, Any]) -> pb.Stats:
     kept = {k: v for k, v in stats.items() if k in STATS_FIELDS and v is not None}
     return pb.Stats(**kept)
@@ -260,6 +313,7 @@ def _make_metrics():
 http_app = FastAPI(title="spyglass", description="OpenAI-compatible completions over the spyglass gateway")
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
     grpc.StatusCode.UNAVAILABLE: 503,
@@ -307,6 +361,7 @@ class Gateway:
         self._admission: Admission | None = None
         self.live: dict[str, int] = {}
         self.queued: set[str] = set()
+        self._token = os.environ.get(self.cfg.auth_token_env) or None
         self._latency, self._ttft, self._depth, self._requests = _make_metrics()
 
     # --- helpers -----------------------------------------------------------------------------------------
@@ -320,6 +375,7 @@ class Gateway:
 
     async def _validate(self, r: pb.GenerateRequest, rid: str) -> dict[str, Any]:
         info = await self.info()
+        cfg = self.cfg
         if r.prompt and r.prompt_token_ids:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, "give either prompt or prompt_token_ids, not both")
         if not r.prompt.strip() and not r.prompt_token_ids:
@@ -339,20 +395,50 @@ class Gateway:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"the prompt has {len(r.prompt_token_ids)} tokens but the context holds {info['context_length']}",
             )
-        if r.timeout_s < 0:
-            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s must be >= 0, got {r.timeout_s}")
+        if not 0 <= r.timeout_s <= cfg.max_timeout_s:  # also NaN
+            raise GatewayError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s must be in [0, {cfg.max_timeout_s:g}], got {r.timeout_s}"
+            )
+        vocab = info.get("vocab_size") or 0
+        if r.prompt_token_ids and vocab and not 0 <= min(r.prompt_token_ids) <= max(r.prompt_token_ids) < vocab:
+            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt token ids must be in [0, {vocab})")
+        if len(r.stop) > cfg.max_stop_strings:
+            raise GatewayError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"at most {cfg.max_stop_strings} stop strings, got {len(r.stop)}"
+            )
+        for stop in r.stop:
+            if not stop or len(stop) > cfg.max_stop_chars:
+                raise GatewayError(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"stop strings must have 1 to {cfg.max_stop_chars} characters"
+                )
+        if len(r.context_id) > cfg.max_id_chars:
+            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, f"context_id has more than {cfg.max_id_chars} chars")
+        check_sampling(r.sampling)
         return request_to_dict(r, rid)
 
     async def _stream(self, r: pb.GenerateRequest) -> AsyncIterator[dict[str, Any]]:
         """The verifier's items for one request, with admission, routing, deadline and cleanup."""
         t0 = time.perf_counter()
+        if r.request_id.startswith(MALFORMED):
+            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, r.request_id[len(MALFORMED) :])
+        if len(r.request_id) > self.cfg.max_id_chars:
+            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, f"request_id is over {self.cfg.max_id_chars} chars")
+        if len(r.prompt) > self.cfg.max_prompt_chars:  # before the prompt is copied, tokenized or queued
+            raise GatewayError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the prompt has {len(r.prompt)} characters; the limit is {self.cfg.max_prompt_chars}",
+            )
         rid = r.request_id or uuid.uuid4().hex
         if rid in self.live or rid in self.queued:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is already live")
-        req = await self._validate(r, rid)
+        self.queued.add(rid)  # claimed before the first await: a concurrent duplicate is rejected above
+        try:
+            req = await self._validate(r, rid)
+        except BaseException:
+            self.queued.discard(rid)
+            raise
         adm = self._admission
         i = route(affinity_key(req, self.cfg), adm.loads(), adm.capacity)
-        self.queued.add(rid)
         try:
             await adm.acquire(i, token=rid)
         except QueueFull as e:
@@ -370,7 +456,7 @@ class Gateway:
         gen = self.verifiers[i].options(stream=True).generate.remote(req)
         deadline = t0 + r.timeout_s if r.timeout_s > 0 else None
         method = req["method"] or self._info["default_method"]
-        status, first, finished = "ok", True, False
+        status, first, finished, streamed = "ok", True, False, 0
         try:
             it = gen.__aiter__()
             while True:
@@ -381,6 +467,12 @@ class Gateway:
                     item = await asyncio.wait_for(it.__anext__(), remaining)
                 except StopAsyncIteration:
                     raise GatewayError(grpc.StatusCode.INTERNAL, "the verifier stream ended early") from None
+                except (TimeoutError, asyncio.CancelledError, GatewayError):
+                    raise
+                except Exception as e:  # the replica died or became unreachable: no Ray internals to the user
+                    log.warning("request %s: verifier-%d failed: %r", rid, i, e)
+                    raise replica_failure(streamed) from None
+                streamed += len(item.get("token_ids") or ())
                 if "error" in item:
                     code = ERROR_CODES.get(item["error"], grpc.StatusCode.INTERNAL)
                     raise GatewayError(code, item.get("message", item["error"]))
@@ -422,8 +514,37 @@ class Gateway:
             grpc_context.set_details(e.message)
         raise e
 
+    def _authorized(self, header: str | None) -> bool:
+        if self._token is None:
+            return True
+        want = f"Bearer {self._token}".encode()
+        return header is not None and hmac.compare_digest(header.encode(), want)
+
+    def _check_auth(self, grpc_context) -> None:
+        """With a token configured, every RPC needs the metadata `authorization: Bearer <token>`."""
+        if self._token is None:
+            return
+        header = None
+        if grpc_context is not None:
+            header = dict(grpc_context.invocation_metadata()).get("authorization")
+        if not self._authorized(header):
+            self._fail(grpc_context, GatewayError(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token"))
+
+    async def _verifier_call(self, v, name: str, *args) -> Any:
+        """One call to a verifier with a bound on the wait (a dead replica must not hang Health or Abort)."""
+
+        async def call():
+            return await getattr(v, name).remote(*args)
+
+        return await asyncio.wait_for(call(), self.cfg.health_timeout_s)
+
+    async def process_id(self) -> int:
+        """The replica's pid (fault-injection tests kill it: `make reliability`)."""
+        return os.getpid()
+
     # --- RPCs ------------------------------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> AsyncIterator[pb.GenerateChunk]:
+        self._check_auth(grpc_context)
         try:
             async for item in self._stream(request):
                 yield chunk_to_pb(item)
@@ -431,6 +552,7 @@ class Gateway:
             self._fail(grpc_context, e)
 
     async def GenerateOnce(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:
+        self._check_auth(grpc_context)
         final: dict[str, Any] = {}
         try:
             async for item in self._stream(request):
@@ -447,15 +569,25 @@ class Gateway:
         )
 
     async def Abort(self, request: pb.AbortRequest, grpc_context=None) -> pb.AbortResponse:
+        self._check_auth(grpc_context)
+        rid = request.request_id
+        if rid.startswith(MALFORMED):
+            self._fail(grpc_context, GatewayError(grpc.StatusCode.INVALID_ARGUMENT, rid[len(MALFORMED) :]))
+        if not rid or len(rid) > self.cfg.max_id_chars:
+            msg = f"request_id must have 1 to {self.cfg.max_id_chars} characters"
+            self._fail(grpc_context, GatewayError(grpc.StatusCode.INVALID_ARGUMENT, msg))
         await self.info()
-        if self._admission.evict(request.request_id):
+        if self._admission.evict(rid):
             return pb.AbortResponse(aborted=True)
-        results = await asyncio.gather(*(v.abort.remote(request.request_id) for v in self.verifiers))
-        return pb.AbortResponse(aborted=any(results))
+        calls = (self._verifier_call(v, "abort", rid) for v in self.verifiers)
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        return pb.AbortResponse(aborted=any(r is True for r in results))
 
     async def Health(self, request: pb.HealthRequest, grpc_context=None) -> pb.HealthResponse:
+        self._check_auth(grpc_context)
         await self.info()
-        reports = await asyncio.gather(*(v.health.remote() for v in self.verifiers), return_exceptions=True)
+        calls = (self._verifier_call(v, "health") for v in self.verifiers)
+        reports = await asyncio.gather(*calls, return_exceptions=True)
         resp = pb.HealthResponse(
             status="ok",
             queue_depth=self._admission.queue_depth,
@@ -472,6 +604,7 @@ class Gateway:
         return resp
 
     async def GetModelInfo(self, request: pb.ModelInfoRequest, grpc_context=None) -> pb.ModelInfo:
+        self._check_auth(grpc_context)
         info = await self.info()
         fields = set(pb.ModelInfo.DESCRIPTOR.fields_by_name)
         return pb.ModelInfo(num_verifiers=len(self.verifiers), **{k: v for k, v in info.items() if k in fields})
@@ -479,6 +612,8 @@ class Gateway:
     @http_app.post("/v1/completions")
     async def completions(self, request: Request):
         """OpenAI-style text completion; `"stream": true` answers with server-sent events."""
+        if not self._authorized(request.headers.get("authorization")):
+            return _openai_error(GatewayError(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token"))
         try:
             body = await request.json()
             if not isinstance(body, dict):

@@ -559,6 +559,10 @@ class Verifier:
     async def info(self) -> dict[str, Any]:
         return dict(self._info, replica=self.name, capacity=self.loop.capacity)
 
+    async def process_id(self) -> int:
+        """The replica's pid (fault-injection tests kill it: `make reliability`)."""
+        return os.getpid()
+
     async def check_health(self) -> None:
         if not self.loop._thread.is_alive() and not self.loop._stop.is_set():
             raise RuntimeError("the engine loop thread died")

@@ -10,6 +10,8 @@ the model stack installed. Errors from the server raise `SpyglassError` carrying
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -22,6 +24,28 @@ from protos import spyglass_pb2_grpc as pb_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:9000"
 APP_NAME = "spyglass"
+# Retried: the server could not take the call at all (restarting, not reachable yet). A stream is retried only
+# before its first chunk, so no token is ever delivered twice; a request that failed mid-way is not retried.
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+
+
+def _metadata(application: str | None, token: str | None) -> tuple | None:
+    md = []
+    if application:
+        md.append(("application", application))
+    if token:
+        md.append(("authorization", f"Bearer {token}"))
+    return tuple(md) or None
+
+
+def _backoff(attempt: int, base: float) -> float:
+    return min(base * (2**attempt), 5.0)
+
+
+def _channel_credentials(tls: bool | bytes) -> grpc.ChannelCredentials | None:
+    if tls is False or tls is None:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=tls if isinstance(tls, bytes) else None)
 
 
 class SpyglassError(Exception):
@@ -145,42 +169,76 @@ def _completion(r: pb.GenerateResponse) -> Completion:
 
 
 class Client:
-    """Blocking client. `timeout` (s) is the gRPC deadline of every call unless a call passes its own."""
+    """Blocking client. `timeout` (s) is the gRPC deadline of every call unless a call passes its own.
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float | None = None, application: str | None = None):
+    `retries`: how often a call the server could not take (UNAVAILABLE, e.g. while the gateway restarts) is
+    retried, with exponential back-off from `retry_backoff_s`; the channel reconnects by itself. `token`: a
+    bearer token sent on every call (servers started with SPYGLASS_AUTH_TOKEN require it). `tls`: True for TLS
+    with the system's roots, or the PEM bytes of a root certificate."""
+
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        timeout: float | None = None,
+        application: str | None = None,
+        *,
+        retries: int = 3,
+        retry_backoff_s: float = 0.5,
+        token: str | None = None,
+        tls: bool | bytes = False,
+    ):
         self.address = address
         self.timeout = timeout
-        self._metadata = (("application", application),) if application else None
-        self._channel = grpc.insecure_channel(address)
+        self.retries = retries
+        self.retry_backoff_s = retry_backoff_s
+        self._metadata = _metadata(application, token)
+        creds = _channel_credentials(tls)
+        self._channel = grpc.secure_channel(address, creds) if creds else grpc.insecure_channel(address)
         self._stub = pb_grpc.SpyglassStub(self._channel)
+
+    def _retry(self, attempt: int, e: grpc.RpcError) -> bool:
+        if e.code() not in RETRYABLE or attempt >= self.retries:
+            return False
+        time.sleep(_backoff(attempt, self.retry_backoff_s))
+        return True
 
     def generate(self, prompt: str | None = None, *, deadline: float | None = None, **kw) -> Iterator[Chunk]:
         """Stream chunks. Closing the iterator early cancels the call (the server frees the sequence)."""
-        call = self._stub.Generate(
-            build_request(prompt, **kw), timeout=deadline or self.timeout, metadata=self._metadata
-        )
-        done = False
-        try:
-            for c in call:
-                chunk = _chunk(c)
-                done = chunk.final
-                yield chunk
-        except grpc.RpcError as e:
-            done = True
-            raise SpyglassError.from_rpc(e) from None
-        finally:
-            if not done:
-                call.cancel()
+        request = build_request(prompt, **kw)
+        attempt = 0
+        while True:
+            call = self._stub.Generate(request, timeout=deadline or self.timeout, metadata=self._metadata)
+            done, received = False, False
+            try:
+                for c in call:
+                    chunk = _chunk(c)
+                    received = True
+                    done = chunk.final
+                    yield chunk
+                return
+            except grpc.RpcError as e:
+                done = True
+                if not received and self._retry(attempt, e):
+                    attempt += 1
+                    continue
+                raise SpyglassError.from_rpc(e) from None
+            finally:
+                if not done:
+                    call.cancel()
 
     def generate_text(self, prompt: str | None = None, *, deadline: float | None = None, **kw) -> Completion:
         """Unary generation: the whole output at once."""
-        try:
-            r = self._stub.GenerateOnce(
-                build_request(prompt, **kw), timeout=deadline or self.timeout, metadata=self._metadata
-            )
-        except grpc.RpcError as e:
-            raise SpyglassError.from_rpc(e) from None
-        return _completion(r)
+        request = build_request(prompt, **kw)
+        attempt = 0
+        while True:
+            try:
+                r = self._stub.GenerateOnce(request, timeout=deadline or self.timeout, metadata=self._metadata)
+                return _completion(r)
+            except grpc.RpcError as e:
+                if self._retry(attempt, e):
+                    attempt += 1
+                    continue
+                raise SpyglassError.from_rpc(e) from None
 
     def abort(self, request_id: str) -> bool:
         return self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id)).aborted
@@ -192,10 +250,15 @@ class Client:
         return message_to_dict(self._unary(self._stub.GetModelInfo, pb.ModelInfoRequest()))
 
     def _unary(self, fn, request):
-        try:
-            return fn(request, timeout=self.timeout, metadata=self._metadata)
-        except grpc.RpcError as e:
-            raise SpyglassError.from_rpc(e) from None
+        attempt = 0
+        while True:
+            try:
+                return fn(request, timeout=self.timeout, metadata=self._metadata)
+            except grpc.RpcError as e:
+                if self._retry(attempt, e):
+                    attempt += 1
+                    continue
+                raise SpyglassError.from_rpc(e) from None
 
     def close(self) -> None:
         self._channel.close()
@@ -210,38 +273,67 @@ class Client:
 class AsyncClient:
     """asyncio client with the same methods as `Client` (use inside a running event loop)."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float | None = None, application: str | None = None):
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        timeout: float | None = None,
+        application: str | None = None,
+        *,
+        retries: int = 3,
+        retry_backoff_s: float = 0.5,
+        token: str | None = None,
+        tls: bool | bytes = False,
+    ):
         self.address = address
         self.timeout = timeout
-        self._metadata = (("application", application),) if application else None
-        self._channel = grpc.aio.insecure_channel(address)
+        self.retries = retries
+        self.retry_backoff_s = retry_backoff_s
+        self._metadata = _metadata(application, token)
+        creds = _channel_credentials(tls)
+        self._channel = grpc.aio.secure_channel(address, creds) if creds else grpc.aio.insecure_channel(address)
         self._stub = pb_grpc.SpyglassStub(self._channel)
 
+    async def _retry(self, attempt: int, e: grpc.RpcError) -> bool:
+        if e.code() not in RETRYABLE or attempt >= self.retries:
+            return False
+        await asyncio.sleep(_backoff(attempt, self.retry_backoff_s))
+        return True
+
     async def generate(self, prompt: str | None = None, *, deadline: float | None = None, **kw) -> AsyncIterator[Chunk]:
-        call = self._stub.Generate(
-            build_request(prompt, **kw), timeout=deadline or self.timeout, metadata=self._metadata
-        )
-        done = False
-        try:
-            async for c in call:
-                chunk = _chunk(c)
-                done = chunk.final
-                yield chunk
-        except grpc.RpcError as e:
-            done = True
-            raise SpyglassError.from_rpc(e) from None
-        finally:
-            if not done:
-                call.cancel()
+        request = build_request(prompt, **kw)
+        attempt = 0
+        while True:
+            call = self._stub.Generate(request, timeout=deadline or self.timeout, metadata=self._metadata)
+            done, received = False, False
+            try:
+                async for c in call:
+                    chunk = _chunk(c)
+                    received = True
+                    done = chunk.final
+                    yield chunk
+                return
+            except grpc.RpcError as e:
+                done = True
+                if not received and await self._retry(attempt, e):
+                    attempt += 1
+                    continue
+                raise SpyglassError.from_rpc(e) from None
+            finally:
+                if not done:
+                    call.cancel()
 
     async def generate_text(self, prompt: str | None = None, *, deadline: float | None = None, **kw) -> Completion:
-        try:
-            r = await self._stub.GenerateOnce(
-                build_request(prompt, **kw), timeout=deadline or self.timeout, metadata=self._metadata
-            )
-        except grpc.RpcError as e:
-            raise SpyglassError.from_rpc(e) from None
-        return _completion(r)
+        request = build_request(prompt, **kw)
+        attempt = 0
+        while True:
+            try:
+                r = await self._stub.GenerateOnce(request, timeout=deadline or self.timeout, metadata=self._metadata)
+                return _completion(r)
+            except grpc.RpcError as e:
+                if await self._retry(attempt, e):
+                    attempt += 1
+                    continue
+                raise SpyglassError.from_rpc(e) from None
 
     async def abort(self, request_id: str) -> bool:
         return (await self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id))).aborted
@@ -253,10 +345,15 @@ class AsyncClient:
         return message_to_dict(await self._unary(self._stub.GetModelInfo, pb.ModelInfoRequest()))
 
     async def _unary(self, fn, request):
-        try:
-            return await fn(request, timeout=self.timeout, metadata=self._metadata)
-        except grpc.RpcError as e:
-            raise SpyglassError.from_rpc(e) from None
+        attempt = 0
+        while True:
+            try:
+                return await fn(request, timeout=self.timeout, metadata=self._metadata)
+            except grpc.RpcError as e:
+                if await self._retry(attempt, e):
+                    attempt += 1
+                    continue
+                raise SpyglassError.from_rpc(e) from None
 
     async def close(self) -> None:
         await self._channel.close()

@@ -121,11 +121,15 @@ class ContextCache:
                 raw = self._redis.get(k)
                 if raw is None:
                     break
-                blocks.append(decode_tensor(raw))
+                try:
+                    blocks.append(decode_tensor(raw))
+                except FormatError as e:
+                    # drop it, so the next prefill of this prefix stores a good copy (stores skip existing keys)
+                    log.warning("context cache: corrupt block %s ignored and deleted (%s)", k, e)
+                    self.stats.errors += 1
+                    self._drop(k, len(raw))
+                    break
                 self._redis.zadd(self._index_key, {k: time.time()})
-        except FormatError as e:
-            log.warning("context cache: corrupt block ignored (%s)", e)
-            self.stats.errors += 1
         except Exception as e:  # noqa: BLE001 - any Redis failure is a miss
             log.warning("context cache unavailable, recomputing: %s", e)
             self.stats.errors += 1
@@ -134,6 +138,13 @@ class ContextCache:
         self.stats.hits += len(blocks)
         self.stats.hit_tokens += len(blocks) * self.block_size
         return blocks
+
+    def _drop(self, key: str, size: int) -> None:
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.delete(key)
+        pipe.zrem(self._index_key, key)
+        pipe.decrby("spyglass:ctx-bytes", size)
+        pipe.execute()
 
     # --- write ---------------------------------------------------------------------------------
     def store(self, tokens: torch.Tensor | list[int], blocks: dict[int, torch.Tensor]) -> None:

@@ -75,3 +75,20 @@ def test_redis_down_is_a_miss(tiny_target, tmp_path):
     (seq,) = engine.run([prompt], params)
     assert seq.output_ids == plain_generate(tiny_target, prompt, params)
     assert seq.stats.cached_prefix_tokens == 0 and cc.stats.errors >= 1
+
+
+def test_corrupt_block_is_ignored_deleted_and_rewritten(redis_server):
+    cc = ContextCache(redis_server.url, "corrupt", block_size=4, async_writes=False)
+    client = redis.Redis.from_url(redis_server.url)
+    tokens = list(range(12))
+    blocks = {i: torch.full((2, 1, 1, 4, 2), float(i)) for i in range(3)}
+    cc.store(tokens, blocks)
+    keys = cc.block_keys(tokens)
+    raw = client.get(keys[1])
+    client.set(keys[1], raw[:-1] + bytes([raw[-1] ^ 0xFF]))  # one flipped byte: the checksum catches it
+    errors = cc.stats.errors
+    got = cc.lookup(tokens)
+    assert len(got) == 1 and torch.equal(got[0], blocks[0])  # the good prefix before it is still used
+    assert cc.stats.errors == errors + 1 and not client.exists(keys[1])
+    cc.store(tokens, blocks)  # the next prefill stores a good copy again
+    assert [torch.equal(a, blocks[i]) for i, a in enumerate(cc.lookup(tokens))] == [True] * 3

@@ -47,6 +47,15 @@ bench: setup
 	$(PY) bench/engine.py
 	$(PY) bench/attention.py
 
+# Faults and load against a real local stack (verifier/gateway killed, Redis killed, corrupted cache, SIGTERM,
+# 200 requests at concurrency 16): bench/reliability.py, results in bench/results/reliability.json and
+# RELIABILITY.md. Not part of `make test` (about half an hour on the 2-core CPU machines). RELIABILITY_ARGS
+# picks sections, e.g. RELIABILITY_ARGS="--only load --requests 50".
+RELIABILITY_ARGS ?=
+.PHONY: reliability
+reliability: setup
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(PY) bench/reliability.py $(RELIABILITY_ARGS)
+
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

@@ -132,6 +132,7 @@ class _SeqControl:
     plain_streak: int = 0  # consecutive steps without speculation
     backoff: int = 4  # plain steps before the next probe
     probing: bool = False  # this step is a probe
+    draft_s: float = 0.0  # recent drafting time per step for this sequence (decayed mean)
 
 
 class SpeculationController:
@@ -211,7 +212,7 @@ class SpeculationController:
         best_k, best_rate, gain = 0, 1.0 / self._cost(1, ctx, batch), 1.0
         for k, sc in enumerate(order, start=1):
             gain += sc
-            rate = gain / self._cost(k + 1, ctx, batch)
+            rate = gain / (self._cost(k + 1, ctx, batch) + st.draft_s)  # drafting is part of the price
             if rate > best_rate:
                 best_k, best_rate = k, rate
         if st.probing:
@@ -224,6 +225,11 @@ class SpeculationController:
         stats.drafted_steps += 1
         stats.verified_nodes += best_k
         return tree.subtree(tree.best_nodes(scores, best_k))
+
+    def note_draft_time(self, seq: Sequence, seconds: float) -> None:
+        """The drafter's time for this sequence in this step: a slow drafter must earn its own cost too."""
+        st = self._state(seq)
+        st.draft_s = seconds if st.draft_s == 0.0 else 0.7 * st.draft_s + 0.3 * seconds
 
     def _cost(self, tokens: int, context: int, batch: int) -> float:
         """This sequence's share of a step in which every sequence of the batch verifies about as many tokens."""

@@ -194,6 +194,10 @@ class SpecEngine:
         ctl = self.controller
         drafting = [s for s in batch if ctl is None or ctl.wants_draft(s)]
         proposed = dict(zip(map(id, drafting), self.drafter.propose(drafting) if drafting else [], strict=True))
+        if ctl is not None and drafting:
+            share = (time.perf_counter() - t0) / len(drafting)
+            for seq in drafting:
+                ctl.note_draft_time(seq, share)
         trees = []
         for seq in batch:
             tree = proposed.get(id(seq))

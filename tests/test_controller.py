@@ -132,3 +132,16 @@ def test_greedy_identity_batch4_with_controller(tiny_target):
     for p, s in zip(prompts, seqs, strict=True):
         assert s.output_ids == plain_generate(tiny_target, p, params)
         assert "controller" in s.stats.summary(s.num_generated)
+
+
+def test_a_drafter_slower_than_its_gain_is_dropped():
+    """Right half the time but costing a whole step to draft: plain decoding is faster, so the controller stops."""
+    ctl = SpeculationController(CostCurve.linear(1.0, 0.0))
+    seq = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
+    tree = DraftTree.chain(5, [1, 2], scores=[1.0, 0.5, 0.25])
+    assert len(ctl.size(seq, tree, batch=1)) == 3  # free drafting: verify it
+    ctl.note_draft_time(seq, 2.0)
+    seq2 = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
+    ctl.note_draft_time(seq2, 2.0)
+    assert len(ctl.size(seq2, tree, batch=1)) == 1
+    assert not ctl.wants_draft(seq2)  # and it stops running the drafter until a probe

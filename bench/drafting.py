@@ -114,6 +114,26 @@ def compare(
     return results
 
 
+def speed_panels(results: dict, tasks: list[HeldOutTask], methods: list[str], label: str) -> list[dict]:
+    """Two plot panels: decode speedup and tau per prompt, one line per method."""
+    xs = list(range(len(tasks)))
+    prompts = "prompt (" + ", ".join(t.name.split(":", 1)[1][:12] + f"/{t.kind[0]}" for t in tasks) + ")"
+
+    def series(key: str) -> dict:
+        return {m: (xs, [results[t.name][m][key] for t in tasks]) for m in methods}
+
+    return [
+        {
+            "title": f"decode speedup vs plain decoding, {label}",
+            "xlabel": prompts,
+            "ylabel": "x",
+            "hline": 1.0,
+            "series": series("speedup"),
+        },
+        {"title": f"tau (tokens per step), {label}", "xlabel": "prompt", "ylabel": "tau", "series": series("tau")},
+    ]
+
+
 def repeat_workload(tokenizer) -> list[HeldOutTask]:
     """Requests that resemble earlier ones: the same held-out file edited several times (different functions),
     then the same document asked several questions."""
@@ -215,25 +235,9 @@ def main() -> None:
         "pid": os.getpid(),
     }
     out = write_results("drafting", figures, {"per_task": results, "repeat_workload": repeat}, meta)
-    names = [t.name.split(":", 1)[1][:14] + f"/{t.kind[0]}" for t in tasks]
-    xs = list(range(len(tasks)))
     plot_panels(
         RESULTS_DIR / "drafting.png",
-        [
-            {
-                "title": "decode speedup vs plain decoding",
-                "xlabel": "prompt (" + ", ".join(names) + ")",
-                "ylabel": "x",
-                "series": {m: (xs, sp[m]) for m in drafters},
-                "hline": 1.0,
-            },
-            {
-                "title": "tau (tokens per step)",
-                "xlabel": "prompt",
-                "ylabel": "tau",
-                "series": {m: (xs, [results[t.name][m]["tau"] for t in tasks]) for m in drafters},
-            },
-        ],
+        speed_panels(results, tasks, list(drafters), "T=0"),
         title="model-free drafting, held-out long-context prompts (SmolLM2 fp32, T=0)",
     )
     redis.stop()

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import RESULTS_DIR, machine_load, median, plot_panels, wait_for_quiet, write_results  # noqa: E402
-from bench.drafting import by_kind, compare  # noqa: E402
+from bench.drafting import by_kind, compare, speed_panels  # noqa: E402
 from bench.tasks import heldout_tasks  # noqa: E402
 from spyglass.context_cache import ContextCache  # noqa: E402
 from spyglass.drafters import build_drafter  # noqa: E402
@@ -124,24 +124,9 @@ def main() -> None:
         "threads": args.threads,
     }
     out = write_results("longspec", figures, {"t0": t0_results, "t1": t1_results}, meta)
-    xs = list(range(len(tasks)))
     plot_panels(
         RESULTS_DIR / "longspec.png",
-        [
-            {
-                "title": "decode speedup, T=0",
-                "xlabel": "prompt",
-                "ylabel": "x",
-                "hline": 1.0,
-                "series": {m: (xs, [t0_results[t.name][m]["speedup"] for t in tasks]) for m in methods},
-            },
-            {
-                "title": "tau, T=0",
-                "xlabel": "prompt",
-                "ylabel": "tokens per step",
-                "series": {m: (xs, [t0_results[t.name][m]["tau"] for t in tasks]) for m in methods},
-            },
-        ],
+        speed_panels(t0_results, tasks, methods, "T=0"),
         title="LongSpec vs model-free drafting, held-out long-context prompts (SmolLM2 fp32)",
     )
     redis.stop()

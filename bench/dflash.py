@@ -147,6 +147,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sampled", action="store_true", help="also T=1 runs of ar, dflash, dflash-dels")
     ap.add_argument("--no-grid", action="store_true")
+    ap.add_argument("--shortest", type=int, default=0, help="keep only the N shortest prompts (0 = all)")
     ap.add_argument("--dflash", default=str(DEFAULT_DFLASH))
     ap.add_argument("--dels", default=str(DEFAULT_DELS))
     ap.add_argument("--name", default="dflash")
@@ -162,6 +163,8 @@ def main() -> None:
     curve = measured_curve(target, target.new_cache(8192, 1))
     curve_s = time.perf_counter() - t0
     tasks = heldout_tasks(tok, kinds=tuple(args.kinds.split(",")), per_kind=args.per_kind)
+    if args.shortest:  # a reduced run: the shortest held-out prompts only (prefill dominates a CPU run)
+        tasks = sorted(tasks, key=lambda t: len(t.prompt_ids))[: args.shortest]
     makers = {
         "ngram": NgramDrafter,
         "dflash": lambda: DFlashDrafter(draft),

@@ -40,7 +40,7 @@ import grpc  # noqa: E402
 from services.local_redis import free_port  # noqa: E402
 from spyglass.client import AsyncClient, Client, SpyglassError  # noqa: E402
 
-SECTIONS = ("load", "queue", "corrupt", "redis", "verifier", "gateway", "sigterm")
+SECTIONS = ("load", "queue", "corrupt", "redis", "gateway", "verifier", "sigterm")
 MAX_CONTEXT = 2048
 MAX_BATCH = 4
 MAX_QUEUED = 16

@@ -543,7 +543,9 @@ class Verifier:
             torch.set_num_threads(self.cfg.threads)  # the engine loop's thread count, so warmed shapes match
             report = warm_up(engines, tokenizer, self.cfg, self.cfg.warmup_prompt_tokens)
             self._info["warmup_s"] = report["seconds"]
-            log.info("verifier %s warmed up in %.1f s: %s", name, report["seconds"], report["methods"])
+            # Serve's logger: the line lands in the replica's log file
+            serve_log = logging.getLogger("ray.serve")
+            serve_log.info("%s warmed up in %.1f s: %s", name, report["seconds"], report["methods"])
         self.loop = EngineLoop(engines, tokenizer, self.cfg, name=name, on_metrics=_make_metrics(name))
 
     async def generate(self, req: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:

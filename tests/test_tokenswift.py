@@ -194,14 +194,20 @@ def test_build_drafter_knows_both_methods(tiny_target):
     assert isinstance(build_drafter("streaming", tiny_target, partial_budget=32), StreamingDrafter)
     d = build_drafter("tokenswift", tiny_target, draft_checkpoint="untrained", partial_budget=32, ngram_k=0)
     assert isinstance(d, TokenSwiftDrafter) and d.ngram_k == 0
-    with pytest.raises(ValueError, match="another model"):  # the shipped SmolLM2 heads do not fit a tiny model
+    from spyglass.drafters.tokenswift import DEFAULT_HEADS
+
+    # the shipped SmolLM2 heads do not fit a tiny model (or, in a tree without them, their absence is named)
+    with pytest.raises(ValueError, match="another model" if DEFAULT_HEADS.is_dir() else "no TokenSwift heads"):
         build_drafter("tokenswift", tiny_target)
 
 
 @pytest.mark.slow
 def test_shipped_heads_load_for_smollm2_and_beat_untrained(smollm2):
     from spyglass.drafters import build_drafter
+    from spyglass.drafters.tokenswift import DEFAULT_HEADS
 
+    if not DEFAULT_HEADS.is_dir():
+        pytest.skip("no TokenSwift heads shipped in this tree")
     target, _ = smollm2
     drafter = build_drafter("tokenswift", target)
     assert drafter.heads.proj.abs().sum() > 0  # trained, not the zero init

@@ -65,7 +65,7 @@ def drafter_for(variant: str, target, budget: int):
     if variant == "streaming":
         return StreamingDrafter(budget=budget, sinks=4, gamma=4)
     options = {"tokenswift": {}, "no-ngram": {"ngram_k": 0}, "static-kv": {"policy": "static"}}[variant]
-    return build_tokenswift(target, None, budget=budget, **options)
+    return build_tokenswift(target, ARGS.heads, budget=budget, **options)
 
 
 def run_one(target, tokenizer, variant: str, prompt: list[int], params: SamplingParams, curve, capacity: int):
@@ -123,6 +123,7 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=6144)
     ap.add_argument("--budget", type=int, default=1024, help="partial KV budget |B| (the paper: the prefix length)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--heads", default=None, help="heads checkpoint (default: the shipped ones; 'untrained' = zero)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -183,6 +184,7 @@ def main() -> None:
             "generated_tokens": ARGS.gen,
             "prompt_source": source,
             "partial_budget": ARGS.budget,
+            "heads": ARGS.heads or "shipped (spyglass/drafts/smollm2-135m-tokenswift)",
             "sampling": {"temperature": 1.0, "min_p": 0.1, "contextual_penalty": 1.2, "penalty_window": 1024},
             "seed": ARGS.seed,
             "variants": list(runs),

@@ -334,3 +334,21 @@ def test_checkpoint_round_trip_and_errors(tiny_dir, tmp_path):
     load_dflash(tmp_path / "d", other)  # same shapes: fits
     with pytest.raises(ValueError, match="not a DFlash checkpoint"):
         load_dflash(tmp_path, target)
+
+
+def test_packaged_drafts_serve_the_default_model(smollm2):
+    """`dflash` / `dflash-dels` with no checkpoint argument load the drafts shipped in the package."""
+    from spyglass.drafters import METHODS, build_drafter
+
+    target, tok = smollm2
+    assert {"dflash", "dflash-dels"} <= set(METHODS)
+    ids = tok.encode("def fibonacci(n):\n    if n < 2:\n        return n\n", add_special_tokens=False)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    ref = plain_generate(target, ids, params)
+    for method in ("dflash", "dflash-dels"):
+        drafter = build_drafter(method, target)
+        assert drafter.name == method and drafter.hidden_layers == (1, 14, 27)
+        assert (drafter.local is not None) == (method == "dflash-dels")
+        engine = SpecEngine(target, drafter, EngineConfig(max_batch=1, max_context=256, controller="off"))
+        (seq,) = engine.run([ids], params)
+        assert seq.output_ids == ref

@@ -115,8 +115,9 @@ def prompts() -> list[str]:
     return short + code
 
 
-def references(texts: list[str], n: int) -> list[list[int]]:
-    """Plain greedy decoding in this process (the oracle), fp32 like the served model."""
+def references(texts: list[str], n: int, lengths: list[int] | None = None) -> list[list[int]]:
+    """Plain greedy decoding in this process (the oracle), fp32 like the served model; `lengths` gets the prompts'
+    token counts."""
     import torch
 
     from services.verifier import encode_prompt
@@ -128,10 +129,12 @@ def references(texts: list[str], n: int) -> list[list[int]]:
     torch.set_num_threads(1)
     path = resolve_model(None, dtype="float32").path
     model, tok = load_transformer(path), load_tokenizer(path)
+    params = SamplingParams(max_new_tokens=n)
+    ids = [encode_prompt(tok, t, raw=False) for t in texts]
+    if lengths is not None:
+        lengths.extend(len(x) for x in ids)
     with torch.inference_mode():
-        return [
-            plain_generate(model, encode_prompt(tok, t, raw=False), SamplingParams(max_new_tokens=n)) for t in texts
-        ]
+        return [plain_generate(model, x, params) for x in ids]
 
 
 def expected(ref: list[int], n: int) -> list[int]:
@@ -189,7 +192,8 @@ def section_load(address: str, n_requests: int, concurrency: int) -> dict:
     texts = prompts()
     lengths = [8, 16, 24]
     log(f"load: plain-decoding references for {len(texts)} prompts")
-    refs = references(texts, max(lengths))
+    prompt_tokens: list[int] = []
+    refs = references(texts, max(lengths), prompt_tokens)
     plan = [(k % len(texts), METHODS[k % 3], lengths[(k // 3) % 3], k % 2 == 0) for k in range(n_requests)]
     results: list[dict] = []
 
@@ -248,7 +252,8 @@ def section_load(address: str, n_requests: int, concurrency: int) -> dict:
     return {
         "requests": n_requests,
         "concurrency": concurrency,
-        "prompt_tokens_range": None,
+        "prompt_tokens": prompt_tokens,
+        "max_new_tokens": lengths,
         "errors": len(errors),
         "error_examples": [r["error"] for r in errors[:5]],
         "greedy_identical": len(results) - len(errors) - len(mismatched),

@@ -397,12 +397,13 @@ def warm_up(engines: dict[str, Any], tokenizer, cfg: VerifierConfig, prompt_toke
     ids = encode_prompt(tokenizer, WARMUP_TEXT, raw=False)  # also compiles the chat template
     encode_prompt(tokenizer, "warm-up", raw=True)
     out: dict[str, Any] = {"methods": {}}
-    for method, engine in engines.items():
+    for k, (method, engine) in enumerate(engines.items()):
         cap = engine.capacity
         chunk = engine.config.prefill_chunk
-        # a full chunk and a partial one (or what the context holds), with room left for decoding
+        # a full chunk and a partial one (or what the context holds), with room left for decoding; the engines
+        # share the target, so after the first one a shorter prompt warms the drafter's own work
         n = min(prompt_tokens or chunk + chunk // 2 + 7, cap - 80, len(ids))
-        n = max(n, 2)
+        n = max(n if k == 0 else n // 4, 2)
         prompts = [ids[:n], ids[: max(2, n // 3)]]
         params = [
             SamplingParams(max_new_tokens=24, ignore_eos=True),

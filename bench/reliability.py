@@ -516,7 +516,7 @@ def section_sigterm() -> dict:
         "exit_after_sigterm_s": exit_s,
         "in_flight_stream": got.get("outcome"),
         "left_behind": [dict(x, cmd=x["cmd"].decode(errors="replace")) for x in left],
-        "pass": code == 0 and not left,
+        "pass": code == 0 and not left and got.get("outcome") in ("length", "stop"),
     }
 
 

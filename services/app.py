@@ -223,7 +223,10 @@ def serve_main(
     started that is still alive after a grace period is killed, so nothing is left behind."""
     import signal
 
+    terminated = []
+
     def on_term(signum, frame):
+        terminated.append(signum)
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, on_term)
@@ -239,8 +242,12 @@ def serve_main(
             print("[spyglass] no redis-server: the context cache is off", file=sys.stderr)
     import ray
 
+    address = None
     try:
         start_local_ray()
+        # ray.init installs its own fatal-signal handler for SIGTERM (it dumps a stack and aborts, leaving the
+        # cluster's agents behind): ours again, so SIGTERM shuts down cleanly
+        signal.signal(signal.SIGTERM, on_term)
         address, http = deploy(doc, grpc_port=port, http_port=http_port)
         info = wait_ready(address)
         print(
@@ -256,9 +263,15 @@ def serve_main(
             while True:
                 time.sleep(3600)
     except KeyboardInterrupt:
-        print("[spyglass] stopping: draining requests", file=sys.stderr)
+        print("[spyglass] stopping" + (": draining requests" if terminated else ""), file=sys.stderr)
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
+        if terminated and address is not None:
+            left = drain(address, DRAIN_TIMEOUT_S)
+            print(
+                f"[spyglass] drained ({left} request(s) still running)" if left else "[spyglass] drained",
+                file=sys.stderr,
+            )
         started = descendants(os.getpid())
         try:
             serve.shutdown()
@@ -271,6 +284,28 @@ def serve_main(
             reap(started)
             signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+DRAIN_TIMEOUT_S = 30.0  # SIGTERM: how long requests in flight may still run (Kubernetes' default grace is 30 s)
+
+
+def drain(address: str, timeout_s: float = DRAIN_TIMEOUT_S) -> int:
+    """Wait until the gateway has no request in flight or queued, at most `timeout_s`; returns how many are left
+    (-1 if the gateway does not answer)."""
+    from spyglass.client import Client, SpyglassError
+
+    deadline = time.monotonic() + timeout_s
+    left = -1
+    with Client(address, timeout=5, retries=0) as c:
+        while True:
+            try:
+                h = c.health()
+            except SpyglassError:
+                return -1
+            left = int(h.get("in_flight", 0)) + int(h.get("queue_depth", 0))
+            if left == 0 or time.monotonic() >= deadline:
+                return left
+            time.sleep(0.5)
 
 
 def descendants(pid: int) -> list[int]:

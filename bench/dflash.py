@@ -115,8 +115,17 @@ def chain_acceptance(target, draft, head, task: HeldOutTask, output: list[int], 
                 runs[f"{alpha},{beta}"].append(k)
                 if (alpha, beta) == (0.3, 0.3):
                     by_pos["dels"][:k] += 1
+    # the local head on its own, teacher-forced on the text after each root (what it sees when the chain is right)
+    head_hits = head_total = 0
+    for c in range(0, roots.shape[0], 64):
+        anchors = roots[c : c + 64]
+        win = tokens[(anchors.unsqueeze(1) + torch.arange(1, b)).clamp(max=tokens.shape[0] - 1)]
+        pred = head.sequence_logits(win[:, :-1]).argmax(-1)
+        head_hits += int((pred == win[:, 1:]).sum())
+        head_total += pred.numel()
     n = max(1, roots.shape[0])
     return {
+        "local_head_top1_teacher_forced": head_hits / max(1, head_total),
         "positions": int(roots.shape[0]),
         "tau": {k: 1 + sum(v) / n for k, v in runs.items()},
         "acceptance_by_position": {k: (v / n).tolist() for k, v in by_pos.items()},
@@ -263,6 +272,11 @@ def main() -> None:
         for k in ("dflash", "dels")
     }
     figures["acceptance_by_block_position"] = {k: [round(x, 4) for x in v] for k, v in acc_pos.items()}
+    figures["local_head_top1_teacher_forced"] = median(
+        [offline[t.name]["local_head_top1_teacher_forced"] for t in tasks]
+    )
+    # timings on a machine busier than its cores are not speed evidence (tau and acceptance still are)
+    figures["machine_busy"] = load_before["loadavg_1m"] > load_before["nproc"]
     meta = {
         "what": "DFlash / DFlash+DeLS vs plain decoding and n-gram on held-out prompts (eval split), SmolLM2 fp32",
         "run": vars(args),

@@ -404,10 +404,11 @@ def warm_up(engines: dict[str, Any], tokenizer, cfg: VerifierConfig, prompt_toke
         # share the target, so after the first one a shorter prompt warms the drafter's own work
         n = min(prompt_tokens or chunk + chunk // 2 + 7, cap - 80, len(ids))
         n = max(n if k == 0 else n // 4, 2)
+        new = 24 if k == 0 else 12  # enough draft-verify-commit rounds for a drafter's own shapes
         prompts = [ids[:n], ids[: max(2, n // 3)]]
         params = [
-            SamplingParams(max_new_tokens=24, ignore_eos=True),
-            SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.8, top_p=0.95, seed=0),
+            SamplingParams(max_new_tokens=new, ignore_eos=True),
+            SamplingParams(max_new_tokens=new, ignore_eos=True, temperature=0.8, top_p=0.95, seed=0),
         ]
         saved, engine.context_cache = engine.context_cache, None
         t = time.perf_counter()

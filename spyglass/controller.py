@@ -177,9 +177,13 @@ class SpeculationController:
         return (st.hits[d] + PSEUDO_COUNT) / (st.expected[d] + PSEUDO_COUNT)
 
     def conditionals(self, tree: DraftTree) -> list[float]:
-        """Each node's chance of acceptance given its parent's, as the drafter estimates it."""
+        """Each node's chance of acceptance given its parent's, as the drafter estimates it.
+
+        A chain verified by rejection sampling (it carries its proposal distributions) is sized from its shape
+        and the sequence's history only: scores of its own sampled tokens would make the kept length depend on
+        those tokens, and the kept tokens would no longer be distributed as the proposals the verifier assumes."""
         out = [1.0] * len(tree)
-        if tree.scores is not None:
+        if tree.scores is not None and tree.probs is None:
             s = tree.scores
             for i, p in enumerate(tree.parents[1:], start=1):
                 out[i] = min(1.0, s[i] / s[p]) if s[p] > 0 else 0.0

@@ -145,3 +145,15 @@ def test_a_drafter_slower_than_its_gain_is_dropped():
     ctl.note_draft_time(seq2, 2.0)
     assert len(ctl.size(seq2, tree, batch=1)) == 1
     assert not ctl.wants_draft(seq2)  # and it stops running the drafter until a probe
+
+
+def test_rejection_sampled_chains_are_sized_without_their_own_scores():
+    """Pruning a sampled chain by its tokens' probabilities would bias rejection sampling: the kept length must
+    not depend on what was sampled."""
+    probs = torch.full((4, 8), 1 / 8)
+    sizes = set()
+    for scores in ([1.0, 0.9, 0.8, 0.7], [1.0, 0.05, 0.01, 0.001]):
+        ctl = SpeculationController(CostCurve.linear(1.0, 0.3))
+        seq = Sequence(_prompt(), SamplingParams(max_new_tokens=4, temperature=1.0, seed=0))
+        sizes.add(len(ctl.size(seq, DraftTree.chain(5, [1, 2, 3], probs, scores), batch=1)))
+    assert len(sizes) == 1

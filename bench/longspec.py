@@ -43,7 +43,7 @@ def state_bytes(target, method: str, context: int) -> int:
     drafter = build_drafter(method, target, max_batch=1, max_context=8192, **kw)
     engine = SpecEngine(target, drafter, EngineConfig(max_batch=1, max_context=8192, controller="off"))
     ids = [int(t) for t in torch.randint(100, 20000, (context,), generator=torch.Generator().manual_seed(0))]
-    seq = engine.add_request(ids, SamplingParams(max_new_tokens=3, ignore_eos=True))
+    seq = engine.add_request(ids, SamplingParams(max_new_tokens=64, ignore_eos=True))  # alive after one step
     engine.step()
     if method == "small-lm":
         per_token = drafter.cache.slot_bytes() // drafter.cache.capacity

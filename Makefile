@@ -47,6 +47,18 @@ bench: setup
 	$(PY) bench/engine.py
 	$(PY) bench/attention.py
 
+# Drafting on held-out long-context prompts (bench/tasks.py): model-free methods, then the trained drafts.
+.PHONY: bench-drafting bench-longspec train-longspec
+bench-drafting: setup
+	$(PY) bench/drafting.py --max-new-tokens 256 --per-kind 3 --small-lm
+bench-longspec: setup
+	$(PY) bench/longspec.py --max-new-tokens 256 --per-kind 3
+
+# The shipped LongSpec draft: extraction + training (resumable: rerun to continue), then copy it into the package.
+train-longspec: setup
+	$(VENV)/bin/spyglass train configs/smollm2-longspec-v2.yaml --diagnose
+	$(PY) -m actors.export_draft .cache/runs/smollm2-longspec-v2 spyglass/drafts/smollm2-135m-longspec
+
 # Faults and load against a real local stack (verifier/gateway killed, Redis killed, corrupted cache, SIGTERM,
 # 200 requests at concurrency 16): bench/reliability.py, results in bench/results/reliability.json and
 # RELIABILITY.md. Not part of `make test` (about half an hour on the 2-core CPU machines). RELIABILITY_ARGS

@@ -95,7 +95,7 @@ class LongSpecDrafter:
         gamma: int = 5,
         mode: str = "chain",
         width: int = 3,
-        cape_bins: tuple[int, ...] = CAPE_BINS_CPU,
+        cape_bins: tuple[int, ...] | None = None,
     ) -> None:
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
@@ -103,6 +103,8 @@ class LongSpecDrafter:
             raise ValueError(f"unknown LongSpec tree mode {mode!r}; choose from {', '.join(MODES)}")
         if width < 1:
             raise ValueError(f"width must be >= 1, got {width}")
+        if cape_bins is None:  # the paper's bins on a GPU; on CPU each extra node costs verify time
+            cape_bins = CAPE_BINS if draft.wqkv.weight.is_cuda else CAPE_BINS_CPU
         self.draft, self.gamma, self.mode, self.width, self.cape_bins = draft, gamma, mode, width, cape_bins
         self.ring = draft.cfg.window - 1  # + the token being drafted from = the training window
         self.cache: KVCache | None = None

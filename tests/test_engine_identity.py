@@ -41,6 +41,9 @@ def drafters(target):
     yield "longspec-cape", LongSpecDrafter(layer_copy_draft(target), gamma=4, mode="cape")
     parts = [SuffixDrafter(max_depth=6), LongSpecDrafter(layer_copy_draft(target), gamma=3)]
     yield "composite", CompositeDrafter(parts)
+    from tests.test_dflash import dflash_drafters  # briefly trained tiny DFlash drafts, with and without DeLS
+
+    yield from dflash_drafters(target)
     # partial KV budgets below most prompts' lengths, so selection, replacement and rebuilds all happen
     yield "tokenswift", build_tokenswift(target, "untrained", budget=24, sinks=4)
     yield "streaming", StreamingDrafter(budget=24, sinks=4, gamma=4)

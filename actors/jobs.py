@@ -92,14 +92,53 @@ def extract_command(args) -> int:
     return 0
 
 
+# Drafts trained in one process (no extraction, no Ray Train): the config's `trainer` key names one of them.
+SINGLE_PROCESS_TRAINERS = ("dflash", "dels", "tokenswift")
+
+
+def single_process_training(cfg: dict[str, Any]) -> dict[str, Any]:
+    """DFlash / DeLS (`spyglass.training.dflash`, options under `args`) or TokenSwift heads
+    (`spyglass.training.tokenswift_train`, options at the top level), resumable from their workdir."""
+    trainer = cfg["trainer"]
+    if trainer == "tokenswift":
+        from spyglass.training import tokenswift_train as ts
+
+        options = {k: v for k, v in cfg.items() if k not in ("trainer", "name")}
+        unknown = set(options) - set(ts.DEFAULTS)
+        if unknown:
+            raise ValueError(f"unknown tokenswift option(s): {', '.join(sorted(unknown))}")
+        report = ts.run({**ts.DEFAULTS, **options})
+        ts.write_card(report, Path(report["config"]["out_dir"]))
+        return {k: v for k, v in report.items() if k != "config"}
+    from spyglass.training import dflash
+
+    argv = [trainer, "--workdir", cfg["workdir"]]
+    if cfg.get("out"):
+        argv += ["--out", str(cfg["out"])]
+    for key, value in (cfg.get("args") or {}).items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            argv += [flag, str(value)]
+    return dflash.main(argv, return_summary=True)
+
+
 def train_command(args) -> int:
-    """`spyglass train CONFIG`: extraction (finished shards are skipped), then the Ray Train run."""
+    """`spyglass train CONFIG`: extraction (finished shards are skipped), then the Ray Train run; or, for a
+    config whose `trainer` is one of SINGLE_PROCESS_TRAINERS, that trainer in this process."""
     from actors.extraction import run_extraction
     from actors.trainer import run_training
 
     _logging()
     overrides = [*args.set, "train.diagnose=true"] if getattr(args, "diagnose", False) else args.set
     cfg = load_config(args.config, overrides, args.workdir)
+    trainer = cfg.get("trainer", "longspec")
+    if trainer in SINGLE_PROCESS_TRAINERS:
+        print(json.dumps(single_process_training(cfg), indent=1, default=str))
+        return 0
+    if trainer != "longspec":
+        raise ValueError(f"unknown trainer {trainer!r}: longspec (Ray Train), {', '.join(SINGLE_PROCESS_TRAINERS)}")
     validate(cfg)
     ensure_ray()
     out: dict[str, Any] = {}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 
@@ -19,119 +18,14 @@ from spyglass.drafters.dels import (
     unigram_log_prior,
     window_weights,
 )
-from spyglass.drafters.dflash import DFlashDraft, DFlashDrafter, dflash_loss, fuse, load_dflash, save_dflash
+from spyglass.drafters.dflash import DFlashDraft, DFlashDrafter, fuse, load_dflash, save_dflash
 from spyglass.engine import EngineConfig, SpecEngine, plain_generate
-from spyglass.models.llama import Segment, load_transformer
+from spyglass.models.llama import load_transformer
 from spyglass.sampling import SamplingParams
-from tests.test_engine_identity import make_prompts
-from tests.test_sampling_fidelity import (  # noqa: F401 - the shared fidelity suite's fixtures and helpers
-    N_SAMPLES,
-    VOCAB,
-    chi_square_p,
-    exact_joint,
-    prompt,
-    sampling_model,
-)
+from tests.tiny import full_features, make_prompts, trained_tiny
 
-_TRAINED: dict[tuple, tuple] = {}
-
-
-def full_features(target, tokens: torch.Tensor, layers) -> torch.Tensor:
-    """Concatenated hidden states of `tokens` from one fresh target forward (no cache reuse)."""
-    cache = target.new_cache(tokens.shape[0] + 1, 1)
-    slot = cache.allocate()
-    target.capture_layers = tuple(layers)
-    try:
-        target([Segment(slot, 0, tokens, torch.arange(tokens.shape[0]), None, "none")], cache)
-        return torch.cat([target.captured[0][i] for i in layers], dim=-1).clone()
-    finally:
-        target.capture_layers = ()
-
-
-def trained_tiny(target, block: int = 6, steps: int = 120, prefix: list[int] | None = None):
-    """A DFlash draft and a local head trained for a few seconds on the target's own text (greedy continuations
-    of random prompts, plus sampled continuations of `prefix` if given), so the lossless suites exercise
-    acceptance: random weights would almost never be accepted. Cached per target and prompt."""
-    key = (id(target), tuple(prefix or ()))
-    if key in _TRAINED:
-        return _TRAINED[key][:2]
-    torch.manual_seed(0)
-    vocab = target.args.vocab_size
-    texts = []
-    for p in make_prompts(vocab, 12, seed=99):
-        out = plain_generate(target, p, SamplingParams(max_new_tokens=40, ignore_eos=True))
-        texts.append(torch.tensor(p + out))
-    if prefix is not None:  # distillation on the very distribution the fidelity test samples
-        for i in range(48):
-            sp = SamplingParams(temperature=1.0, seed=i, max_new_tokens=block + 2, ignore_eos=True)
-            texts.append(torch.tensor(prefix + plain_generate(target, prefix, sp)))
-    layers = tuple(range(target.args.n_layers))
-    draft = DFlashDraft.from_target(target, target_layers=layers, n_layers=1, block_size=block).float().train()
-    feats = [full_features(target, t, layers) for t in texts]
-    opt = torch.optim.AdamW(draft.parameters(), lr=3e-3)
-    for step in range(steps):
-        i = step % len(texts)
-        t = texts[i]
-        anchors = torch.arange(1, t.shape[0] - block - 1)
-        loss, _ = dflash_loss(draft, feats[i], t, anchors)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    head = LocalHead(LocalHeadConfig(target.args.hidden_size, vocab, 32, 16, window=6), target.embed.weight,
-                     target.lm_head.weight)  # fmt: skip
-    opt = torch.optim.AdamW(head.parameters(), lr=1e-2)
-    flat = torch.cat(texts)
-    for _ in range(60):
-        starts = torch.randint(0, flat.shape[0] - 6, (32,))
-        loss = head.window_loss(flat[starts.unsqueeze(1) + torch.arange(6)])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    head.log_unigram.copy_(unigram_log_prior(token_counts(flat, vocab)))
-    _TRAINED[key] = (draft.eval(), head.eval(), target)  # (the target keeps its id from being reused)
-    return _TRAINED[key][:2]
-
-
-def dflash_drafters(target):
-    draft, head = trained_tiny(target)
-    yield "dflash", DFlashDrafter(draft)
-    yield "dflash-dels", DFlashDrafter(draft, head)
-
-
-# Greedy identity (batch 1 and 4): DFlash and DFlash + DeLS run in the shared suite, tests/test_engine_identity.py.
-
-
-def sample_joint_all_nodes(model, drafter, prompt, temperature: float, top_p: float):  # noqa: F811
-    """The shared suite's `sample_joint` with the controller off, so every node of every tree (chain and
-    alternatives) is verified: at batch 500 the controller would rightly prune a tiny draft's trees to nothing."""
-    engine = SpecEngine(model, drafter, EngineConfig(max_batch=500, max_context=64, controller="off"))
-    counts = np.zeros((VOCAB,) * 3, dtype=np.int64)
-    params = [
-        SamplingParams(temperature=temperature, top_p=top_p, seed=1000 + i, max_new_tokens=3, ignore_eos=True)
-        for i in range(N_SAMPLES)
-    ]
-    steps = drafted = 0
-    for s in engine.run([prompt] * N_SAMPLES, params):
-        a, b, c = s.output_ids
-        counts[a, b, c] += 1
-        steps += s.stats.steps
-        drafted += sum(s.stats.new_tokens_per_step) - s.stats.steps
-    return counts, drafted / max(steps, 1)
-
-
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.9)], ids=["T1", "T0.8-topp0.9"])
-@pytest.mark.parametrize("method", ["dflash", "dflash-dels"])
-def test_first_three_tokens_match_plain_sampling(sampling_model, prompt, method, temperature, top_p):  # noqa: F811
-    """The shared chi-square suite (tests/test_sampling_fidelity.py) with DFlash and DFlash + DeLS."""
-    model = load_transformer(sampling_model)
-    draft, head = trained_tiny(model, block=4, steps=240, prefix=prompt)
-    drafter = DFlashDrafter(draft, head if method == "dflash-dels" else None)
-    probs = exact_joint(sampling_model, prompt, temperature, top_p)
-    counts, accepted_per_step = sample_joint_all_nodes(model, drafter, prompt, temperature, top_p)
-    assert counts.sum() == N_SAMPLES
-    p_value = chi_square_p(counts, probs)
-    assert p_value > 1e-3, f"{method}: chi-square p = {p_value:.2e}"
-    assert accepted_per_step > 0.05, f"{method}: accepted {accepted_per_step:.3f} drafted tokens per step"
+# Greedy identity (batch 1 and 4) and sampling fidelity: DFlash and DFlash + DeLS run in the shared suites,
+# tests/test_engine_identity.py and tests/test_sampling_fidelity.py.
 
 
 def test_fusion_and_unigram_prior_by_hand():
@@ -297,6 +191,38 @@ def test_feature_cache_is_cropped_exactly_on_rejection(tiny_dir):
     assert st_drafter.state_bytes(seq) > 0
     st_drafter.release(seq)
     assert st_drafter.state_bytes(seq) == 0
+
+
+class _Recording(DFlashDrafter):
+    trees: list = []
+
+    def propose(self, batch):
+        out = super().propose(batch)
+        _Recording.trees.extend(zip([s.params.greedy for s in batch], out, strict=True))
+        return out
+
+
+def test_sampled_requests_hand_the_fused_distribution_to_the_verifier(tiny_dir):
+    """Under sampling the tree is a chain sampled from the fused rows, and those rows are its proposal q (the
+    verifier's rejection step); greedy requests keep argmax trees with alternatives and no proposal."""
+    target = load_transformer(tiny_dir["llama"])
+    draft, head = trained_tiny(target)
+    drafter = _Recording(draft, head, alt_threshold=1.0)  # greedy trees: alternatives at every position
+    prompts = make_prompts(target.args.vocab_size, 4, seed=6)
+    params = [
+        SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.7 if i % 2 else 0.0, seed=i)
+        for i in range(len(prompts))
+    ]
+    engine = SpecEngine(target, drafter, EngineConfig(max_batch=4, max_context=256, controller="off"))
+    engine.run(prompts, params)
+    sampled = [t for greedy, t in _Recording.trees if not greedy and len(t) > 1]
+    greedy = [t for greedy, t in _Recording.trees if greedy and len(t) > 1]
+    assert sampled and greedy
+    for tree in sampled:
+        assert tree.is_chain and tree.probs is not None and tree.probs.shape[0] == len(tree)
+        torch.testing.assert_close(tree.probs[1:].sum(-1), torch.ones(len(tree) - 1))
+        assert all(float(tree.probs[i, tok]) > 0 for i, tok in enumerate(tree.tokens.tolist()) if i > 0)
+    assert all(t.probs is None for t in greedy) and any(not t.is_chain for t in greedy)
 
 
 def test_checkpoint_round_trip_and_errors(tiny_dir, tmp_path):

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from spyglass.drafters.composite import CompositeDrafter
+from spyglass.drafters.dflash import DFlashDrafter
 from spyglass.drafters.longspec import LongSpecDrafter
 from spyglass.drafters.ngram import NgramDrafter
 from spyglass.drafters.small_lm import SmallLMDrafter, truncated_draft
@@ -14,22 +14,9 @@ from spyglass.drafters.suffix import SuffixDrafter
 from spyglass.drafters.tokenswift import build_tokenswift
 from spyglass.engine import EngineConfig, SpecEngine, plain_generate
 from spyglass.sampling import SamplingParams
-from tests.tiny import free_tokens_curve, layer_copy_draft
+from tests.tiny import free_tokens_curve, layer_copy_draft, make_prompts, trained_tiny
 
 N_PROMPTS = 20
-
-
-def make_prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
-    """Random prompts of mixed lengths, half of them with repeated spans so n-gram drafting fires."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = []
-    for i in range(n):
-        length = int(torch.randint(4, 90, (), generator=g))
-        ids = torch.randint(3, vocab, (length,), generator=g).tolist()
-        if i % 2:
-            ids = ids + ids[: length // 2] + ids
-        prompts.append(ids)
-    return prompts
 
 
 def drafters(target):
@@ -41,9 +28,9 @@ def drafters(target):
     yield "longspec-cape", LongSpecDrafter(layer_copy_draft(target), gamma=4, mode="cape")
     parts = [SuffixDrafter(max_depth=6), LongSpecDrafter(layer_copy_draft(target), gamma=3)]
     yield "composite", CompositeDrafter(parts)
-    from tests.test_dflash import dflash_drafters  # briefly trained tiny DFlash drafts, with and without DeLS
-
-    yield from dflash_drafters(target)
+    draft, head = trained_tiny(target)  # briefly trained tiny DFlash draft and DeLS head
+    yield "dflash", DFlashDrafter(draft)
+    yield "dflash-dels", DFlashDrafter(draft, head)
     # partial KV budgets below most prompts' lengths, so selection, replacement and rebuilds all happen
     yield "tokenswift", build_tokenswift(target, "untrained", budget=24, sinks=4)
     yield "streaming", StreamingDrafter(budget=24, sinks=4, gamma=4)

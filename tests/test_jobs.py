@@ -112,3 +112,25 @@ def test_bad_config_fails_before_any_cluster_starts(capsys):
     assert "unknown train option(s): stepz" in capsys.readouterr().err
     bad_positions = ["extract", str(ROOT / "configs" / "tiny-longspec.yaml"), "--set", "extract.positions={scheme: x}"]
     assert main(bad_positions) == 2
+
+
+def test_train_dispatches_single_process_trainers(smollm2, tmp_path, capsys):
+    """`spyglass train` on a `trainer: dels` config runs the DeLS trainer (the shipped config, shortened) and
+    exports a loadable head; an unknown trainer is one clear error."""
+    import yaml
+
+    from spyglass.cli import main
+    from spyglass.drafters.dels import load_local_head
+
+    cfg = yaml.safe_load((ROOT / "configs" / "smollm2-dels.yaml").read_text())
+    cfg["out"] = str(tmp_path / "head")
+    cfg["args"].update(max_steps=3, train_contexts=16, batch=8)
+    path = tmp_path / "dels.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["train", str(path), "--workdir", str(tmp_path / "work")]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["steps"] == 3 and summary["train_split"]["contexts"] == 16
+    head = load_local_head(tmp_path / "head", smollm2[0])
+    assert head.logits(head.step(5, None)).shape[-1] == smollm2[0].args.vocab_size
+    assert main(["train", str(path), "--set", "trainer=glide"]) == 2
+    assert "unknown trainer 'glide'" in capsys.readouterr().err

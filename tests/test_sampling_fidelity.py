@@ -15,15 +15,17 @@ import torch
 from scipy import stats
 
 from spyglass.drafters.composite import CompositeDrafter
+from spyglass.drafters.dflash import DFlashDrafter
 from spyglass.drafters.longspec import LongSpecDrafter
 from spyglass.drafters.ngram import NgramDrafter
 from spyglass.drafters.small_lm import SmallLMDrafter, truncated_draft
+from spyglass.drafters.streaming import StreamingDrafter
 from spyglass.drafters.suffix import SuffixDrafter
 from spyglass.drafters.tokenswift import build_tokenswift
 from spyglass.engine import EngineConfig, SpecEngine, plain_generate
 from spyglass.models.llama import load_transformer
 from spyglass.sampling import SamplingParams
-from tests.tiny import free_tokens_curve, layer_copy_draft, make_tiny_model
+from tests.tiny import free_tokens_curve, layer_copy_draft, make_tiny_model, trained_tiny
 
 VOCAB = 24
 N_SAMPLES = 20_000
@@ -99,9 +101,10 @@ def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
 
 
 def sample_joint(
-    model, drafter, prompt, temperature: float, top_p: float, penalty=None, seed_base: int = 1000
+    model, drafter, prompt, temperature: float, top_p: float, penalty=None, seed_base: int = 1000, controller=None
 ) -> tuple[np.ndarray, float]:
-    engine = SpecEngine(model, drafter, EngineConfig(max_batch=500, max_context=64, controller=free_tokens_curve()))
+    controller = free_tokens_curve() if controller is None else controller
+    engine = SpecEngine(model, drafter, EngineConfig(max_batch=500, max_context=64, controller=controller))
     counts = np.zeros((VOCAB,) * 3, dtype=np.int64)
     params = [
         SamplingParams(
@@ -124,7 +127,14 @@ def sample_joint(
     return counts, drafted / max(steps, 1)
 
 
-METHODS = ["ar", "ngram", "suffix", "small-lm", "longspec", "longspec-beam", "longspec-cape", "composite", "tokenswift"]
+METHODS = [
+    "ar", "ngram", "suffix", "small-lm", "longspec", "longspec-beam", "longspec-cape", "composite", "tokenswift",
+    "streaming", "dflash", "dflash-dels",
+]  # fmt: skip
+# Drafters whose trees run with the controller off, so every node (chain and alternatives) is verified: at batch
+# 500 the controller rightly prunes a tiny draft's unscored sampled chains (streaming) or low-scored blocks (DFlash)
+# to almost nothing, and the drafts-were-used check below could not hold.
+CONTROLLER_OFF = {"streaming", "dflash", "dflash-dels"}
 SETTINGS = {"T1": (1.0, 1.0, None), "T0.8-topp0.9": (0.8, 0.9, None)}
 # The contextual penalty against HF's penalty over the last W tokens: plain sampling and TokenSwift (whose
 # feature it is). Drafters with random parts (LongSpec's cross-attention init) drew p-values down to 3e-4 here in
@@ -151,17 +161,20 @@ def test_first_three_tokens_match_plain_sampling(sampling_model, prompt, method,
         "composite": lambda: CompositeDrafter(
             [SuffixDrafter(max_depth=3), LongSpecDrafter(layer_copy_draft(model), gamma=3)]
         ),
-        # a budget below the prompt's length: the drafts come from a partial cache. (streaming is not here: its
-        # chi-square passes, but at batch 500 the controller verifies almost none of its unscored sampled chains,
-        # so the drafts-were-used check below cannot hold; its identity and partial-cache tests are elsewhere)
+        # budgets below the prompt's length: the drafts come from a partial cache
         "tokenswift": lambda: build_tokenswift(model, "untrained", budget=8, sinks=2, ngram_k=4),
+        "streaming": lambda: StreamingDrafter(budget=10, sinks=4, gamma=3),
+        # DFlash trained for a few seconds on this very prompt's continuations, so its blocks get accepted
+        "dflash": lambda: DFlashDrafter(trained_tiny(model, block=4, steps=240, prefix=prompt)[0]),
+        "dflash-dels": lambda: DFlashDrafter(*trained_tiny(model, block=4, steps=240, prefix=prompt)),
     }[method]()
     probs = exact_joint(sampling_model, prompt, temperature, top_p, penalty)
     # With the penalty the seeds start elsewhere: seeds 1000.. give even plain sampling ("ar", no drafter) p = 2.5e-4
     # against this exact distribution (checked equal to spyglass's processing in float64), an unlucky realization
     # every method shares since they draw the same target samples; seeds 77000.. / 300000.. give ar p = 0.13 / 0.29.
     seed_base = 1000 if penalty is None else 300_000
-    counts, accepted_per_step = sample_joint(model, drafter, prompt, temperature, top_p, penalty, seed_base)
+    controller = "off" if method in CONTROLLER_OFF else None
+    counts, accepted_per_step = sample_joint(model, drafter, prompt, temperature, top_p, penalty, seed_base, controller)
     assert counts.sum() == N_SAMPLES
     p_value = chi_square_p(counts, probs)
     assert p_value > 1e-3, f"{method}: chi-square p = {p_value:.2e}"

@@ -69,8 +69,89 @@ def layer_copy_draft(target, window: int = 512, cross_std: float = 0.01):
 
 
 def free_tokens_curve():
-    """A verify-cost curve where extra tree tokens cost nothing: the engine's controller then keeps every node a
-    drafter proposes, so lossless tests exercise drafting whatever the machine's load does to a measured curve."""
+    """A verify-cost curve where extra tree tokens cost nothing and a step is so long that the drafter's own time
+    is negligible beside it: the engine's controller then keeps every node a drafter proposes, so lossless tests
+    exercise drafting whatever the machine's load does to measured times (a slow draft on a loaded CI machine
+    would otherwise, rightly, be switched off and leave the identity check vacuous)."""
     from spyglass.controller import CostCurve
 
-    return CostCurve.linear(1.0, 0.0)
+    return CostCurve.linear(1.0e4, 0.0)
+
+
+def make_prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
+    """Random prompts of mixed lengths, half of them with repeated spans so n-gram drafting fires."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = []
+    for i in range(n):
+        length = int(torch.randint(4, 90, (), generator=g))
+        ids = torch.randint(3, vocab, (length,), generator=g).tolist()
+        if i % 2:
+            ids = ids + ids[: length // 2] + ids
+        prompts.append(ids)
+    return prompts
+
+
+_TRAINED: dict[tuple, tuple] = {}
+
+
+def full_features(target, tokens: torch.Tensor, layers) -> torch.Tensor:
+    """Concatenated hidden states of `tokens` from one fresh target forward (no cache reuse)."""
+    from spyglass.models.llama import Segment
+
+    cache = target.new_cache(tokens.shape[0] + 1, 1)
+    slot = cache.allocate()
+    target.capture_layers = tuple(layers)
+    try:
+        target([Segment(slot, 0, tokens, torch.arange(tokens.shape[0]), None, "none")], cache)
+        return torch.cat([target.captured[0][i] for i in layers], dim=-1).clone()
+    finally:
+        target.capture_layers = ()
+
+
+def trained_tiny(target, block: int = 6, steps: int = 120, prefix: list[int] | None = None):
+    """A DFlash draft and a local head trained for a few seconds on the target's own text (greedy continuations
+    of random prompts, plus sampled continuations of `prefix` if given), so the lossless suites exercise
+    acceptance: random weights would almost never be accepted. Cached per target and prompt."""
+    from spyglass.drafters.dels import LocalHead, LocalHeadConfig, token_counts, unigram_log_prior
+    from spyglass.drafters.dflash import DFlashDraft, dflash_loss
+    from spyglass.engine import plain_generate
+    from spyglass.sampling import SamplingParams
+
+    key = (id(target), tuple(prefix or ()))
+    if key in _TRAINED:
+        return _TRAINED[key][:2]
+    torch.manual_seed(0)
+    vocab = target.args.vocab_size
+    texts = []
+    for p in make_prompts(vocab, 12, seed=99):
+        out = plain_generate(target, p, SamplingParams(max_new_tokens=40, ignore_eos=True))
+        texts.append(torch.tensor(p + out))
+    if prefix is not None:  # distillation on the very distribution the fidelity test samples
+        for i in range(48):
+            sp = SamplingParams(temperature=1.0, seed=i, max_new_tokens=block + 2, ignore_eos=True)
+            texts.append(torch.tensor(prefix + plain_generate(target, prefix, sp)))
+    layers = tuple(range(target.args.n_layers))
+    draft = DFlashDraft.from_target(target, target_layers=layers, n_layers=1, block_size=block).float().train()
+    feats = [full_features(target, t, layers) for t in texts]
+    opt = torch.optim.AdamW(draft.parameters(), lr=3e-3)
+    for step in range(steps):
+        i = step % len(texts)
+        t = texts[i]
+        anchors = torch.arange(1, t.shape[0] - block - 1)
+        loss, _ = dflash_loss(draft, feats[i], t, anchors)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    head = LocalHead(LocalHeadConfig(target.args.hidden_size, vocab, 32, 16, window=6), target.embed.weight,
+                     target.lm_head.weight)  # fmt: skip
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-2)
+    flat = torch.cat(texts)
+    for _ in range(60):
+        starts = torch.randint(0, flat.shape[0] - 6, (32,))
+        loss = head.window_loss(flat[starts.unsqueeze(1) + torch.arange(6)])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    head.log_unigram.copy_(unigram_log_prior(token_counts(flat, vocab)))
+    _TRAINED[key] = (draft.eval(), head.eval(), target)  # (the target keeps its id from being reused)
+    return _TRAINED[key][:2]

@@ -14,10 +14,12 @@ from the Redis context cache) have no hidden states: the stream then covers only
 costs acceptance, never correctness. Rows are kept by position and cropped to `start` before new rows are
 appended, so the cache always equals what recomputing it from scratch over the committed tokens would give.
 
-The tree is the block's top-1 chain plus, at low-confidence positions, a few alternative leaves; every node
-carries P(accepted) as the product of the draft's probabilities along its path (`DraftTree.scores`), and the
-engine's speculation controller prunes it by the measured verify-cost curve. Drafts are argmax even when
-sampling: the verifier then matches target samples against the tree (lossless for any tree).
+Greedy requests get the block's top-1 chain plus, at low-confidence positions, a few alternative leaves; every
+node carries P(accepted) as the product of the draft's probabilities along its path (`DraftTree.scores`), and
+the engine's speculation controller prunes it by the measured verify-cost curve. Sampled requests get a chain
+sampled position by position from the (fused) draft distribution under the request's sampling parameters, and
+that distribution is handed to the verifier as the proposal `q` (rejection sampling: lossless, and it accepts
+more than matching target samples against argmax drafts when the draft is close to the target).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from spyglass.drafters.base import choose_draft_token, draft_generator
 from spyglass.models.llama import ModelArgs, RMSNorm, Transformer, apply_rope
 from spyglass.sequence import Sequence
 from spyglass.tree import DraftTree
@@ -311,6 +314,7 @@ class _Context:
     k: list[torch.Tensor]  # per layer [kv_heads, cap, D]
     v: list[torch.Tensor]
     pos: torch.Tensor  # [cap] int64
+    generator: torch.Generator | None  # the drafter's random stream for a sampled sequence
     n: int = 0
 
     def crop(self, start: int) -> None:
@@ -379,7 +383,7 @@ class DFlashDrafter:
             cap = 256
             k = [torch.empty(c.n_kv_heads, cap, c.head_dim, dtype=self.draft.dtype) for _ in range(c.n_layers)]
             v = [torch.empty_like(t) for t in k]
-            seq.drafter_state = _Context(k, v, torch.zeros(cap, dtype=torch.long))
+            seq.drafter_state = _Context(k, v, torch.zeros(cap, dtype=torch.long), draft_generator(seq))
         return seq.drafter_state
 
     @torch.inference_mode()
@@ -413,19 +417,39 @@ class DFlashDrafter:
             if b < 2:
                 trees.append(DraftTree.root_only(seq.root))
                 continue
-            trees.append(self._tree(seq.root, long_logits[offset : offset + b - 1]))
+            rows = long_logits[offset : offset + b - 1]
+            trees.append(self._tree(seq.root, rows) if seq.params.greedy else self._sampled_chain(seq, rows))
             offset += b - 1
         return trees
 
+    def _position_logits(self, long_logits: torch.Tensor, chain: list[int], h):
+        """Block position len(chain)'s logits: DFlash's alone first, then fused with the local head stepped on
+        the chain so far. Returns the logits and the local head's new state."""
+        logits = long_logits[len(chain)]
+        if self.local is None or not chain:
+            return logits, h
+        h = self.local.step(chain[-1], h)
+        return fuse(logits, self.local.logits(h), self.local.log_unigram, self.alpha, self.beta), h
+
+    def _sampled_chain(self, seq: Sequence, long_logits: torch.Tensor) -> DraftTree:
+        """A chain sampled from the processed (fused) draft rows, which are the verifier's proposal q."""
+        chain, rows, h = [], [], None
+        gen = self._state(seq).generator
+        for _ in range(long_logits.shape[0]):
+            logits, h = self._position_logits(long_logits, chain, h)
+            tok, row = choose_draft_token(seq, chain, logits[None], gen)
+            chain.append(tok)
+            rows.append(row)
+        scores = [1.0]
+        for row, tok in zip(rows, chain, strict=True):
+            scores.append(scores[-1] * float(row[tok]))
+        return DraftTree.chain(seq.root, chain, torch.stack([torch.zeros_like(rows[0]), *rows]), scores)
+
     def _tree(self, root: int, long_logits: torch.Tensor) -> DraftTree:
         """Chain of argmaxes (fused with the local head after the first position) + alternative leaves."""
-        chain, probs = [], []
-        h = None
-        for j in range(long_logits.shape[0]):
-            logits = long_logits[j]
-            if self.local is not None and j > 0:
-                h = self.local.step(chain[-1], h)
-                logits = fuse(logits, self.local.logits(h), self.local.log_unigram, self.alpha, self.beta)
+        chain, probs, h = [], [], None
+        for _ in range(long_logits.shape[0]):
+            logits, h = self._position_logits(long_logits, chain, h)
             p = torch.softmax(logits, dim=-1)
             chain.append(int(p.argmax()))
             probs.append(p)

@@ -328,7 +328,7 @@ def train_dels(args) -> dict:
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, return_summary: bool = False):
     p = argparse.ArgumentParser(prog="python -m spyglass.training.dflash", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="stage", required=True)
     for name in ("dflash", "dels"):
@@ -365,7 +365,10 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--max-steps", type=int, default=400)
     h.set_defaults(func=train_dels)
     args = p.parse_args(argv)
-    print(json.dumps(args.func(args), indent=1))
+    summary = args.func(args)
+    if return_summary:
+        return summary
+    print(json.dumps(summary, indent=1))
     return 0
 
 

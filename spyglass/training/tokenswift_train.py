@@ -266,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int)
     ap.add_argument("--card-only", action="store_true", help="rewrite MODEL_CARD.md from the last report.json")
     args = ap.parse_args(argv)
-    cfg = {**DEFAULTS, **(yaml.safe_load(Path(args.config).read_text()) or {})}
+    raw = yaml.safe_load(Path(args.config).read_text()) or {}
+    raw.pop("trainer", None)  # what `spyglass train` dispatches on
+    cfg = {**DEFAULTS, **raw}
     unknown = set(cfg) - set(DEFAULTS)
     if unknown:
         raise SystemExit(f"unknown option(s): {', '.join(sorted(unknown))}")

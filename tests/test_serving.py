@@ -22,7 +22,9 @@ from spyglass.client import AsyncClient, Client, SpyglassError
 MAX_CONTEXT = 2048
 GATEWAY_MAX_QUEUED = 2
 MAX_BATCH = 4
-SERVED_METHODS = ["ngram", "ar", "suffix", "longspec", "longspec-cape", "composite"]  # the first is the default
+# the first is the default; every drafter family is served here (dflash differs from dflash-dels only in the head)
+SERVED_METHODS = ["ngram", "ar", "suffix", "longspec", "longspec-cape", "composite"]
+SERVED_METHODS += ["dflash-dels", "tokenswift", "streaming"]
 PROMPTS = [
     "List the days of the week, one per line.",
     "Count from one to twenty in words, separated by commas.",

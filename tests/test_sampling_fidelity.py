@@ -156,13 +156,13 @@ def test_first_three_tokens_match_plain_sampling(sampling_model, prompt, method,
     drafter = {
         "ar": lambda: None,
         "ngram": lambda: NgramDrafter(n_min=1, n_max=3, draft_len=3, max_candidates=4),
-        "suffix": lambda: SuffixDrafter(max_depth=3, max_nodes=16, alpha=3.0),
+        "suffix": lambda: SuffixDrafter(max_depth=3, max_nodes=8, alpha=3.0),
         "small-lm": lambda: SmallLMDrafter(truncated_draft(model, 1), gamma=3, max_batch=500, max_context=64),
         "longspec": lambda: LongSpecDrafter(layer_copy_draft(model), gamma=3),
         "longspec-beam": lambda: LongSpecDrafter(layer_copy_draft(model), gamma=3, mode="beam", width=2),
         "longspec-cape": lambda: LongSpecDrafter(layer_copy_draft(model), gamma=3, mode="cape"),
         "composite": lambda: CompositeDrafter(
-            [SuffixDrafter(max_depth=3), LongSpecDrafter(layer_copy_draft(model), gamma=3)]
+            [SuffixDrafter(max_depth=3, max_nodes=8), LongSpecDrafter(layer_copy_draft(model), gamma=3)]
         ),
         # budgets below the prompt's length: the drafts come from a partial cache
         "tokenswift": lambda: build_tokenswift(model, "untrained", budget=8, sinks=2, ngram_k=4),

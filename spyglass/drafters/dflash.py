@@ -440,10 +440,9 @@ class DFlashDrafter:
             tok, row = choose_draft_token(seq, chain, logits[None], gen)
             chain.append(tok)
             rows.append(row)
-        scores = [1.0]
-        for row, tok in zip(rows, chain, strict=True):
-            scores.append(scores[-1] * float(row[tok]))
-        return DraftTree.chain(seq.root, chain, torch.stack([torch.zeros_like(rows[0]), *rows]), scores)
+        # no per-node scores: the controller sizes a rejection-sampled chain from its shape and history only
+        # (its own sampled tokens' probabilities would bias which of them get verified)
+        return DraftTree.chain(seq.root, chain, torch.stack([torch.zeros_like(rows[0]), *rows]))
 
     def _tree(self, root: int, long_logits: torch.Tensor) -> DraftTree:
         """Chain of argmaxes (fused with the local head after the first position) + alternative leaves."""

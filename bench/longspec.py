@@ -115,7 +115,7 @@ def main() -> None:
     figures.update(training_figures())
     meta = {
         "what": "decode speedup over plain decoding, held-out prompts (eval-split sources), SmolLM2 fp32",
-        "draft": str(SHIPPED),
+        "draft": str(SHIPPED.relative_to(Path(__file__).resolve().parents[1])),
         "max_new_tokens": args.max_new_tokens,
         "tasks": {t.name: len(t.prompt_ids) for t in tasks},
         "quiet_before": quiet,

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spyglass.drafters.partial_kv import PartialKV
 from spyglass.drafters.streaming import StreamingDrafter
 from spyglass.drafters.tokenswift import NgramTable, TokenSwiftDrafter, build_tokenswift
 from spyglass.engine import EngineConfig, SpecEngine, plain_generate
+from spyglass.partial_kv import PartialKV
 from spyglass.sampling import SamplingParams
 from spyglass.training.tokenswift_heads import TokenSwiftHeads, load_heads
 

@@ -1,5 +1,5 @@
 """StreamingLLM / MagicDec-style self-speculation: the target drafts a chain for itself over a partial KV cache
-holding only the attention sinks and the most recent tokens (`partial_kv.PartialKV`, policy "window").
+holding only the attention sinks and the most recent tokens (`spyglass.partial_kv.PartialKV`, policy "window").
 
 The baseline TokenSwift is measured against: no trained parts, one target forward over the small cache per
 drafted token (so drafting costs gamma cheap target passes), then one verify pass over the full cache. When
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from spyglass.drafters.base import choose_draft_token, draft_generator
-from spyglass.drafters.partial_kv import PartialKV, PartialState
 from spyglass.kv_cache import KVCache
 from spyglass.models.llama import Segment, Transformer
+from spyglass.partial_kv import PartialKV, PartialState
 from spyglass.sequence import Sequence
 from spyglass.tree import DraftTree
 from spyglass.verify import Accepted

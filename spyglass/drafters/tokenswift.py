@@ -2,7 +2,7 @@
 n-gram reuse (Wu et al., ICML 2025), for ultra-long generation.
 
 Per step and sequence:
-1. the partial cache (`partial_kv.PartialKV`, budget |B| with |S| sinks, dynamic importance updates) takes in
+1. the partial cache (`spyglass.partial_kv.PartialKV`, budget |B| with |S| sinks, dynamic importance updates) takes in
    the tokens committed since the last step;
 2. one target forward of the root over the partial cache gives the last hidden state h_0; the gamma = 3 heads
    (`training.tokenswift_heads`) turn it into 4 next-token distributions p_0..p_3 through the target's final
@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from spyglass.drafters.partial_kv import PartialKV, PartialState
 from spyglass.kv_cache import KVCache
 from spyglass.models.llama import Segment, Transformer
+from spyglass.partial_kv import PartialKV, PartialState
 from spyglass.sampling import process_in_context
 from spyglass.sequence import Sequence
 from spyglass.training.tokenswift_heads import TokenSwiftHeads, load_heads

@@ -103,11 +103,7 @@ def single_process_training(cfg: dict[str, Any]) -> dict[str, Any]:
     if trainer == "tokenswift":
         from spyglass.training import tokenswift_train as ts
 
-        options = {k: v for k, v in cfg.items() if k not in ("trainer", "name")}
-        unknown = set(options) - set(ts.DEFAULTS)
-        if unknown:
-            raise ValueError(f"unknown tokenswift option(s): {', '.join(sorted(unknown))}")
-        report = ts.run({**ts.DEFAULTS, **options})
+        report = ts.run(ts.resolve_config(cfg))
         ts.write_card(report, Path(report["config"]["out_dir"]))
         return {k: v for k, v in report.items() if k != "config"}
     from spyglass.training import dflash

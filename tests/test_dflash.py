@@ -22,7 +22,7 @@ from spyglass.drafters.dflash import DFlashDraft, DFlashDrafter, fuse, load_dfla
 from spyglass.engine import EngineConfig, SpecEngine, plain_generate
 from spyglass.models.llama import load_transformer
 from spyglass.sampling import SamplingParams
-from tests.tiny import full_features, make_prompts, trained_tiny
+from tests.tiny import fit_local_head, full_features, make_prompts, trained_tiny
 
 # Greedy identity (batch 1 and 4) and sampling fidelity: DFlash and DFlash + DeLS run in the shared suites,
 # tests/test_engine_identity.py and tests/test_sampling_fidelity.py.
@@ -118,15 +118,7 @@ def test_local_head_trains_without_the_target_layers(tiny_dir, monkeypatch, tmp_
     # a learnable pattern: windows of a repeated ramp
     ramp = torch.arange(3, 3 + 40) % 50 + 3
     data = ramp.repeat(20)
-    losses = []
-    opt = torch.optim.AdamW(head.parameters(), lr=1e-2)
-    for _ in range(40):
-        starts = torch.randint(0, data.shape[0] - 8, (16,))
-        loss = head.window_loss(data[starts.unsqueeze(1) + torch.arange(8)])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = fit_local_head(head, data, steps=40, window=8, batch=16)
     assert losses[-1] < 0.5 * losses[0]
     assert all(not p.requires_grad for p in head._frozen)
     assert {n for n, _ in head.named_parameters()} == {"gru.weight_ih_l0", "gru.weight_hh_l0", "w_rank.weight",

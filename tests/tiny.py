@@ -144,14 +144,22 @@ def trained_tiny(target, block: int = 6, steps: int = 120, prefix: list[int] | N
         opt.step()
     head = LocalHead(LocalHeadConfig(target.args.hidden_size, vocab, 32, 16, window=6), target.embed.weight,
                      target.lm_head.weight)  # fmt: skip
-    opt = torch.optim.AdamW(head.parameters(), lr=1e-2)
     flat = torch.cat(texts)
-    for _ in range(60):
-        starts = torch.randint(0, flat.shape[0] - 6, (32,))
-        loss = head.window_loss(flat[starts.unsqueeze(1) + torch.arange(6)])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    fit_local_head(head, flat, steps=60, window=6, batch=32)
     head.log_unigram.copy_(unigram_log_prior(token_counts(flat, vocab)))
     _TRAINED[key] = (draft.eval(), head.eval(), target)  # (the target keeps its id from being reused)
     return _TRAINED[key][:2]
+
+
+def fit_local_head(head, data: torch.Tensor, steps: int, window: int, batch: int, lr: float = 1e-2) -> list[float]:
+    """A DeLS local head trained on random windows of `data`; returns the loss per step."""
+    opt = torch.optim.AdamW(head.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        starts = torch.randint(0, data.shape[0] - window, (batch,))
+        loss = head.window_loss(data[starts.unsqueeze(1) + torch.arange(window)])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses

@@ -259,6 +259,15 @@ This is a short run on a CPU; the paper trains 200 steps of ~1M tokens each on G
     return path
 
 
+def resolve_config(raw: dict) -> dict:
+    """DEFAULTS overlaid with a config's options (`spyglass train`'s `trainer` and `name` keys aside)."""
+    options = {k: v for k, v in raw.items() if k not in ("trainer", "name")}
+    unknown = set(options) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown tokenswift option(s): {', '.join(sorted(unknown))}")
+    return {**DEFAULTS, **options}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("config")
@@ -266,12 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int)
     ap.add_argument("--card-only", action="store_true", help="rewrite MODEL_CARD.md from the last report.json")
     args = ap.parse_args(argv)
-    raw = yaml.safe_load(Path(args.config).read_text()) or {}
-    raw.pop("trainer", None)  # what `spyglass train` dispatches on
-    cfg = {**DEFAULTS, **raw}
-    unknown = set(cfg) - set(DEFAULTS)
-    if unknown:
-        raise SystemExit(f"unknown option(s): {', '.join(sorted(unknown))}")
+    try:
+        cfg = resolve_config(yaml.safe_load(Path(args.config).read_text()) or {})
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
     if args.max_minutes is not None:
         cfg["max_minutes"] = args.max_minutes
     if args.steps is not None:

@@ -63,6 +63,7 @@ class TrainSpec:
     report_every: int = 1
     eval_every: int = 0  # 0 = only at the end; evaluates on the held-out split when it was extracted
     eval_split: str = "eval"
+    init_from: str | None = None  # a draft checkpoint dir to start from (parameters it lacks keep their init)
 
     @classmethod
     def from_dict(cls, d: dict | None) -> TrainSpec:
@@ -160,6 +161,19 @@ def rank_vocab(tokens: torch.Tensor, size: int, vocab: int) -> torch.Tensor:
     return counts.topk(size).indices.sort().values
 
 
+def warm_start(draft: torch.nn.Module, ckpt: Path) -> None:
+    """Load a trained draft's weights into a (possibly larger) new one, e.g. the KV-only LongSpec draft into a
+    `feed_hidden` one whose extra projection starts at zero: training starts from the old draft's behaviour."""
+    weights = ckpt / "draft.safetensors"
+    if not weights.is_file():
+        raise ValueError(f"train.init_from: {ckpt} holds no draft.safetensors")
+    _, unexpected = draft.load_state_dict(load_file(str(weights)), strict=False)
+    if unexpected:
+        raise ValueError(f"train.init_from: {ckpt} has weights this draft does not: {unexpected}")
+    if getattr(draft.cfg, "draft_vocab", 0):
+        draft.set_vocab(draft.vocab_ids.clone())
+
+
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
     done = sorted(p for p in ckpt_root.glob("step-*") if (p / "trainer_state.json").exists())
     return done[-1] if done else None
@@ -193,6 +207,7 @@ def _train_loop(config: dict[str, Any]) -> None:
         all_lags=spec.all_lags,
         lag_weights=spec.lag_weights,
         loss_from=spec.loss_from,
+        hidden_layer=kv_layer if spec.draft_options.get("feed_hidden") else None,
     )
     data = ShardDataset(extract_dir, loss_fn.required_keys())
     eval_dir = extract_dir.parent / spec.eval_split
@@ -211,6 +226,8 @@ def _train_loop(config: dict[str, Any]) -> None:
 
     resume = latest_checkpoint(ckpt_root)
     start_step = 0
+    if resume is None and spec.init_from:
+        warm_start(draft, Path(spec.init_from))
     if resume is not None:
         state = json.loads((resume / "trainer_state.json").read_text())
         start_step = state["step"]
@@ -374,6 +391,10 @@ def run_training(cfg: dict[str, Any]) -> dict[str, Any]:
     extract_dir = workdir / "extract" / spec.split
     if not (extract_dir / "manifest.json").exists():
         raise FileNotFoundError(f"no extraction manifest in {extract_dir}: run `spyglass extract` first")
+    if spec.init_from:  # relative to where the driver runs, not to the workers' directories
+        spec.init_from = str(Path(spec.init_from).resolve())
+        if not (Path(spec.init_from) / "draft.safetensors").is_file():
+            raise FileNotFoundError(f"train.init_from: no draft.safetensors in {spec.init_from}")
     # Each report waits for the controller's next poll of the workers (2 s by default): poll faster so
     # per-step reports do not dominate small steps. Propagated to the Train controller by Ray.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")

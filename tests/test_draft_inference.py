@@ -30,16 +30,31 @@ def target_and_kv(tiny_dir):
     return target, tokens, k[:, :LENGTH].clone(), v[:, :LENGTH].clone()
 
 
-def make_draft(target, window: int) -> LongSpecDraft:
+def last_hidden(target, tokens: torch.Tensor) -> torch.Tensor:
+    """The target's last-layer hidden states `[L, H]` (before the final norm), as extraction stores them."""
+    last = target.args.n_layers - 1
+    cache = target.new_cache(tokens.shape[0], 1)
+    target.capture_layers = (last,)
+    try:
+        target.prefill(cache, cache.allocate(), tokens)
+        return target.captured[0][last].clone()
+    finally:
+        target.capture_layers = ()
+
+
+def make_draft(target, window: int, feed_hidden: bool = False) -> LongSpecDraft:
     torch.manual_seed(1)
-    draft = LongSpecDraft.from_target(target, window=window, init_std=0.2)  # larger init: non-flat logits
+    draft = LongSpecDraft.from_target(target, window=window, init_std=0.2, feed_hidden=feed_hidden)  # non-flat
+    if feed_hidden:  # it starts at zero (the K/V-only draft); a trained one is not
+        torch.nn.init.normal_(draft.hidden_proj.weight, std=0.2)
     return draft.eval()
 
 
-def training_logits(draft, tokens, k, v, lag: int) -> torch.Tensor:
+def training_logits(draft, tokens, k, v, lag: int, hidden: torch.Tensor | None = None) -> torch.Tensor:
     with torch.no_grad():
         positions = torch.arange(tokens.shape[0]).unsqueeze(0)
-        return draft(tokens.unsqueeze(0), positions, k.unsqueeze(0), v.unsqueeze(0), lag=lag)[0]
+        h = None if hidden is None else hidden.unsqueeze(0)
+        return draft(tokens.unsqueeze(0), positions, k.unsqueeze(0), v.unsqueeze(0), lag=lag, target_h=h)[0]
 
 
 def test_chain_equals_training_forward(target_and_kv):
@@ -93,16 +108,18 @@ def test_tree_hybrid_equals_reference(target_and_kv):
     assert not torch.allclose(*siblings)
 
 
+@pytest.mark.parametrize("feed_hidden", [False, True], ids=["kv-only", "feed-hidden"])
 @pytest.mark.parametrize("window", [64, 16, 8])  # 16, 8: the context is longer than the window
-def test_serving_drafter_equals_training_forward_per_depth(target_and_kv, window):
-    """The serving drafter (ring window + incremental per-depth steps over the live KVCache) proposes, at every
-    depth d, the training forward's argmax with lag d + 1, with the same probability."""
+def test_serving_drafter_equals_training_forward_per_depth(target_and_kv, window, feed_hidden):
+    """The serving drafter (ring window + incremental per-depth steps over the live KVCache, and with
+    `feed_hidden` the target's hidden state of the newest committed token) proposes, at every depth d, the
+    training forward's argmax with lag d + 1, with the same probability."""
     from spyglass.drafters.longspec import LongSpecDrafter
     from spyglass.sampling import SamplingParams
     from spyglass.sequence import Sequence
 
     target, tokens, k, v = target_and_kv
-    draft = make_draft(target, window=window)
+    draft = make_draft(target, window=window, feed_hidden=feed_hidden)
     cache = target.new_cache(LENGTH + 8, 1)
     slot = cache.allocate()
     target.prefill(cache, slot, tokens[:COMMITTED])
@@ -110,15 +127,24 @@ def test_serving_drafter_equals_training_forward_per_depth(target_and_kv, window
     drafter.bind(target, cache)
     seq = Sequence(tokens[: COMMITTED + 1].tolist(), SamplingParams(max_new_tokens=8))
     seq.slot = slot
+    hidden = last_hidden(target, tokens[:COMMITTED]) if feed_hidden else None
+    assert drafter.hidden_layers == ((-1,) if feed_hidden else ())
+    if feed_hidden:  # as the engine does after a prefill: before start()
+        drafter.observe_hidden(seq, 0, {target.args.n_layers - 1: hidden}, list(range(COMMITTED)))
     drafter.start(seq)
     tree = drafter.propose([seq])[0]
     assert tree.is_chain and len(tree) == 5
     full = torch.cat([tokens[: COMMITTED + 1], tree.tokens[1:]])
     kk = torch.cat([k[:, :COMMITTED], torch.zeros(k.shape[0], 5, k.shape[2])], dim=1)  # unseen: masked anyway
     vv = torch.cat([v[:, :COMMITTED], torch.zeros(v.shape[0], 5, v.shape[2])], dim=1)
+    hh = None if hidden is None else torch.cat([hidden, torch.full((5, hidden.shape[1]), 1e3)])  # unseen rows
     for d in range(4):
-        want = torch.softmax(training_logits(draft, full, kk, vv, lag=d + 1)[COMMITTED + d], -1)
+        want = torch.softmax(training_logits(draft, full, kk, vv, lag=d + 1, hidden=hh)[COMMITTED + d], -1)
         tok = int(tree.tokens[d + 1])
         assert tok == int(want.argmax()), f"window {window} depth {d}: a different token"
         got_p = tree.scores[d + 1] / tree.scores[d]
         assert abs(got_p - float(want[tok])) < 1e-4, f"window {window} depth {d}: {got_p} vs {float(want[tok])}"
+    if feed_hidden:  # the hidden state matters: another one changes the proposal's probabilities
+        drafter.observe_hidden(seq, 0, {target.args.n_layers - 1: -hidden}, list(range(COMMITTED)))
+        other = drafter.propose([seq])[0]
+        assert abs(other.scores[1] - tree.scores[1]) > 1e-4

@@ -3,6 +3,7 @@ target layer, the per-lag diagnosis."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from actors.trainer import diagnose_line, rank_vocab
@@ -101,3 +102,46 @@ def test_init_layer_copies_the_target_layer(tmp_path):
 def test_diagnose_line_lists_every_lag():
     line = diagnose_line(100, {"eval_agree_lag1": 0.5, "eval_agree_lag2": 0.25, "loss": 1.0})
     assert "step 100" in line and "lag 1: 0.500" in line and "lag 2: 0.250" in line
+
+
+def test_feed_hidden_draft_warm_starts_from_a_kv_only_one_and_learns_to_read_it(tmp_path):
+    """`init_from`: a K/V-only draft's weights load into a `feed_hidden` one, whose zero-initialised projection
+    makes it the same draft at step 0; training then uses the hidden states (here they carry the answer)."""
+    from safetensors.torch import save_file
+
+    from actors.trainer import warm_start
+
+    target = _target(tmp_path)
+    torch.manual_seed(0)
+    old = LongSpecDraft.from_target(target, window=8)
+    ckpt = tmp_path / "old"
+    ckpt.mkdir()
+    save_file(old.trainable_state_dict(), str(ckpt / "draft.safetensors"))
+    torch.manual_seed(1)
+    new = LongSpecDraft.from_target(target, window=8, feed_hidden=True)
+    warm_start(new, ckpt)
+    batch = _batch(target)
+    kv = batch["kv.1"]
+    # hidden row t holds the embedding of token t + 2: at lag 1, query t reads row t - 1, i.e. its next token
+    nxt = torch.nn.functional.pad(batch["tokens"][:, 1:], (0, 1))
+    batch["hidden.1"] = target.embed(nxt).detach() * 10
+    with torch.no_grad():
+        same = new(batch["tokens"], batch["positions"], kv[:, 0], kv[:, 1], lag=1, target_h=batch["hidden.1"])
+        want = old(batch["tokens"], batch["positions"], kv[:, 0], kv[:, 1], lag=1)
+    assert torch.allclose(same, want, atol=1e-5)
+    with torch.no_grad():
+        new.hidden_proj.weight.normal_(std=0.02)
+    loss_fn = LongSpecLoss(kv_layer=1, lag_min=1, lag_max=1, hidden_layer=1)
+    assert "hidden.1" in loss_fn.required_keys()
+    opt = torch.optim.AdamW([p for p in new.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(60):
+        opt.zero_grad()
+        loss, metrics = loss_fn(new, batch, 1)
+        loss.backward()
+        opt.step()
+    assert float(metrics["token_accuracy"]) > 0.9  # random tokens: only the hidden states tell the next one
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    save_file({"nope": torch.zeros(1)}, str(bad / "draft.safetensors"))
+    with pytest.raises(ValueError, match="does not"):
+        warm_start(new, bad)

@@ -48,6 +48,7 @@ class _Window:
     pos: torch.Tensor  # [window - 1] position of each ring entry (-1 = empty)
     synced: int  # committed tokens already pushed
     generator: torch.Generator | None
+    hidden: torch.Tensor | None = None  # feed_hidden: the target's last hidden state of the newest committed token
 
     @property
     def filled(self) -> int:
@@ -109,6 +110,8 @@ class LongSpecDrafter:
         self.ring = draft.cfg.window - 1  # + the token being drafted from = the training window
         self.cache: KVCache | None = None
         self.name = "longspec" if mode == "chain" else f"longspec-{mode}"
+        self.hidden_layers = (-1,) if draft.cfg.feed_hidden else ()  # the engine then calls observe_hidden
+        self._pending: dict[int, torch.Tensor] = {}  # prefill's hidden state, until start()
 
     def bind(self, target: Transformer, cache: KVCache) -> None:
         self.cache, self.layer = cache, target.args.n_layers - 1
@@ -118,7 +121,17 @@ class LongSpecDrafter:
         dtype = self.draft.wqkv.weight.dtype
         empty = torch.zeros(c.n_kv_heads, self.ring, c.head_dim, dtype=dtype)
         pos = torch.full((self.ring,), -1, dtype=torch.long)
-        seq.drafter_state = _Window(empty, torch.zeros_like(empty), pos, 0, draft_generator(seq))
+        hidden = self._pending.pop(seq.seq_id, None)
+        seq.drafter_state = _Window(empty, torch.zeros_like(empty), pos, 0, draft_generator(seq), hidden)
+
+    def observe_hidden(self, seq: Sequence, start: int, hidden: dict, kept: list[int]) -> None:
+        """Keep only the newest committed token's row: one vector per sequence, whatever the context."""
+        h = hidden[self.layer][kept[-1]].clone()
+        w: _Window | None = seq.drafter_state
+        if w is None:
+            self._pending[seq.seq_id] = h
+        else:
+            w.hidden = h
 
     def _sync(self, seq: Sequence, w: _Window, committed: int) -> None:
         """Push the committed tokens the ring has not seen (only the last `ring` of them matter)."""
@@ -177,8 +190,9 @@ class LongSpecDrafter:
             pv = torch.cat([w.v[:, keep], *(g.v[n] for n in path)], dim=1) if path else w.v[:, keep]
             self_groups.append((rs, pk, pv))
         crosses = [(rs, targets[i][0], targets[i][1]) for i, rs in cross_groups.items()]
+        hidden = torch.stack([states[i].hidden for i, _ in rows]) if self.hidden_layers else None
         logits, k, v = self.draft.draft_step(
-            torch.tensor(tokens), torch.tensor(positions), self_groups, crosses, backend="auto"
+            torch.tensor(tokens), torch.tensor(positions), self_groups, crosses, backend="auto", hidden=hidden
         )
         for r, (i, node) in enumerate(rows):
             trees[i].k[node], trees[i].v[node] = k[:, r : r + 1], v[:, r : r + 1]
@@ -210,6 +224,7 @@ class LongSpecDrafter:
 
     def release(self, seq: Sequence) -> None:
         seq.drafter_state = None
+        self._pending.pop(seq.seq_id, None)
 
     def state_bytes(self, seq: Sequence) -> int:
         w: _Window | None = seq.drafter_state

@@ -37,6 +37,7 @@ class LongSpecDraftConfig:
     init_std: float = 0.02
     draft_vocab: int = 0  # > 0: the head scores only this many frequency-ranked tokens (FR-Spec); 0 = all
     init_layer: int | None = None  # copy the self-attention and MLP of this target layer instead of random init
+    feed_hidden: bool = False  # also read the target's last hidden state (EAGLE-style), as stale as its K/V
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -106,11 +107,16 @@ class LongSpecDraft(nn.Module):
         self.mlp_norm = RMSNorm(h, cfg.rms_eps)
         self.w_gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.w_down = nn.Linear(cfg.intermediate_size, h, bias=False)
+        if cfg.feed_hidden:
+            self.hidden_norm = RMSNorm(h, cfg.rms_eps)
+            self.hidden_proj = nn.Linear(h, h, bias=False)
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=cfg.init_std)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
+        if cfg.feed_hidden:  # starts as the K/V-only draft (and can warm-start from one)
+            nn.init.zeros_(self.hidden_proj.weight)
         # Frozen, shared with the target (not part of checkpoints).
         self.embed = embed
         self.full_head = lm_head
@@ -190,10 +196,13 @@ class LongSpecDraft(nn.Module):
         target_v: torch.Tensor,
         lag: int | tuple[int, ...] = 1,
         logits_from: int = 0,
+        target_h: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens/positions `[B, L]`; target_k/v `[B, kvh, L, D]` (post-RoPE); returns fp32 draft-head logits
         `[B, L, Vd]`, or `[len(lag), B, L, Vd]` for a tuple of lags (the self-attention is shared between them);
-        with `logits_from`, only positions from there on get logits (the LM head is most of the cost)."""
+        with `logits_from`, only positions from there on get logits (the LM head is most of the cost).
+        `target_h` `[B, L, H]`: the target's last hidden states, for a `feed_hidden` draft; query t reads row
+        t - lag (the newest one serving has), nothing before the first."""
         c = self.cfg
         b, length = tokens.shape
         dtype = self.wqkv.weight.dtype
@@ -209,13 +218,17 @@ class LongSpecDraft(nn.Module):
         k, v = _repeat_kv(k.transpose(1, 2), n_rep), _repeat_kv(v.transpose(1, 2), n_rep)
         mask = sliding_window_mask(length, c.window, dtype).to(x.device)
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(c.head_dim))
-        x = x + self.wo(a.transpose(1, 2).reshape(b, length, q_dim))
+        x = x_self = x + self.wo(a.transpose(1, 2).reshape(b, length, q_dim))
 
-        qc = self.cross_q(self.cross_norm(x)).view(b, length, c.n_heads, c.head_dim)
-        qc = apply_rope(qc, cos, sin).transpose(1, 2)
+        if c.feed_hidden and target_h is None:
+            raise ValueError("this draft reads the target's hidden states: pass target_h")
         tk, tv = _repeat_kv(target_k.to(dtype), n_rep), _repeat_kv(target_v.to(dtype), n_rep)
         outs = []
         for one_lag in lag if isinstance(lag, tuple) else (lag,):
+            if c.feed_hidden:
+                x = x_self + self.read_hidden(F.pad(target_h, (0, 0, one_lag, 0))[:, :length])
+            qc = apply_rope(self.cross_q(self.cross_norm(x)).view(b, length, c.n_heads, c.head_dim), cos, sin)
+            qc = qc.transpose(1, 2)
             cmask, empty = lagged_cross_mask(length, tk.shape[2], one_lag, dtype)
             scale = 1.0 / math.sqrt(c.head_dim)
             o = F.scaled_dot_product_attention(qc, tk, tv, attn_mask=cmask.to(x.device), scale=scale)
@@ -223,6 +236,10 @@ class LongSpecDraft(nn.Module):
             y = x + self.cross_o(o.transpose(1, 2).reshape(b, length, q_dim))
             outs.append(self.mlp_logits(y[:, logits_from:]))
         return torch.stack(outs) if isinstance(lag, tuple) else outs[0]
+
+    def read_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The residual update from the target's hidden state (zero rows stay zero: RMSNorm of 0 is 0)."""
+        return self.hidden_proj(self.hidden_norm(hidden.to(self.hidden_proj.weight.dtype)))
 
     def mlp_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The block's last sub-layer and the shared LM head: fp32 logits."""
@@ -257,13 +274,15 @@ class LongSpecDraft(nn.Module):
         target_k: torch.Tensor,
         target_v: torch.Tensor,
         backend: str = "auto",
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """fp32 target-vocab logits `[n, vocab]` for n draft-tree tokens (tree_mask `[n, n]`, None = chain).
 
         Self-attention: hybrid tree attention over the window cache (`window_kv` of the last committed tokens,
         all visible) plus the tree under its mask. Cross-attention: every node sees the target's whole
         committed last-layer K/V `[kvh, C, D]` (post-RoPE, e.g. a KVCache prefix view), so it is the hybrid's
-        unmasked prefix part alone. As in training, a node at depth d sees the target up to d + 1 tokens back.
+        unmasked prefix part alone. As in training, a node at depth d sees the target up to d + 1 tokens back,
+        and (`feed_hidden`) every node reads `hidden` `[H]`, the target's hidden state of the last committed token.
         """
         c = self.cfg
         n = tokens.shape[0]
@@ -278,6 +297,8 @@ class LongSpecDraft(nn.Module):
         v = qkv[:, q_dim + kv_dim :].view(n, c.n_kv_heads, c.head_dim).transpose(0, 1)
         a = tree_attention(q, window_k.to(dtype), window_v.to(dtype), k, v, tree_mask, backend=backend)
         x = x + self.wo(a.transpose(0, 1).reshape(n, q_dim))
+        if c.feed_hidden:
+            x = x + self.read_hidden(hidden)
 
         qc = self.cross_q(self.cross_norm(x)).view(n, c.n_heads, c.head_dim)
         qc = apply_rope(qc, cos, sin).transpose(0, 1)
@@ -294,11 +315,13 @@ class LongSpecDraft(nn.Module):
         self_groups: list[tuple[list[int], torch.Tensor, torch.Tensor]],
         cross_groups: list[tuple[list[int], torch.Tensor, torch.Tensor]],
         backend: str = "auto",
+        hidden: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One incremental drafting step for M new tree nodes of several sequences at once: the matmuls run over
         all of them; attention runs per group. A self group `(rows, prefix_k, prefix_v)` is sibling nodes that
         see `prefix` (window + their ancestors' K/V `[kvh, P, D]`) and each itself; a cross group is the nodes
-        of one sequence and the target's committed last-layer K/V. Returns draft-head logits `[M, Vd]` and the
+        of one sequence and the target's committed last-layer K/V; `hidden` `[M, H]` (`feed_hidden`) the target's
+        hidden state of each node's sequence's last committed token. Returns draft-head logits `[M, Vd]` and the
         nodes' own self-attention K/V `[kvh, M, D]` (their descendants' prefix)."""
         c = self.cfg
         m = tokens.shape[0]
@@ -320,6 +343,8 @@ class LongSpecDraft(nn.Module):
                 q[:, idx], pk.to(dtype), pv.to(dtype), k[:, idx], v[:, idx], mask, backend=backend
             )
         x = x + self.wo(a.transpose(0, 1).reshape(m, q_dim))
+        if c.feed_hidden:
+            x = x + self.read_hidden(hidden)
         qc = apply_rope(self.cross_q(self.cross_norm(x)).view(m, c.n_heads, c.head_dim), cos, sin).transpose(0, 1)
         o = torch.empty_like(qc)
         for rows, tk, tv in cross_groups:

@@ -29,6 +29,7 @@ class LongSpecLoss(nn.Module):
       lag l trains what depth l - 1 proposes.
     - `distill_weight` mixes the corpus CE with distillation: to the target's top-k distribution when
       `soft_distill` (needs `topk_logprobs` in the shards), else to its top-1.
+    - `hidden_layer`: a `feed_hidden` draft also reads that layer's hidden states, with the same lag.
     - A draft with a reduced head (`draft_vocab`) is trained over its own rows; labels it cannot score are
       left out of the CE.
 
@@ -46,9 +47,11 @@ class LongSpecLoss(nn.Module):
         all_lags: bool = False,
         lag_weights: list[float] | None = None,
         loss_from: int = 0,
+        hidden_layer: int | None = None,
     ) -> None:
         super().__init__()
         self.kv_layer = kv_layer
+        self.hidden_layer = hidden_layer  # a `feed_hidden` draft reads this layer's extracted hidden states
         self.lag_min, self.lag_max = lag_min, lag_max
         self.distill_weight = distill_weight
         self.soft_distill = soft_distill
@@ -62,6 +65,8 @@ class LongSpecLoss(nn.Module):
 
     def required_keys(self) -> list[str]:
         keys = ["tokens", "positions", f"kv.{self.kv_layer}", "topk_ids"]
+        if self.hidden_layer is not None:
+            keys.append(f"hidden.{self.hidden_layer}")
         return [*keys, "topk_logprobs"] if self.soft_distill else keys
 
     def lag(self, step: int, seed: int) -> int | tuple[int, ...]:
@@ -86,7 +91,9 @@ class LongSpecLoss(nn.Module):
         kv = batch[f"kv.{self.kv_layer}"]  # [B, 2, kvh, L, D]
         lags = lag if isinstance(lag, tuple) else (lag,)
         lo = min(self.loss_from, tokens.shape[1] - 2)
-        logits = model(tokens, positions, kv[:, 0], kv[:, 1], lag=lags, logits_from=lo)  # [nlags, B, L - lo, Vd]
+        hidden = batch[f"hidden.{self.hidden_layer}"] if self.hidden_layer is not None else None
+        # [nlags, B, L - lo, Vd]
+        logits = model(tokens, positions, kv[:, 0], kv[:, 1], lag=lags, logits_from=lo, target_h=hidden)
         labels = self._draft_ids(model, tokens[:, lo + 1 :])
         target_top1 = self._draft_ids(model, batch["topk_ids"][:, lo:-1, 0])
         soft = None

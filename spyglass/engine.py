@@ -156,16 +156,21 @@ class SpecEngine:
         for seq in seqs:
             self._store_prefix(seq)
         events = []
-        now = time.perf_counter()
         for seq in seqs:
-            seq.stats.prefill_time = now - t0
             seq.stats.prefill_tokens = seq.num_tokens
-            seq.stats.t_first_token = now
             self.running.append(seq)
             new = self._append(seq, [self._choose(last_logits[seq.seq_id], seq)])
             if not seq.finished:
                 self.drafter.start(seq)
             events.append(Event(seq, new))
+        # The first tokens leave with these events, after the drafters' own set-up (e.g. a draft model's prompt
+        # prefill): that set-up is prompt processing, so it counts in the time to first token, not in decoding.
+        now = time.perf_counter()
+        for seq in seqs:
+            seq.stats.prefill_time = now - t0
+            seq.stats.t_first_token = now
+            if seq.finished:  # it ended at its first token
+                seq.stats.t_end = now
         return events
 
     def _load_cached_prefix(self, seq: Sequence) -> int:

@@ -55,8 +55,8 @@ def state_bytes(target, method: str, context: int) -> int:
     return int(used)
 
 
-def training_figures() -> dict:
-    card = SHIPPED / "training.json"
+def training_figures(draft_dir: Path) -> dict:
+    card = draft_dir / "training.json"
     if not card.exists():
         return {}
     t = json.loads(card.read_text())
@@ -70,7 +70,10 @@ def main() -> None:
     ap.add_argument("--t1-kinds", default="code", help="kinds also run at T=1 (comma list, '' = none)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--draft", default=None, help="a LongSpec checkpoint dir (default: the shipped draft)")
+    ap.add_argument("--name", default="longspec", help="results name: bench/results/NAME.json")
     args = ap.parse_args()
+    draft_dir = Path(args.draft).resolve() if args.draft else SHIPPED
     torch.set_num_threads(args.threads)
     quiet = wait_for_quiet(max_load=1.0, timeout_s=120)
     from services.local_redis import LocalRedis
@@ -81,7 +84,10 @@ def main() -> None:
     tok = load_tokenizer(path)
     cache = ContextCache(redis.url, f"bench-longspec:{target.model_id}", block_size=128)
     methods = [m for m in args.methods.split(",") if m]
-    makers = {m: (lambda m=m: build_drafter(m, target, max_batch=1, max_context=8192)) for m in methods}
+    makers = {
+        m: (lambda m=m: build_drafter(m, target, max_batch=1, max_context=8192, draft_checkpoint=draft_dir))
+        for m in methods
+    }
     tasks = heldout_tasks(tok, per_kind=args.per_kind)
     load_before = machine_load()
     t0_results = compare(target, tasks, makers, SamplingParams(max_new_tokens=args.max_new_tokens), cache)
@@ -112,10 +118,10 @@ def main() -> None:
         label = "1k" if ctx == 1024 else "8k"
         figures[f"state_bytes_{label}"] = state_bytes(target, "longspec", ctx)
         figures[f"state_bytes_{label}_small_lm"] = state_bytes(target, "small-lm", ctx)
-    figures.update(training_figures())
+    figures.update(training_figures(draft_dir))
     meta = {
         "what": "decode speedup over plain decoding, held-out prompts (eval-split sources), SmolLM2 fp32",
-        "draft": str(SHIPPED.relative_to(Path(__file__).resolve().parents[1])),
+        "draft": str(draft_dir.relative_to(Path(__file__).resolve().parents[1])),
         "max_new_tokens": args.max_new_tokens,
         "tasks": {t.name: len(t.prompt_ids) for t in tasks},
         "quiet_before": quiet,
@@ -123,9 +129,9 @@ def main() -> None:
         "load_after": machine_load(),
         "threads": args.threads,
     }
-    out = write_results("longspec", figures, {"t0": t0_results, "t1": t1_results}, meta)
+    out = write_results(args.name, figures, {"t0": t0_results, "t1": t1_results}, meta)
     plot_panels(
-        RESULTS_DIR / "longspec.png",
+        RESULTS_DIR / f"{args.name}.png",
         speed_panels(t0_results, tasks, methods, "T=0"),
         title="LongSpec vs model-free drafting, held-out long-context prompts (SmolLM2 fp32)",
     )

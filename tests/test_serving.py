@@ -299,19 +299,22 @@ def test_four_concurrent_streams_share_verifier_batches(grpc_address, reference)
     assert max(c.batch_size for chunks in results for c in chunks) == MAX_BATCH
 
 
-def test_abort_frees_the_sequence(client, grpc_address):
+@pytest.mark.parametrize("method", ["", "tokenswift"], ids=["default", "tokenswift"])  # tokenswift: a partial KV
+def test_abort_frees_the_sequence(client, grpc_address, method):
     before = wait_idle(client)
     rid = uuid.uuid4().hex
-    gen = client.generate(PROMPTS[0], max_new_tokens=400, ignore_eos=True, request_id=rid)
+    gen = client.generate(PROMPTS[0], max_new_tokens=400, ignore_eos=True, request_id=rid, method=method)
     first = next(gen)
     assert first.request_id == rid
+    first = [first, next(gen)]  # tokens arrive step by step, not at the end
+    assert all(c.token_ids and not c.final for c in first)
     live = client.health()["replicas"][0]
     assert live["live_sequences"] == 1 and live["free_kv_slots"] == live["total_kv_slots"] - 1
     with Client(grpc_address, timeout=30) as other:
         assert other.abort(rid) is True
     rest = list(gen)
     assert rest[-1].final and rest[-1].finish_reason == "abort"
-    assert sum(len(c.token_ids) for c in [first, *rest]) < 400
+    assert sum(len(c.token_ids) for c in [*first, *rest]) < 400
     after = wait_idle(client)
     assert after["aborted"] == before["aborted"] + 1
     assert client.abort(rid) is False  # nothing live under that id any more

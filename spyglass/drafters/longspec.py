@@ -5,6 +5,8 @@ carry their RoPE positions, so order inside the ring does not matter): memory is
 cross-attention reads the target's committed last-layer K/V in place from the engine's KVCache (`bind`), so
 the long context costs the draft no memory at all. A node at depth d sees the ring's newest `window - 1 - d`
 tokens, its ancestors and itself: exactly the `window` keys the training forward's sliding window shows it.
+A `feed_hidden` draft also reads the target's last hidden state of the newest committed token (EAGLE's feature,
+handed over by the engine through `observe_hidden`): one vector per sequence, as stale as the K/V it reads.
 
 Drafting is incremental and batched: one `draft_step` per depth for every sequence of the step, each node's
 own K/V kept for its descendants (nothing is re-run). Tree shapes:

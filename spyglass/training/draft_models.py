@@ -2,7 +2,9 @@
 
 `LongSpecDraft` is the LongSpec one-block drafter: sliding-window self-attention over its own tokens,
 cross-attention into the target's last-layer post-RoPE K/V (GLIDE reads the top layers the same way),
-a SwiGLU MLP, and the target's frozen embedding and LM head (no final norm, as in LongSpec). Only the
+a SwiGLU MLP, and the target's frozen embedding and LM head (no final norm, as in LongSpec); optionally
+(`feed_hidden`, not in the paper) a projection of the target's last hidden state added before the cross-attention,
+the way EAGLE feeds the target's features to its draft. Only the
 block is trained and checkpointed; the frozen parts are re-read from the target. `draft_logits` runs the
 same block at inference over a window cache and the target's KVCache, through the hybrid tree attention
 (`spyglass.attention`), for the serving drafter to wrap.

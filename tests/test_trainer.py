@@ -87,13 +87,24 @@ def test_training_killed_midway_resumes_at_the_same_step(extracted, tiny_dir, tm
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_deepspeed_zero_bf16_path_runs(tiny_dir, tmp_path, ray_cluster, stage):
-    """The first DeepSpeed start on a machine JIT-compiles its CPU ops (~2.5 min); later ones take seconds."""
+    """The first DeepSpeed start on a machine JIT-compiles its CPU ops (~2.5 min); later ones take seconds.
+    ZeRO-2 also loses a worker at step 5: the job resumes from the step-3 DeepSpeed checkpoint."""
     pytest.importorskip("deepspeed")
     overrides = [f"model={tiny_dir['llama']}", f"train.deepspeed.zero_stage={stage}"]
+    crash = stage == 2
+    if crash:
+        overrides.append("train.crash_at_step=4")
     cfg = load_config(ROOT / "configs" / "tiny-longspec-zero2.yaml", overrides, str(tmp_path))
     run_extraction(cfg)
     out = run_training(cfg)
     recs = _records(tmp_path)
+    if crash:
+        assert (tmp_path / "train" / ".crashed-at-4").exists()  # the first attempt really died
+        assert [r["step"] for r in recs] == [1, 2, 3, 4, 4, 5, 6]
+        assert recs[4]["resumed_from"] == 3
+        # the same batch from the restored weights and optimizer state: the same loss
+        assert recs[4]["loss"] == pytest.approx(recs[3]["loss"], rel=1e-4)
+        recs = recs[:4] + recs[5:]
     assert [r["step"] for r in recs] == list(range(1, 7))
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in recs)
     assert recs[-1]["loss"] < recs[0]["loss"]

@@ -60,9 +60,11 @@ bench-longspec: setup
 	$(PY) bench/longspec.py --max-new-tokens 256 --per-kind 3
 
 # The shipped LongSpec draft: extraction + training (resumable: rerun to continue), then copy it into the package.
+# v3 warm-starts from v2's step-200 checkpoint, so v2 trains first.
 train-longspec: setup
 	$(VENV)/bin/spyglass train configs/smollm2-longspec-v2.yaml --diagnose
-	$(PY) -m actors.export_draft .cache/runs/smollm2-longspec-v2 spyglass/drafts/smollm2-135m-longspec
+	$(VENV)/bin/spyglass train configs/smollm2-longspec-v3.yaml --diagnose
+	$(PY) -m actors.export_draft .cache/runs/smollm2-longspec-v3 spyglass/drafts/smollm2-135m-longspec
 
 # Faults and load against a real local stack (verifier/gateway killed, Redis killed, corrupted cache, SIGTERM,
 # 200 requests at concurrency 16): bench/reliability.py, results in bench/results/reliability.json and

@@ -959,7 +959,7 @@ def _job(docs):
     [
         _script_edit("spyglass train", "spyglass trian"),
         _script_edit("--skip-extract", "--skip-extraction"),
-        _script_edit("smollm2-longspec-v2.yaml", "smollm2-longspec-v3.yaml"),
+        _script_edit("smollm2-longspec-v2.yaml", "smollm2-longspec-v9.yaml"),  # no such config
         _script_edit("spyglass extract", "spyglass train"),
         _script_edit('"stage": 2', '"stage": 3'),  # disagrees with zero_stage
         _script_edit(' --set "train.deepspeed=$(cat /etc/spyglass/deepspeed.json)"', ""),

@@ -1,0 +1,80 @@
+"""What a LongSpec draft gets accepted in serving, by depth and by context length, with the controller off (every
+drafted node verified), next to the held-out agreement by lag its training reported. Several drafts side by side
+on the same held-out code prompts, cut to their last N tokens. Writes bench/results/longspec_acceptance.json.
+
+    python bench/longspec_acceptance.py [--drafts shipped,DIR...] [--lengths 512,2048,0] [--max-new-tokens 64]
+
+Accuracy, not speed: tau here is what the controller could work with, not a speedup. Acceptance at depth d is
+the share of steps that accepted at least d drafted tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.common import median, write_results  # noqa: E402
+from bench.tasks import heldout_tasks  # noqa: E402
+from spyglass.drafters.longspec import SHIPPED, LongSpecDrafter, load_longspec_draft  # noqa: E402
+from spyglass.engine import EngineConfig, SpecEngine  # noqa: E402
+from spyglass.models.llama import load_transformer  # noqa: E402
+from spyglass.models.loader import load_tokenizer, resolve_model  # noqa: E402
+from spyglass.sampling import SamplingParams  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--drafts", default="shipped", help="comma list of checkpoint dirs ('shipped' = the package's)")
+    ap.add_argument("--lengths", default="512,2048,0", help="prompt tails to keep, in tokens (0 = the whole prompt)")
+    ap.add_argument("--per-kind", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    path = resolve_model(None, dtype="float32").path
+    target = load_transformer(path, dtype=torch.float32)
+    tasks = [t for t in heldout_tasks(load_tokenizer(path), per_kind=args.per_kind) if t.kind == "code"]
+    lengths = [int(n) for n in args.lengths.split(",")]
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    figures: dict = {}
+    rows: dict = {}
+    for spec in args.drafts.split(","):
+        ckpt = SHIPPED if spec == "shipped" else Path(spec).resolve()
+        draft = load_longspec_draft(ckpt, target)
+        label = str(ckpt.relative_to(ROOT)) if ckpt.is_relative_to(ROOT) else str(ckpt)
+        training = json.loads((ckpt / "training.json").read_text()) if (ckpt / "training.json").exists() else {}
+        for n in lengths:
+            per_task = []
+            for task in tasks:
+                ids = task.prompt_ids[-n:] if n else task.prompt_ids
+                engine = SpecEngine(
+                    target, LongSpecDrafter(draft, gamma=args.gamma), EngineConfig(1, 8192, controller="off")
+                )
+                (seq,) = engine.run([ids], params)
+                st = seq.stats.summary(seq.num_generated)
+                per_task.append({"task": task.name, "prompt_tokens": len(ids), "tau": st["tau"],
+                                 "acceptance_by_depth": [round(a, 3) for a in st["acceptance_by_depth"]]})  # fmt: skip
+            key = f"{Path(label).name}@{n or 'full'}"
+            by_depth = [r["acceptance_by_depth"] + [0.0] * args.gamma for r in per_task]  # depths never reached: 0
+            depth = [round(median([a[d] for a in by_depth]), 3) for d in range(args.gamma)]
+            figures[f"tau_{key}"] = round(median([r["tau"] for r in per_task]), 3)
+            figures[f"acceptance_by_depth_{key}"] = depth
+            rows[key] = {"draft": label, "tail_tokens": n, "tasks": per_task,
+                         "eval_agree_by_lag": training.get("eval_agree_by_lag")}  # fmt: skip
+            print(f"{key}: tau {figures[f'tau_{key}']}  acceptance by depth {depth}", flush=True)
+    meta = {"what": __doc__.splitlines()[0], "max_new_tokens": args.max_new_tokens, "gamma": args.gamma,
+            "controller": "off", "threads": args.threads}  # fmt: skip
+    print(write_results("longspec_acceptance", figures, rows, meta))
+
+
+if __name__ == "__main__":
+    main()

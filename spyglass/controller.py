@@ -133,6 +133,7 @@ class _SeqControl:
     backoff: int = 4  # plain steps before the next probe
     probing: bool = False  # this step is a probe
     draft_s: float = 0.0  # recent drafting time per step for this sequence (decayed mean)
+    kept_depth: int = 0  # depth of the subtree verified at the last drafting step
 
 
 class SpeculationController:
@@ -159,8 +160,11 @@ class SpeculationController:
         """False while a sequence decodes plainly between probes: its drafter need not run at all."""
         st = self._state(seq)
         if st.plain_streak == 0:
+            # one level deeper than what paid last time (room to grow); drafting deeper would only be pruned
+            seq.draft_depth = st.kept_depth + 1 if st.kept_depth else None
             return True
         st.probing = st.plain_streak >= st.backoff
+        seq.draft_depth = None
         return st.probing
 
     def skip(self, seq: Sequence) -> None:
@@ -225,10 +229,13 @@ class SpeculationController:
         elif best_k == 0:
             st.plain_streak += 1
             stats.plain_steps += 1
+            st.kept_depth = 0
             return DraftTree.root_only(int(tree.tokens[0]))
         stats.drafted_steps += 1
         stats.verified_nodes += best_k
-        return tree.subtree(tree.best_nodes(scores, best_k))
+        kept = tree.subtree(tree.best_nodes(scores, best_k))
+        st.kept_depth = kept.max_depth
+        return kept
 
     def note_draft_time(self, seq: Sequence, seconds: float) -> None:
         """The drafter's time for this sequence in this step: a slow drafter must earn its own cost too."""

@@ -109,6 +109,8 @@ class Sequence:
         self.stats = SeqStats()
         self.drafter_state: object = None  # owned by the drafter
         self.control: object = None  # owned by the engine's speculation controller
+        # Set by the controller each step: how deep a tree is worth drafting (None = the drafter's own limit).
+        self.draft_depth: int | None = None
 
     @property
     def tokens(self) -> torch.Tensor:

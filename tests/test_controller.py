@@ -157,3 +157,33 @@ def test_rejection_sampled_chains_are_sized_without_their_own_scores():
         seq = Sequence(_prompt(), SamplingParams(max_new_tokens=4, temperature=1.0, seed=0))
         sizes.add(len(ctl.size(seq, DraftTree.chain(5, [1, 2, 3], probs, scores), batch=1)))
     assert len(sizes) == 1
+
+
+def test_the_depth_that_paid_bounds_the_next_draft():
+    """After verifying a subtree of depth k the controller asks for k + 1 levels (drafting deeper would only be
+    pruned); a probe or a sequence it has no evidence on asks for the drafter's own depth (None)."""
+    ctl = SpeculationController(CostCurve.linear(1.0, 0.5))
+    seq = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
+    assert ctl.wants_draft(seq) and seq.draft_depth is None
+    tree = DraftTree.chain(5, [1, 2, 3, 4, 5, 6], scores=[1.0, 0.95, 0.9, 0.5, 0.2, 0.1, 0.05])
+    kept = ctl.size(seq, tree, batch=1)
+    assert 1 <= kept.max_depth < tree.max_depth
+    assert ctl.wants_draft(seq) and seq.draft_depth == kept.max_depth + 1
+    ctl.size(seq, DraftTree.chain(5, [1], scores=[1.0, 0.01]), batch=1)  # not worth verifying: plain decoding
+    ctl.skip(seq)
+    while not ctl.wants_draft(seq):
+        ctl.skip(seq)
+    assert seq.draft_depth is None  # the probe drafts at full depth
+
+
+def test_longspec_drafts_only_as_deep_as_the_controller_asks(tiny_target):
+    from spyglass.drafters.longspec import LongSpecDrafter
+    from tests.tiny import layer_copy_draft
+
+    drafter = LongSpecDrafter(layer_copy_draft(tiny_target), gamma=5)
+    engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=1, max_context=128, controller="off"))
+    seq = engine.add_request(_prompt(), SamplingParams(max_new_tokens=8, ignore_eos=True))
+    engine.step()
+    assert drafter.propose([seq])[0].max_depth == 5
+    seq.draft_depth = 2
+    assert drafter.propose([seq])[0].max_depth == 2

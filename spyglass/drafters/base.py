@@ -40,6 +40,10 @@ class Drafter(Protocol):
         """Memory the drafter holds for this sequence."""
 
 
+# Optional: `seq.draft_depth` (None or an int) is how deep the engine's controller expects a tree to be worth
+# drafting this step (one level deeper than what it verified last time); a drafter whose cost grows with depth
+# (LongSpec) may stop there. Deeper nodes would only be pruned.
+
 # Optional, for drafters that read the target's hidden states (TokenSwift, DFlash). A drafter with a non-empty
 # `hidden_layers: tuple[int, ...]` (layer indices, negative from the end; the output of that layer, before the
 # final norm) gets, after every target forward that commits tokens of a sequence (prefill chunks and verify

@@ -155,7 +155,8 @@ class LongSpecDrafter:
         for seq, w, c in zip(batch, states, committed, strict=True):
             self._sync(seq, w, c)
         targets = [self.cache.prefix(s.slot, self.layer) for s in batch]
-        depth_cap = [max(0, min(self.gamma, self.cache.capacity - s.num_tokens)) for s in batch]
+        gammas = [min(self.gamma, s.draft_depth or self.gamma) for s in batch]  # the controller's hint, if any
+        depth_cap = [max(0, min(g, self.cache.capacity - s.num_tokens)) for g, s in zip(gammas, batch, strict=True)]
         trees = [_Growing(int(s.root)) for s in batch]
         frontier = [[0] if depth_cap[i] > 0 else [] for i in range(len(batch))]
         for depth in range(max(depth_cap, default=0)):

@@ -62,14 +62,14 @@ def test_logits_match_hf(smollm2, prompts):
 
 def test_greedy_identity_real_prompts(smollm2, prompts):
     model, _ = smollm2
-    params = SamplingParams(max_new_tokens=24)
+    params = SamplingParams(max_new_tokens=40)  # the 8-layer draft accepts little: enough tokens to see some
     reference = [plain_generate(model, p, params) for p in prompts]
     drafters = [
         ("ngram", lambda: NgramDrafter()),
         ("small-lm", lambda: SmallLMDrafter(truncated_draft(model, 8), gamma=4, max_batch=4, max_context=4096)),
     ]
     for name, make in drafters:
-        for batch, chosen in ((1, prompts[:2]), (4, prompts)):
+        for batch, chosen in ((1, prompts[:3]), (4, prompts)):
             engine = SpecEngine(
                 model, make(), EngineConfig(max_batch=batch, max_context=4096, controller=free_tokens_curve())
             )

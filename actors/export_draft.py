@@ -17,6 +17,14 @@ from pathlib import Path
 
 from actors.trainer import latest_checkpoint
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def repo_relative(path: str | Path) -> str:
+    """A shipped record names no path of the machine it was trained on."""
+    p = Path(path).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else p.name
+
 
 def summarise(run_dir: Path, step: int | None = None) -> tuple[Path, dict]:
     ckpts = run_dir / "train" / "checkpoints"
@@ -25,6 +33,8 @@ def summarise(run_dir: Path, step: int | None = None) -> tuple[Path, dict]:
         raise FileNotFoundError(f"no finished checkpoint under {ckpts}")
     state = json.loads((ckpt / "trainer_state.json").read_text())
     spec = state["train"]
+    if spec.get("init_from"):
+        spec["init_from"] = repo_relative(spec["init_from"])
     manifest = json.loads((run_dir / "extract" / spec.get("split", "train") / "manifest.json").read_text())
     records = [json.loads(line) for line in (run_dir / "train" / "metrics.jsonl").read_text().splitlines() if line]
     records = [r for r in records if r["step"] <= state["step"]]
@@ -36,7 +46,7 @@ def summarise(run_dir: Path, step: int | None = None) -> tuple[Path, dict]:
     ]
     last_eval = evals[-1] if evals else {}
     summary = {
-        "checkpoint": str(ckpt),
+        "checkpoint": repo_relative(ckpt),
         "steps": state["step"],
         "train_tokens": state["step"] * spec["batch_size"] * seq_len,
         "train_wall_s": round(sum(r["step_s"] for r in records), 1),

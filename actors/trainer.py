@@ -163,11 +163,9 @@ def rank_vocab(tokens: torch.Tensor, size: int, vocab: int) -> torch.Tensor:
 
 def warm_start(draft: torch.nn.Module, ckpt: Path) -> None:
     """Load a trained draft's weights into a (possibly larger) new one, e.g. the KV-only LongSpec draft into a
-    `feed_hidden` one whose extra projection starts at zero: training starts from the old draft's behaviour."""
-    weights = ckpt / "draft.safetensors"
-    if not weights.is_file():
-        raise ValueError(f"train.init_from: {ckpt} holds no draft.safetensors")
-    _, unexpected = draft.load_state_dict(load_file(str(weights)), strict=False)
+    `feed_hidden` one whose extra projection starts at zero: training starts from the old draft's behaviour.
+    `run_training` checks that the file exists before any worker starts."""
+    _, unexpected = draft.load_state_dict(load_file(str(ckpt / "draft.safetensors")), strict=False)
     if unexpected:
         raise ValueError(f"train.init_from: {ckpt} has weights this draft does not: {unexpected}")
     if getattr(draft.cfg, "draft_vocab", 0):

@@ -225,12 +225,17 @@ class LongSpecDraft(nn.Module):
         if c.feed_hidden and target_h is None:
             raise ValueError("this draft reads the target's hidden states: pass target_h")
         tk, tv = _repeat_kv(target_k.to(dtype), n_rep), _repeat_kv(target_v.to(dtype), n_rep)
+
+        def cross_query(y: torch.Tensor) -> torch.Tensor:
+            qc = self.cross_q(self.cross_norm(y)).view(b, length, c.n_heads, c.head_dim)
+            return apply_rope(qc, cos, sin).transpose(1, 2)
+
+        qc = None if c.feed_hidden else cross_query(x)  # without the hidden state, the same for every lag
         outs = []
         for one_lag in lag if isinstance(lag, tuple) else (lag,):
-            if c.feed_hidden:
+            if c.feed_hidden:  # the hidden state read at this lag changes the query
                 x = x_self + self.read_hidden(F.pad(target_h, (0, 0, one_lag, 0))[:, :length])
-            qc = apply_rope(self.cross_q(self.cross_norm(x)).view(b, length, c.n_heads, c.head_dim), cos, sin)
-            qc = qc.transpose(1, 2)
+                qc = cross_query(x)
             cmask, empty = lagged_cross_mask(length, tk.shape[2], one_lag, dtype)
             scale = 1.0 / math.sqrt(c.head_dim)
             o = F.scaled_dot_product_attention(qc, tk, tv, attn_mask=cmask.to(x.device), scale=scale)

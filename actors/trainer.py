@@ -163,11 +163,18 @@ def rank_vocab(tokens: torch.Tensor, size: int, vocab: int) -> torch.Tensor:
 
 def warm_start(draft: torch.nn.Module, ckpt: Path) -> None:
     """Load a trained draft's weights into a (possibly larger) new one, e.g. the KV-only LongSpec draft into a
-    `feed_hidden` one whose extra projection starts at zero: training starts from the old draft's behaviour.
-    `run_training` checks that the file exists before any worker starts."""
-    _, unexpected = draft.load_state_dict(load_file(str(ckpt / "draft.safetensors")), strict=False)
+    `feed_hidden` one whose extra projection starts at zero, or a one-layer draft into the top layer of a GLIDE
+    one whose new lower layers start as identities (their output projections at zero): training starts from
+    the old draft's behaviour. `run_training` checks that the file exists before any worker starts."""
+    missing, unexpected = draft.load_state_dict(load_file(str(ckpt / "draft.safetensors")), strict=False)
     if unexpected:
         raise ValueError(f"train.init_from: {ckpt} has weights this draft does not: {unexpected}")
+    new_layers = {k.split(".")[1] for k in missing if k.startswith("layers.")}
+    with torch.no_grad():
+        for i in new_layers:
+            layer = draft.layers[int(i)]
+            for out in (layer.wo, layer.cross_o, layer.w_down):
+                out.weight.zero_()
     if getattr(draft.cfg, "draft_vocab", 0):
         draft.set_vocab(draft.vocab_ids.clone())
 
@@ -194,10 +201,11 @@ def _train_loop(config: dict[str, Any]) -> None:
     ckpt_root = out_dir / "checkpoints"
     extract_dir = Path(config["extract_dir"])
     manifest = json.loads((extract_dir / "manifest.json").read_text())
-    kv_layer = manifest["kv_layers"][-1]
+    n_draft = int(spec.draft_options.get("n_layers", 1))  # GLIDE: draft layer m reads target layer L - N + m
+    kv_layers = manifest["kv_layers"][-n_draft:]  # checked against the target below
 
     loss_fn = LOSSES[spec.draft](
-        kv_layer=kv_layer,
+        kv_layer=kv_layers,
         lag_min=spec.lag[0],
         lag_max=spec.lag[1],
         distill_weight=spec.distill_weight,
@@ -205,7 +213,7 @@ def _train_loop(config: dict[str, Any]) -> None:
         all_lags=spec.all_lags,
         lag_weights=spec.lag_weights,
         loss_from=spec.loss_from,
-        hidden_layer=kv_layer if spec.draft_options.get("feed_hidden") else None,
+        hidden_layer=kv_layers[-1] if spec.draft_options.get("feed_hidden") else None,
     )
     data = ShardDataset(extract_dir, loss_fn.required_keys())
     eval_dir = extract_dir.parent / spec.eval_split
@@ -215,6 +223,11 @@ def _train_loop(config: dict[str, Any]) -> None:
     target = load_transformer(manifest["model_path"], dtype=torch.float32)
     torch.manual_seed(spec.seed)  # identical initial weights on every rank
     draft = DRAFT_MODELS[spec.draft].from_target(target, **spec.draft_options)
+    if kv_layers != draft.target_layers(target.args.n_layers):
+        raise ValueError(
+            f"this draft reads the K/V of target layers {draft.target_layers(target.args.n_layers)}; the "
+            f"extraction has {manifest['kv_layers']} (set extract.kv_layers)"
+        )
     del target
     if getattr(draft.cfg, "draft_vocab", 0):
         draft.set_vocab(rank_vocab(data.data["tokens"], draft.cfg.draft_vocab, draft.cfg.vocab_size))

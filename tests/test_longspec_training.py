@@ -95,8 +95,8 @@ def test_rank_vocab_picks_most_frequent():
 def test_init_layer_copies_the_target_layer(tmp_path):
     target = _target(tmp_path)
     draft = LongSpecDraft.from_target(target, window=8, init_layer=0, intermediate_size=target.args.intermediate_size)
-    assert torch.equal(draft.wqkv.weight, target.layers[0].wqkv.weight.float())
-    assert torch.equal(draft.w_down.weight, target.layers[0].w_down.weight.float())
+    assert torch.equal(draft.layers[0].wqkv.weight, target.layers[0].wqkv.weight.float())
+    assert torch.equal(draft.layers[0].w_down.weight, target.layers[0].w_down.weight.float())
 
 
 def test_diagnose_line_lists_every_lag():

@@ -131,8 +131,8 @@ def sample_joint(
 
 
 METHODS = [
-    "ar", "ngram", "suffix", "small-lm", "longspec", "longspec-beam", "longspec-cape", "composite", "tokenswift",
-    "streaming", "dflash", "dflash-dels",
+    "ar", "ngram", "suffix", "small-lm", "longspec", "longspec-beam", "longspec-cape", "glide", "composite",
+    "tokenswift", "streaming", "dflash", "dflash-dels",
 ]  # fmt: skip
 # Drafters whose trees run with the controller off, so every node (chain and alternatives) is verified: at batch
 # 500 the controller rightly prunes a tiny draft's unscored sampled chains (streaming) or low-scored blocks (DFlash)
@@ -161,6 +161,7 @@ def test_first_three_tokens_match_plain_sampling(sampling_model, prompt, method,
         "longspec": lambda: LongSpecDrafter(layer_copy_draft(model, feed_hidden=True), gamma=3),
         "longspec-beam": lambda: LongSpecDrafter(layer_copy_draft(model), gamma=3, mode="beam", width=2),
         "longspec-cape": lambda: LongSpecDrafter(layer_copy_draft(model), gamma=3, mode="cape"),
+        "glide": lambda: LongSpecDrafter(layer_copy_draft(model, feed_hidden=True, n_layers=2), gamma=3),
         "composite": lambda: CompositeDrafter(
             [
                 SuffixDrafter(max_depth=3, max_nodes=8),

@@ -51,23 +51,29 @@ def make_tiny_model(
     return path
 
 
-def layer_copy_draft(target, window: int = 512, cross_std: float = 0.01, feed_hidden: bool = False):
-    """A LongSpec draft whose block is the target's first layer, with a small random cross-attention (and, with
-    `feed_hidden`, a small random read of the target's hidden state): untrained, yet it agrees with the target often
-    (HF's random init leaves RMSNorm weights at 1, so skipping the final norm keeps the argmax), so lossless tests
-    exercise acceptance."""
+def layer_copy_draft(target, window: int = 512, cross_std: float = 0.01, feed_hidden: bool = False, n_layers: int = 1):
+    """A LongSpec draft whose block is the target's first layer (a GLIDE one, `n_layers`: the target's first
+    layers), with a small random cross-attention (and, with `feed_hidden`, a small random read of the target's
+    hidden state): untrained, yet it agrees with the target often (HF's random init leaves RMSNorm weights at 1, so
+    skipping the final norm keeps the argmax), so lossless tests exercise acceptance."""
     from torch import nn
 
     from spyglass.training.draft_models import LongSpecDraft
 
     a = target.args
     draft = LongSpecDraft.from_target(
-        target, window=window, qkv_bias=a.qkv_bias, intermediate_size=a.intermediate_size, feed_hidden=feed_hidden
+        target,
+        window=window,
+        qkv_bias=a.qkv_bias,
+        intermediate_size=a.intermediate_size,
+        feed_hidden=feed_hidden,
+        n_layers=n_layers,
     )
     with torch.no_grad():
-        for name in ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down"):
-            getattr(draft, name).load_state_dict(getattr(target.layers[0], name).state_dict())
-        nn.init.normal_(draft.cross_o.weight, std=cross_std)
+        for layer, source in zip(draft.layers, target.layers, strict=False):
+            for name in ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down"):
+                getattr(layer, name).load_state_dict(getattr(source, name).state_dict())
+            nn.init.normal_(layer.cross_o.weight, std=cross_std)
         if feed_hidden:
             nn.init.normal_(draft.hidden_proj.weight, std=cross_std)
     return draft.eval()

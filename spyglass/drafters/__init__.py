@@ -12,6 +12,8 @@ METHODS = (
     "longspec",
     "longspec-beam",
     "longspec-cape",
+    "glide",
+    "glide-cape",
     "composite",
     "dflash",
     "dflash-dels",
@@ -49,12 +51,13 @@ def build_drafter(method: str, target, *, max_batch: int = 4, max_context: int =
             for m in ("suffix", "longspec")
         ]
         return CompositeDrafter(parts)
-    if method.startswith("longspec"):
-        from spyglass.drafters.longspec import LongSpecDrafter, load_longspec_draft
+    if method in ("longspec", "longspec-beam", "longspec-cape", "glide", "glide-cape"):
+        from spyglass.drafters.longspec import SHIPPED, SHIPPED_GLIDE, LongSpecDrafter, load_longspec_draft
 
-        mode = method.removeprefix("longspec").removeprefix("-") or "chain"
-        draft = load_longspec_draft(options.get("draft_checkpoint"), target)  # None: the shipped draft
-        return LongSpecDrafter(draft, gamma=options.get("gamma") or 5, mode=mode)
+        family, _, mode = method.partition("-")
+        shipped = SHIPPED if family == "longspec" else SHIPPED_GLIDE  # used when no checkpoint is given
+        draft = load_longspec_draft(options.get("draft_checkpoint"), target, shipped)
+        return LongSpecDrafter(draft, gamma=options.get("gamma") or 5, mode=mode or "chain")
     if method in ("dflash", "dflash-dels"):
         from spyglass.drafters.dflash import build_dflash_drafter
 

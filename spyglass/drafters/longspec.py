@@ -1,10 +1,13 @@
-"""LongSpec drafter: the trained one-block draft (`spyglass.training.draft_models.LongSpecDraft`) grows a tree.
+"""LongSpec and GLIDE drafter: a trained draft (`spyglass.training.draft_models.LongSpecDraft`: LongSpec's one
+layer, or GLIDE's N, layer m reading target layer L - N + m) grows a tree.
 
-Per sequence it keeps only the self-attention K/V of the last `window - 1` committed tokens, in a ring (keys
-carry their RoPE positions, so order inside the ring does not matter): memory is constant in the context. The
-cross-attention reads the target's committed last-layer K/V in place from the engine's KVCache (`bind`), so
-the long context costs the draft no memory at all. A node at depth d sees the ring's newest `window - 1 - d`
-tokens, its ancestors and itself: exactly the `window` keys the training forward's sliding window shows it.
+Per sequence it keeps only the self-attention K/V of the last `window - 1` committed tokens, per layer, in a ring
+(keys carry their RoPE positions, so order inside the ring does not matter): memory is constant in the context.
+The cross-attention reads the target's committed K/V in place from the engine's KVCache (`bind`), so the long
+context costs the draft no memory at all. A GLIDE draft's higher layers' ring entries come from running the
+layers below over each newly committed token (`sync_kv`, lag 1). A node at depth d sees the ring's newest
+`window - 1 - d` tokens, its ancestors and itself: exactly the `window` keys the training forward's sliding window
+shows it.
 A `feed_hidden` draft also reads the target's last hidden state of the newest committed token (EAGLE's feature,
 handed over by the engine through `observe_hidden`): one vector per sequence, as stale as the K/V it reads.
 
@@ -38,6 +41,7 @@ from spyglass.tree import DraftTree
 from spyglass.verify import Accepted
 
 SHIPPED = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-longspec"
+SHIPPED_GLIDE = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-glide"
 CAPE_BINS = (8, 8, 8, 6, 6, 6, 4, 4, 2, 2, 2)  # extra candidates by floor(10 * p_top1) (GPU default)
 CAPE_BINS_CPU = (3, 3, 3, 2, 2, 2, 1, 1, 1, 0, 0)  # on CPU every node costs verify time: fewer
 MODES = ("chain", "beam", "cape")
@@ -45,7 +49,7 @@ MODES = ("chain", "beam", "cape")
 
 @dataclass
 class _Window:
-    k: torch.Tensor  # [kv_heads, window - 1, head_dim], a ring
+    k: torch.Tensor  # [draft layers, kv_heads, window - 1, head_dim], a ring
     v: torch.Tensor
     pos: torch.Tensor  # [window - 1] position of each ring entry (-1 = empty)
     synced: int  # committed tokens already pushed
@@ -57,10 +61,11 @@ class _Window:
         return int((self.pos >= 0).sum())
 
 
-def load_longspec_draft(checkpoint: str | Path | None, target: Transformer) -> LongSpecDraft:
+def load_longspec_draft(checkpoint: str | Path | None, target: Transformer, shipped: Path = SHIPPED) -> LongSpecDraft:
     """A trainer checkpoint directory (`draft_config.json` + `draft.safetensors`) on top of `target`'s frozen
-    embedding and head; None = the draft shipped with the package. Raises ValueError naming what does not fit."""
-    root = Path(checkpoint) if checkpoint is not None else SHIPPED
+    embedding and head; None = `shipped`, a draft that comes with the package. Raises ValueError naming what does
+    not fit."""
+    root = Path(checkpoint) if checkpoint is not None else shipped
     cfg_file, weights = root / "draft_config.json", root / "draft.safetensors"
     if not cfg_file.is_file() or not weights.is_file():
         raise ValueError(f"{root} is not a draft checkpoint (needs draft_config.json and draft.safetensors)")
@@ -107,21 +112,22 @@ class LongSpecDrafter:
         if width < 1:
             raise ValueError(f"width must be >= 1, got {width}")
         if cape_bins is None:  # the paper's bins on a GPU; on CPU each extra node costs verify time
-            cape_bins = CAPE_BINS if draft.wqkv.weight.is_cuda else CAPE_BINS_CPU
+            cape_bins = CAPE_BINS if draft.layers[0].wqkv.weight.is_cuda else CAPE_BINS_CPU
         self.draft, self.gamma, self.mode, self.width, self.cape_bins = draft, gamma, mode, width, cape_bins
         self.ring = draft.cfg.window - 1  # + the token being drafted from = the training window
         self.cache: KVCache | None = None
-        self.name = "longspec" if mode == "chain" else f"longspec-{mode}"
+        family = "longspec" if draft.cfg.n_layers == 1 else "glide"
+        self.name = family if mode == "chain" else f"{family}-{mode}"
         self.hidden_layers = (-1,) if draft.cfg.feed_hidden else ()  # the engine then calls observe_hidden
         self._pending: dict[int, torch.Tensor] = {}  # prefill's hidden state, until start()
 
     def bind(self, target: Transformer, cache: KVCache) -> None:
         self.cache, self.layer = cache, target.args.n_layers - 1
+        self.layers_read = self.draft.target_layers(target.args.n_layers)
 
     def start(self, seq: Sequence) -> None:
         c = self.draft.cfg
-        dtype = self.draft.wqkv.weight.dtype
-        empty = torch.zeros(c.n_kv_heads, self.ring, c.head_dim, dtype=dtype)
+        empty = torch.zeros(c.n_layers, c.n_kv_heads, self.ring, c.head_dim, dtype=self.draft.dtype)
         pos = torch.full((self.ring,), -1, dtype=torch.long)
         hidden = self._pending.pop(seq.seq_id, None)
         seq.drafter_state = _Window(empty, torch.zeros_like(empty), pos, 0, draft_generator(seq), hidden)
@@ -137,11 +143,18 @@ class LongSpecDrafter:
 
     def _sync(self, seq: Sequence, w: _Window, committed: int) -> None:
         """Push the committed tokens the ring has not seen (only the last `ring` of them matter)."""
-        lo = max(w.synced, committed - self.ring)
-        if lo < committed:
-            k, v = self.draft.window_kv(seq.tokens[lo:committed], torch.arange(lo, committed))
+        if w.synced < committed:
+            if self.draft.cfg.n_layers == 1:  # a function of token and position: only the last `ring` tokens
+                lo = max(w.synced, committed - self.ring)
+                k, v = self.draft.window_kv(seq.tokens[lo:committed], torch.arange(lo, committed))
+                k, v = k.unsqueeze(0), v.unsqueeze(0)
+            else:  # the layers below run over the new tokens
+                targets = [self.cache.prefix(seq.slot, layer) for layer in self.layers_read]
+                tokens = seq.tokens[w.synced : committed]
+                k, v = self.draft.sync_kv(tokens, w.synced, (w.k, w.v, w.pos), targets, self.ring)
+                lo = committed - k.shape[2]
             slots = torch.arange(lo, committed) % self.ring
-            w.k[:, slots], w.v[:, slots] = k, v
+            w.k[:, :, slots], w.v[:, :, slots] = k, v
             w.pos[slots] = torch.arange(lo, committed)
         w.synced = committed
 
@@ -154,7 +167,7 @@ class LongSpecDrafter:
         committed = [self.cache.lengths[s.slot] for s in batch]  # every token but the root
         for seq, w, c in zip(batch, states, committed, strict=True):
             self._sync(seq, w, c)
-        targets = [self.cache.prefix(s.slot, self.layer) for s in batch]
+        targets = [[self.cache.prefix(s.slot, layer) for layer in self.layers_read] for s in batch]
         gammas = [min(self.gamma, s.draft_depth or self.gamma) for s in batch]  # the controller's hint, if any
         depth_cap = [max(0, min(g, self.cache.capacity - s.num_tokens)) for g, s in zip(gammas, batch, strict=True)]
         trees = [_Growing(int(s.root)) for s in batch]
@@ -189,16 +202,16 @@ class LongSpecDrafter:
             w, g = states[i], trees[i]
             keep = (w.pos >= 0) & (w.pos > committed[i] + depth - self.draft.cfg.window)  # training's window
             path = g.path(parent)  # the ancestors of these siblings, root first
-            pk = torch.cat([w.k[:, keep], *(g.k[n] for n in path)], dim=1) if path else w.k[:, keep]
-            pv = torch.cat([w.v[:, keep], *(g.v[n] for n in path)], dim=1) if path else w.v[:, keep]
+            pk = torch.cat([w.k[:, :, keep], *(g.k[n] for n in path)], dim=2) if path else w.k[:, :, keep]
+            pv = torch.cat([w.v[:, :, keep], *(g.v[n] for n in path)], dim=2) if path else w.v[:, :, keep]
             self_groups.append((rs, pk, pv))
-        crosses = [(rs, targets[i][0], targets[i][1]) for i, rs in cross_groups.items()]
+        crosses = [(rs, [k for k, _ in targets[i]], [v for _, v in targets[i]]) for i, rs in cross_groups.items()]
         hidden = torch.stack([states[i].hidden for i, _ in rows]) if self.hidden_layers else None
         logits, k, v = self.draft.draft_step(
             torch.tensor(tokens), torch.tensor(positions), self_groups, crosses, backend="auto", hidden=hidden
         )
         for r, (i, node) in enumerate(rows):
-            trees[i].k[node], trees[i].v[node] = k[:, r : r + 1], v[:, r : r + 1]
+            trees[i].k[node], trees[i].v[node] = k[:, :, r : r + 1], v[:, :, r : r + 1]
         return self.draft.to_full_vocab(logits)
 
     def _children(self, seq: Sequence, g: _Growing, node: int, logits: torch.Tensor, gen) -> list[int]:
@@ -235,7 +248,7 @@ class LongSpecDrafter:
 
 
 class _Growing:
-    """A draft tree under construction, with each node's draft K/V (`[kvh, 1, D]`) for its descendants."""
+    """A draft tree under construction, with each node's draft K/V (`[N, kvh, 1, D]`) for its descendants."""
 
     def __init__(self, root: int) -> None:
         self.tokens, self.parents, self.scores = [root], [-1], [1.0]

@@ -1,12 +1,12 @@
 """Draft models trained by the pipeline.
 
-`LongSpecDraft` is the LongSpec one-block drafter: sliding-window self-attention over its own tokens,
-cross-attention into the target's last-layer post-RoPE K/V (GLIDE reads the top layers the same way),
-a SwiGLU MLP, and the target's frozen embedding and LM head (no final norm, as in LongSpec); optionally
-(`feed_hidden`, not in the paper) a projection of the target's last hidden state added before the cross-attention,
-the way EAGLE feeds the target's features to its draft. Only the
-block is trained and checkpointed; the frozen parts are re-read from the target. `draft_logits` runs the
-same block at inference over a window cache and the target's KVCache, through the hybrid tree attention
+`LongSpecDraft` is the LongSpec drafter: one layer of sliding-window self-attention over its own tokens,
+cross-attention into the target's last-layer post-RoPE K/V, a SwiGLU MLP, and the target's frozen embedding
+and LM head (no final norm, as in LongSpec). With `n_layers` N > 1 it is GLIDE's draft: layer m reads target
+layer L - N + m. Optionally (`feed_hidden`, not in either paper) a projection of the target's last hidden state
+is added before the top layer's cross-attention, the way EAGLE feeds the target's features to its draft. Only
+the layers are trained and checkpointed; the frozen parts are re-read from the target. `draft_step` runs the
+same layers at inference over window caches and the target's KVCache, through the hybrid tree attention
 (`spyglass.attention`), for the serving drafter to wrap.
 """
 
@@ -40,6 +40,7 @@ class LongSpecDraftConfig:
     draft_vocab: int = 0  # > 0: the head scores only this many frequency-ranked tokens (FR-Spec); 0 = all
     init_layer: int | None = None  # copy the self-attention and MLP of this target layer instead of random init
     feed_hidden: bool = False  # also read the target's last hidden state (EAGLE-style), as stale as its K/V
+    n_layers: int = 1  # GLIDE: N layers, layer m reading target layer L - N + m; LongSpec: one
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -86,8 +87,74 @@ def lagged_cross_mask(q_len: int, kv_len: int, lag: int, dtype: torch.dtype) -> 
     return torch.zeros(q_len, kv_len, dtype=dtype).masked_fill(~ok, float("-inf")), empty
 
 
+LAYER_PARTS = ("attn_norm", "wqkv", "wo", "cross_norm", "cross_q", "cross_o", "mlp_norm", "w_gate_up", "w_down")
+
+
+class DraftLayer(nn.Module):
+    """Self-attention over the draft's own tokens, cross-attention into one target layer's post-RoPE K/V (only
+    queries are projected: the keys and values are the target's), SwiGLU MLP. Shapes `[..., L, H]`."""
+
+    def __init__(self, cfg: LongSpecDraftConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h, q_dim, kv_dim = cfg.hidden_size, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.q_dim, self.kv_dim = q_dim, kv_dim
+        self.attn_norm = RMSNorm(h, cfg.rms_eps)
+        self.wqkv = nn.Linear(h, q_dim + 2 * kv_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(q_dim, h, bias=False)
+        self.cross_norm = RMSNorm(h, cfg.rms_eps)
+        self.cross_q = nn.Linear(h, q_dim, bias=cfg.qkv_bias)
+        self.cross_o = nn.Linear(q_dim, h, bias=False)
+        self.mlp_norm = RMSNorm(h, cfg.rms_eps)
+        self.w_gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
+        self.w_down = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Post-RoPE q `[..., L, nh, D]`, k and v `[..., L, kvh, D]`."""
+        c, shape = self.cfg, x.shape[:-1]
+        qkv = self.wqkv(self.attn_norm(x))
+        q = apply_rope(qkv[..., : self.q_dim].view(*shape, c.n_heads, c.head_dim), cos, sin)
+        k, v = self._split_kv(qkv[..., self.q_dim :], cos, sin)
+        return q, k, v
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Only the keys and values (what a window cache keeps): skips the query rows of the projection."""
+        bias = self.wqkv.bias[self.q_dim :] if self.wqkv.bias is not None else None
+        return self._split_kv(F.linear(self.attn_norm(x), self.wqkv.weight[self.q_dim :], bias), cos, sin)
+
+    def _split_kv(self, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c, shape = self.cfg, kv.shape[:-1]
+        k = apply_rope(kv[..., : self.kv_dim].view(*shape, c.n_kv_heads, c.head_dim), cos, sin)
+        return k, kv[..., self.kv_dim :].view(*shape, c.n_kv_heads, c.head_dim)
+
+    def cross_query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        return apply_rope(self.cross_q(self.cross_norm(x)).view(*x.shape[:-1], c.n_heads, c.head_dim), cos, sin)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.w_down(F.silu(gate) * up)
+
+
+def _align_layers(module: LongSpecDraft, state: dict, prefix: str, *_) -> None:
+    """Load-time key map: a draft with fewer layers fills the top ones (a smaller draft warm-starts a larger
+    GLIDE one), and one-block checkpoints, which name the block's parts at the top level, still load."""
+    n = module.cfg.n_layers
+    keys = [k for k in state if k.startswith(prefix)]
+    old = [k for k in keys if k[len(prefix) :].split(".")[0] in LAYER_PARTS]
+    for k in old:
+        state[f"{prefix}layers.0.{k[len(prefix) :]}"] = state.pop(k)
+    indexed = [k for k in state if k.startswith(prefix + "layers.")]
+    have = 1 + max((int(k[len(prefix) + 7 :].split(".")[0]) for k in indexed), default=-1)
+    if 0 < have < n:
+        for k in sorted(indexed, key=lambda k: -int(k[len(prefix) + 7 :].split(".")[0])):
+            i, rest = k[len(prefix) + 7 :].split(".", 1)
+            state[f"{prefix}layers.{int(i) + n - have}.{rest}"] = state.pop(k)
+
+
 class LongSpecDraft(nn.Module):
-    """One draft block over frozen target embeddings; `forward` returns logits `[B, L, vocab]`."""
+    """The draft's layers over frozen target embeddings; `forward` returns logits `[B, L, vocab]`. One layer is
+    LongSpec's draft; N layers are GLIDE's, layer m reading target layer L - N + m (the top N)."""
 
     def __init__(
         self,
@@ -98,18 +165,12 @@ class LongSpecDraft(nn.Module):
         rope_scaling: float = 1.0,
     ) -> None:
         super().__init__()
+        if cfg.n_layers < 1:
+            raise ValueError(f"a draft needs at least one layer, got n_layers={cfg.n_layers}")
         self.cfg = cfg
-        h, q_dim, kv_dim = cfg.hidden_size, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        self.attn_norm = RMSNorm(h, cfg.rms_eps)
-        self.wqkv = nn.Linear(h, q_dim + 2 * kv_dim, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(q_dim, h, bias=False)
-        self.cross_norm = RMSNorm(h, cfg.rms_eps)
-        self.cross_q = nn.Linear(h, q_dim, bias=cfg.qkv_bias)
-        self.cross_o = nn.Linear(q_dim, h, bias=False)
-        self.mlp_norm = RMSNorm(h, cfg.rms_eps)
-        self.w_gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
-        self.w_down = nn.Linear(cfg.intermediate_size, h, bias=False)
-        if cfg.feed_hidden:
+        h = cfg.hidden_size
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.n_layers))
+        if cfg.feed_hidden:  # read by the top layer, before its cross-attention
             self.hidden_norm = RMSNorm(h, cfg.rms_eps)
             self.hidden_proj = nn.Linear(h, h, bias=False)
         for m in self.modules():
@@ -131,6 +192,7 @@ class LongSpecDraft(nn.Module):
             self.set_vocab(self.vocab_ids)
         self.register_buffer("inv_freq", inv_freq.clone().float(), persistent=False)
         self.rope_scaling = rope_scaling
+        self.register_load_state_dict_pre_hook(_align_layers)
 
     @classmethod
     def from_target(cls, target: Transformer, **overrides) -> LongSpecDraft:
@@ -143,14 +205,23 @@ class LongSpecDraft(nn.Module):
         else:
             head.weight = nn.Parameter(target.lm_head.weight.detach().clone().float(), requires_grad=False)
         draft = cls(cfg, embed, head, target.inv_freq, target.rope_scaling)
-        if cfg.init_layer is not None:
-            layer = target.layers[cfg.init_layer]
+        if cfg.init_layer is not None:  # every draft layer starts as that target layer's self-attention and MLP
+            src = target.layers[cfg.init_layer]
             with torch.no_grad():
-                for name in ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down"):
-                    src = getattr(layer, name).state_dict()
-                    if all(src[k].shape == v.shape for k, v in getattr(draft, name).state_dict().items() if k in src):
-                        getattr(draft, name).load_state_dict(src, strict=False)
+                for layer in draft.layers:
+                    for name in ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down"):
+                        sd = getattr(src, name).state_dict()
+                        if all(sd[k].shape == v.shape for k, v in getattr(layer, name).state_dict().items() if k in sd):
+                            getattr(layer, name).load_state_dict(sd, strict=False)
         return draft
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layers[0].wqkv.weight.dtype
+
+    def target_layers(self, n_target_layers: int) -> list[int]:
+        """The target layers the draft's layers read, lowest first (GLIDE: the top N)."""
+        return list(range(n_target_layers - self.cfg.n_layers, n_target_layers))
 
     def set_vocab(self, ids: torch.Tensor) -> None:
         """Score only the target tokens `ids` (most frequent first): the head becomes those rows of the shared
@@ -176,99 +247,160 @@ class LongSpecDraft(nn.Module):
         return full
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """Only the draft block (and the reduced head's token ids): what checkpoints hold."""
+        """Only the draft layers (and the reduced head's token ids): what checkpoints hold."""
         names = {n for n, p in self.named_parameters() if p.requires_grad}
         if self.cfg.draft_vocab:
             names.add("vocab_ids")
         return {k: v for k, v in self.state_dict().items() if k in names}
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin `[B, L, 1, D]` for position ids `[B, L]`, same frequencies as the target."""
+        """cos/sin `[..., L, 1, D]` for position ids `[..., L]`, same frequencies as the target."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)
-        return (emb.cos() * self.rope_scaling).to(dtype).unsqueeze(2), (emb.sin() * self.rope_scaling).to(
-            dtype
-        ).unsqueeze(2)
+        cos, sin = emb.cos() * self.rope_scaling, emb.sin() * self.rope_scaling
+        return cos.to(dtype).unsqueeze(-2), sin.to(dtype).unsqueeze(-2)
 
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        target_k: torch.Tensor,
-        target_v: torch.Tensor,
-        lag: int | tuple[int, ...] = 1,
-        logits_from: int = 0,
-        target_h: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """tokens/positions `[B, L]`; target_k/v `[B, kvh, L, D]` (post-RoPE); returns fp32 draft-head logits
-        `[B, L, Vd]`, or `[len(lag), B, L, Vd]` for a tuple of lags (the self-attention is shared between them);
-        with `logits_from`, only positions from there on get logits (the LM head is most of the cost).
-        `target_h` `[B, L, H]`: the target's last hidden states, for a `feed_hidden` draft; query t reads row
-        t - lag (the newest one serving has), nothing before the first."""
-        c = self.cfg
-        b, length = tokens.shape
-        dtype = self.wqkv.weight.dtype
-        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-        n_rep = c.n_heads // c.n_kv_heads
-        cos, sin = self.rope(positions, dtype)
-        x = self.embed(tokens).to(dtype)
+    def _per_layer(self, kv: torch.Tensor | list | tuple) -> list:
+        """One target layer's K or V per draft layer: a tensor for a one-layer draft, else a list, lowest first."""
+        kvs = [kv] if isinstance(kv, torch.Tensor) else list(kv)
+        if len(kvs) != self.cfg.n_layers:
+            raise ValueError(
+                f"this draft has {self.cfg.n_layers} layer(s), each reading one target layer; got {len(kvs)}"
+            )
+        return kvs
 
-        qkv = self.wqkv(self.attn_norm(x))
-        q = apply_rope(qkv[..., :q_dim].view(b, length, c.n_heads, c.head_dim), cos, sin).transpose(1, 2)
-        k = apply_rope(qkv[..., q_dim : q_dim + kv_dim].view(b, length, c.n_kv_heads, c.head_dim), cos, sin)
-        v = qkv[..., q_dim + kv_dim :].view(b, length, c.n_kv_heads, c.head_dim)
-        k, v = _repeat_kv(k.transpose(1, 2), n_rep), _repeat_kv(v.transpose(1, 2), n_rep)
-        mask = sliding_window_mask(length, c.window, dtype).to(x.device)
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(c.head_dim))
-        x = x_self = x + self.wo(a.transpose(1, 2).reshape(b, length, q_dim))
-
-        if c.feed_hidden and target_h is None:
-            raise ValueError("this draft reads the target's hidden states: pass target_h")
-        tk, tv = _repeat_kv(target_k.to(dtype), n_rep), _repeat_kv(target_v.to(dtype), n_rep)
-
-        def cross_query(y: torch.Tensor) -> torch.Tensor:
-            qc = self.cross_q(self.cross_norm(y)).view(b, length, c.n_heads, c.head_dim)
-            return apply_rope(qc, cos, sin).transpose(1, 2)
-
-        qc = None if c.feed_hidden else cross_query(x)  # without the hidden state, the same for every lag
-        outs = []
-        for one_lag in lag if isinstance(lag, tuple) else (lag,):
-            if c.feed_hidden:  # the hidden state read at this lag changes the query
-                x = x_self + self.read_hidden(F.pad(target_h, (0, 0, one_lag, 0))[:, :length])
-                qc = cross_query(x)
-            cmask, empty = lagged_cross_mask(length, tk.shape[2], one_lag, dtype)
-            scale = 1.0 / math.sqrt(c.head_dim)
-            o = F.scaled_dot_product_attention(qc, tk, tv, attn_mask=cmask.to(x.device), scale=scale)
-            o = o.masked_fill(empty.to(x.device).view(1, 1, length, 1), 0.0)
-            y = x + self.cross_o(o.transpose(1, 2).reshape(b, length, q_dim))
-            outs.append(self.mlp_logits(y[:, logits_from:]))
-        return torch.stack(outs) if isinstance(lag, tuple) else outs[0]
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared (or reduced) LM head, no final norm: fp32 logits."""
+        return self.lm_head(x.to(self.lm_head.weight.dtype)).float()
 
     def read_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """The residual update from the target's hidden state (zero rows stay zero: RMSNorm of 0 is 0)."""
         return self.hidden_proj(self.hidden_norm(hidden.to(self.hidden_proj.weight.dtype)))
 
-    def mlp_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The block's last sub-layer and the shared LM head: fp32 logits."""
-        gate, up = self.w_gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
-        x = x + self.w_down(F.silu(gate) * up)
-        return self.lm_head(x.to(self.lm_head.weight.dtype)).float()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        target_k: torch.Tensor | list[torch.Tensor],
+        target_v: torch.Tensor | list[torch.Tensor],
+        lag: int | tuple[int, ...] = 1,
+        logits_from: int = 0,
+        target_h: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """tokens/positions `[B, L]`; target_k/v `[B, kvh, L, D]` (post-RoPE; a list, lowest first, for several
+        layers); returns fp32 draft-head logits `[B, L, Vd]`, or `[len(lag), B, L, Vd]` for a tuple of lags (the
+        first self-attention is shared between them); with `logits_from`, only positions from there on get
+        logits (the LM head is most of the cost). `target_h` `[B, L, H]`: the target's last hidden states, for
+        a `feed_hidden` draft; query t reads row t - lag (the newest one serving has), nothing before the first.
+        Every layer sees the target with the same lag (serving computes the lower layers of committed tokens,
+        which later queries attend to, at lag 1: GLIDE's approximation; exact for one layer)."""
+        c = self.cfg
+        if c.feed_hidden and target_h is None:
+            raise ValueError("this draft reads the target's hidden states: pass target_h")
+        b, length = tokens.shape
+        dtype = self.dtype
+        n_rep = c.n_heads // c.n_kv_heads
+        tks = [_repeat_kv(k.to(dtype), n_rep) for k in self._per_layer(target_k)]
+        tvs = [_repeat_kv(v.to(dtype), n_rep) for v in self._per_layer(target_v)]
+        cos, sin = self.rope(positions, dtype)
+        mask = sliding_window_mask(length, c.window, dtype).to(tokens.device)
+        scale = 1.0 / math.sqrt(c.head_dim)
 
-    # --- inference: the same block over caches, through the hybrid tree attention ----------------------
+        def self_attention(layer: DraftLayer, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = (t.transpose(1, 2) for t in layer.qkv(x, cos, sin))
+            a = F.scaled_dot_product_attention(
+                q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep), attn_mask=mask, scale=scale
+            )
+            return layer.wo(a.transpose(1, 2).reshape(b, length, -1))
+
+        x0 = self.embed(tokens).to(dtype)
+        first = x0 + self_attention(self.layers[0], x0)  # no target read yet: the same for every lag
+        outs = []
+        for one_lag in lag if isinstance(lag, tuple) else (lag,):
+            cmask, empty = lagged_cross_mask(length, tks[0].shape[2], one_lag, dtype)
+            cmask, empty = cmask.to(tokens.device), empty.to(tokens.device).view(1, 1, length, 1)
+            x = first
+            for m, layer in enumerate(self.layers):
+                top = m == c.n_layers - 1
+                if m:
+                    x = x + self_attention(layer, x)
+                if top and c.feed_hidden:
+                    x = x + self.read_hidden(F.pad(target_h, (0, 0, one_lag, 0))[:, :length])
+                qc = layer.cross_query(x, cos, sin).transpose(1, 2)
+                o = F.scaled_dot_product_attention(qc, tks[m], tvs[m], attn_mask=cmask, scale=scale)
+                x = x + layer.cross_o(o.masked_fill(empty, 0.0).transpose(1, 2).reshape(b, length, -1))
+                x = layer.mlp(x[:, logits_from:] if top else x)
+            outs.append(self.head(x))
+        return torch.stack(outs) if isinstance(lag, tuple) else outs[0]
+
+    # --- inference: the same layers over caches, through the hybrid tree attention ---------------------
 
     @torch.inference_mode()
     def window_kv(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Post-RoPE self-attention K/V `[kvh, n, D]` of committed tokens `[n]`. The block's first sub-layer
-        makes them a function of token and position only, so the draft's window cache needs nothing else."""
-        c = self.cfg
-        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-        n = tokens.shape[0]
-        x = self.attn_norm(self.embed(tokens).to(self.wqkv.weight.dtype))
-        bias = self.wqkv.bias[q_dim:] if self.wqkv.bias is not None else None
-        kv = F.linear(x, self.wqkv.weight[q_dim:], bias)
-        cos, sin = self.rope(positions.unsqueeze(0), x.dtype)
-        k = apply_rope(kv[:, :kv_dim].view(n, c.n_kv_heads, c.head_dim), cos[0], sin[0])
-        return k.transpose(0, 1), kv[:, kv_dim:].view(n, c.n_kv_heads, c.head_dim).transpose(0, 1)
+        """The first layer's post-RoPE self-attention K/V `[kvh, n, D]` of committed tokens `[n]`: a function
+        of token and position only (the other layers' need `sync_kv`)."""
+        cos, sin = self.rope(positions, self.dtype)
+        k, v = self.layers[0].kv(self.embed(tokens).to(self.dtype), cos, sin)
+        return k.transpose(0, 1), v.transpose(0, 1)
+
+    @torch.inference_mode()
+    def sync_kv(
+        self,
+        tokens: torch.Tensor,
+        start: int,
+        ring: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        targets: list[tuple[torch.Tensor, torch.Tensor]],
+        keep: int,
+        backend: str = "auto",
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's self-attention K/V `[N, kvh, n', D]` of newly committed tokens `[n]` (positions
+        `start`..), for a window cache that keeps the last `keep` positions: n' = min(n, keep) newest ones.
+
+        The first layer's depend on token and position only; a higher layer's on the layers below, run over
+        the new tokens: self-attention within the training window over the cache `ring` (K/V `[N, kvh, R, D]`,
+        positions `[R]`, -1 empty) and the new tokens, cross-attention into `targets` (the target's committed
+        K/V per layer, `[kvh, >= start + n, D]`) up to the token before each (lag 1; position 0 reads nothing)."""
+        c, n, dtype = self.cfg, tokens.shape[0], self.dtype
+        end = start + n
+        need = [max(start, end - keep)]  # first position whose K/V layer m must give, from the top down
+        for _ in range(c.n_layers - 1):
+            need.insert(0, max(start, need[0] - c.window + 1))
+        pos = torch.arange(need[0], end)
+        cos, sin = self.rope(pos, dtype)
+        x = self.embed(tokens[need[0] - start :]).to(dtype)
+        ks, vs = [], []
+        ring_k, ring_v, ring_pos = ring
+        for m, layer in enumerate(self.layers):
+            lo = need[m] - need[0]  # x, cos, sin cover positions need[0]..end; layer m works from need[m]
+            if m == c.n_layers - 1:
+                k, v = layer.kv(x, cos[lo:], sin[lo:])
+                ks.append(k)
+                vs.append(v)
+                break
+            q, k, v = layer.qkv(x, cos[lo:], sin[lo:])
+            ks.append(k)
+            vs.append(v)
+            nxt = need[m + 1] - need[m]  # queries: the positions the next layer needs
+            old = (ring_pos >= 0) & (ring_pos < need[m])
+            keys_pos = torch.cat([ring_pos[old], pos[lo:]])
+            qpos = pos[lo + nxt :].unsqueeze(1)
+            visible = (keys_pos <= qpos) & (keys_pos > qpos - c.window)
+            keys_k = torch.cat([ring_k[m][:, old], k.transpose(0, 1)], dim=1)
+            keys_v = torch.cat([ring_v[m][:, old], v.transpose(0, 1)], dim=1)
+            a = _masked_attention(q[nxt:].transpose(0, 1), keys_k, keys_v, visible)
+            x = x[nxt:] + layer.wo(a.transpose(0, 1).reshape(x.shape[0] - nxt, -1))
+            qc = layer.cross_query(x, cos[lo + nxt :], sin[lo + nxt :]).transpose(0, 1)
+            tk, tv = targets[m]
+            q0 = need[m + 1]  # query j sees target keys < j: all of 0..q0-1, then a strictly lower triangle
+            tail = torch.ones(end - q0, end - q0, dtype=torch.bool).tril(-1)
+            tk, tv = tk.to(dtype), tv.to(dtype)
+            o = tree_attention(qc, tk[:, :q0], tv[:, :q0], tk[:, q0:end], tv[:, q0:end], tail, backend=backend)
+            if q0 == 0:
+                o[:, 0] = 0.0  # position 0 has nothing to read (training zeroes it the same way)
+            x = layer.mlp(x + layer.cross_o(o.transpose(0, 1).reshape(x.shape[0], -1)))
+        out_k = torch.stack([k[need[-1] - p0 :].transpose(0, 1) for k, p0 in zip(ks, need, strict=True)])
+        out_v = torch.stack([v[need[-1] - p0 :].transpose(0, 1) for v, p0 in zip(vs, need, strict=True)])
+        return out_k, out_v
 
     @torch.inference_mode()
     def draft_logits(
@@ -276,43 +408,36 @@ class LongSpecDraft(nn.Module):
         tokens: torch.Tensor,
         positions: torch.Tensor,
         tree_mask: torch.Tensor | None,
-        window_k: torch.Tensor,
-        window_v: torch.Tensor,
-        target_k: torch.Tensor,
-        target_v: torch.Tensor,
+        window_k: torch.Tensor | list[torch.Tensor],
+        window_v: torch.Tensor | list[torch.Tensor],
+        target_k: torch.Tensor | list[torch.Tensor],
+        target_v: torch.Tensor | list[torch.Tensor],
         backend: str = "auto",
         hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """fp32 target-vocab logits `[n, vocab]` for n draft-tree tokens (tree_mask `[n, n]`, None = chain).
 
-        Self-attention: hybrid tree attention over the window cache (`window_kv` of the last committed tokens,
-        all visible) plus the tree under its mask. Cross-attention: every node sees the target's whole
-        committed last-layer K/V `[kvh, C, D]` (post-RoPE, e.g. a KVCache prefix view), so it is the hybrid's
-        unmasked prefix part alone. As in training, a node at depth d sees the target up to d + 1 tokens back,
-        and (`feed_hidden`) every node reads `hidden` `[H]`, the target's hidden state of the last committed token.
-        """
-        c = self.cfg
-        n = tokens.shape[0]
-        dtype = self.wqkv.weight.dtype
-        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-        cos, sin = self.rope(positions.unsqueeze(0), dtype)
-        cos, sin = cos[0], sin[0]
+        Self-attention: hybrid tree attention over the window cache (per layer: `window_kv` / `sync_kv` of the
+        last committed tokens, all visible) plus the tree under its mask. Cross-attention: every node sees the
+        target's whole committed K/V `[kvh, C, D]` of its layer (post-RoPE, e.g. a KVCache prefix view), so it is
+        the hybrid's unmasked prefix part alone. As in training, a node at depth d sees the target up to d + 1
+        tokens back, and (`feed_hidden`) every node reads `hidden` `[H]`, the target's hidden state of the last
+        committed token. Lists of K/V, lowest layer first, for a draft of several layers."""
+        c, n, dtype = self.cfg, tokens.shape[0], self.dtype
+        wks, wvs = self._per_layer(window_k), self._per_layer(window_v)
+        tks, tvs = self._per_layer(target_k), self._per_layer(target_v)
+        cos, sin = self.rope(positions, dtype)
         x = self.embed(tokens).to(dtype)
-        qkv = self.wqkv(self.attn_norm(x))
-        q = apply_rope(qkv[:, :q_dim].view(n, c.n_heads, c.head_dim), cos, sin).transpose(0, 1)
-        k = apply_rope(qkv[:, q_dim : q_dim + kv_dim].view(n, c.n_kv_heads, c.head_dim), cos, sin).transpose(0, 1)
-        v = qkv[:, q_dim + kv_dim :].view(n, c.n_kv_heads, c.head_dim).transpose(0, 1)
-        a = tree_attention(q, window_k.to(dtype), window_v.to(dtype), k, v, tree_mask, backend=backend)
-        x = x + self.wo(a.transpose(0, 1).reshape(n, q_dim))
-        if c.feed_hidden:
-            x = x + self.read_hidden(hidden)
-
-        qc = self.cross_q(self.cross_norm(x)).view(n, c.n_heads, c.head_dim)
-        qc = apply_rope(qc, cos, sin).transpose(0, 1)
-        o = cross_attention(qc, target_k.to(dtype), target_v.to(dtype), backend=backend)
-        x = x + self.cross_o(o.transpose(0, 1).reshape(n, q_dim))
-
-        return self.to_full_vocab(self.mlp_logits(x))
+        for m, layer in enumerate(self.layers):
+            q, k, v = (t.transpose(0, 1) for t in layer.qkv(x, cos, sin))
+            a = tree_attention(q, wks[m].to(dtype), wvs[m].to(dtype), k, v, tree_mask, backend=backend)
+            x = x + layer.wo(a.transpose(0, 1).reshape(n, -1))
+            if m == c.n_layers - 1 and c.feed_hidden:
+                x = x + self.read_hidden(hidden)
+            qc = layer.cross_query(x, cos, sin).transpose(0, 1)
+            o = cross_attention(qc, tks[m].to(dtype), tvs[m].to(dtype), backend=backend)
+            x = layer.mlp(x + layer.cross_o(o.transpose(0, 1).reshape(n, -1)))
+        return self.to_full_vocab(self.head(x))
 
     @torch.inference_mode()
     def draft_step(
@@ -320,45 +445,51 @@ class LongSpecDraft(nn.Module):
         tokens: torch.Tensor,
         positions: torch.Tensor,
         self_groups: list[tuple[list[int], torch.Tensor, torch.Tensor]],
-        cross_groups: list[tuple[list[int], torch.Tensor, torch.Tensor]],
+        cross_groups: list[tuple[list[int], list[torch.Tensor], list[torch.Tensor]]],
         backend: str = "auto",
         hidden: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One incremental drafting step for M new tree nodes of several sequences at once: the matmuls run over
         all of them; attention runs per group. A self group `(rows, prefix_k, prefix_v)` is sibling nodes that
-        see `prefix` (window + their ancestors' K/V `[kvh, P, D]`) and each itself; a cross group is the nodes
-        of one sequence and the target's committed last-layer K/V; `hidden` `[M, H]` (`feed_hidden`) the target's
-        hidden state of each node's sequence's last committed token. Returns draft-head logits `[M, Vd]` and the
-        nodes' own self-attention K/V `[kvh, M, D]` (their descendants' prefix)."""
-        c = self.cfg
-        m = tokens.shape[0]
-        dtype = self.wqkv.weight.dtype
-        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-        cos, sin = self.rope(positions.unsqueeze(0), dtype)
-        cos, sin = cos[0], sin[0]
+        see `prefix` (per layer: window + their ancestors' K/V, `[N, kvh, P, D]`) and each itself; a cross group
+        is the nodes of one sequence and the target's committed K/V of each draft layer's target layer (lists);
+        `hidden` `[M, H]` (`feed_hidden`) the target's hidden state of each node's sequence's last committed
+        token. Returns draft-head logits `[M, Vd]` and the nodes' own K/V `[N, kvh, M, D]` (their descendants'
+        prefix)."""
+        c, m_rows, dtype = self.cfg, tokens.shape[0], self.dtype
+        cos, sin = self.rope(positions, dtype)
+        selfs = [
+            (torch.tensor(rows), pk, pv, None if len(rows) == 1 else torch.eye(len(rows), dtype=torch.bool))
+            for rows, pk, pv in self_groups
+        ]
+        crosses = [(torch.tensor(rows), tks, tvs) for rows, tks, tvs in cross_groups]
         x = self.embed(tokens).to(dtype)
-        qkv = self.wqkv(self.attn_norm(x))
-        q = apply_rope(qkv[:, :q_dim].view(m, c.n_heads, c.head_dim), cos, sin).transpose(0, 1)
-        k = apply_rope(qkv[:, q_dim : q_dim + kv_dim].view(m, c.n_kv_heads, c.head_dim), cos, sin).transpose(0, 1)
-        v = qkv[:, q_dim + kv_dim :].view(m, c.n_kv_heads, c.head_dim).transpose(0, 1)
-        a = torch.empty_like(q)
-        for rows, pk, pv in self_groups:
-            idx = torch.tensor(rows)
-            n = len(rows)
-            mask = None if n == 1 else torch.eye(n, dtype=torch.bool)
-            a[:, idx] = tree_attention(
-                q[:, idx], pk.to(dtype), pv.to(dtype), k[:, idx], v[:, idx], mask, backend=backend
-            )
-        x = x + self.wo(a.transpose(0, 1).reshape(m, q_dim))
-        if c.feed_hidden:
-            x = x + self.read_hidden(hidden)
-        qc = apply_rope(self.cross_q(self.cross_norm(x)).view(m, c.n_heads, c.head_dim), cos, sin).transpose(0, 1)
-        o = torch.empty_like(qc)
-        for rows, tk, tv in cross_groups:
-            idx = torch.tensor(rows)
-            o[:, idx] = cross_attention(qc[:, idx], tk.to(dtype), tv.to(dtype), backend=backend)
-        x = x + self.cross_o(o.transpose(0, 1).reshape(m, q_dim))
-        return self.mlp_logits(x), k, v
+        ks, vs = [], []
+        for m, layer in enumerate(self.layers):
+            q, k, v = (t.transpose(0, 1) for t in layer.qkv(x, cos, sin))
+            a = torch.empty_like(q)
+            for idx, pk, pv, mask in selfs:
+                a[:, idx] = tree_attention(
+                    q[:, idx], pk[m].to(dtype), pv[m].to(dtype), k[:, idx], v[:, idx], mask, backend=backend
+                )
+            x = x + layer.wo(a.transpose(0, 1).reshape(m_rows, -1))
+            if m == c.n_layers - 1 and c.feed_hidden:
+                x = x + self.read_hidden(hidden)
+            qc = layer.cross_query(x, cos, sin).transpose(0, 1)
+            o = torch.empty_like(qc)
+            for idx, tks, tvs in crosses:
+                o[:, idx] = cross_attention(qc[:, idx], tks[m].to(dtype), tvs[m].to(dtype), backend=backend)
+            x = layer.mlp(x + layer.cross_o(o.transpose(0, 1).reshape(m_rows, -1)))
+            ks.append(k)
+            vs.append(v)
+        return self.head(x), torch.stack(ks), torch.stack(vs)
+
+
+def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """q `[H, n, D]` over k/v `[Hkv, S, D]` under a bool mask `[n, S]` (each row sees a key) -> `[H, n, D]`."""
+    n_rep = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(n_rep, dim=0), v.repeat_interleave(n_rep, dim=0)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=1.0 / math.sqrt(q.shape[-1]))
 
 
 DRAFT_MODELS = {"longspec": LongSpecDraft}

@@ -39,7 +39,7 @@ class LongSpecLoss(nn.Module):
 
     def __init__(
         self,
-        kv_layer: int,
+        kv_layer: int | list[int],
         lag_min: int = 1,
         lag_max: int = 4,
         distill_weight: float = 0.0,
@@ -50,7 +50,7 @@ class LongSpecLoss(nn.Module):
         hidden_layer: int | None = None,
     ) -> None:
         super().__init__()
-        self.kv_layer = kv_layer
+        self.kv_layers = [kv_layer] if isinstance(kv_layer, int) else list(kv_layer)  # one per draft layer
         self.hidden_layer = hidden_layer  # a `feed_hidden` draft reads this layer's extracted hidden states
         self.lag_min, self.lag_max = lag_min, lag_max
         self.distill_weight = distill_weight
@@ -64,7 +64,7 @@ class LongSpecLoss(nn.Module):
         self._id_map: torch.Tensor | None = None
 
     def required_keys(self) -> list[str]:
-        keys = ["tokens", "positions", f"kv.{self.kv_layer}", "topk_ids"]
+        keys = ["tokens", "positions", *(f"kv.{i}" for i in self.kv_layers), "topk_ids"]
         if self.hidden_layer is not None:
             keys.append(f"hidden.{self.hidden_layer}")
         return [*keys, "topk_logprobs"] if self.soft_distill else keys
@@ -88,12 +88,13 @@ class LongSpecLoss(nn.Module):
         self, model: nn.Module, batch: dict[str, torch.Tensor], lag: int | tuple[int, ...]
     ) -> tuple[torch.Tensor, dict]:
         tokens, positions = batch["tokens"], batch["positions"]
-        kv = batch[f"kv.{self.kv_layer}"]  # [B, 2, kvh, L, D]
+        kvs = [batch[f"kv.{i}"] for i in self.kv_layers]  # [B, 2, kvh, L, D] each
         lags = lag if isinstance(lag, tuple) else (lag,)
         lo = min(self.loss_from, tokens.shape[1] - 2)
         hidden = batch[f"hidden.{self.hidden_layer}"] if self.hidden_layer is not None else None
         # [nlags, B, L - lo, Vd]
-        logits = model(tokens, positions, kv[:, 0], kv[:, 1], lag=lags, logits_from=lo, target_h=hidden)
+        ks, vs = [kv[:, 0] for kv in kvs], [kv[:, 1] for kv in kvs]
+        logits = model(tokens, positions, ks, vs, lag=lags, logits_from=lo, target_h=hidden)
         labels = self._draft_ids(model, tokens[:, lo + 1 :])
         target_top1 = self._draft_ids(model, batch["topk_ids"][:, lo:-1, 0])
         soft = None

@@ -59,12 +59,16 @@ bench-drafting: setup
 bench-longspec: setup
 	$(PY) bench/longspec.py --max-new-tokens 256 --per-kind 3
 
-# The shipped LongSpec draft: extraction + training (resumable: rerun to continue), then copy it into the package.
-# v3 warm-starts from v2's step-200 checkpoint, so v2 trains first.
+# The shipped LongSpec and GLIDE drafts: extraction + training (resumable: rerun to continue), then copied into the
+# package. Each run warm-starts from the one before (v3 from v2's step 200, v4 from v3, GLIDE's top layer from v4);
+# GLIDE trains on v4's extraction.
 train-longspec: setup
 	$(VENV)/bin/spyglass train configs/smollm2-longspec-v2.yaml --diagnose
 	$(VENV)/bin/spyglass train configs/smollm2-longspec-v3.yaml --diagnose
-	$(PY) -m actors.export_draft .cache/runs/smollm2-longspec-v3 spyglass/drafts/smollm2-135m-longspec
+	$(VENV)/bin/spyglass train configs/smollm2-longspec-v4.yaml --diagnose
+	$(VENV)/bin/spyglass train configs/smollm2-glide.yaml --diagnose
+	$(PY) -m actors.export_draft .cache/runs/smollm2-longspec-v4 spyglass/drafts/smollm2-135m-longspec
+	$(PY) -m actors.export_draft .cache/runs/smollm2-longspec-v4 spyglass/drafts/smollm2-135m-glide --train-dir train-glide
 
 # Faults and load against a real local stack (verifier/gateway killed, Redis killed, corrupted cache, SIGTERM,
 # 200 requests at concurrency 16): bench/reliability.py, results in bench/results/reliability.json and

@@ -1,11 +1,11 @@
 """Ship a trained draft: copy a run's checkpoint into the package with its training record.
 
-    python -m actors.export_draft RUN_DIR OUT_DIR [--step N]
+    python -m actors.export_draft RUN_DIR OUT_DIR [--step N] [--train-dir NAME]
 
-RUN_DIR is a config's workdir (`.cache/runs/<name>`). OUT_DIR gets `draft.safetensors` + `draft_config.json`
-(what `load_longspec_draft` reads), `training.json` (tokens seen, steps, wall time, eval agreement by lag at each
-checkpoint, the config) and `training.png` (loss and agreement curves). The model card is written by hand
-from these.
+RUN_DIR is a config's workdir (`.cache/runs/<name>`), NAME its `train.out_name` (default `train`). OUT_DIR gets
+`draft.safetensors` + `draft_config.json` (what `load_longspec_draft` reads), `training.json` (tokens seen,
+steps, wall time, eval agreement by lag at each checkpoint, the config) and `training.png` (loss and agreement
+curves). The model card is written by hand from these.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ def repo_relative(path: str | Path) -> str:
     return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else p.name
 
 
-def summarise(run_dir: Path, step: int | None = None) -> tuple[Path, dict]:
-    ckpts = run_dir / "train" / "checkpoints"
+def summarise(run_dir: Path, step: int | None = None, train_dir: str = "train") -> tuple[Path, dict]:
+    ckpts = run_dir / train_dir / "checkpoints"
     ckpt = ckpts / f"step-{step:06d}" if step else latest_checkpoint(ckpts)
     if ckpt is None or not (ckpt / "draft.safetensors").exists():
         raise FileNotFoundError(f"no finished checkpoint under {ckpts}")
@@ -36,7 +36,7 @@ def summarise(run_dir: Path, step: int | None = None) -> tuple[Path, dict]:
     if spec.get("init_from"):
         spec["init_from"] = repo_relative(spec["init_from"])
     manifest = json.loads((run_dir / "extract" / spec.get("split", "train") / "manifest.json").read_text())
-    records = [json.loads(line) for line in (run_dir / "train" / "metrics.jsonl").read_text().splitlines() if line]
+    records = [json.loads(line) for line in (run_dir / train_dir / "metrics.jsonl").read_text().splitlines() if line]
     records = [r for r in records if r["step"] <= state["step"]]
     seq_len = manifest["seq_len"]
     evals = [
@@ -86,13 +86,14 @@ def main() -> None:
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("out_dir", type=Path)
     ap.add_argument("--step", type=int, default=None)
+    ap.add_argument("--train-dir", default="train", help="the run's train.out_name")
     args = ap.parse_args()
-    ckpt, summary = summarise(args.run_dir, args.step)
+    ckpt, summary = summarise(args.run_dir, args.step, args.train_dir)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for name in ("draft.safetensors", "draft_config.json"):
         shutil.copy2(ckpt / name, args.out_dir / name)
     (args.out_dir / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
-    plot(args.run_dir / "train" / "metrics.jsonl", summary["evals"], args.out_dir / "training.png")
+    plot(args.run_dir / args.train_dir / "metrics.jsonl", summary["evals"], args.out_dir / "training.png")
     size = (args.out_dir / "draft.safetensors").stat().st_size
     print(f"shipped {ckpt.name} to {args.out_dir} ({size / 1e6:.1f} MB)")
 

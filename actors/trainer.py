@@ -64,6 +64,7 @@ class TrainSpec:
     eval_every: int = 0  # 0 = only at the end; evaluates on the held-out split when it was extracted
     eval_split: str = "eval"
     init_from: str | None = None  # a draft checkpoint dir to start from (parameters it lacks keep their init)
+    out_name: str = "train"  # <workdir>/<out_name>: several drafts can train on one extraction
 
     @classmethod
     def from_dict(cls, d: dict | None) -> TrainSpec:
@@ -397,7 +398,7 @@ def run_training(cfg: dict[str, Any]) -> dict[str, Any]:
 
     spec = TrainSpec.from_dict(cfg.get("train"))
     workdir = Path(cfg["workdir"]).resolve()
-    out_dir = workdir / "train"
+    out_dir = workdir / spec.out_name
     out_dir.mkdir(parents=True, exist_ok=True)
     extract_dir = workdir / "extract" / spec.split
     if not (extract_dir / "manifest.json").exists():

@@ -1,11 +1,12 @@
-"""The shipped LongSpec draft against n-gram and suffix drafting on held-out long-context prompts (code completion,
-code editing, summarisation; SmolLM2, fp32), every method on the same prompts in one run, at T=0 and T=1.
+"""The shipped LongSpec and GLIDE drafts against n-gram and suffix drafting on held-out long-context prompts (code
+completion, code editing, summarisation; SmolLM2, fp32), every method on the same prompts in one run, at T=0 and
+T=1.
 Writes bench/results/longspec.json (+ .png).
 
     python bench/longspec.py [--max-new-tokens 96] [--per-kind 2] [--t1-kinds code]
 
-Also: the draft's memory at 1K and 8K tokens of context (LongSpec: a fixed window; small-lm: its own KV cache,
-which grows), and the training figures from the shipped model card's metrics.
+Also: the draft's memory at 1K and 8K tokens of context (LongSpec, GLIDE: fixed windows; small-lm: its own KV
+cache, which grows), and the training figures from the shipped model cards' metrics (GLIDE's prefixed `glide_`).
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ from bench.drafting import by_kind, compare, speed_panels  # noqa: E402
 from bench.tasks import heldout_tasks  # noqa: E402
 from spyglass.context_cache import ContextCache  # noqa: E402
 from spyglass.drafters import build_drafter  # noqa: E402
-from spyglass.drafters.longspec import SHIPPED  # noqa: E402
+from spyglass.drafters.longspec import SHIPPED, SHIPPED_GLIDE  # noqa: E402
 from spyglass.engine import EngineConfig, SpecEngine  # noqa: E402
 from spyglass.models.llama import load_transformer  # noqa: E402
 from spyglass.models.loader import load_tokenizer, resolve_model  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
 
-METHODS = ("ngram", "suffix", "longspec", "longspec-beam", "longspec-cape", "composite")
+METHODS = ("ngram", "suffix", "longspec", "longspec-beam", "longspec-cape", "glide", "glide-cape", "composite")
 
 
 def state_bytes(target, method: str, context: int) -> int:
@@ -71,9 +72,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--draft", default=None, help="a LongSpec checkpoint dir (default: the shipped draft)")
+    ap.add_argument("--glide-draft", default=None, help="a GLIDE checkpoint dir (default: the shipped draft)")
     ap.add_argument("--name", default="longspec", help="results name: bench/results/NAME.json")
     args = ap.parse_args()
     draft_dir = Path(args.draft).resolve() if args.draft else SHIPPED
+    glide_dir = Path(args.glide_draft).resolve() if args.glide_draft else SHIPPED_GLIDE
     torch.set_num_threads(args.threads)
     quiet = wait_for_quiet(max_load=1.0, timeout_s=120)
     from services.local_redis import LocalRedis
@@ -84,10 +87,11 @@ def main() -> None:
     tok = load_tokenizer(path)
     cache = ContextCache(redis.url, f"bench-longspec:{target.model_id}", block_size=128)
     methods = [m for m in args.methods.split(",") if m]
-    makers = {
-        m: (lambda m=m: build_drafter(m, target, max_batch=1, max_context=8192, draft_checkpoint=draft_dir))
-        for m in methods
-    }
+    def maker(m: str):
+        ckpt = glide_dir if m.startswith("glide") else draft_dir
+        return lambda: build_drafter(m, target, max_batch=1, max_context=8192, draft_checkpoint=ckpt)
+
+    makers = {m: maker(m) for m in methods}
     tasks = heldout_tasks(tok, per_kind=args.per_kind)
     load_before = machine_load()
     t0_results = compare(target, tasks, makers, SamplingParams(max_new_tokens=args.max_new_tokens), cache)
@@ -119,9 +123,13 @@ def main() -> None:
         figures[f"state_bytes_{label}"] = state_bytes(target, "longspec", ctx)
         figures[f"state_bytes_{label}_small_lm"] = state_bytes(target, "small-lm", ctx)
     figures.update(training_figures(draft_dir))
+    if any(m.startswith("glide") for m in methods):
+        figures["state_bytes_8k_glide"] = state_bytes(target, "glide", 8000)
+        figures.update({f"glide_{k}": v for k, v in training_figures(glide_dir).items()})
     meta = {
         "what": "decode speedup over plain decoding, held-out prompts (eval-split sources), SmolLM2 fp32",
         "draft": str(draft_dir.relative_to(Path(__file__).resolve().parents[1])),
+        "glide_draft": str(glide_dir.relative_to(Path(__file__).resolve().parents[1])),
         "max_new_tokens": args.max_new_tokens,
         "tasks": {t.name: len(t.prompt_ids) for t in tasks},
         "quiet_before": quiet,

@@ -87,6 +87,7 @@ def main() -> None:
     tok = load_tokenizer(path)
     cache = ContextCache(redis.url, f"bench-longspec:{target.model_id}", block_size=128)
     methods = [m for m in args.methods.split(",") if m]
+
     def maker(m: str):
         ckpt = glide_dir if m.startswith("glide") else draft_dir
         return lambda: build_drafter(m, target, max_batch=1, max_context=8192, draft_checkpoint=ckpt)

@@ -25,7 +25,9 @@ def _add_generate(sub) -> None:
     src.add_argument("--demo", action="store_true", help="the built-in long-context code-editing task")
     p.add_argument("--model", default=None, help="local HF directory or .gguf file (default: embedded SmolLM2)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--method", default="ngram", help="ar | ngram | small-lm | longspec (default ngram)")
+    from spyglass.drafters import METHODS
+
+    p.add_argument("--method", default="ngram", help=f"{' | '.join(METHODS)} (default ngram)")
     p.add_argument("--draft-model", default=None, help="small-lm: draft model source (same tokenizer)")
     p.add_argument(
         "--draft-layers", type=int, default=None, help="small-lm without --draft-model: use the target's first N layers"
@@ -33,12 +35,13 @@ def _add_generate(sub) -> None:
     p.add_argument(
         "--draft-checkpoint",
         default=None,
-        help="longspec: a trained draft (trainer checkpoint dir); tokenswift: heads (default: the shipped ones)",
+        help="longspec, glide, dflash: a trained draft (trainer checkpoint dir); tokenswift: heads (default: the "
+        "shipped ones)",
     )
     p.add_argument(
         "--partial-budget", type=int, default=None, help="tokenswift, streaming: partial KV budget in tokens"
     )
-    p.add_argument("--gamma", type=int, default=None, help="small-lm, longspec: tokens drafted per step")
+    p.add_argument("--gamma", type=int, default=None, help="small-lm, longspec, glide: tokens drafted per step")
     p.add_argument("--ngram-min", type=int, default=None)
     p.add_argument("--ngram-max", type=int, default=None)
     p.add_argument("--draft-len", type=int, default=None, help="ngram: tokens per candidate")

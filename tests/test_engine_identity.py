@@ -28,7 +28,6 @@ def drafters(target):
     yield "longspec-beam", LongSpecDrafter(layer_copy_draft(target), gamma=3, mode="beam", width=2)
     yield "longspec-cape", LongSpecDrafter(layer_copy_draft(target), gamma=4, mode="cape")
     yield "glide", LongSpecDrafter(layer_copy_draft(target, feed_hidden=True, n_layers=2), gamma=4)
-    yield "glide-cape", LongSpecDrafter(layer_copy_draft(target, n_layers=2), gamma=4, mode="cape")
     parts = [SuffixDrafter(max_depth=6), LongSpecDrafter(layer_copy_draft(target, feed_hidden=True), gamma=3)]
     yield "composite", CompositeDrafter(parts)
     draft, head = trained_tiny(target)  # briefly trained tiny DFlash draft and DeLS head

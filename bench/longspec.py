@@ -111,14 +111,12 @@ def main() -> None:
             figures[f"tau_{kind}_t1{tag}"] = by_kind(t1_results, t1_tasks, m, "tau").get(kind)
             figures[f"speedup_{kind}_t1{tag}"] = by_kind(t1_results, t1_tasks, m, "speedup").get(kind)
     figures["identical_t0_all"] = all(r["identical"] for row in t0_results.values() for r in row.values())
-    figures["acceptance_by_depth_longspec"] = (
-        [
-            round(median([t0_results[t.name]["longspec"]["acceptance_by_depth"][d] for t in tasks]), 3)
-            for d in range(min(len(t0_results[t.name]["longspec"]["acceptance_by_depth"]) for t in tasks))
-        ]
-        if "longspec" in methods
-        else None
-    )
+    for m in ("longspec", "glide"):
+        if m in methods:
+            rows = [t0_results[t.name][m]["acceptance_by_depth"] for t in tasks]
+            figures[f"acceptance_by_depth_{m}"] = [
+                round(median([r[d] for r in rows]), 3) for d in range(min(len(r) for r in rows))
+            ]
     for ctx in (1024, 8000):
         label = "1k" if ctx == 1024 else "8k"
         figures[f"state_bytes_{label}"] = state_bytes(target, "longspec", ctx)

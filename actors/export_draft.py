@@ -1,11 +1,12 @@
 """Ship a trained draft: copy a run's checkpoint into the package with its training record.
 
-    python -m actors.export_draft RUN_DIR OUT_DIR [--step N] [--train-dir NAME]
+    python -m actors.export_draft RUN_DIR OUT_DIR [--step N] [--train-dir NAME] [--bf16]
 
 RUN_DIR is a config's workdir (`.cache/runs/<name>`), NAME its `train.out_name` (default `train`). OUT_DIR gets
 `draft.safetensors` + `draft_config.json` (what `load_longspec_draft` reads), `training.json` (tokens seen,
 steps, wall time, eval agreement by lag at each checkpoint, the config) and `training.png` (loss and agreement
-curves). The model card is written by hand from these.
+curves). The model card is written by hand from these. `--bf16` stores the weights in bfloat16 (half the
+size, for drafts that would pass the package's 25 MB per draft; the loader casts them to the target's dtype).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import argparse
 import json
 import shutil
 from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
 
 from actors.trainer import latest_checkpoint
 
@@ -87,11 +91,15 @@ def main() -> None:
     ap.add_argument("out_dir", type=Path)
     ap.add_argument("--step", type=int, default=None)
     ap.add_argument("--train-dir", default="train", help="the run's train.out_name")
+    ap.add_argument("--bf16", action="store_true", help="store the weights in bfloat16")
     args = ap.parse_args()
     ckpt, summary = summarise(args.run_dir, args.step, args.train_dir)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    for name in ("draft.safetensors", "draft_config.json"):
-        shutil.copy2(ckpt / name, args.out_dir / name)
+    shutil.copy2(ckpt / "draft_config.json", args.out_dir / "draft_config.json")
+    weights = load_file(str(ckpt / "draft.safetensors"))
+    if args.bf16:
+        weights = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in weights.items()}
+    save_file(weights, str(args.out_dir / "draft.safetensors"))
     (args.out_dir / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot(args.run_dir / args.train_dir / "metrics.jsonl", summary["evals"], args.out_dir / "training.png")
     size = (args.out_dir / "draft.safetensors").stat().st_size

@@ -134,3 +134,35 @@ def test_one_layer_checkpoint_warm_starts_the_top_layer(target_and_cache, tmp_pa
     assert torch.allclose(old, new, atol=1e-5)
     with pytest.raises(ValueError, match="2 layer"):
         two(tokens.unsqueeze(0), positions, kv[1][0].unsqueeze(0), kv[1][1].unsqueeze(0))
+
+
+def test_export_in_bf16_halves_the_file_and_loads(target_and_cache, tmp_path, monkeypatch):
+    """`export_draft --bf16` (how the two-layer draft fits the package's 25 MB): half the bytes, and the loader
+    casts the weights back to the target's dtype."""
+    import json
+    import sys
+
+    from actors import export_draft
+    from spyglass.drafters.longspec import load_longspec_draft
+
+    target = target_and_cache[0]
+    draft = glide(target, window=8)
+    ckpt = tmp_path / "run" / "train-glide" / "checkpoints" / "step-000002"
+    ckpt.mkdir(parents=True)
+    save_file(draft.trainable_state_dict(), str(ckpt / "draft.safetensors"))
+    (ckpt / "draft_config.json").write_text(json.dumps({"kind": "longspec", **draft.cfg.to_dict()}))
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 2, "train": {"batch_size": 2, "split": "train"}}))
+    (ckpt.parents[1] / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0, "step_s": 1.0}\n')
+    manifest = {"seq_len": 16, "contexts": 4, "tokens": 64, "position_tag": "plain"}
+    (tmp_path / "run" / "extract" / "train").mkdir(parents=True)
+    (tmp_path / "run" / "extract" / "train" / "manifest.json").write_text(json.dumps(manifest))
+    out = tmp_path / "shipped"
+    argv = ["export_draft", str(tmp_path / "run"), str(out), "--train-dir", "train-glide", "--bf16"]
+    monkeypatch.setattr(sys, "argv", argv)
+    export_draft.main()
+    assert (out / "draft.safetensors").stat().st_size < 0.55 * (ckpt / "draft.safetensors").stat().st_size
+    assert json.loads((out / "training.json").read_text())["steps"] == 2
+    loaded = load_longspec_draft(out, target)
+    assert loaded.cfg.n_layers == 2 and loaded.dtype == target.dtype
+    w, w16 = draft.layers[1].w_down.weight, loaded.layers[1].w_down.weight
+    assert torch.allclose(w, w16, rtol=1e-2, atol=1e-3) and not torch.equal(w, w16)

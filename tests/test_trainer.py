@@ -85,7 +85,7 @@ def test_training_killed_midway_resumes_at_the_same_step(extracted, tiny_dir, tm
     assert state["step"] == 16
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [2])  # the stage the configs use; ZeRO-1 ran here too until the CI budget grew tight
 def test_deepspeed_zero_bf16_path_runs(tiny_dir, tmp_path, ray_cluster, stage):
     """The first DeepSpeed start on a machine JIT-compiles its CPU ops (~2.5 min); later ones take seconds.
     ZeRO-2 also loses a worker at step 5: the job resumes from the step-3 DeepSpeed checkpoint."""

@@ -97,6 +97,8 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     shutil.copy2(ckpt / "draft_config.json", args.out_dir / "draft_config.json")
     weights = load_file(str(ckpt / "draft.safetensors"))
+    if "vocab_ids" in weights:  # token ids (checkpoints may hold them as floats): exact integers
+        weights["vocab_ids"] = weights["vocab_ids"].round().long()
     if args.bf16:
         weights = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in weights.items()}
     save_file(weights, str(args.out_dir / "draft.safetensors"))

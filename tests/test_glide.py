@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from actors.trainer import warm_start
 from spyglass.drafters.longspec import LongSpecDrafter
@@ -146,10 +146,13 @@ def test_export_in_bf16_halves_the_file_and_loads(target_and_cache, tmp_path, mo
     from spyglass.drafters.longspec import load_longspec_draft
 
     target = target_and_cache[0]
-    draft = glide(target, window=8)
+    torch.manual_seed(3)
+    draft = LongSpecDraft.from_target(target, window=8, n_layers=2, draft_vocab=64).eval()
     ckpt = tmp_path / "run" / "train-glide" / "checkpoints" / "step-000002"
     ckpt.mkdir(parents=True)
-    save_file(draft.trainable_state_dict(), str(ckpt / "draft.safetensors"))
+    state = draft.trainable_state_dict()
+    state["vocab_ids"] = (state["vocab_ids"] + 1000).float()  # trainer checkpoints hold the ids as floats
+    save_file(state, str(ckpt / "draft.safetensors"))
     (ckpt / "draft_config.json").write_text(json.dumps({"kind": "longspec", **draft.cfg.to_dict()}))
     (ckpt / "trainer_state.json").write_text(json.dumps({"step": 2, "train": {"batch_size": 2, "split": "train"}}))
     (ckpt.parents[1] / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0, "step_s": 1.0}\n')
@@ -162,6 +165,11 @@ def test_export_in_bf16_halves_the_file_and_loads(target_and_cache, tmp_path, mo
     export_draft.main()
     assert (out / "draft.safetensors").stat().st_size < 0.55 * (ckpt / "draft.safetensors").stat().st_size
     assert json.loads((out / "training.json").read_text())["steps"] == 2
+    shipped = load_file(str(out / "draft.safetensors"))["vocab_ids"]  # ids above 256 are not exact in bf16
+    assert shipped.dtype == torch.int64 and torch.equal(shipped, draft.vocab_ids + 1000)
+    save_file(
+        {**load_file(str(out / "draft.safetensors")), "vocab_ids": draft.vocab_ids}, str(out / "draft.safetensors")
+    )
     loaded = load_longspec_draft(out, target)
     assert loaded.cfg.n_layers == 2 and loaded.dtype == target.dtype
     w, w16 = draft.layers[1].w_down.weight, loaded.layers[1].w_down.weight

@@ -122,8 +122,8 @@ class LongSpecDrafter:
         self._pending: dict[int, torch.Tensor] = {}  # prefill's hidden state, until start()
 
     def bind(self, target: Transformer, cache: KVCache) -> None:
-        self.cache, self.layer = cache, target.args.n_layers - 1
-        self.layers_read = self.draft.target_layers(target.args.n_layers)
+        self.cache = cache
+        self.layers_read = self.draft.target_layers(target.args.n_layers)  # the last one is the target's last
 
     def start(self, seq: Sequence) -> None:
         c = self.draft.cfg
@@ -134,25 +134,19 @@ class LongSpecDrafter:
 
     def observe_hidden(self, seq: Sequence, start: int, hidden: dict, kept: list[int]) -> None:
         """Keep only the newest committed token's row: one vector per sequence, whatever the context."""
-        h = hidden[self.layer][kept[-1]].clone()
+        h = hidden[self.layers_read[-1]][kept[-1]].clone()
         w: _Window | None = seq.drafter_state
         if w is None:
             self._pending[seq.seq_id] = h
         else:
             w.hidden = h
 
-    def _sync(self, seq: Sequence, w: _Window, committed: int) -> None:
-        """Push the committed tokens the ring has not seen (only the last `ring` of them matter)."""
+    def _sync(self, seq: Sequence, w: _Window, committed: int, targets: list) -> None:
+        """Push the committed tokens the ring has not seen (`sync_kv` computes only the last `ring` of them)."""
         if w.synced < committed:
-            if self.draft.cfg.n_layers == 1:  # a function of token and position: only the last `ring` tokens
-                lo = max(w.synced, committed - self.ring)
-                k, v = self.draft.window_kv(seq.tokens[lo:committed], torch.arange(lo, committed))
-                k, v = k.unsqueeze(0), v.unsqueeze(0)
-            else:  # the layers below run over the new tokens
-                targets = [self.cache.prefix(seq.slot, layer) for layer in self.layers_read]
-                tokens = seq.tokens[w.synced : committed]
-                k, v = self.draft.sync_kv(tokens, w.synced, (w.k, w.v, w.pos), targets, self.ring)
-                lo = committed - k.shape[2]
+            tokens = seq.tokens[w.synced : committed]
+            k, v = self.draft.sync_kv(tokens, w.synced, (w.k, w.v, w.pos), targets, self.ring)
+            lo = committed - k.shape[2]
             slots = torch.arange(lo, committed) % self.ring
             w.k[:, :, slots], w.v[:, :, slots] = k, v
             w.pos[slots] = torch.arange(lo, committed)
@@ -165,9 +159,9 @@ class LongSpecDrafter:
             return []
         states: list[_Window] = [s.drafter_state for s in batch]
         committed = [self.cache.lengths[s.slot] for s in batch]  # every token but the root
-        for seq, w, c in zip(batch, states, committed, strict=True):
-            self._sync(seq, w, c)
         targets = [[self.cache.prefix(s.slot, layer) for layer in self.layers_read] for s in batch]
+        for seq, w, c, t in zip(batch, states, committed, targets, strict=True):
+            self._sync(seq, w, c, t)
         gammas = [min(self.gamma, s.draft_depth or self.gamma) for s in batch]  # the controller's hint, if any
         depth_cap = [max(0, min(g, self.cache.capacity - s.num_tokens)) for g, s in zip(gammas, batch, strict=True)]
         trees = [_Growing(int(s.root)) for s in batch]

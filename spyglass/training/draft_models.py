@@ -139,17 +139,19 @@ class DraftLayer(nn.Module):
 def _align_layers(module: LongSpecDraft, state: dict, prefix: str, *_) -> None:
     """Load-time key map: a draft with fewer layers fills the top ones (a smaller draft warm-starts a larger
     GLIDE one), and one-block checkpoints, which name the block's parts at the top level, still load."""
-    n = module.cfg.n_layers
-    keys = [k for k in state if k.startswith(prefix)]
-    old = [k for k in keys if k[len(prefix) :].split(".")[0] in LAYER_PARTS]
-    for k in old:
-        state[f"{prefix}layers.0.{k[len(prefix) :]}"] = state.pop(k)
-    indexed = [k for k in state if k.startswith(prefix + "layers.")]
-    have = 1 + max((int(k[len(prefix) + 7 :].split(".")[0]) for k in indexed), default=-1)
-    if 0 < have < n:
-        for k in sorted(indexed, key=lambda k: -int(k[len(prefix) + 7 :].split(".")[0])):
-            i, rest = k[len(prefix) + 7 :].split(".", 1)
-            state[f"{prefix}layers.{int(i) + n - have}.{rest}"] = state.pop(k)
+    layer_keys: dict[str, tuple[int, str]] = {}  # key -> (layer index, name inside the layer)
+    for key in state:
+        if not key.startswith(prefix):
+            continue
+        head, _, rest = key[len(prefix) :].partition(".")
+        if head in LAYER_PARTS:
+            layer_keys[key] = (0, key[len(prefix) :])
+        elif head == "layers":
+            index, _, name = rest.partition(".")
+            layer_keys[key] = (int(index), name)
+    shift = max(0, module.cfg.n_layers - 1 - max((i for i, _ in layer_keys.values()), default=-1))
+    moved = {f"{prefix}layers.{i + shift}.{name}": state.pop(key) for key, (i, name) in layer_keys.items()}
+    state.update(moved)
 
 
 class LongSpecDraft(nn.Module):

@@ -174,6 +174,13 @@ class DFlashDraft(nn.Module):
                         if all(k in s and s[k].shape == v.shape for k, v in d.items()):
                             getattr(dst, name).load_state_dict(s)
                 draft.norm.weight.copy_(target.norm.weight)
+                # the context stream starts as the deepest tapped layer's output, normed as the first copied
+                # layer normed it in the target: that layer's context keys/values are then exactly the target's
+                h = cfg.hidden_size
+                deepest = cfg.target_layers.index(max(cfg.target_layers))
+                draft.fc.weight.zero_()
+                draft.fc.weight[:, deepest * h : (deepest + 1) * h].copy_(torch.eye(h))
+                draft.hidden_norm.weight.copy_(src_layers[0].attn_norm.weight)
         return draft.to(target.dtype)
 
     @property
@@ -236,12 +243,14 @@ def dflash_loss(
     anchors: torch.Tensor,
     gamma: float = 7.0,
     vocab_ids: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """Block loss on one context: `feats [L, layers*H]` target hidden states, `tokens [L]`, `anchors [A]` with
     a + block <= L. Block position k >= 1 predicts tokens[a+k] with weight exp(-(k-1)/gamma) (DFlash's decay:
     early positions matter most, as acceptance stops at the first miss). `vocab_ids` (frequency-ranked token
     ids) restricts the softmax to those rows of the shared head, a CPU saving: targets outside are skipped;
-    serving always uses the full head."""
+    serving always uses the full head. `labels [L]` (the target's greedy next token at each position) replace
+    the text as targets: position k then learns the target's choice after the true prefix a+k-1 (distillation)."""
     b = draft.cfg.block_size
     length = tokens.shape[0]
     ctx = draft.context_kv(feats, torch.arange(length))
@@ -250,7 +259,10 @@ def dflash_loss(
     mask = training_mask(anchors, length, b)
     hid = draft.blocks_hidden(x, pos, ctx, mask).view(anchors.shape[0], b, -1)[:, 1:]
     hid = hid.reshape(-1, hid.shape[-1])
-    targets = tokens[(anchors.unsqueeze(1) + torch.arange(1, b)).reshape(-1)]
+    if labels is None:
+        targets = tokens[(anchors.unsqueeze(1) + torch.arange(1, b)).reshape(-1)]
+    else:
+        targets = labels[(anchors.unsqueeze(1) + torch.arange(0, b - 1)).reshape(-1)]
     if vocab_ids is None:
         logits = draft.logits(hid)
     else:

@@ -76,13 +76,17 @@ def _save_state(path: Path, **state) -> None:
     tmp.replace(path)
 
 
-def target_features(stack, cache, slot: int, tokens: torch.Tensor, layers: tuple[int, ...]) -> torch.Tensor:
-    """Concatenated hidden states `[L, len(layers)*H]` of `tokens` (one forward, nothing committed)."""
+def target_features(
+    stack, cache, slot: int, tokens: torch.Tensor, layers: tuple[int, ...], greedy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenated hidden states `[L, len(layers)*H]` of `tokens` (one forward, nothing committed) and, with
+    `greedy` (`stack` must then be the whole target), the target's argmax next token at every position."""
     from spyglass.models.llama import Segment
 
     stack.capture_layers = layers
-    stack([Segment(slot, 0, tokens, torch.arange(tokens.shape[0]), None, "none")], cache)
-    return torch.cat([stack.captured[0][i] for i in layers], dim=-1).clone()
+    out = stack([Segment(slot, 0, tokens, torch.arange(tokens.shape[0]), None, "all" if greedy else "none")], cache)
+    feats = torch.cat([stack.captured[0][i] for i in layers], dim=-1).clone()
+    return feats, (out[0].argmax(-1) if greedy else None)
 
 
 def write_model_card(out: Path, title: str, what: str, summary: dict) -> None:
@@ -122,7 +126,9 @@ def train_dflash(args) -> dict:
         overrides["target_layers"] = tuple(int(x) for x in args.target_layers.split(","))
     draft = DFlashDraft.from_target(target, init_from_target=args.init_from_target, **overrides).float().train()
     layers = draft.cfg.target_layers
-    stack = truncated_draft(target, max(layers) + 1)
+    # distillation needs the target's own next-token choices, so the whole target runs; otherwise only the
+    # layers up to the deepest tapped one
+    stack = target if args.distill else truncated_draft(target, max(layers) + 1)
     cache = stack.new_cache(train.shape[1], 1)
     slot = cache.allocate()
     params = [p for p in draft.parameters() if p.requires_grad]
@@ -150,13 +156,13 @@ def train_dflash(args) -> dict:
     while step < total and _spent(t0, t0_cpu, args.budget) < args.minutes * 60:
         tokens = train[order[(step // args.inner) % train.shape[0]]]
         with torch.no_grad():  # (the forward runs in inference mode; the concatenation makes a normal tensor)
-            feats = target_features(stack, cache, slot, tokens, layers)
+            feats, labels = target_features(stack, cache, slot, tokens, layers, args.distill)
         seen_tokens += tokens.shape[0]
         for _ in range(args.inner):
             anchors = torch.randperm(tokens.shape[0] - b - 1, generator=gen)[: args.anchors].sort().values + 1
             for g in opt.param_groups:
                 g["lr"] = _lr(step, total, args.lr)
-            loss, m = dflash_loss(draft, feats, tokens, anchors, args.gamma, vocab_ids)
+            loss, m = dflash_loss(draft, feats, tokens, anchors, args.gamma, vocab_ids, labels)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -195,14 +201,15 @@ def train_dflash(args) -> dict:
     with torch.inference_mode():
         for i in range(min(args.eval_contexts, evals.shape[0])):
             tokens = evals[i]
-            feats = target_features(stack, cache, slot, tokens, layers)
+            feats, labels = target_features(stack, cache, slot, tokens, layers, args.distill)
             anchors = torch.arange(1, tokens.shape[0] - b - 1, 7)
-            loss, m = dflash_loss(draft, feats, tokens, anchors, args.gamma)
+            loss, m = dflash_loss(draft, feats, tokens, anchors, args.gamma, labels=labels)
             ev_loss.append(float(loss))
             ev_acc1.append(m["acc_first"])
             ev_chain.append(m["accepted_chain"])
     _plot(log, work / "dflash-loss.png", "DFlash draft, SmolLM2-135M")
     tail = log[-50:]
+    against = "target" if args.distill else "text"
     summary = {
         "steps": step,
         "wall_time_s": round(elapsed, 1),
@@ -211,8 +218,8 @@ def train_dflash(args) -> dict:
         "block_tokens_trained": step * args.anchors * (b - 1),
         "final_train_loss_mean50": sum(r["loss"] for r in tail) / max(1, len(tail)),
         "eval_loss": sum(ev_loss) / max(1, len(ev_loss)),
-        "eval_first_token_acc_vs_text": sum(ev_acc1) / max(1, len(ev_acc1)),
-        "eval_chain_accepted_vs_text": sum(ev_chain) / max(1, len(ev_chain)),
+        f"eval_first_token_acc_vs_{against}": sum(ev_acc1) / max(1, len(ev_acc1)),
+        f"eval_chain_accepted_vs_{against}": sum(ev_chain) / max(1, len(ev_chain)),
         "train_split": {k: manifest["splits"]["train"][k] for k in ("contexts", "tokens", "kinds")},
         "config": draft.cfg.to_dict(),
         "recipe": {k: v for k, v in vars(args).items() if k not in ("func",)},
@@ -355,6 +362,12 @@ def main(argv: list[str] | None = None, return_summary: bool = False):
     d.add_argument("--max-steps", type=int, default=600)
     d.add_argument("--train-vocab", type=int, default=0, help="softmax over the N most frequent tokens (0 = all)")
     d.add_argument("--eval-contexts", type=int, default=8)
+    d.add_argument(
+        "--distill",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="train on the target's greedy next tokens (what verification accepts) instead of the text",
+    )
     d.set_defaults(func=train_dflash)
     h = sub.choices["dels"]
     h.add_argument("--gru-hidden", type=int, default=256)

@@ -18,7 +18,7 @@ from spyglass.drafters.dels import (
     unigram_log_prior,
     window_weights,
 )
-from spyglass.drafters.dflash import DFlashDraft, DFlashDrafter, fuse, load_dflash, save_dflash
+from spyglass.drafters.dflash import DFlashDraft, DFlashDrafter, dflash_loss, fuse, load_dflash, save_dflash
 from spyglass.engine import EngineConfig, SpecEngine, plain_generate
 from spyglass.models.llama import load_transformer
 from spyglass.sampling import SamplingParams
@@ -215,6 +215,40 @@ def test_sampled_requests_hand_the_fused_distribution_to_the_verifier(tiny_dir):
         torch.testing.assert_close(tree.probs[1:].sum(-1), torch.ones(len(tree) - 1))
         assert all(float(tree.probs[i, tok]) > 0 for i, tok in enumerate(tree.tokens.tolist()) if i > 0)
     assert all(t.probs is None for t in greedy) and any(not t.is_chain for t in greedy)
+
+
+def test_target_init_starts_from_the_targets_own_context_keys_and_values(tiny_dir):
+    """Initialised from the target, the first draft layer's context K/V are the target's K/V of the layer it copies
+    (the deepest tapped layer feeds it), so training starts from what the target itself attends to."""
+    target = load_transformer(tiny_dir["llama"])
+    last = target.args.n_layers - 1
+    draft = DFlashDraft.from_target(target, init_from_target=True, target_layers=(last - 1,), n_layers=1)
+    tokens = torch.tensor(make_prompts(target.args.vocab_size, 1, seed=9)[0])
+    n = tokens.shape[0]
+    cache = target.new_cache(n + 1, 1)
+    slot = cache.allocate()
+    target.prefill(cache, slot, tokens)
+    with torch.no_grad():
+        k, v = draft.context_kv(full_features(target, tokens, (last - 1,)), torch.arange(n))[0]
+    want_k, want_v = cache.layer(slot, last)
+    torch.testing.assert_close(k, want_k[:, :n], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(v, want_v[:, :n], atol=1e-5, rtol=1e-4)
+
+
+def test_distillation_labels_are_the_next_token_choices(tiny_dir):
+    """`labels[p]` is the target's choice after position p: labels equal to the text shifted by one give the text
+    loss exactly; other labels give another loss."""
+    target = load_transformer(tiny_dir["llama"])
+    draft = DFlashDraft.from_target(target, target_layers=(0, 1), n_layers=1, block_size=4)
+    tokens = torch.tensor(make_prompts(target.args.vocab_size, 1, seed=4)[0])
+    feats = full_features(target, tokens, (0, 1))
+    anchors = torch.tensor([2, 5, 9])
+    with torch.no_grad():
+        text, _ = dflash_loss(draft, feats, tokens, anchors)
+        shifted, _ = dflash_loss(draft, feats, tokens, anchors, labels=torch.cat([tokens[1:], tokens[:1]]))
+        other, _ = dflash_loss(draft, feats, tokens, anchors, labels=tokens)
+    assert float(shifted) == pytest.approx(float(text), rel=1e-6)
+    assert abs(float(other) - float(text)) > 1e-3
 
 
 def test_checkpoint_round_trip_and_errors(tiny_dir, tmp_path):

@@ -174,8 +174,9 @@ class DFlashDraft(nn.Module):
                         if all(k in s and s[k].shape == v.shape for k, v in d.items()):
                             getattr(dst, name).load_state_dict(s)
                 draft.norm.weight.copy_(target.norm.weight)
-                # the context stream starts as the deepest tapped layer's output, normed as the first copied
-                # layer normed it in the target: that layer's context keys/values are then exactly the target's
+                # the context stream starts as the deepest tapped layer's output, normed as the first copied layer
+                # norms its input: where that tap feeds that layer (the default taps, 2 layers), its context
+                # keys/values start as the target's own
                 h = cfg.hidden_size
                 deepest = cfg.target_layers.index(max(cfg.target_layers))
                 draft.fc.weight.zero_()

@@ -43,7 +43,7 @@ run: setup
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests --durations=25
 
-# The sampling-fidelity suite at full power (20,000 samples per case instead of `make test`'s 4,000).
+# The sampling-fidelity suite at full power (20,000 samples per case instead of `make test`'s 3,000).
 .PHONY: test-fidelity
 test-fidelity: setup
 	SPYGLASS_FIDELITY_SAMPLES=20000 $(PY) -m pytest -q -p no:cacheprovider tests/test_sampling_fidelity.py

@@ -46,10 +46,12 @@ def stack(ray_cluster, redis_server):
         },
     }
     doc = {"applications": [{"name": "spyglass", "route_prefix": "/", "args": args}]}
-    address, _ = deploy(doc, grpc_port=free_port(), http_port=free_port())
-    wait_ready(address, timeout_s=600)
-    yield address
-    serve.shutdown()
+    try:  # a failed start must not leave Serve (and its proxy's port) behind for the next module
+        address, _ = deploy(doc, grpc_port=free_port(), http_port=free_port())
+        wait_ready(address, timeout_s=600)
+        yield address
+    finally:
+        serve.shutdown()
 
 
 @pytest.fixture(scope="module")

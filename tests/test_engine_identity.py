@@ -43,12 +43,20 @@ def llama_target(tiny_dir):
     return load_transformer(tiny_dir["llama"])
 
 
-def check_identity(target, params: SamplingParams) -> None:
-    """Every drafter, batch 1 and 4: output equal to plain decoding, drafts accepted, no slot leaked."""
+# Drafters that read nothing of the target's internals (or read them exactly as another listed drafter does): on
+# the second model family they would repeat the first family's run, so only the family-sensitive ones run there.
+FAMILY_INDEPENDENT = {"ngram", "suffix", "longspec-beam", "longspec-cape", "composite", "dflash-dels"}
+
+
+def check_identity(target, params: SamplingParams, batches=(1, 4), skip=frozenset()) -> None:
+    """Every drafter (but `skip`), every batch size: output equal to plain decoding, drafts accepted, no slot
+    leaked."""
     prompts = make_prompts(target.args.vocab_size, N_PROMPTS, seed=len(target.layers))
     reference = [plain_generate(target, p, params) for p in prompts]
     for name, drafter in drafters(target):
-        for batch in (1, 4):
+        if name in skip:
+            continue
+        for batch in batches:
             engine = SpecEngine(
                 target, drafter, EngineConfig(max_batch=batch, max_context=512, controller=free_tokens_curve())
             )
@@ -64,7 +72,8 @@ def check_identity(target, params: SamplingParams) -> None:
 
 
 def test_greedy_identity_batch1_and_batch4(tiny_target):
-    check_identity(tiny_target, SamplingParams(max_new_tokens=32, ignore_eos=True))
+    skip = FAMILY_INDEPENDENT if tiny_target.args.qkv_bias else frozenset()  # Qwen2: the second family
+    check_identity(tiny_target, SamplingParams(max_new_tokens=32, ignore_eos=True), skip=skip)
 
 
 @pytest.mark.parametrize(
@@ -77,8 +86,9 @@ def test_greedy_identity_batch1_and_batch4(tiny_target):
 )
 def test_greedy_identity_with_penalties(llama_target, params):
     """The penalties see drafted ancestors exactly as plain decoding sees its own tokens (family-independent
-    logic, so on the Llama model only: the suite's time goes where it buys coverage)."""
-    check_identity(llama_target, params)
+    logic, so on the Llama model only, and at batch 4, where drafted and committed tokens of several sequences
+    mix: the suite's time goes where it buys coverage)."""
+    check_identity(llama_target, params, batches=(4,))
 
 
 def test_plain_engine_equals_reference(tiny_target):

@@ -142,13 +142,16 @@ def stack(ray_cluster, redis_server):
             "threads": 1,
             "max_new_tokens_limit": 512,
             "cache_block_size": 64,
+            "warmup_prompt_tokens": 96,  # the warm-up itself is tested in test_warmup.py and test_first_run.py
         },
     }
     doc = {"applications": [{"name": "spyglass", "route_prefix": "/", "args": args}]}
-    address, http = deploy(doc, grpc_port=free_port(), http_port=free_port())
-    wait_ready(address, timeout_s=180)
-    yield address, http
-    serve.shutdown()
+    try:  # a failed start must not leave Serve (and its proxy's port) behind for the next module
+        address, http = deploy(doc, grpc_port=free_port(), http_port=free_port())
+        wait_ready(address, timeout_s=180)
+        yield address, http
+    finally:
+        serve.shutdown()
 
 
 @pytest.fixture(scope="module")

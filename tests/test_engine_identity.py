@@ -17,7 +17,7 @@ from spyglass.models.llama import load_transformer
 from spyglass.sampling import SamplingParams
 from tests.tiny import free_tokens_curve, layer_copy_draft, make_prompts, trained_tiny
 
-N_PROMPTS = 20
+N_PROMPTS = 12
 
 
 def drafters(target):

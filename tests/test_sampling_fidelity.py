@@ -40,10 +40,15 @@ def sampling_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def prompt(sampling_model) -> list[int]:
+def model(sampling_model):
+    """One loaded target for every case (the briefly trained DFlash draft is then trained once)."""
+    return load_transformer(sampling_model)
+
+
+@pytest.fixture(scope="module")
+def prompt(model) -> list[int]:
     """A prompt whose earlier text contains the model's likely continuation, so n-gram drafts get
     accepted often: iterate prompt = tail + greedy(prompt) + base to a fixed point."""
-    model = load_transformer(sampling_model)
     base = [5, 6, 7, 8, 9, 10, 11]
     greedy = SamplingParams(max_new_tokens=3, ignore_eos=True)
     cont = plain_generate(model, base, greedy)
@@ -152,8 +157,7 @@ CASE_IDS = [f"{m}-{k}" for m in METHODS for k in SETTINGS] + [f"{m}-{k}" for m, 
 
 
 @pytest.mark.parametrize("method,temperature,top_p,penalty", CASES, ids=CASE_IDS)
-def test_first_three_tokens_match_plain_sampling(sampling_model, prompt, method, temperature, top_p, penalty):
-    model = load_transformer(sampling_model)
+def test_first_three_tokens_match_plain_sampling(sampling_model, model, prompt, method, temperature, top_p, penalty):
     drafter = {
         "ar": lambda: None,
         "ngram": lambda: NgramDrafter(n_min=1, n_max=3, draft_len=3, max_candidates=4),

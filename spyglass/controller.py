@@ -4,7 +4,9 @@ Each extra verified token costs target time, by an amount that depends on the ma
 not), the context length and the batch. So the controller measures that cost once at start-up (`CostCurve`)
 and, per sequence and step, keeps the tree nodes that maximise expected tokens per second:
 
-    (1 + sum of the kept nodes' acceptance probabilities) / time(verify the kept nodes)
+    (1 + sum of the kept nodes' acceptance probabilities) / (time(verify the kept nodes) + drafting time)
+
+(drafting time per kept depth for drafters that draft step by step and only as deep as asked: LongSpec, GLIDE)
 
 which may be no node at all (plain decoding for that sequence). Node probabilities come from the drafter's
 scores (`DraftTree.scores`, or a neutral prior when it has none), calibrated per depth against the acceptance
@@ -133,6 +135,7 @@ class _SeqControl:
     backoff: int = 4  # plain steps before the next probe
     probing: bool = False  # this step is a probe
     draft_s: float = 0.0  # recent drafting time per step for this sequence (decayed mean)
+    draft_s_per_depth: float = 0.0  # the same per drafted depth, for drafters whose cost grows with the depth
     kept_depth: int = 0  # depth of the subtree verified at the last drafting step
 
 
@@ -145,8 +148,13 @@ class SpeculationController:
         max_nodes: int | None = None,
         decay: float = 0.85,
         max_backoff: int = 64,
+        cost_by_depth: bool = False,
     ) -> None:
+        """`cost_by_depth`: the drafter runs one step per depth and drafts only as deep as `seq.draft_depth` asks
+        (LongSpec, GLIDE), so a shallow tree costs a fraction of a probe's deep one: charge drafting per kept
+        depth. Otherwise drafting costs what it cost recently, whatever is kept."""
         self.curve = curve
+        self.cost_by_depth = cost_by_depth
         self.max_nodes = max_nodes if max_nodes is not None else max(curve.sizes) - 1
         self.decay = decay
         self.max_backoff = max_backoff
@@ -215,12 +223,15 @@ class SpeculationController:
         if len(tree) == 1:
             return tree
         scores = self.scores(seq, tree)
-        order = sorted(scores[1:], reverse=True)[: self.max_nodes]
+        depths = tree.depths
+        order = sorted(range(1, len(tree)), key=lambda i: -scores[i])[: self.max_nodes]
         ctx = seq.committed
-        best_k, best_rate, gain = 0, 1.0 / self._cost(1, ctx, batch), 1.0
-        for k, sc in enumerate(order, start=1):
-            gain += sc
-            rate = gain / (self._cost(k + 1, ctx, batch) + st.draft_s)  # drafting is part of the price
+        best_k, best_rate, gain, depth = 0, 1.0 / self._cost(1, ctx, batch), 1.0, 0
+        for k, i in enumerate(order, start=1):
+            gain += scores[i]
+            depth = max(depth, depths[i])
+            draft = st.draft_s_per_depth * depth if self.cost_by_depth else st.draft_s
+            rate = gain / (self._cost(k + 1, ctx, batch) + draft)  # drafting is part of the price
             if rate > best_rate:
                 best_k, best_rate = k, rate
         if st.probing:
@@ -237,10 +248,13 @@ class SpeculationController:
         st.kept_depth = kept.max_depth
         return kept
 
-    def note_draft_time(self, seq: Sequence, seconds: float) -> None:
-        """The drafter's time for this sequence in this step: a slow drafter must earn its own cost too."""
+    def note_draft_time(self, seq: Sequence, seconds: float, depth: int = 1) -> None:
+        """The drafter's time for this sequence in this step (a tree `depth` deep): a slow drafter must earn its
+        own cost too."""
         st = self._state(seq)
         st.draft_s = seconds if st.draft_s == 0.0 else 0.7 * st.draft_s + 0.3 * seconds
+        per = seconds / max(depth, 1)
+        st.draft_s_per_depth = per if st.draft_s_per_depth == 0.0 else 0.7 * st.draft_s_per_depth + 0.3 * per
 
     def _cost(self, tokens: int, context: int, batch: int) -> float:
         """This sequence's share of a step in which every sequence of the batch verifies about as many tokens."""

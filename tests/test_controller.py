@@ -147,6 +147,19 @@ def test_a_drafter_slower_than_its_gain_is_dropped():
     assert not ctl.wants_draft(seq2)  # and it stops running the drafter until a probe
 
 
+def test_a_depth_costed_drafter_is_charged_for_the_depth_it_keeps():
+    """A probe drafted 4 levels deep in 0.8 s; a drafter that drafts only as deep as asked costs 0.2 s per level, so
+    one likely node pays (1.5 tokens for 1.1 + 0.2 s) where a flat charge of the probe's 0.8 s would not."""
+    tree = DraftTree.chain(5, [1, 2, 3, 4], scores=[1.0, 0.5, 0.025, 0.001, 0.0001])
+    kept = []
+    for by_depth in (False, True):
+        ctl = SpeculationController(CostCurve.linear(1.0, 0.1), cost_by_depth=by_depth)
+        seq = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
+        ctl.note_draft_time(seq, 0.8, depth=4)
+        kept.append(len(ctl.size(seq, tree, batch=1)) - 1)
+    assert kept == [0, 1]
+
+
 def test_rejection_sampled_chains_are_sized_without_their_own_scores():
     """Pruning a sampled chain by its tokens' probabilities would bias rejection sampling: the kept length must
     not depend on what was sampled."""

@@ -96,6 +96,7 @@ def load_longspec_draft(checkpoint: str | Path | None, target: Transformer, ship
 
 class LongSpecDrafter:
     name = "longspec"
+    cost_by_depth = True  # one draft step per depth, and only as deep as the controller asks (`seq.draft_depth`)
 
     def __init__(
         self,

@@ -9,7 +9,9 @@ loss log), with a progress bar and a loss-curve PNG, then an export into a check
         --out spyglass/drafts/smollm2-135m-dels
 
 DFlash: the target's hidden states are computed on the fly (only its layers up to the deepest tapped one run,
-in inference mode); each context feeds `--inner` optimiser steps, each on a fresh set of random anchors.
+in inference mode); each context feeds `--inner` optimiser steps, each on a fresh set of random anchors. With
+`--distill` the whole target runs and its greedy next tokens replace the text as targets (what verification
+accepts); `--init-from-target` starts the layers from the target's last ones (see `DFlashDraft.from_target`).
 DeLS: only the target's embedding and head are read (`read_frozen_io`); windows of 16 tokens from random
 anchors, exp(-k/7)-weighted next-token loss; the unigram prior is counted over the same train split.
 """

@@ -20,14 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from actors.trainer import latest_checkpoint
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def repo_relative(path: str | Path) -> str:
-    """A shipped record names no path of the machine it was trained on."""
-    p = Path(path).resolve()
-    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else p.name
+from spyglass.training import repo_relative
 
 
 def summarise(run_dir: Path, step: int | None = None, train_dir: str = "train") -> tuple[Path, dict]:

@@ -47,6 +47,7 @@ from spyglass.engine import EngineConfig, SpecEngine  # noqa: E402
 from spyglass.models.llama import Segment, load_transformer  # noqa: E402
 from spyglass.models.loader import load_tokenizer, resolve_model  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
+from spyglass.training import repo_relative  # noqa: E402
 
 GRID = (0.1, 0.3, 0.5)
 
@@ -279,7 +280,7 @@ def main() -> None:
     figures["machine_busy"] = load_before["loadavg_1m"] > load_before["nproc"]
     meta = {
         "what": "DFlash / DFlash+DeLS vs plain decoding and n-gram on held-out prompts (eval split), SmolLM2 fp32",
-        "run": vars(args),
+        "run": {**vars(args), "dflash": repo_relative(args.dflash), "dels": repo_relative(args.dels)},
         "tasks": {t.name: len(t.prompt_ids) for t in tasks},
         "cost_curve": curve.to_dict(),
         "cost_curve_measure_s": round(curve_s, 2),

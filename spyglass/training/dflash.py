@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from spyglass.training import repo_relative
 from spyglass.training.data import CorpusConfig, build_corpus, load_contexts
 
 
@@ -70,6 +71,12 @@ def _spent(t0_wall: float, t0_cpu: float, budget: str) -> float:
     """Seconds counted against --minutes: this process's CPU time (default; on a shared machine wall time says
     little about the work done) or wall time."""
     return (time.process_time() - t0_cpu) if budget == "cpu" else (time.monotonic() - t0_wall)
+
+
+def _recipe(args) -> dict:
+    """The run's options as shipped in a model card: paths relative to the repository."""
+    paths = ("workdir", "out", "model")
+    return {k: repo_relative(v) if k in paths and v else v for k, v in vars(args).items() if k != "func"}
 
 
 def _save_state(path: Path, **state) -> None:
@@ -224,7 +231,7 @@ def train_dflash(args) -> dict:
         f"eval_chain_accepted_vs_{against}": sum(ev_chain) / max(1, len(ev_chain)),
         "train_split": {k: manifest["splits"]["train"][k] for k in ("contexts", "tokens", "kinds")},
         "config": draft.cfg.to_dict(),
-        "recipe": {k: v for k, v in vars(args).items() if k not in ("func",)},
+        "recipe": _recipe(args),
     }
     (work / "dflash-summary.json").write_text(json.dumps(summary, indent=1))
     if args.out:
@@ -319,7 +326,7 @@ def train_dels(args) -> dict:
         "unigram_counted_tokens": int(train.numel()),
         "train_split": {k: manifest["splits"]["train"][k] for k in ("contexts", "tokens", "kinds")},
         "config": cfg.to_dict(),
-        "recipe": {k: v for k, v in vars(args).items() if k not in ("func",)},
+        "recipe": _recipe(args),
     }
     (work / "dels-summary.json").write_text(json.dumps(summary, indent=1))
     if args.out:

@@ -134,8 +134,7 @@ class _SeqControl:
     plain_streak: int = 0  # consecutive steps without speculation
     backoff: int = 4  # plain steps before the next probe
     probing: bool = False  # this step is a probe
-    draft_s: float = 0.0  # recent drafting time per step for this sequence (decayed mean)
-    draft_s_per_depth: float = 0.0  # the same per drafted depth, for drafters whose cost grows with the depth
+    draft_s: float = 0.0  # recent drafting time per step (per drafted depth with `cost_by_depth`), decayed mean
     kept_depth: int = 0  # depth of the subtree verified at the last drafting step
 
 
@@ -230,7 +229,7 @@ class SpeculationController:
         for k, i in enumerate(order, start=1):
             gain += scores[i]
             depth = max(depth, depths[i])
-            draft = st.draft_s_per_depth * depth if self.cost_by_depth else st.draft_s
+            draft = st.draft_s * depth if self.cost_by_depth else st.draft_s
             rate = gain / (self._cost(k + 1, ctx, batch) + draft)  # drafting is part of the price
             if rate > best_rate:
                 best_k, best_rate = k, rate
@@ -252,9 +251,8 @@ class SpeculationController:
         """The drafter's time for this sequence in this step (a tree `depth` deep): a slow drafter must earn its
         own cost too."""
         st = self._state(seq)
-        st.draft_s = seconds if st.draft_s == 0.0 else 0.7 * st.draft_s + 0.3 * seconds
-        per = seconds / max(depth, 1)
-        st.draft_s_per_depth = per if st.draft_s_per_depth == 0.0 else 0.7 * st.draft_s_per_depth + 0.3 * per
+        cost = seconds / max(depth, 1) if self.cost_by_depth else seconds
+        st.draft_s = cost if st.draft_s == 0.0 else 0.7 * st.draft_s + 0.3 * cost
 
     def _cost(self, tokens: int, context: int, batch: int) -> float:
         """This sequence's share of a step in which every sequence of the batch verifies about as many tokens."""

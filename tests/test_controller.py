@@ -4,6 +4,7 @@ right, and never changes the output."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from spyglass.controller import CostCurve, SpeculationController
@@ -189,14 +190,28 @@ def test_the_depth_that_paid_bounds_the_next_draft():
     assert seq.draft_depth is None  # the probe drafts at full depth
 
 
-def test_longspec_drafts_only_as_deep_as_the_controller_asks(tiny_target):
+@pytest.mark.parametrize("kind", ["longspec", "small-lm"])
+def test_depth_costed_drafters_draft_only_as_deep_as_the_controller_asks(tiny_target, kind):
+    """Per sequence of one batch; and what was drafted for a shallow request leaves the draft's state consistent
+    (the run still equals plain decoding)."""
     from spyglass.drafters.longspec import LongSpecDrafter
+    from spyglass.drafters.small_lm import SmallLMDrafter, truncated_draft
     from tests.tiny import layer_copy_draft
 
-    drafter = LongSpecDrafter(layer_copy_draft(tiny_target), gamma=5)
-    engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=1, max_context=128, controller="off"))
-    seq = engine.add_request(_prompt(), SamplingParams(max_new_tokens=8, ignore_eos=True))
+    if kind == "longspec":
+        drafter = LongSpecDrafter(layer_copy_draft(tiny_target), gamma=5)
+    else:
+        drafter = SmallLMDrafter(truncated_draft(tiny_target, 1), gamma=5, max_batch=2, max_context=128)
+    assert drafter.cost_by_depth
+    engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=2, max_context=128, controller="off"))
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    prompts = [_prompt(), _prompt(seed=2)]
+    seqs = [engine.add_request(p, params) for p in prompts]
     engine.step()
-    assert drafter.propose([seq])[0].max_depth == 5
-    seq.draft_depth = 2
-    assert drafter.propose([seq])[0].max_depth == 2
+    assert [t.max_depth for t in drafter.propose(seqs)] == [5, 5]
+    seqs[0].draft_depth = 2
+    assert [t.max_depth for t in drafter.propose(seqs)] == [2, 5]
+    while engine.has_work:
+        engine.step()
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        assert seq.output_ids == plain_generate(tiny_target, prompt, params)

@@ -1,8 +1,9 @@
 """A separate draft language model with the target's tokenizer and its own KV cache.
 
-It drafts a chain of `gamma` tokens one at a time, batched over all sequences in the step. When
-sampling it draws each token from its own processed distribution and hands that distribution to the
-verifier, so probability-ratio rejection sampling keeps the output distributed as the target's.
+It drafts a chain of up to `gamma` tokens one at a time (per sequence only as deep as the controller asks),
+batched over all sequences in the step. When sampling it draws each token from its own processed distribution
+and hands that distribution to the verifier, so probability-ratio rejection sampling keeps the output
+distributed as the target's.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class _DraftState:
 
 class SmallLMDrafter:
     name = "small-lm"
+    cost_by_depth = True  # one draft forward per depth, and only as deep as the controller asks (`seq.draft_depth`)
 
     def __init__(self, draft: Transformer, gamma: int = 4, max_batch: int = 4, max_context: int = 8192) -> None:
         if gamma < 1:
@@ -46,21 +48,27 @@ class SmallLMDrafter:
 
     def propose(self, batch: list[Sequence]) -> list[DraftTree]:
         states: list[_DraftState] = [s.drafter_state for s in batch]
-        room = [self.cache.capacity - s.num_tokens for s in batch]
-        gamma = max(0, min(self.gamma, *room))
+        for s, st in zip(batch, states, strict=True):  # drop what an earlier, unverified proposal drafted
+            self.cache.truncate(st.slot, s.committed)
+        depth = [
+            max(0, min(self.gamma, s.draft_depth or self.gamma, self.cache.capacity - s.num_tokens)) for s in batch
+        ]
         drafted: list[list[int]] = [[] for _ in batch]
         dists: list[list[torch.Tensor]] = [[] for _ in batch]
         # Step 0 feeds every token the draft has not seen yet (the root plus any catch-up).
         feeds = [s.tokens[self.cache.lengths[st.slot] :].clone() for s, st in zip(batch, states, strict=True)]
-        for _ in range(gamma):
+        for d in range(max(depth, default=0)):
+            rows = [i for i in range(len(batch)) if depth[i] > d]
             segments = []
-            for st, feed in zip(states, feeds, strict=True):
-                start = self.cache.lengths[st.slot]
-                segments.append(Segment(st.slot, start, feed, torch.arange(start, start + len(feed)), None, "last"))
+            for i in rows:
+                slot, start = states[i].slot, self.cache.lengths[states[i].slot]
+                segments.append(
+                    Segment(slot, start, feeds[i], torch.arange(start, start + len(feeds[i])), None, "last")
+                )
             logits = self.draft(segments, self.cache)
-            for i, (seq, st, seg, lg) in enumerate(zip(batch, states, segments, logits, strict=True)):
-                self.cache.commit(st.slot, seg.start, list(range(len(seg.tokens))))
-                tok, dist = choose_draft_token(seq, drafted[i], lg, st.generator)
+            for i, seg, lg in zip(rows, segments, logits, strict=True):
+                self.cache.commit(seg.slot, seg.start, list(range(len(seg.tokens))))
+                tok, dist = choose_draft_token(batch[i], drafted[i], lg, states[i].generator)
                 drafted[i].append(tok)
                 dists[i].append(dist)
                 feeds[i] = torch.tensor([tok])

@@ -2,8 +2,10 @@
 
 Copying from the context (suffix) and predicting what the model writes next (LongSpec) are right at different
 places: merged, each path keeps the best score any drafter gave it, and the engine's controller keeps the nodes
-that pay. Every part drafts for every sequence; sampling is verified by token matching (merged trees carry no
-single proposal distribution), which keeps the target's distribution exactly.
+that pay. A later part drafts for a sequence only while the earlier parts are unsure of its next token (their
+best first-level score below `confident`): where copying is likely right, the learned draft's few extra
+candidates rarely pay for its step-by-step drafting. Sampling is verified by token matching (merged trees carry
+no single proposal distribution), which keeps the target's distribution exactly.
 """
 
 from __future__ import annotations
@@ -43,11 +45,20 @@ def merge_trees(trees: list[DraftTree]) -> DraftTree:
     return DraftTree(torch.tensor(tokens), parents, scores=scores)
 
 
+def first_level_confidence(tree: DraftTree) -> float:
+    """The best score among the root's children (0 for a root-only or unscored tree: no evidence)."""
+    if tree.scores is None:
+        return 0.0
+    return max((tree.scores[i] for i in range(1, len(tree)) if tree.parents[i] == 0), default=0.0)
+
+
 class CompositeDrafter:
-    def __init__(self, parts: list[Drafter], name: str = "composite") -> None:
+    def __init__(self, parts: list[Drafter], name: str = "composite", confident: float | None = 0.5) -> None:
+        """`confident`: skip the later parts for a sequence whose earlier parts' best first token has at least this
+        score (None: every part always drafts)."""
         if not parts:
             raise ValueError("a composite drafter needs at least one part")
-        self.parts, self.name = parts, name
+        self.parts, self.name, self.confident = parts, name, confident
         layers = {i for p in parts for i in getattr(p, "hidden_layers", ())}
         self.hidden_layers = tuple(sorted(layers))
 
@@ -75,16 +86,23 @@ class CompositeDrafter:
 
     def propose(self, batch: list[Sequence]) -> list[DraftTree]:
         saved = [s.drafter_state for s in batch]
-        per_part = []
+        trees: list[list[DraftTree]] = [[] for _ in batch]
         for i, part in enumerate(self.parts):
-            for s, st in zip(batch, saved, strict=True):
-                s.drafter_state = st[i]
-            per_part.append(part.propose(batch))
-            for s, st in zip(batch, saved, strict=True):
-                st[i] = s.drafter_state
+            rows = [j for j in range(len(batch)) if not self._sure(trees[j])]
+            if not rows:
+                break
+            for j in rows:
+                batch[j].drafter_state = saved[j][i]
+            for j, tree in zip(rows, part.propose([batch[j] for j in rows]), strict=True):
+                saved[j][i] = batch[j].drafter_state
+                trees[j].append(tree)
         for s, st in zip(batch, saved, strict=True):
             s.drafter_state = st
-        return [merge_trees([trees[j] for trees in per_part]) for j in range(len(batch))]
+        return [merge_trees(ts) for ts in trees]
+
+    def _sure(self, trees: list[DraftTree]) -> bool:
+        """The parts so far give the next token at least `confident` odds (merging keeps each node's best score)."""
+        return self.confident is not None and max(map(first_level_confidence, trees), default=0.0) >= self.confident
 
     def commit(self, seq: Sequence, accepted: Accepted) -> None:
         for part in self._each(seq):

@@ -1,0 +1,58 @@
+"""Composite drafting: merged trees, and later parts drafting only where the earlier ones are unsure."""
+
+from __future__ import annotations
+
+import torch
+
+from spyglass.drafters.base import StatelessDrafter
+from spyglass.drafters.composite import CompositeDrafter, first_level_confidence, merge_trees
+from spyglass.sampling import SamplingParams
+from spyglass.sequence import Sequence
+from spyglass.tree import DraftTree
+
+
+class ChainDrafter(StatelessDrafter):
+    """Proposes the chain [1, 2] (or `tokens`) with a first-level score looked up by the sequence's root, and
+    records which sequences it drafted for."""
+
+    def __init__(self, first_score: dict[int, float], tokens: tuple[int, ...] = (1, 2)) -> None:
+        self.first_score, self.tokens, self.seen = first_score, list(tokens), []
+
+    def propose(self, batch: list[Sequence]) -> list[DraftTree]:
+        self.seen.append([s.root for s in batch])
+        return [
+            DraftTree.chain(
+                s.root, self.tokens, scores=[1.0, self.first_score[s.root]] + [0.1] * (len(self.tokens) - 1)
+            )
+            for s in batch
+        ]
+
+
+def _seq(root: int) -> Sequence:
+    return Sequence([1, 2, root], SamplingParams(max_new_tokens=4))
+
+
+def test_merged_paths_keep_their_best_score_and_children_never_outscore_parents():
+    a = DraftTree.chain(9, [1, 2], scores=[1.0, 0.4, 0.3])
+    b = DraftTree(torch.tensor([9, 1, 3, 4]), [-1, 0, 1, 0], scores=[1.0, 0.6, 0.7, 0.2])
+    m = merge_trees([a, b])
+    assert m.tokens.tolist() == [9, 1, 2, 3, 4]
+    assert m.parents == [-1, 0, 1, 1, 0]
+    assert m.scores == [1.0, 0.6, 0.3, 0.6, 0.2]  # token 1: max(0.4, 0.6); token 3: 0.7 clamped to its parent's 0.6
+
+
+def test_later_parts_draft_only_for_sequences_the_earlier_ones_are_unsure_of():
+    sure, unsure = _seq(9), _seq(8)
+    learned = ChainDrafter({8: 0.3, 9: 0.3}, tokens=(3,))
+    composite = CompositeDrafter([ChainDrafter({9: 0.8, 8: 0.2}), learned])  # default: confident = 0.5
+    for s in (sure, unsure):
+        composite.start(s)
+    trees = composite.propose([sure, unsure])
+    assert learned.seen == [[8]]
+    assert trees[0].tokens.tolist() == [9, 1, 2]
+    assert trees[1].tokens.tolist() == [8, 1, 2, 3]
+    assert first_level_confidence(trees[0]) == 0.8
+
+    composite.confident = None  # every part drafts for every sequence
+    composite.propose([sure, unsure])
+    assert learned.seen[-1] == [9, 8]

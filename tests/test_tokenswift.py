@@ -211,3 +211,16 @@ def test_shipped_heads_load_for_smollm2_and_beat_untrained(smollm2):
     target, _ = smollm2
     drafter = build_drafter("tokenswift", target)
     assert drafter.heads.proj.abs().sum() > 0  # trained, not the zero init
+
+
+def test_heads_extraction_cache_never_pairs_states_with_other_contexts(tiny_target, tmp_path):
+    """A rebuilt corpus can put other contexts at the same index: the stored shard is then extracted again."""
+    from spyglass.training.tokenswift_train import extract
+
+    first, second = torch.randint(0, 100, (2, 3, 16), generator=torch.Generator().manual_seed(0))
+    out = tmp_path / "hidden"
+    a = extract(tiny_target, first, out, shard=3)
+    assert torch.equal(extract(tiny_target, first, out, shard=3), a)  # reused as stored
+    b = extract(tiny_target, second, out, shard=3)
+    assert not torch.equal(a, b)
+    assert torch.equal(b, extract(tiny_target, second, tmp_path / "fresh", shard=3))

@@ -61,7 +61,8 @@ def _load_target(model):
 
 @torch.inference_mode()
 def extract(target, contexts: torch.Tensor, out: Path, shard: int) -> torch.Tensor:
-    """Last-layer hidden states `[n, L, d]` (bf16), computed shard by shard and cached on disk."""
+    """Last-layer hidden states `[n, L, d]` (bf16), computed shard by shard and cached on disk with the contexts
+    they belong to (a rebuilt corpus with other contexts at the same index is extracted again, never mismatched)."""
     from spyglass.models.llama import Segment
 
     out.mkdir(parents=True, exist_ok=True)
@@ -69,12 +70,16 @@ def extract(target, contexts: torch.Tensor, out: Path, shard: int) -> torch.Tens
     parts = []
     for lo in range(0, contexts.shape[0], shard):
         path = out / f"hidden-{lo:05d}.safetensors"
+        chunk = contexts[lo : lo + shard]
         if path.exists():
-            parts.append(load_file(str(path))["hidden"])
-            continue
+            saved = load_file(str(path))
+            if torch.equal(saved.get("tokens", torch.empty(0)), chunk):
+                parts.append(saved["hidden"])
+                continue
+            print(f"{path.name}: stored for other contexts (the corpus changed): extracting again", flush=True)
         t0 = time.perf_counter()
         rows = []
-        for ctx in contexts[lo : lo + shard]:
+        for ctx in chunk:
             cache = target.new_cache(ctx.shape[0], 1)
             slot = cache.allocate()
             target.capture_layers = (last,)
@@ -82,7 +87,7 @@ def extract(target, contexts: torch.Tensor, out: Path, shard: int) -> torch.Tens
             rows.append(target.captured[0][last].to(torch.bfloat16))
         target.capture_layers = ()
         hidden = torch.stack(rows)
-        save_file({"hidden": hidden}, str(path))
+        save_file({"hidden": hidden, "tokens": chunk.contiguous()}, str(path))  # which contexts these belong to
         parts.append(hidden)
         print(f"extract {lo + len(rows)}/{contexts.shape[0]} ({time.perf_counter() - t0:.1f}s)", flush=True)
     return torch.cat(parts)

@@ -53,11 +53,16 @@ bench: setup
 	$(PY) bench/attention.py
 
 # Drafting on held-out long-context prompts (bench/tasks.py): model-free methods, then the trained drafts.
-.PHONY: bench-drafting bench-longspec train-longspec
+.PHONY: bench-drafting bench-longspec bench-dflash bench-tokenswift train-longspec
 bench-drafting: setup
 	$(PY) bench/drafting.py --max-new-tokens 256 --per-kind 3 --small-lm
 bench-longspec: setup
 	$(PY) bench/longspec.py --max-new-tokens 256 --per-kind 3
+bench-dflash: setup
+	$(PY) bench/dflash.py
+# The issue's full run (2K prefix, 6K generated, 7 variants one after another) takes over an hour on 2 CPU cores.
+bench-tokenswift: setup
+	$(PY) bench/tokenswift.py --prefix 2048 --gen 6144
 
 # The shipped LongSpec and GLIDE drafts: extraction + training (resumable: rerun to continue), then copied into the
 # package. Each run warm-starts from the one before (v3 from v2's step 200, v4 from v3, GLIDE's top layer from v4);

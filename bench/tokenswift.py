@@ -4,8 +4,9 @@ One run, every contender on the same prompt, sampling parameters and seed (T=1, 
 W=1024 tokens, min-p 0.1), generation to a fixed length (EOS ignored, as the paper does):
 - `ar`: plain decoding through the same engine (the reference);
 - `tokenswift`: partial KV (importance updates + rebuilds) + trained heads + [1,3,3,3] tree + n-gram reuse;
-- ablations: `no-ngram` (k=0), `static-kv` (no dynamic KV updates), and the `streaming` baseline
-  (StreamingLLM/MagicDec self-speculation, sinks + recent window);
+- ablations: `no-ngram` (k=0), `static-kv` (no dynamic KV updates), `heads-only` (no partial-cache pass: the heads
+  read the verify pass's exact hidden state, Medusa-style, so drafting costs no target forward), and the
+  `streaming` baseline (StreamingLLM/MagicDec self-speculation, sinks + recent window);
 - `ar-no-penalty`: plain decoding without the penalty, only for Distinct-4.
 Token matching draws one target sample per emitted token, so with one seed every lossless contender emits the
 same text as `ar` (up to floating-point differences between batched verification and single steps).
@@ -28,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import RESULTS_DIR, machine_load, plot_panels, write_results  # noqa: E402
+from bench.common import RESULTS_DIR, machine_load, plot_panels, wait_for_quiet, write_results  # noqa: E402
 from spyglass.controller import CostCurve  # noqa: E402
 from spyglass.drafters.streaming import StreamingDrafter  # noqa: E402
 from spyglass.drafters.tokenswift import build_tokenswift  # noqa: E402
@@ -37,7 +38,7 @@ from spyglass.models.llama import load_transformer  # noqa: E402
 from spyglass.models.loader import load_tokenizer, resolve_model  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
 
-VARIANTS = ("ar", "tokenswift", "no-ngram", "static-kv", "streaming", "ar-no-penalty")
+VARIANTS = ("ar", "tokenswift", "no-ngram", "static-kv", "heads-only", "streaming", "ar-no-penalty")
 
 
 def eval_prose_prompt(tokenizer, n: int) -> tuple[list[int], str]:
@@ -64,7 +65,12 @@ def drafter_for(variant: str, target, budget: int):
         return None
     if variant == "streaming":
         return StreamingDrafter(budget=budget, sinks=4, gamma=4)
-    options = {"tokenswift": {}, "no-ngram": {"ngram_k": 0}, "static-kv": {"policy": "static"}}[variant]
+    options = {
+        "tokenswift": {},
+        "no-ngram": {"ngram_k": 0},
+        "static-kv": {"policy": "static"},
+        "heads-only": {"draft_pass": False},
+    }[variant]
     return build_tokenswift(target, ARGS.heads, budget=budget, **options)
 
 
@@ -136,6 +142,7 @@ def main() -> None:
     tokenizer = load_tokenizer(resolved.path)
     prompt, source = eval_prose_prompt(tokenizer, ARGS.prefix)
     capacity = ARGS.prefix + ARGS.gen + 128
+    quiet = wait_for_quiet(max_load=1.0, timeout_s=120)
     load_before = machine_load()
     t0 = time.perf_counter()
     curve = CostCurve.measure(target, target.new_cache(capacity, 1), contexts=(ARGS.prefix, ARGS.prefix + ARGS.gen))
@@ -191,6 +198,7 @@ def main() -> None:
             "note": ARGS.note,
         },
         "cost_curve": curve.to_dict(),
+        "quiet_before": quiet,
         "load_before": load_before,
         "load_after": machine_load(),
     }

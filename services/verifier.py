@@ -50,6 +50,7 @@ class VerifierConfig:
     threads: int | None = None  # torch threads in the replica (default: the CPUs Ray gave it)
     # Warm-up before the replica reports ready (see `warm_up`): 0 = off; else the synthetic prompt's tokens.
     warmup_prompt_tokens: int = 800
+    # build_drafter's options for every method, e.g. `draft_model: SOURCE` (or `draft_layers: N`) for small-lm
     drafter_options: dict[str, Any] = field(default_factory=dict)
 
     @classmethod

@@ -138,16 +138,6 @@ def _run_generate(args) -> int:
         resolved = resolve_model(args.model, dtype=args.dtype)
         target = load_transformer(resolved.path, dtype=dtype)
         tokenizer = load_tokenizer(resolved.path)
-        draft_model = None
-        if args.method == "small-lm":
-            if args.draft_model:
-                draft_model = load_transformer(resolve_model(args.draft_model, dtype=args.dtype).path, dtype=dtype)
-            elif args.draft_layers:
-                from spyglass.drafters.small_lm import truncated_draft
-
-                draft_model = truncated_draft(target, args.draft_layers)
-            else:  # the target's own first layers accept almost nothing on SmolLM2: no silent slow default
-                raise CliError("method small-lm needs a draft model: --draft-model SOURCE (or --draft-layers N)")
     except ModelLoadError as e:
         raise CliError(str(e)) from e
     prompt_ids = _encode(tokenizer, prompt, args.raw)
@@ -163,7 +153,8 @@ def _run_generate(args) -> int:
             n_max=args.ngram_max,
             draft_len=args.draft_len,
             max_candidates=args.max_candidates,
-            draft_model=draft_model,
+            draft_model=args.draft_model,
+            draft_layers=args.draft_layers,
             draft_checkpoint=args.draft_checkpoint,
             gamma=args.gamma,
             partial_budget=args.partial_budget,

@@ -24,6 +24,11 @@ SMALL = ["--max-new-tokens", "4"]
         (["generate", "--prompt-file", "/nonexistent/prompt.txt"], "cannot read prompt file"),
         (["generate", "--prompt", "   ", *SMALL], "prompt is empty"),
         (["generate", "--prompt", "hi", "--model", "/nonexistent/model", *SMALL], "/nonexistent/model"),
+        (["generate", "--prompt", "hi", "--method", "small-lm", *SMALL], "needs a draft model"),
+        (
+            ["generate", "--prompt", "hi", "--method", "small-lm", "--draft-model", "/nonexistent/d", *SMALL],
+            "/nonexistent/d",
+        ),
     ],
 )
 def test_bad_input_gives_clear_error(argv, needle, capsys):

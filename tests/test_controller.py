@@ -215,3 +215,16 @@ def test_depth_costed_drafters_draft_only_as_deep_as_the_controller_asks(tiny_ta
         engine.step()
     for seq, prompt in zip(seqs, prompts, strict=True):
         assert seq.output_ids == plain_generate(tiny_target, prompt, params)
+
+
+def test_small_lm_draft_from_a_loaded_model_or_the_targets_layers(tiny_dir):
+    """What the CLI and the verifier's YAML options (`draft_layers: N`) resolve to; no silent default."""
+    from spyglass.drafters import build_drafter
+    from spyglass.models.llama import load_transformer
+
+    target = load_transformer(tiny_dir["llama"])
+    with pytest.raises(ValueError, match="needs a draft model"):
+        build_drafter("small-lm", target)
+    assert build_drafter("small-lm", target, draft_layers=1).draft.args.n_layers == 1
+    other = load_transformer(tiny_dir["qwen2"])
+    assert build_drafter("small-lm", target, draft_model=other).draft is other

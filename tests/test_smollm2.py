@@ -77,3 +77,15 @@ def test_greedy_identity_real_prompts(smollm2, prompts):
             for i, seq in enumerate(seqs):
                 assert seq.output_ids == reference[i], f"{name} batch {batch} prompt {i} differs from plain decoding"
             assert sum(s.stats.summary(s.num_generated)["tau"] for s in seqs) / len(seqs) > 1.0
+
+
+def test_small_lm_draft_model_from_a_source(smollm2):
+    """`draft_model: SOURCE` (CLI `--draft-model`, the verifier's YAML) loads a model in the target's dtype."""
+    from spyglass.drafters import build_drafter
+    from spyglass.models.loader import resolve_model
+
+    model, _ = smollm2
+    source = str(resolve_model(None, dtype="float32").path)
+    draft = build_drafter("small-lm", model, max_batch=1, max_context=256, draft_model=source).draft
+    assert draft is not model and draft.dtype == model.dtype
+    assert torch.equal(draft.embed.weight, model.embed.weight)

@@ -36,11 +36,9 @@ def build_drafter(method: str, target, *, max_batch: int = 4, max_context: int =
 
         return SuffixDrafter()
     if method == "small-lm":
-        from spyglass.drafters.small_lm import SmallLMDrafter
+        from spyglass.drafters.small_lm import SmallLMDrafter, load_draft_model
 
-        draft = options.get("draft_model")
-        if draft is None:
-            raise ValueError("method small-lm needs a draft model (--draft-model)")
+        draft = load_draft_model(target, options.get("draft_model"), options.get("draft_layers"))
         gamma = options.get("gamma") or 4
         return SmallLMDrafter(draft, gamma=gamma, max_batch=max_batch, max_context=max_context)
     if method == "composite":  # suffix + LongSpec candidates in one tree

@@ -95,6 +95,23 @@ class SmallLMDrafter:
         return self.cache.slot_bytes() if seq.drafter_state is not None else 0
 
 
+def load_draft_model(target: Transformer, source: Transformer | str | None, layers: int | None = None) -> Transformer:
+    """The draft model: a loaded one, a model source (a path or name `resolve_model` knows, in the target's dtype),
+    or the target's first `layers` layers. No default: the target's own first layers accept almost nothing on
+    SmolLM2, and a silent slow default is worse than a clear error."""
+    if isinstance(source, Transformer):
+        return source
+    if source:
+        from spyglass.models.llama import load_transformer
+        from spyglass.models.loader import resolve_model
+
+        dtype = str(target.dtype).removeprefix("torch.")
+        return load_transformer(resolve_model(str(source), dtype=dtype).path, dtype=target.dtype)
+    if layers:
+        return truncated_draft(target, layers)
+    raise ValueError("method small-lm needs a draft model: --draft-model SOURCE (or --draft-layers N)")
+
+
 def truncated_draft(target: Transformer, n_layers: int) -> Transformer:
     """A draft made of the target's first `n_layers` layers, final norm and head, sharing their weights.
 

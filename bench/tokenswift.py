@@ -7,6 +7,7 @@ W=1024 tokens, min-p 0.1), generation to a fixed length (EOS ignored, as the pap
 - ablations: `no-ngram` (k=0), `static-kv` (no dynamic KV updates), `heads-only` (no partial-cache pass: the heads
   read the verify pass's exact hidden state, Medusa-style, so drafting costs no target forward), and the
   `streaming` baseline (StreamingLLM/MagicDec self-speculation, sinks + recent window);
+- `ngram`: model-free n-gram drafting on the same prompt, the bar every drafter must clear;
 - `ar-no-penalty`: plain decoding without the penalty, only for Distinct-4.
 Token matching draws one target sample per emitted token, so with one seed every lossless contender emits the
 same text as `ar` (up to floating-point differences between batched verification and single steps).
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import RESULTS_DIR, machine_load, plot_panels, wait_for_quiet, write_results  # noqa: E402
 from spyglass.controller import CostCurve  # noqa: E402
+from spyglass.drafters.ngram import NgramDrafter  # noqa: E402
 from spyglass.drafters.streaming import StreamingDrafter  # noqa: E402
 from spyglass.drafters.tokenswift import build_tokenswift  # noqa: E402
 from spyglass.engine import EngineConfig, SpecEngine  # noqa: E402
@@ -38,7 +40,7 @@ from spyglass.models.llama import load_transformer  # noqa: E402
 from spyglass.models.loader import load_tokenizer, resolve_model  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
 
-VARIANTS = ("ar", "tokenswift", "no-ngram", "static-kv", "heads-only", "streaming", "ar-no-penalty")
+VARIANTS = ("ar", "tokenswift", "no-ngram", "static-kv", "heads-only", "streaming", "ngram", "ar-no-penalty")
 
 
 def eval_prose_prompt(tokenizer, n: int) -> tuple[list[int], str]:
@@ -65,6 +67,8 @@ def drafter_for(variant: str, target, budget: int):
         return None
     if variant == "streaming":
         return StreamingDrafter(budget=budget, sinks=4, gamma=4)
+    if variant == "ngram":
+        return NgramDrafter()
     options = {
         "tokenswift": {},
         "no-ngram": {"ngram_k": 0},
@@ -167,6 +171,7 @@ def main() -> None:
         ]
     figures = {
         "speedup_long_t1": ar["decode_s"] / runs["tokenswift"]["decode_s"] if "tokenswift" in runs else None,
+        "speedup_long_t1_ngram": ar["decode_s"] / runs["ngram"]["decode_s"] if "ngram" in runs else None,
         "acceptance_rate": runs.get("tokenswift", {}).get("acceptance_rate"),
         "tau": runs.get("tokenswift", {}).get("tau"),
         "identical_to_ar": {

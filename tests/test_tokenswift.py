@@ -152,7 +152,8 @@ def test_tree_is_1_3_3_3_plus_ngrams_with_scores(tiny_target):
 
 def test_draft_pass_off_reads_the_engines_hidden_states(tiny_target):
     heads = TokenSwiftHeads(tiny_target.args.hidden_size, 3)
-    drafter = TokenSwiftDrafter(heads, widths=(1, 3, 3), draft_pass=False, ngram_k=4)
+    drafter = TokenSwiftDrafter(heads, draft_pass=False, ngram_k=4)
+    assert drafter.widths == (3, 3, 3)  # one width per head: without the pass there is no p_0 for depth 1
     engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=2, max_context=256))
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     prompts = [[5, 6, 7, 8] * 5, list(range(10, 40))]

@@ -98,13 +98,15 @@ class TokenSwiftDrafter:
         budget: int | None = None,
         sinks: int = 16,
         policy: str = "importance",
-        widths: tuple[int, ...] = (1, 3, 3, 3),
+        widths: tuple[int, ...] | None = None,
         ngram_k: int = 20,
         ngram_n: int = 4,
         ngram_lag: int = 0,
         rebuild_every: int | None = None,
         draft_pass: bool = True,
     ) -> None:
+        if widths is None:  # the paper's [1,3,3,3]; without the pass, depth 1 comes from head 1 (no p_0 to take)
+            widths = (1, 3, 3, 3) if draft_pass else (3, 3, 3)
         if len(widths) > heads.gamma + (1 if draft_pass else 0) or not widths or min(widths) < 1:
             raise ValueError(f"tree widths {widths} need one distribution per depth (heads give {heads.gamma + 1})")
         self.heads = heads

@@ -44,6 +44,12 @@ class Drafter(Protocol):
 # drafting this step (one level deeper than what it verified last time); a drafter whose cost grows with depth
 # (LongSpec) may stop there. Deeper nodes would only be pruned.
 
+
+def requested_depth(seq: Sequence, gamma: int, capacity: int) -> int:
+    """How deep to draft for `seq`: the drafter's own `gamma`, the controller's hint and the room left in the cache."""
+    return max(0, min(gamma, seq.draft_depth or gamma, capacity - seq.num_tokens))
+
+
 # Optional, for drafters that read the target's hidden states (TokenSwift, DFlash). A drafter with a non-empty
 # `hidden_layers: tuple[int, ...]` (layer indices, negative from the end; the output of that layer, before the
 # final norm) gets, after every target forward that commits tokens of a sequence (prefill chunks and verify

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from spyglass.drafters.base import choose_draft_token, draft_generator
+from spyglass.drafters.base import choose_draft_token, draft_generator, requested_depth
 from spyglass.kv_cache import KVCache
 from spyglass.models.llama import Transformer
 from spyglass.sequence import Sequence
@@ -163,8 +163,7 @@ class LongSpecDrafter:
         targets = [[self.cache.prefix(s.slot, layer) for layer in self.layers_read] for s in batch]
         for seq, w, c, t in zip(batch, states, committed, targets, strict=True):
             self._sync(seq, w, c, t)
-        gammas = [min(self.gamma, s.draft_depth or self.gamma) for s in batch]  # the controller's hint, if any
-        depth_cap = [max(0, min(g, self.cache.capacity - s.num_tokens)) for g, s in zip(gammas, batch, strict=True)]
+        depth_cap = [requested_depth(s, self.gamma, self.cache.capacity) for s in batch]
         trees = [_Growing(int(s.root)) for s in batch]
         frontier = [[0] if depth_cap[i] > 0 else [] for i in range(len(batch))]
         for depth in range(max(depth_cap, default=0)):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spyglass.drafters.base import choose_draft_token, draft_generator
+from spyglass.drafters.base import choose_draft_token, draft_generator, requested_depth
 from spyglass.kv_cache import KVCache
 from spyglass.models.llama import Segment, Transformer
 from spyglass.sequence import Sequence
@@ -50,9 +50,7 @@ class SmallLMDrafter:
         states: list[_DraftState] = [s.drafter_state for s in batch]
         for s, st in zip(batch, states, strict=True):  # drop what an earlier, unverified proposal drafted
             self.cache.truncate(st.slot, s.committed)
-        depth = [
-            max(0, min(self.gamma, s.draft_depth or self.gamma, self.cache.capacity - s.num_tokens)) for s in batch
-        ]
+        depth = [requested_depth(s, self.gamma, self.cache.capacity) for s in batch]
         drafted: list[list[int]] = [[] for _ in batch]
         dists: list[list[torch.Tensor]] = [[] for _ in batch]
         # Step 0 feeds every token the draft has not seen yet (the root plus any catch-up).

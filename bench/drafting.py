@@ -84,24 +84,34 @@ def compare(
     cache: ContextCache | None,
     controller_off: tuple[str, ...] = (),
     log=print,
+    repeats: int = 1,
 ) -> dict[str, dict[str, dict]]:
-    """Every task through plain decoding (`ar`) and each drafter, side by side; returns results[task][method]
-    with `speedup` (decode tok/s over ar's on the same prompt) and `identical` (greedy output equal to ar's)."""
+    """Every task through plain decoding (`ar`) and each drafter, side by side, `repeats` times; returns
+    results[task][method] (the median run) with `speedup` (median decode tok/s over ar's on the same prompt) and
+    `identical` (greedy output equal to plain decoding's in every run)."""
     capacity = 8192
     results: dict[str, dict[str, dict]] = {}
     for task in tasks:
-        row: dict[str, dict] = {}
-        ar = SpecEngine(target, None, EngineConfig(max_batch=1, max_context=capacity), context_cache=cache)
-        row["ar"] = run_task(ar, task, params)
-        for name, make in drafters.items():
-            conf = EngineConfig(
-                max_batch=1, max_context=capacity, controller="off" if name in controller_off else "measure"
-            )
-            row[name] = run_task(SpecEngine(target, make(), conf, context_cache=cache), task, params)
+        runs: dict[str, list[dict]] = {}
+        for _ in range(repeats):  # interleaved, so a change in the machine's speed hits every method alike
+            ar = SpecEngine(target, None, EngineConfig(max_batch=1, max_context=capacity), context_cache=cache)
+            runs.setdefault("ar", []).append(run_task(ar, task, params))
+            for name, make in drafters.items():
+                conf = EngineConfig(
+                    max_batch=1, max_context=capacity, controller="off" if name in controller_off else "measure"
+                )
+                runs.setdefault(name, []).append(
+                    run_task(SpecEngine(target, make(), conf, context_cache=cache), task, params)
+                )
+        row = {}
+        for name, rs in runs.items():  # the run with the median decode speed, and every run's speed
+            rs = sorted(rs, key=lambda r: r["tok_s"])
+            row[name] = {**rs[len(rs) // 2], "tok_s_runs": [round(r["tok_s"], 3) for r in rs]}
+            row[name]["identical_runs"] = all(r["tokens"] == runs["ar"][0]["tokens"] for r in rs)
         base = row["ar"]["tok_s"]
         for r in row.values():
             r["speedup"] = r["tok_s"] / base if base else None
-            r["identical"] = r["tokens"] == row["ar"]["tokens"]
+            r["identical"] = r.pop("identical_runs")
         log(
             f"{task.name} ({len(task.prompt_ids)} tok): "
             + "  ".join(
@@ -163,6 +173,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--per-kind", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="runs per method and prompt (median decode speed)")
     ap.add_argument("--small-lm", action="store_true", help="also small-lm with the target's first 8 layers")
     ap.add_argument("--no-repeat", action="store_true", help="skip the multi-request workload")
     args = ap.parse_args()
@@ -190,7 +201,7 @@ def main() -> None:
 
         drafters["small_lm_8layers"] = lambda: SmallLMDrafter(truncated_draft(target, 8), max_batch=1, max_context=8192)
     load_before = machine_load()
-    results = compare(target, tasks, drafters, params, cache, controller_off=("hf_lookup",))
+    results = compare(target, tasks, drafters, params, cache, controller_off=("hf_lookup",), repeats=args.repeats)
 
     repeat = {}
     if not args.no_repeat:
@@ -232,6 +243,7 @@ def main() -> None:
         "load_before": load_before,
         "load_after": machine_load(),
         "threads": args.threads,
+        "repeats": args.repeats,
         "pid": os.getpid(),
     }
     out = write_results("drafting", figures, {"per_task": results, "repeat_workload": repeat}, meta)

@@ -30,6 +30,7 @@ from spyglass.verify import Accepted
 
 PRIOR_CONDITIONAL = 0.6  # a node's chance given its parent, for drafters that give no scores
 PSEUDO_COUNT = 0.2  # evidence the calibration starts with (observed = predicted)
+CHEAP_DRAFT = 0.02  # drafting below this share of a decode step: propose every step, even between probes
 
 
 def cpu_model() -> str:
@@ -172,7 +173,9 @@ class SpeculationController:
             return True
         st.probing = st.plain_streak >= st.backoff
         seq.draft_depth = None
-        return st.probing
+        # A drafter that costs almost nothing (model-free lookups) proposes every step: the sizing then decides
+        # from its scores whether this step's tree pays (a long fresh match often does, right after a miss).
+        return st.probing or st.draft_s <= CHEAP_DRAFT * self.curve.time(1, seq.committed)
 
     def skip(self, seq: Sequence) -> None:
         """The sequence decodes plainly this step without drafting."""
@@ -241,6 +244,7 @@ class SpeculationController:
             stats.plain_steps += 1
             st.kept_depth = 0
             return DraftTree.root_only(int(tree.tokens[0]))
+        st.plain_streak = 0 if not st.probing else st.plain_streak
         stats.drafted_steps += 1
         stats.verified_nodes += best_k
         kept = tree.subtree(tree.best_nodes(scores, best_k))
@@ -266,6 +270,7 @@ class SpeculationController:
         cond = self.conditionals(tree)
         kids = tree.children()
         path = accepted.path
+        tried = 0
         for d in range(1, tree.max_depth + 1):
             if d - 1 >= len(path):  # the path stopped before this depth: no trial here
                 break
@@ -277,6 +282,12 @@ class SpeculationController:
                 st.expected.append(st.expected[-1] if st.expected else 0.0)
             st.hits[d - 1] = self.decay * st.hits[d - 1] + (1.0 if d < len(path) else 0.0)
             st.expected[d - 1] = self.decay * st.expected[d - 1] + min(1.0, sum(cond[c] for c in kids[parent]))
+            tried = d
+        # Depths not tried this step forget too: evidence from long ago must not keep a depth pruned (and so
+        # untried) for the rest of the request after a few early misses.
+        for d in range(tried, len(st.hits)):
+            st.hits[d] *= self.decay
+            st.expected[d] *= self.decay
         if st.probing:  # a probe that found acceptance ends the plain phase; one that did not backs off further
             st.probing = False
             if accepted.num_drafted_accepted > 0:

@@ -96,18 +96,39 @@ def _engine(target, drafter, curve):
     return SpecEngine(target, drafter, EngineConfig(max_batch=4, max_context=256, controller=curve))
 
 
-def test_always_wrong_converges_to_plain_decoding(tiny_target):
+@pytest.mark.parametrize("step_s", [1.0, 1e-6])
+def test_always_wrong_converges_to_plain_decoding(tiny_target, step_s):
+    """With a 1 s decode step the drafter is nearly free, so it keeps proposing (a fresh match may pay) but its
+    trees stop being verified; with a 1 us step drafting costs more than a step, so the drafter stops running
+    except for rare probes."""
     prompt = _prompt()
     params = SamplingParams(max_new_tokens=60, ignore_eos=True)
     ref = plain_generate(tiny_target, prompt, params)
     drafter = OracleDrafter(ref, len(prompt), 8, right=False)
-    engine = _engine(tiny_target, drafter, CostCurve.linear(1.0, 0.05))
+    engine = _engine(tiny_target, drafter, CostCurve.linear(step_s, 0.05 * step_s))
     (seq,) = engine.run([prompt], params)
     assert seq.output_ids == ref
     ctl = seq.stats.control
-    assert ctl.plain_steps >= 40  # within a few steps it stops speculating...
-    assert drafter.calls <= 20  # ...and stops running the drafter except for rare probes
+    assert ctl.plain_steps >= 40  # within a few steps it stops speculating
+    assert ctl.verified_nodes <= 4 * (ctl.drafted_steps + ctl.probe_steps)  # probes are small
+    if step_s < 1e-3:
+        assert drafter.calls <= 20
     assert seq.stats.steps >= 59  # one token per step, as plain decoding
+
+
+def test_a_depth_left_untried_forgets_its_old_misses():
+    """Depth 2 missed early, then only depth-1 trees were verified: its stale evidence fades, so deeper trees are
+    tried again instead of staying pruned for the rest of the request."""
+    ctl = SpeculationController(CostCurve.linear(1.0, 0.2))
+    seq = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
+    deep = DraftTree.chain(5, [1, 2], scores=[1.0, 0.9, 0.8])
+    for _ in range(5):
+        ctl.observe(seq, deep, Accepted([0, 1], [1, 7]))  # depth 1 right, depth 2 wrong
+    low = ctl.calibration(seq, 2)
+    shallow = DraftTree.chain(5, [1], scores=[1.0, 0.9])
+    for _ in range(30):
+        ctl.observe(seq, shallow, Accepted([0, 1], [1, 7]))
+    assert low < 0.5 and ctl.calibration(seq, 2) > 0.8
 
 
 def test_always_right_grows_to_the_largest_tree(tiny_target):

@@ -148,3 +148,20 @@ def test_never_drafts_past_the_end_of_an_earlier_output():
     d.start(second)
     tree = d.propose([second])[0]
     assert (tree.tokens >= 0).all()
+
+
+def test_scores_follow_how_reliable_each_match_length_was_in_this_text():
+    """A period-50 text repeated: every long match was right, so the tree's first nodes score near 1; a random
+    stream over 4 symbols: short matches are right about a quarter of the time, so their scores stay low."""
+    g = torch.Generator().manual_seed(0)
+    block = torch.randint(100, 200, (50,), generator=g).tolist()
+    periodic = _seq(block * 4 + block[:12])
+    noisy = _seq(torch.randint(0, 4, (400,), generator=g).tolist())
+    d = SuffixDrafter(use_global=False)
+    d.start(periodic)
+    d.start(noisy)
+    sure, unsure = periodic.drafter_state.reliability, noisy.drafter_state.reliability
+    assert sure(30) > 0.95 and unsure(2) < 0.5
+    t_sure, t_unsure = d.propose([periodic, noisy])
+    assert t_sure.tokens[1:4].tolist() == block[12:15] and t_sure.scores[3] > 0.8
+    assert max(t_unsure.scores[1:]) < 0.6

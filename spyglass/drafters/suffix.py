@@ -14,6 +14,7 @@ decides how much of it to verify.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 from dataclasses import dataclass, field
@@ -26,6 +27,37 @@ from spyglass.tree import DraftTree
 from spyglass.verify import Accepted
 
 COUNT_WALK = 64  # suffix-link steps that get an occurrence count per append (bounds the worst case)
+# Match-length buckets of the reliability table: lengths 1, 2, 3, 4, 5-6, 7-9, 10-14, 15-24, 25+.
+BUCKET_EDGES = (1, 2, 3, 4, 5, 7, 10, 15, 25)
+RELIABILITY_DECAY = 0.995  # recent evidence weighs more: about the last 200 predictions per bucket
+OTHER_CONTINUATION = 0.5  # P(the next token is among a state's other continuations | the top one is wrong)
+
+
+def bucket(match: int) -> int:
+    return bisect.bisect_right(BUCKET_EDGES, match) - 1
+
+
+class Reliability:
+    """How often the best guess after the longest match (`SuffixAutomaton.predict`) was the next token, by
+    match length.
+
+    Learned per request from every token appended (prompt included: a 5K-token prompt is 5K observations
+    before the first draft), so a node's score is an acceptance estimate for *this* text rather than a
+    frequency that trusts a 2-token match as much as a 30-token one."""
+
+    def __init__(self) -> None:
+        # A prior worth one observation: a match of length m is right m / (m + 1) of the time.
+        self.hits = [m / (m + 1) for m in BUCKET_EDGES]
+        self.trials = [1.0] * len(BUCKET_EDGES)
+
+    def observe(self, match: int, right: bool) -> None:
+        b = bucket(match)
+        self.hits[b] = RELIABILITY_DECAY * self.hits[b] + right
+        self.trials[b] = RELIABILITY_DECAY * self.trials[b] + 1.0
+
+    def __call__(self, match: int) -> float:
+        b = bucket(match)
+        return self.hits[b] / self.trials[b]
 
 
 class SuffixAutomaton:
@@ -90,6 +122,11 @@ class SuffixAutomaton:
         s = self.link[self.last] if self.last > 0 else 0
         return max(s, 0), self.length[max(s, 0)]
 
+    def predict(self, state: int) -> int | None:
+        """The token that most often followed the state's strings (None if none did)."""
+        nxt = self.next[state]
+        return max(nxt, key=lambda t: self.count[nxt[t]]) if nxt else None
+
     def continuations(self, state: int) -> list[tuple[int, int, int]]:
         """(token, next state, occurrences) for every token that followed the state's strings."""
         return [(t, n, self.count[n]) for t, n in self.next[state].items()]
@@ -144,8 +181,16 @@ class GlobalIndex:
 @dataclass
 class _SuffixState:
     sam: SuffixAutomaton
+    reliability: Reliability = field(default_factory=Reliability)
     matchers: list[Matcher] = field(default_factory=list)
     epoch: int = -1
+
+    def append(self, tok: int) -> None:
+        """Score the automaton's prediction for `tok` (reliability by match length), then index it."""
+        state, length = self.sam.longest_repeat()
+        if length > 0:
+            self.reliability.observe(length, self.sam.predict(state) == tok)
+        self.sam.append(tok)
 
 
 class SuffixDrafter(StatelessDrafter):
@@ -153,7 +198,7 @@ class SuffixDrafter(StatelessDrafter):
 
     def __init__(
         self,
-        max_depth: int = 16,
+        max_depth: int = 32,
         max_nodes: int = 48,
         alpha: float = 2.0,
         min_prob: float = 0.05,
@@ -169,10 +214,11 @@ class SuffixDrafter(StatelessDrafter):
 
     # --- lifecycle --------------------------------------------------------------------------------
     def start(self, seq: Sequence) -> None:
-        sam = SuffixAutomaton()
-        sam.extend(seq.tokens.tolist())
-        seq.drafter_state = _SuffixState(sam)
-        self._sync_global(seq.drafter_state)
+        st = _SuffixState(SuffixAutomaton())
+        for t in seq.tokens.tolist():
+            st.append(t)
+        seq.drafter_state = st
+        self._sync_global(st)
 
     def _sync_global(self, st: _SuffixState) -> None:
         g = self.global_index
@@ -188,7 +234,7 @@ class SuffixDrafter(StatelessDrafter):
     def commit(self, seq: Sequence, accepted: Accepted) -> None:
         st: _SuffixState = seq.drafter_state
         for t in seq.tokens[len(st.sam) :].tolist():
-            st.sam.append(t)
+            st.append(t)
             for m in st.matchers:
                 m.feed(t)
 
@@ -222,22 +268,29 @@ class SuffixDrafter(StatelessDrafter):
             return DraftTree.root_only(root)
         room = self.max_nodes
         depth_cap = min(self.max_depth, max(1, int(self.alpha * max(s[2] for s in sources))))
-        return self._grow(root, sources, min(room, seq.params.max_new_tokens * 4), depth_cap)
+        budget = min(room, seq.params.max_new_tokens * 4)
+        return self._grow(root, sources, budget, depth_cap, st.reliability)
 
-    def _grow(self, root: int, sources, budget: int, depth_cap: int) -> DraftTree:
+    def _grow(self, root: int, sources, budget: int, depth_cap: int, reliable: Reliability) -> DraftTree:
         """Best-first growth by score over the merged continuations of every source; a node's score is its
-        parent's times the continuation's estimated probability (count / (total + 1))."""
+        parent's times the continuation's estimated probability: the match length's reliability for the most
+        frequent continuation, a share of the rest for the others (by count)."""
         tokens, parents, scores, depths = [root], [-1], [1.0], [0]
         children: dict[tuple[int, int], int] = {}
         heap: list[tuple] = []
         tie = itertools.count()
 
         def push_children(node: int, sam: SuffixAutomaton, state: int, match: int) -> None:
-            # Frequency of each continuation, shrunk more when the match (what the estimate rests on) is short.
             conts = [c for c in sam.continuations(state) if c[0] >= 0]  # never past an output's end marker
-            total = sum(c for _, _, c in conts) + 1.0 / (1.0 + match / 2.0)
-            for tok, nxt, c in conts:
-                heapq.heappush(heap, (-scores[node] * c / total, next(tie), node, tok, sam, nxt, match + 1))
+            if not conts:
+                return
+            first = sam.predict(state)
+            conts.sort(key=lambda c: (c[0] != first, -c[2]))
+            r = reliable(match)
+            rest = sum(c for _, _, c in conts[1:])
+            for rank, (tok, nxt, c) in enumerate(conts):
+                p = r if rank == 0 else (1.0 - r) * OTHER_CONTINUATION * c / rest
+                heapq.heappush(heap, (-scores[node] * p, next(tie), node, tok, sam, nxt, match + 1))
 
         for sam, state, length in sources:
             push_children(0, sam, state, length)

@@ -19,6 +19,7 @@ from typing import Any
 from ray import serve
 from ray.serve.config import gRPCOptions
 
+from services import grpc_bind
 from services.gateway import Gateway
 from services.local_redis import LocalRedis
 from services.verifier import Verifier
@@ -105,13 +106,34 @@ def start_local_ray(num_cpus: int | None = None) -> None:
             include_dashboard=False,
             _node_ip_address="127.0.0.1",
             log_to_driver=False,
+            runtime_env=grpc_bind.runtime_env(),  # the gRPC proxy's host and TLS (services/grpc_bind.py)
         )
 
 
-def deploy(doc: dict[str, Any], grpc_port: int | None = None, http_port: int | None = None) -> tuple[str, str]:
+def deploy(
+    doc: dict[str, Any],
+    grpc_port: int | None = None,
+    http_port: int | None = None,
+    *,
+    grpc_host: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+) -> tuple[str, str]:
     """serve.start with the config's proxy options (loopback), then serve.run the application.
 
-    Returns the gRPC address (host:port) and the HTTP base URL (OpenAI-compatible /v1/completions)."""
+    The gRPC proxy listens on `grpc_host` (else $SPYGLASS_GRPC_HOST, else 127.0.0.1), with TLS when a PEM
+    certificate and key are given (else $SPYGLASS_TLS_CERT / $SPYGLASS_TLS_KEY): see services/grpc_bind.py.
+    Ray must have been started with `grpc_bind.runtime_env()` (as `start_local_ray` does).
+    Returns the gRPC address a local client dials (host:port) and the HTTP base URL (OpenAI-compatible
+    /v1/completions)."""
+    grpc_bind.check()
+    if not grpc_bind.hook_installed():
+        raise RuntimeError(
+            "Ray was started without spyglass's gRPC proxy hook (ray.init(runtime_env=grpc_bind.runtime_env()), "
+            "as start_local_ray does): Serve's proxy would listen on every interface without TLS"
+        )
+    host, cert, key = grpc_bind.settings(grpc_host, tls_cert, tls_key)
+    controller = {"runtime_env": {"env_vars": grpc_bind.controller_env(host, cert, key)}}
     grpc_cfg = dict(doc.get("grpc_options") or {})
     grpc_cfg["port"] = grpc_port or grpc_cfg.get("port", 9000)
     grpc_cfg["grpc_servicer_functions"] = grpc_cfg.get("grpc_servicer_functions") or [SERVICER]
@@ -119,18 +141,18 @@ def deploy(doc: dict[str, Any], grpc_port: int | None = None, http_port: int | N
     http_cfg["host"] = http_cfg.get("host", "127.0.0.1")
     if http_port:
         http_cfg["port"] = http_port
-    serve.start(http_options=http_cfg, grpc_options=gRPCOptions(**grpc_cfg))
+    serve.start(http_options=http_cfg, grpc_options=gRPCOptions(**grpc_cfg), controller_options=controller)
     app = doc["applications"][0]
     args = dict(app.get("args") or {})
     serve.run(build_app(args), name=app.get("name", APP_NAME), route_prefix=app.get("route_prefix", "/"))
-    return f"127.0.0.1:{grpc_cfg['port']}", f"http://{http_cfg['host']}:{http_cfg.get('port', 8000)}"
+    return grpc_bind.dial_address(host, grpc_cfg["port"]), f"http://{http_cfg['host']}:{http_cfg.get('port', 8000)}"
 
 
-def wait_ready(address: str, timeout_s: float = 300.0) -> dict[str, Any]:
+def wait_ready(address: str, timeout_s: float = 300.0, tls: bool | bytes = False) -> dict[str, Any]:
     from spyglass.client import Client, SpyglassError
 
     t0 = time.monotonic()
-    with Client(address, timeout=30) as c:
+    with Client(address, timeout=30, tls=tls) as c:
         while True:
             try:
                 return c.model_info()
@@ -157,7 +179,9 @@ def first_vs_repeat(first: dict[str, Any], repeat: dict[str, Any]) -> dict[str, 
     return out
 
 
-def run_demo(address: str, max_new_tokens: int = 64, out=sys.stdout, repeat: bool = True) -> dict[str, Any]:
+def run_demo(
+    address: str, max_new_tokens: int = 64, out=sys.stdout, repeat: bool = True, tls: bool | bytes = False
+) -> dict[str, Any]:
     """The long-context code-editing demo through the SDK: stream the text, then print the stats."""
     from spyglass.client import Client
     from spyglass.demo import code_edit_task
@@ -165,7 +189,7 @@ def run_demo(address: str, max_new_tokens: int = 64, out=sys.stdout, repeat: boo
     task = code_edit_task()
     print(f"[spyglass] demo {task.name}: streaming from {address}", file=sys.stderr)
     stats: dict[str, Any] = {}
-    with Client(address) as c:
+    with Client(address, tls=tls) as c:
         for chunk in c.generate(task.prompt, max_new_tokens=max_new_tokens, context_id=task.name):
             out.write(chunk.text)
             out.flush()
@@ -186,7 +210,7 @@ def run_demo(address: str, max_new_tokens: int = 64, out=sys.stdout, repeat: boo
         # Warm-up check: the same task under a different first line is the same work but shares no cached
         # block with the first request (the cache keys chain the whole prefix), so the first request's
         # TTFT and decode rate can be compared with a repeat that pays no one-time cost either.
-        with Client(address) as c:
+        with Client(address, tls=tls) as c:
             fresh = c.generate_text(UNCACHED_MARK + task.prompt, max_new_tokens=max_new_tokens, context_id=task.name)
         stats["warm_check"] = warm = first_vs_repeat(stats, fresh.stats)
         print(
@@ -197,7 +221,7 @@ def run_demo(address: str, max_new_tokens: int = 64, out=sys.stdout, repeat: boo
             file=sys.stderr,
         )
         # The same context again: its prefix KV now comes from the Redis context cache.
-        with Client(address) as c:
+        with Client(address, tls=tls) as c:
             t0 = time.perf_counter()
             again = c.generate_text(task.prompt, max_new_tokens=8, context_id=task.name)
         print(
@@ -216,11 +240,17 @@ def serve_main(
     http_port: int | None = None,
     demo_tokens: int = 64,
     no_demo: bool = False,
+    grpc_host: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
 ) -> int:
     """`spyglass serve`: bring the stack up, run the demo, keep serving until Ctrl-C or SIGTERM (or exit with
     --once). SIGTERM (what Kubernetes and systemd send) shuts down like Ctrl-C: Serve drains its replicas
     (`graceful_shutdown_timeout_s`), Ray stops, the local redis-server stops, and any process this command
-    started that is still alive after a grace period is killed, so nothing is left behind."""
+    started that is still alive after a grace period is killed, so nothing is left behind.
+
+    The gRPC port listens on `grpc_host` (default 127.0.0.1), with TLS when `tls_cert`/`tls_key` are given
+    (services/grpc_bind.py); this command's own requests then trust that certificate file."""
     import signal
 
     terminated = []
@@ -231,6 +261,9 @@ def serve_main(
 
     previous = signal.signal(signal.SIGTERM, on_term)
     doc = load_config(config)
+    grpc_host, tls_cert, tls_key = grpc_bind.settings(grpc_host, tls_cert, tls_key)
+    grpc_bind.controller_env(grpc_host, tls_cert, tls_key)  # bad TLS files or host: fail before starting anything
+    tls = Path(tls_cert).read_bytes() if tls_cert else False
     app_args = doc["applications"][0].setdefault("args", {})
     redis = None
     if not redis_url(app_args):
@@ -248,16 +281,18 @@ def serve_main(
         # ray.init installs its own fatal-signal handler for SIGTERM (it dumps a stack and aborts, leaving the
         # cluster's agents behind): ours again, so SIGTERM shuts down cleanly
         signal.signal(signal.SIGTERM, on_term)
-        address, http = deploy(doc, grpc_port=port, http_port=http_port)
-        info = wait_ready(address)
+        address, http = deploy(doc, port, http_port, grpc_host=grpc_host, tls_cert=tls_cert, tls_key=tls_key)
+        info = wait_ready(address, tls=tls)
+        listen = grpc_bind.bind_address(address.rsplit(":", 1)[1], grpc_host)
         print(
-            f"[spyglass] serving {info['model']} on grpc://{address} and {http}/v1/completions "
+            f"[spyglass] serving {info['model']} on gRPC {listen}{' (TLS)' if tls else ''} "
+            f"and {http}/v1/completions "
             f"({info['num_verifiers']} verifier(s), "
             f"methods {', '.join(info['methods'])}, context {info['context_length']})",
             file=sys.stderr,
         )
         if not no_demo:
-            run_demo(address, demo_tokens)
+            run_demo(address, demo_tokens, tls=tls)
         if not once:
             print("[spyglass] serving; Ctrl-C to stop", file=sys.stderr)
             while True:
@@ -267,7 +302,7 @@ def serve_main(
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
         if terminated and address is not None:
-            left = drain(address, DRAIN_TIMEOUT_S)
+            left = drain(address, DRAIN_TIMEOUT_S, tls=tls)
             print(
                 f"[spyglass] drained ({left} request(s) still running)" if left else "[spyglass] drained",
                 file=sys.stderr,
@@ -289,14 +324,14 @@ def serve_main(
 DRAIN_TIMEOUT_S = 30.0  # SIGTERM: how long requests in flight may still run (Kubernetes' default grace is 30 s)
 
 
-def drain(address: str, timeout_s: float = DRAIN_TIMEOUT_S) -> int:
+def drain(address: str, timeout_s: float = DRAIN_TIMEOUT_S, tls: bool | bytes = False) -> int:
     """Wait until the gateway has no request in flight or queued, at most `timeout_s`; returns how many are left
     (-1 if the gateway does not answer)."""
     from spyglass.client import Client, SpyglassError
 
     deadline = time.monotonic() + timeout_s
     left = -1
-    with Client(address, timeout=5, retries=0) as c:
+    with Client(address, timeout=5, retries=0, tls=tls) as c:
         while True:
             try:
                 h = c.health()

@@ -314,6 +314,14 @@ def _add_serve(sub) -> None:
     p.add_argument("--http-port", type=int, default=None, help="Serve HTTP port (default: the config's, 8000)")
     p.add_argument("--demo-tokens", type=int, default=64, help="new tokens for the demo request")
     p.add_argument("--no-demo", action="store_true", help="do not send the demo request")
+    p.add_argument(
+        "--grpc-host",
+        default=None,
+        help="address the gRPC port listens on (default: $SPYGLASS_GRPC_HOST, else 127.0.0.1; 0.0.0.0 = every "
+        "interface)",
+    )
+    p.add_argument("--tls-cert", default=None, help="PEM server certificate: TLS on the gRPC port ($SPYGLASS_TLS_CERT)")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert ($SPYGLASS_TLS_KEY)")
 
 
 def _run_serve(args) -> int:
@@ -326,7 +334,17 @@ def _run_serve(args) -> int:
     except ImportError as e:
         raise CliError(f"`spyglass serve` needs the repository's services package and ray[serve]: {e}") from e
     try:
-        return serve_main(args.config, args.once, args.port, args.http_port, args.demo_tokens, args.no_demo)
+        return serve_main(
+            args.config,
+            args.once,
+            args.port,
+            args.http_port,
+            args.demo_tokens,
+            args.no_demo,
+            grpc_host=args.grpc_host,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+        )
     except (FileNotFoundError, ValueError) as e:
         raise CliError(str(e)) from e
 

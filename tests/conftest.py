@@ -54,14 +54,21 @@ def redis_server(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """One local Ray cluster per test session, on loopback only (see environment.md)."""
+    """One local Ray cluster per test session, on loopback only (see environment.md), the gRPC proxy included."""
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     import ray
 
+    from services import grpc_bind
+
     if not ray.is_initialized():
         ray.init(
-            address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False
+            address="local",
+            num_cpus=4,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            log_to_driver=False,
+            runtime_env=grpc_bind.runtime_env(),  # as start_local_ray: Serve's gRPC proxy on loopback, optional TLS
         )
     yield ray
     ray.shutdown()

@@ -73,8 +73,16 @@ def greedy_path(tree: DraftTree, expected: list[int]) -> Accepted:
     return Accepted(path, [int(tree.tokens[i]) for i in path[1:]] + [expected[len(path) - 1]])
 
 
-def replay(drafter, prompt: list[int], output: list[int], curve: CostCurve, controller: bool = True) -> dict:
-    """Steps, tau and modelled seconds of `drafter` (with the controller) reproducing `output` from `prompt`."""
+def replay(
+    drafter,
+    prompt: list[int],
+    output: list[int],
+    curve: CostCurve,
+    controller: bool = True,
+    draft_s: float | None = None,
+) -> dict:
+    """Steps, tau and modelled seconds of `drafter` (with the controller) reproducing `output` from `prompt`.
+    `draft_s`: charge this drafting time per step instead of the measured one (deterministic replays)."""
     n = len(output)
     seq = Sequence(prompt, SamplingParams(max_new_tokens=n))
     seq.append(output[0])  # the first token comes from prefill
@@ -86,7 +94,7 @@ def replay(drafter, prompt: list[int], output: list[int], curve: CostCurve, cont
         t0 = time.perf_counter()
         wants = ctl is None or ctl.wants_draft(seq)
         tree = drafter.propose([seq])[0] if wants else None
-        dt = time.perf_counter() - t0
+        dt = time.perf_counter() - t0 if draft_s is None else draft_s
         if ctl is not None:
             if tree is None:
                 ctl.skip(seq)

@@ -30,7 +30,6 @@ COUNT_WALK = 64  # suffix-link steps that get an occurrence count per append (bo
 # Match-length buckets of the reliability table: lengths 1, 2, 3, 4, 5-6, 7-9, 10-14, 15-24, 25+.
 BUCKET_EDGES = (1, 2, 3, 4, 5, 7, 10, 15, 25)
 RELIABILITY_DECAY = 0.995  # recent evidence weighs more: about the last 200 predictions per bucket
-OTHER_CONTINUATION = 0.5  # P(the next token is among a state's other continuations | the top one is wrong)
 
 
 def bucket(match: int) -> int:
@@ -43,17 +42,28 @@ class Reliability:
 
     Learned per request from every token appended (prompt included: a 5K-token prompt is 5K observations
     before the first draft), so a node's score is an acceptance estimate for *this* text rather than a
-    frequency that trusts a 2-token match as much as a 30-token one."""
+    frequency that trusts a 2-token match as much as a 30-token one. `other` is the same estimate for the
+    state's other continuations: P(the next token is one of them | the best guess was wrong)."""
 
     def __init__(self) -> None:
-        # A prior worth one observation: a match of length m is right m / (m + 1) of the time.
+        # Priors worth one observation: a match of length m is right m / (m + 1) of the time; after a wrong
+        # guess, another continuation is right 1 time in 8 (roughly what held-out code and prose show).
         self.hits = [m / (m + 1) for m in BUCKET_EDGES]
         self.trials = [1.0] * len(BUCKET_EDGES)
+        self.other_hits, self.other_trials = 0.125, 1.0
 
-    def observe(self, match: int, right: bool) -> None:
+    def observe(self, match: int, right: bool, other: bool | None) -> None:
+        """`other`: after a wrong guess with other continuations, whether the token was one of them."""
         b = bucket(match)
         self.hits[b] = RELIABILITY_DECAY * self.hits[b] + right
         self.trials[b] = RELIABILITY_DECAY * self.trials[b] + 1.0
+        if other is not None:
+            self.other_hits = RELIABILITY_DECAY * self.other_hits + other
+            self.other_trials = RELIABILITY_DECAY * self.other_trials + 1.0
+
+    @property
+    def other(self) -> float:
+        return self.other_hits / self.other_trials
 
     def __call__(self, match: int) -> float:
         b = bucket(match)
@@ -189,7 +199,10 @@ class _SuffixState:
         """Score the automaton's prediction for `tok` (reliability by match length), then index it."""
         state, length = self.sam.longest_repeat()
         if length > 0:
-            self.reliability.observe(length, self.sam.predict(state) == tok)
+            nxt = self.sam.next[state]
+            guess = self.sam.predict(state)
+            other = None if guess == tok or len(nxt) < 2 else tok in nxt
+            self.reliability.observe(length, guess == tok, other)
         self.sam.append(tok)
 
 
@@ -289,7 +302,7 @@ class SuffixDrafter(StatelessDrafter):
             r = reliable(match)
             rest = sum(c for _, _, c in conts[1:])
             for rank, (tok, nxt, c) in enumerate(conts):
-                p = r if rank == 0 else (1.0 - r) * OTHER_CONTINUATION * c / rest
+                p = r if rank == 0 else (1.0 - r) * reliable.other * c / rest
                 heapq.heappush(heap, (-scores[node] * p, next(tie), node, tok, sam, nxt, match + 1))
 
         for sam, state, length in sources:

@@ -70,6 +70,7 @@ def main() -> None:
     ap.add_argument("--per-kind", type=int, default=2)
     ap.add_argument("--t1-kinds", default="code", help="kinds also run at T=1 (comma list, '' = none)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=1, help="runs per method and prompt (median decode speed)")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--draft", default=None, help="a LongSpec checkpoint dir (default: the shipped draft)")
     ap.add_argument("--glide-draft", default=None, help="a GLIDE checkpoint dir (default: the shipped draft)")
@@ -95,11 +96,12 @@ def main() -> None:
     makers = {m: maker(m) for m in methods}
     tasks = heldout_tasks(tok, per_kind=args.per_kind)
     load_before = machine_load()
-    t0_results = compare(target, tasks, makers, SamplingParams(max_new_tokens=args.max_new_tokens), cache)
+    t0_params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    t0_results = compare(target, tasks, makers, t0_params, cache, repeats=args.repeats)
     t1_kinds = tuple(k for k in args.t1_kinds.split(",") if k)
     t1_tasks = [t for t in tasks if t.kind in t1_kinds]
     t1_params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, seed=7)
-    t1_results = compare(target, t1_tasks, makers, t1_params, cache) if t1_tasks else {}
+    t1_results = compare(target, t1_tasks, makers, t1_params, cache, repeats=args.repeats) if t1_tasks else {}
 
     figures: dict = {}
     for m in methods:
@@ -135,6 +137,7 @@ def main() -> None:
         "load_before": load_before,
         "load_after": machine_load(),
         "threads": args.threads,
+        "repeats": args.repeats,
     }
     out = write_results(args.name, figures, {"t0": t0_results, "t1": t1_results}, meta)
     plot_panels(

@@ -37,7 +37,7 @@ class VerifierConfig:
 
     model: str | None = None  # None = the embedded default (SmolLM2-135M-Instruct)
     dtype: str = "float32"
-    methods: list[str] = field(default_factory=lambda: ["ngram", "ar"])  # the first is the default
+    methods: list[str] = field(default_factory=lambda: ["suffix", "ngram", "ar"])  # the first is the default
     max_batch: int = 4  # KV slots per engine = sequences per verifier step
     max_context: int | None = 8192
     max_queued: int = 8  # requests waiting for a KV slot beyond max_batch per engine

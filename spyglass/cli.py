@@ -27,7 +27,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     from spyglass.drafters import METHODS
 
-    p.add_argument("--method", default="ngram", help=f"{' | '.join(METHODS)} (default ngram)")
+    p.add_argument("--method", default="suffix", help=f"{' | '.join(METHODS)} (default suffix)")
     p.add_argument("--draft-model", default=None, help="small-lm: draft model source (same tokenizer)")
     p.add_argument(
         "--draft-layers", type=int, default=None, help="small-lm without --draft-model: use the target's first N layers"

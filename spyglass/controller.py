@@ -10,7 +10,8 @@ and, per sequence and step, keeps the tree nodes that maximise expected tokens p
 
 which may be no node at all (plain decoding for that sequence). Node probabilities come from the drafter's
 scores (`DraftTree.scores`, or a neutral prior when it has none), calibrated per depth against the acceptance
-the sequence actually sees; a sequence that stopped speculating probes again after a back-off. Pruning only
+the sequence actually sees (depths left untried forget old evidence as fast as tried ones); a sequence that
+stopped speculating probes again after a back-off, and a nearly free drafter keeps proposing meanwhile. Pruning only
 drops nodes, so every guarantee of the verifier holds whatever the controller decides.
 """
 
@@ -244,7 +245,8 @@ class SpeculationController:
             stats.plain_steps += 1
             st.kept_depth = 0
             return DraftTree.root_only(int(tree.tokens[0]))
-        st.plain_streak = 0 if not st.probing else st.plain_streak
+        if not st.probing:  # a cheap drafter's tree paid between probes: back to speculating
+            st.plain_streak = 0
         stats.drafted_steps += 1
         stats.verified_nodes += best_k
         kept = tree.subtree(tree.best_nodes(scores, best_k))

@@ -42,15 +42,3 @@ def test_warm_up_runs_every_engine_and_leaves_no_trace(smollm2, redis_server):
     (seq,) = engines["ngram"].run([ids], params)
     assert seq.output_ids == plain_generate(model, ids, params)
 
-
-def test_first_vs_repeat_compares_time_per_step_as_well_as_tokens_per_second():
-    """A repeat that copies the first answer (suffix's global index) decodes more tokens per second at the same
-    time per step: the step ratio is what a one-time cost would show."""
-    from services.app import first_vs_repeat
-
-    first = {"ttft_s": 2.0, "tokens_per_s": 20.0, "tau": 2.0, "steps": 10, "decode_time_s": 1.0}
-    repeat = {"ttft_s": 2.2, "tokens_per_s": 50.0, "tau": 5.0, "steps": 4, "decode_time_s": 0.44}
-    w = first_vs_repeat(first, repeat)
-    assert abs(w["ttft_ratio"] - 2.0 / 2.2) < 1e-9 and abs(w["decode_ratio"] - 0.4) < 1e-9
-    assert abs(w["first_step_s"] - 0.1) < 1e-9 and abs(w["repeat_step_s"] - 0.11) < 1e-9
-    assert abs(w["step_ratio"] - 1.1) < 1e-9 and w["repeat_tau"] == 5.0

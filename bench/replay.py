@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import RESULTS_DIR, median  # noqa: E402
+from bench.common import median  # noqa: E402
 from bench.tasks import code_completion, code_edit, summary  # noqa: E402
 from spyglass.controller import CostCurve, SpeculationController  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
@@ -159,7 +159,7 @@ def main() -> None:
     for m in methods:
         sp = [r[m]["speedup"] for r in rows.values()]
         print(f"{m}: median {median(sp):.3f}x, min {min(sp):.3f}x")
-    (RESULTS_DIR / "replay_dev.json").write_text(json.dumps({"cpu": curve.cpu, "rows": rows}, indent=1))
+    (RECORD.parent / "replay.json").write_text(json.dumps({"cpu": curve.cpu, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

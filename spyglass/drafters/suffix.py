@@ -7,8 +7,9 @@ continuations. Per replica, a global automaton over previous requests' outputs (
 memory) catches what a new request repeats from earlier ones (the same file edited again, another question on
 the same document); each request follows it with an incremental matcher.
 
-From the matched states a tree is grown best-first by estimated acceptance (continuation counts, shrunk for
-small samples), to at most `alpha` times the match length deep, every node scored: the engine's controller
+From the matched states a tree is grown best-first by estimated acceptance (how often the most frequent
+continuation after a match of that length was the next token earlier in the same request, continuation counts
+for the others), to at most `alpha` times the match length deep, every node scored: the engine's controller
 decides how much of it to verify.
 """
 
@@ -297,8 +298,7 @@ class SuffixDrafter(StatelessDrafter):
             conts = [c for c in sam.continuations(state) if c[0] >= 0]  # never past an output's end marker
             if not conts:
                 return
-            first = sam.predict(state)
-            conts.sort(key=lambda c: (c[0] != first, -c[2]))
+            conts.sort(key=lambda c: -c[2])  # the most frequent first: what `predict` guesses
             r = reliable(match)
             rest = sum(c for _, _, c in conts[1:])
             for rank, (tok, nxt, c) in enumerate(conts):

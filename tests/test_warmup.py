@@ -41,4 +41,3 @@ def test_warm_up_runs_every_engine_and_leaves_no_trace(smollm2, redis_server):
     params = SamplingParams(max_new_tokens=12)
     (seq,) = engines["ngram"].run([ids], params)
     assert seq.output_ids == plain_generate(model, ids, params)
-

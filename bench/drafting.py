@@ -106,12 +106,11 @@ def compare(
         row = {}
         for name, rs in runs.items():  # the run with the median decode speed, and every run's speed
             rs = sorted(rs, key=lambda r: r["tok_s"])
-            row[name] = {**rs[len(rs) // 2], "tok_s_runs": [round(r["tok_s"], 3) for r in rs]}
-            row[name]["identical_runs"] = all(r["tokens"] == runs["ar"][0]["tokens"] for r in rs)
+            identical = all(r["tokens"] == runs["ar"][0]["tokens"] for r in rs)
+            row[name] = {**rs[len(rs) // 2], "tok_s_runs": [round(r["tok_s"], 3) for r in rs], "identical": identical}
         base = row["ar"]["tok_s"]
         for r in row.values():
             r["speedup"] = r["tok_s"] / base if base else None
-            r["identical"] = r.pop("identical_runs")
         log(
             f"{task.name} ({len(task.prompt_ids)} tok): "
             + "  ".join(

@@ -31,7 +31,7 @@ from spyglass.controller import CostCurve, SpeculationController  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
 from spyglass.sequence import Sequence  # noqa: E402
 from spyglass.tree import DraftTree  # noqa: E402
-from spyglass.verify import Accepted  # noqa: E402
+from spyglass.verify import Accepted, walk  # noqa: E402
 
 DEV_CODE = ["inspect.py", "_pyio.py", "profile.py"]  # eval split, not in bench/tasks.py's CODE_FILES
 DEV_DOCS = ["library/dataclasses.rst.txt", "library/collections.rst.txt", "library/shutil.rst.txt"]
@@ -62,15 +62,8 @@ def record(max_new_tokens: int, threads: int) -> None:
 
 def greedy_path(tree: DraftTree, expected: list[int]) -> Accepted:
     """The path greedy verification accepts when the target's output is `expected` (from the root on)."""
-    kids = tree.children()
-    path, node = [0], 0
-    for tok in expected[:-1]:
-        nxt = next((c for c in kids[node] if int(tree.tokens[c]) == tok), None)
-        if nxt is None:
-            break
-        path.append(nxt)
-        node = nxt
-    return Accepted(path, [int(tree.tokens[i]) for i in path[1:]] + [expected[len(path) - 1]])
+    depths = tree.depths
+    return walk(tree, lambda node: expected[depths[node]] if depths[node] < len(expected) else -1)
 
 
 def replay(

@@ -46,13 +46,15 @@ def accept(
     """`logits` `[n, V]` are the target's at each node; `history` the sequence's tokens (root included)."""
     rows = target_rows(logits, tree, history, params)
     if params.greedy:
-        return _walk(tree, lambda node: int(rows[node].argmax()))
+        return walk(tree, lambda node: int(rows[node].argmax()))
     if tree.probs is not None and tree.is_chain and len(tree) > 1:
         return _rejection_chain(tree, rows, generator)
-    return _walk(tree, lambda node: sample(rows[node], generator))
+    return walk(tree, lambda node: sample(rows[node], generator))
 
 
-def _walk(tree: DraftTree, choose) -> Accepted:
+def walk(tree: DraftTree, choose) -> Accepted:
+    """Descend from the root while the token `choose(node)` picks at a node is one of its children's: the
+    accepted path, then the first token no child matched (the bonus)."""
     kids = tree.children()
     tok = tree.tokens.tolist()
     path, out, node = [0], [], 0

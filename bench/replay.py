@@ -81,7 +81,7 @@ def replay(
     seq.append(output[0])  # the first token comes from prefill
     drafter.start(seq)
     ctl = SpeculationController(curve, cost_by_depth=getattr(drafter, "cost_by_depth", False)) if controller else None
-    spec_s = plain_s = draft_s = 0.0
+    spec_s = plain_s = drafting_s = 0.0
     steps = 0
     while seq.num_generated < n:
         t0 = time.perf_counter()
@@ -100,7 +100,7 @@ def replay(
         if ctl is not None:
             ctl.observe(seq, tree, acc)
         spec_s += curve.time(len(tree), seq.committed) + dt
-        draft_s += dt
+        drafting_s += dt
         for t in acc.tokens[: n - done]:
             plain_s += curve.time(1, seq.committed)
             seq.append(t)
@@ -109,7 +109,7 @@ def replay(
             drafter.commit(seq, acc)
     drafter.release(seq)
     assert seq.output_ids == output, "replay diverged from the recorded output"
-    return {"steps": steps, "tau": (n - 1) / steps, "speedup": plain_s / spec_s, "draft_ms": 1e3 * draft_s / steps}
+    return {"steps": steps, "tau": (n - 1) / steps, "speedup": plain_s / spec_s, "draft_ms": 1e3 * drafting_s / steps}
 
 
 def make_drafter(name: str):

@@ -67,11 +67,13 @@ class CostCurve:
         target,
         cache,
         contexts: tuple[int, ...] = (256, 2048, 6144),
-        sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
+        sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64),
         repeats: int = 2,
     ) -> CostCurve:
         """Time verify-shaped forwards on this machine (the best of `repeats`: robust to other work). The prefix
-        K/V are zeros: the attention's cost does not depend on their values. Also warms up every shape."""
+        K/V are zeros: the attention's cost does not depend on their values. Also warms up every shape. The
+        sizes are dense where BLAS switches kernels (on one Sapphire Rapids: 3 tokens cost 1.05 decode steps, 4
+        cost 1.47), which interpolating between powers of two would miss."""
         from spyglass.models.llama import Segment
 
         slot = cache.allocate()

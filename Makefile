@@ -65,15 +65,18 @@ bench-tokenswift: setup
 	$(PY) bench/tokenswift.py --prefix 2048 --gen 6144
 
 # The shipped LongSpec and GLIDE drafts: extraction + training (resumable: rerun to continue), then copied into the
-# package. Each run warm-starts from the one before (v3 from v2's step 200, v4 from v3, v5 from v4, GLIDE's top
-# layer from v4); v5 and GLIDE train on v4's extraction.
+# package. Each run warm-starts from the one before (v3 from v2's step 200, v4 from v3, v5 from v4, v6 from v5,
+# v7 from v6, GLIDE's top layer from v4); v5 and GLIDE train on v4's extraction, v6 and v7 (the long-context
+# stage) on their own.
 train-longspec: setup
 	$(VENV)/bin/spyglass train configs/smollm2-longspec-v2.yaml --diagnose
 	$(VENV)/bin/spyglass train configs/smollm2-longspec-v3.yaml --diagnose
 	$(VENV)/bin/spyglass train configs/smollm2-longspec-v4.yaml --diagnose
 	$(VENV)/bin/spyglass train configs/smollm2-longspec-v5.yaml --diagnose
+	$(VENV)/bin/spyglass train configs/smollm2-longspec-v6-long.yaml --diagnose
+	$(VENV)/bin/spyglass train configs/smollm2-longspec-v7-long.yaml --diagnose
 	$(VENV)/bin/spyglass train configs/smollm2-glide.yaml --diagnose
-	$(PY) -m actors.export_draft .cache/runs/smollm2-longspec-v4 spyglass/drafts/smollm2-135m-longspec --train-dir train-v5
+	$(PY) -m actors.export_draft .cache/runs/smollm2-longspec-v6-long spyglass/drafts/smollm2-135m-longspec --train-dir train-v7
 	$(PY) -m actors.export_draft .cache/runs/smollm2-longspec-v4 spyglass/drafts/smollm2-135m-glide --train-dir train-glide --bf16
 
 # Faults and load against a real local stack (verifier/gateway killed, Redis killed, corrupted cache, SIGTERM,

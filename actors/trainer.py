@@ -180,6 +180,23 @@ def warm_start(draft: torch.nn.Module, ckpt: Path) -> None:
         draft.set_vocab(draft.vocab_ids.clone())
 
 
+def build_loss(spec: TrainSpec, kv_layers: list[int]):
+    """The draft's training loss as the spec configures it (also what `bench/draft_agreement.py` evaluates)."""
+    from spyglass.training.losses import LOSSES
+
+    return LOSSES[spec.draft](
+        kv_layer=kv_layers,
+        lag_min=spec.lag[0],
+        lag_max=spec.lag[1],
+        distill_weight=spec.distill_weight,
+        soft_distill=spec.soft_distill,
+        all_lags=spec.all_lags,
+        lag_weights=spec.lag_weights,
+        loss_from=spec.loss_from,
+        hidden_layer=kv_layers[-1] if spec.draft_options.get("feed_hidden") else None,
+    )
+
+
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
     done = sorted(p for p in ckpt_root.glob("step-*") if (p / "trainer_state.json").exists())
     return done[-1] if done else None
@@ -192,7 +209,6 @@ def _train_loop(config: dict[str, Any]) -> None:
 
     from spyglass.models.llama import load_transformer
     from spyglass.training.draft_models import DRAFT_MODELS
-    from spyglass.training.losses import LOSSES
 
     spec = TrainSpec.from_dict(config["train"])
     torch.set_num_threads(spec.threads)
@@ -205,17 +221,7 @@ def _train_loop(config: dict[str, Any]) -> None:
     n_draft = int(spec.draft_options.get("n_layers", 1))  # GLIDE: draft layer m reads target layer L - N + m
     kv_layers = manifest["kv_layers"][-n_draft:]  # checked against the target below
 
-    loss_fn = LOSSES[spec.draft](
-        kv_layer=kv_layers,
-        lag_min=spec.lag[0],
-        lag_max=spec.lag[1],
-        distill_weight=spec.distill_weight,
-        soft_distill=spec.soft_distill,
-        all_lags=spec.all_lags,
-        lag_weights=spec.lag_weights,
-        loss_from=spec.loss_from,
-        hidden_layer=kv_layers[-1] if spec.draft_options.get("feed_hidden") else None,
-    )
+    loss_fn = build_loss(spec, kv_layers)
     data = ShardDataset(extract_dir, loss_fn.required_keys())
     eval_dir = extract_dir.parent / spec.eval_split
     eval_manifest = eval_dir / "manifest.json"

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from actors.trainer import ShardDataset, TrainSpec, evaluate, warm_start  # noqa: E402
+from actors.trainer import ShardDataset, TrainSpec, build_loss, evaluate, warm_start  # noqa: E402
 
 
 def main() -> None:
@@ -30,7 +30,6 @@ def main() -> None:
     args = ap.parse_args()
     from spyglass.models.llama import load_transformer
     from spyglass.training.draft_models import DRAFT_MODELS
-    from spyglass.training.losses import LOSSES
 
     torch.set_num_threads(args.threads)
     cfg = yaml.safe_load(Path(args.config).read_text())
@@ -40,17 +39,7 @@ def main() -> None:
     manifest = json.loads((eval_dir / "manifest.json").read_text())
     n_draft = int(spec.draft_options.get("n_layers", 1))
     kv_layers = manifest["kv_layers"][-n_draft:]
-    loss_fn = LOSSES[spec.draft](
-        kv_layer=kv_layers,
-        lag_min=spec.lag[0],
-        lag_max=spec.lag[1],
-        distill_weight=spec.distill_weight,
-        soft_distill=spec.soft_distill,
-        all_lags=spec.all_lags,
-        lag_weights=spec.lag_weights,
-        loss_from=spec.loss_from,
-        hidden_layer=kv_layers[-1] if spec.draft_options.get("feed_hidden") else None,
-    )
+    loss_fn = build_loss(spec, kv_layers)
     data = ShardDataset(eval_dir, loss_fn.required_keys())
     target = load_transformer(manifest["model_path"], dtype=torch.float32)
     draft = DRAFT_MODELS[spec.draft].from_target(target, **spec.draft_options)

@@ -82,6 +82,19 @@ def test_cheap_tokens_keep_big_trees_costly_tokens_prune():
     assert len(SpeculationController(CostCurve.linear(1.0, 2.0)).size(seq3, tree, batch=1)) == 1
 
 
+def test_a_kernel_switch_in_the_curve_sets_the_tree_size():
+    """On CPUs where BLAS changes kernels between 3 and 4 tokens (3 cost about one step, 4 cost 1.5), two drafted
+    nodes pay and a third does not; a curve timed only at powers of two prices 3 tokens at 1.25 steps and keeps
+    one node."""
+    tree = DraftTree.chain(5, [1, 2, 3, 4], scores=[1.0, 0.5, 0.25, 0.125, 0.0625])
+    dense = CostCurve([1], [1, 2, 3, 4, 8], [[1.0, 1.0, 1.02, 1.5, 2.0]], cpu="synthetic")
+    coarse = CostCurve([1], [1, 2, 4, 8], [[1.0, 1.0, 1.5, 2.0]], cpu="synthetic")
+    kept = [
+        len(SpeculationController(c).size(Sequence(_prompt(), SamplingParams()), tree, 1)) - 1 for c in (dense, coarse)
+    ]
+    assert kept == [2, 1]
+
+
 def test_calibration_learns_from_rejections():
     ctl = SpeculationController(CostCurve.linear(1.0, 0.2))
     seq = Sequence(_prompt(), SamplingParams(max_new_tokens=4))

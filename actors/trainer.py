@@ -77,6 +77,10 @@ class TrainSpec:
             raise ValueError(f"batch_size {spec.batch_size} must be a multiple of workers {spec.workers}")
         return spec
 
+    def kv_layers(self, manifest: dict) -> list[int]:
+        """The extracted target layers this draft reads (GLIDE: draft layer m reads target layer L - N + m)."""
+        return manifest["kv_layers"][-int(self.draft_options.get("n_layers", 1)) :]
+
 
 def lr_lambda(spec: TrainSpec):
     """Linear warm-up then cosine decay to `min_lr_ratio`."""
@@ -218,8 +222,7 @@ def _train_loop(config: dict[str, Any]) -> None:
     ckpt_root = out_dir / "checkpoints"
     extract_dir = Path(config["extract_dir"])
     manifest = json.loads((extract_dir / "manifest.json").read_text())
-    n_draft = int(spec.draft_options.get("n_layers", 1))  # GLIDE: draft layer m reads target layer L - N + m
-    kv_layers = manifest["kv_layers"][-n_draft:]  # checked against the target below
+    kv_layers = spec.kv_layers(manifest)  # checked against the target below
 
     loss_fn = build_loss(spec, kv_layers)
     data = ShardDataset(extract_dir, loss_fn.required_keys())

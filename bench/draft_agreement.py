@@ -17,8 +17,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import yaml  # noqa: E402
 
+from actors.jobs import load_config  # noqa: E402
 from actors.trainer import ShardDataset, TrainSpec, build_loss, evaluate, warm_start  # noqa: E402
 
 
@@ -32,14 +32,12 @@ def main() -> None:
     from spyglass.training.draft_models import DRAFT_MODELS
 
     torch.set_num_threads(args.threads)
-    cfg = yaml.safe_load(Path(args.config).read_text())
+    cfg = load_config(args.config)
     spec = TrainSpec.from_dict(cfg["train"])
     ckpt = Path(args.checkpoint or spec.init_from)
     eval_dir = Path(cfg["workdir"]) / "extract" / spec.eval_split
     manifest = json.loads((eval_dir / "manifest.json").read_text())
-    n_draft = int(spec.draft_options.get("n_layers", 1))
-    kv_layers = manifest["kv_layers"][-n_draft:]
-    loss_fn = build_loss(spec, kv_layers)
+    loss_fn = build_loss(spec, spec.kv_layers(manifest))
     data = ShardDataset(eval_dir, loss_fn.required_keys())
     target = load_transformer(manifest["model_path"], dtype=torch.float32)
     draft = DRAFT_MODELS[spec.draft].from_target(target, **spec.draft_options)

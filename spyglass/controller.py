@@ -72,8 +72,8 @@ class CostCurve:
     ) -> CostCurve:
         """Time verify-shaped forwards on this machine (the best of `repeats`: robust to other work). The prefix
         K/V are zeros: the attention's cost does not depend on their values. Also warms up every shape. The
-        sizes are dense where BLAS switches kernels (on one Sapphire Rapids: 3 tokens cost 1.05 decode steps, 4
-        cost 1.47), which interpolating between powers of two would miss."""
+        sizes are dense where BLAS switches kernels (on one Sapphire Rapids: 3 tokens cost about 1.1 decode steps,
+        4 about 1.5, 12 more than 16), which interpolating between powers of two would miss."""
         from spyglass.models.llama import Segment
 
         slot = cache.allocate()

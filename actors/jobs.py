@@ -1,7 +1,8 @@
 """Entry points of `spyglass extract CONFIG` and `spyglass train CONFIG` (also what `ray job submit` runs).
 
-A config is one YAML file (see configs/): model, dtype, workdir, corpus, extract, train. `--set a.b=v`
-overrides any key (the value is parsed as YAML). Inside a Ray job (RAY_ADDRESS set by `ray job submit`)
+A config is one YAML file (see configs/): model, dtype, workdir, corpus, extract, train; `base: other.yaml`
+starts from another config (a follow-up run states only what it changes). `--set a.b=v` overrides any key (the
+value is parsed as YAML). Inside a Ray job (RAY_ADDRESS set by `ray job submit`)
 the commands join that cluster; otherwise they start a local one on loopback.
 
 Submitting to a local head node (what `make train-local` does; ports outside Ray's worker range 10002-19999):
@@ -29,10 +30,36 @@ from typing import Any
 import yaml
 
 
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `over` laid on top, section by section (a nested mapping merges, anything else replaces)."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def read_yaml_config(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A YAML config; one with `base: other.yaml` (relative to its own directory) is that config with this
+    one's keys laid on top, so a follow-up run states only what it changes."""
+    path = Path(path).resolve()
+    if path in _seen:
+        raise ValueError(f"config {path} is its own base (via {' -> '.join(p.name for p in _seen)})")
+    if not path.is_file():
+        raise FileNotFoundError(f"config {path} does not exist")
+    cfg = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(cfg, dict):
+        raise ValueError(f"config {path} is not a mapping of sections")
+    base = cfg.pop("base", None)
+    if base is None:
+        return cfg
+    return _merged(read_yaml_config(path.parent / base, (*_seen, path)), cfg)
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None, workdir: str | None = None) -> dict[str, Any]:
-    """Read a YAML config and apply `key.sub=value` overrides; a relative workdir is resolved against the
-    current directory (pass an absolute one to `ray job submit`, whose working dir is a temporary copy)."""
-    cfg = yaml.safe_load(Path(path).read_text()) or {}
+    """Read a YAML config (and its `base`) and apply `key.sub=value` overrides; a relative workdir is resolved
+    against the current directory (pass an absolute one to `ray job submit`, whose working dir is a temporary
+    copy)."""
+    cfg = read_yaml_config(path)
     for item in overrides or []:
         key, sep, value = item.partition("=")
         if not sep:

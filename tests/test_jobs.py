@@ -13,6 +13,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from actors.jobs import load_config
 from spyglass.cli import build_parser
 from tests.redis_server import free_port
@@ -41,6 +43,25 @@ def test_load_config_applies_overrides(tmp_path):
     assert cfg["workdir"] == str((tmp_path / "w").resolve())
     for name in ("smollm2-longspec.yaml", "smollm2-longspec-zero2.yaml", "tiny-longspec-zero2.yaml"):
         assert load_config(ROOT / "configs" / name)["train"]["draft"] == "longspec"
+
+
+def test_a_config_with_a_base_changes_only_what_it_states(tmp_path):
+    (tmp_path / "a.yaml").write_text("name: a\ntrain: {steps: 10, lr: 0.1, lag_weights: [1, 1]}\nextract: {topk: 8}\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.yaml").write_text("base: ../a.yaml\nname: b\ntrain: {lr: 0.2, lag_weights: [4]}\n")
+    cfg = load_config(tmp_path / "sub" / "b.yaml", ["train.steps=3"])
+    assert cfg["name"] == "b" and cfg["extract"] == {"topk": 8}
+    assert cfg["train"] == {"steps": 3, "lr": 0.2, "lag_weights": [4]}  # a list replaces, a section merges
+    assert "base" not in cfg
+    (tmp_path / "a.yaml").write_text("base: sub/b.yaml\n")
+    with pytest.raises(ValueError, match="its own base"):
+        load_config(tmp_path / "sub" / "b.yaml")
+    (tmp_path / "c.yaml").write_text("base: missing.yaml\n")
+    with pytest.raises(FileNotFoundError, match="missing.yaml"):
+        load_config(tmp_path / "c.yaml")
+    for path in sorted((ROOT / "configs" / "ablation").glob("*.yaml")):  # the shipped ablation configs resolve
+        train = load_config(path)["train"]
+        assert train["draft"] == "longspec" and train["steps"] == 128 and train["out_name"].startswith("ablation-")
 
 
 def _wait_http(url: str, timeout: float) -> None:

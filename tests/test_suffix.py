@@ -22,6 +22,12 @@ def brute_longest_repeat(text: list[int]) -> int:
     return best
 
 
+def brute_most_recent(text: list[int], pattern: list[int]) -> int:
+    """The token that followed the last earlier occurrence of `pattern`."""
+    m = len(pattern)
+    return next(text[s + m] for s in range(len(text) - m - 1, -1, -1) if text[s : s + m] == pattern)
+
+
 def brute_continuations(text: list[int], pattern: list[int]) -> dict[int, int]:
     out: dict[int, int] = {}
     m = len(pattern)
@@ -55,12 +61,17 @@ def test_longest_repeat_and_counts_match_brute_force():
             prefix = stream[: i + 1]
             assert length == brute_longest_repeat(prefix), f"at {i}"
             if length:
-                got = {t: c for t, _, c in sam.continuations(state)}
-                want = brute_continuations(prefix, prefix[len(prefix) - length :])
+                conts = sam.continuations(state)
+                got = {t: c for t, _, c in conts}
+                pattern = prefix[len(prefix) - length :]
+                want = brute_continuations(prefix, pattern)
                 if stream != [7] * 100:  # counts are exact unless the suffix-link walk is capped
                     assert got == want
                 else:
                     assert set(got) == set(want)
+                # the most recent continuation leads (what predict guesses), then the most frequent
+                assert conts[0][0] == sam.predict(state) == brute_most_recent(prefix, pattern), f"at {i}"
+                assert [c for _, _, c in conts[1:]] == sorted((c for _, _, c in conts[1:]), reverse=True)
 
 
 def test_matcher_follows_a_stream_through_another_text():

@@ -69,3 +69,26 @@ def test_corpus_splits_are_disjoint_deterministic_and_reported_in_tokens(tmp_pat
     assert json.loads((tmp_path / "a" / "corpus.json").read_text())["splits"] == m2["splits"]
     for g in train["groups_used"]:
         assert split_of(g, cfg) == "train"
+
+
+def test_skipped_contexts_are_the_ones_a_smaller_run_used(tmp_path):
+    """A follow-up corpus with `skip_contexts` starts where the first one stopped, kind by kind: no context repeats
+    and the held-out split is unchanged."""
+    base = dict(
+        code_packages=["json", "email", "csv", "textwrap", "heapq", "bisect", "shlex", "glob", "netrc", "colorsys"],
+        prose_roots=PROSE,
+        prose_suffixes=[""],
+        seq_len=32,
+        eval_fraction=0.3,
+    )
+    tok = ByteTokenizer(128)
+    build_corpus(CorpusConfig(**base, max_contexts={"train": 20, "eval": 4}), tok, tmp_path / "all")
+    build_corpus(CorpusConfig(**base, max_contexts={"train": 8, "eval": 4}), tok, tmp_path / "first")
+    later = CorpusConfig(**base, max_contexts={"train": 12, "eval": 4}, skip_contexts={"train": 8})
+    build_corpus(later, tok, tmp_path / "later")
+    whole, first, rest = (load_contexts(tmp_path / d) for d in ("all", "first", "later"))
+    # prose then code in each corpus: 4 + 4 first, then 6 + 6; the whole run is 10 prose + 10 code
+    assert torch.equal(first[:4], whole[:4]) and torch.equal(rest[:6], whole[4:10])
+    assert torch.equal(first[4:], whole[10:14]) and torch.equal(rest[6:], whole[14:])
+    assert not {tuple(r) for r in first.tolist()} & {tuple(r) for r in rest.tolist()}
+    assert torch.equal(load_contexts(tmp_path / "first", "eval"), load_contexts(tmp_path / "later", "eval"))

@@ -46,6 +46,9 @@ class CorpusConfig:
     max_contexts: dict[str, int] = field(default_factory=lambda: {"train": 64, "eval": 8})
     eval_fraction: float = 0.1
     prose_fraction: float = 0.5  # share of each split's contexts taken from prose (when prose exists)
+    # Per split, how many contexts of the packed stream to pass over before keeping any (split the same way
+    # between prose and code): a follow-up run reads text an earlier run did not, with the same split and salt.
+    skip_contexts: dict[str, int] = field(default_factory=dict)
     salt: str = "spyglass-v1"
     max_file_bytes: int = 400_000
 
@@ -207,9 +210,12 @@ def build_corpus(cfg: CorpusConfig, tokenizer: Any, out_dir: Path) -> dict[str, 
         code = [d for d in split_docs if d.kind == "code"]
         prose = [d for d in split_docs if d.kind == "prose"]
         n_prose = int(round(budget * cfg.prose_fraction)) if prose else 0
-        used: dict[str, list[str]] = {}
-        contexts = _pack(prose, n_prose, tokenizer, cfg.seq_len, cfg, used)
-        contexts += _pack(code, budget - len(contexts), tokenizer, cfg.seq_len, cfg, used)
+        skip = int(cfg.skip_contexts.get(split, 0))
+        skip_prose = int(round(skip * cfg.prose_fraction)) if prose else 0
+        used: dict[str, list[str]] = {}  # (documents read, skipped ones included)
+        contexts = _pack(prose, skip_prose + n_prose, tokenizer, cfg.seq_len, cfg, used)[skip_prose:]
+        skip_code = skip - skip_prose
+        contexts += _pack(code, skip_code + budget - len(contexts), tokenizer, cfg.seq_len, cfg, used)[skip_code:]
         tokens = torch.tensor(contexts, dtype=torch.int64).reshape(len(contexts), cfg.seq_len)
         save_file({"tokens": tokens}, str(out_dir / f"contexts-{split}.safetensors"))
         manifest["splits"][split] = {

@@ -10,9 +10,9 @@ the same document); each request follows it with an incremental matcher.
 From the matched states a tree is grown best-first by estimated acceptance (how often the most recent
 continuation after a match of that length was the next token earlier in the same request, continuation counts
 for the others), to at most `alpha` times the match length deep, every node scored: the engine's controller
-decides how much of it to verify. The most recent continuation leads rather than the most frequent one (as in
-SuffixDecoding): text that evolves, a renamed variable or a rephrased term, repeats its latest form; on the
-replay dev prompts this ranking gained 1.4% in geometric-mean speedup and was never behind n-gram drafting.
+decides how much of it to verify. The most recent continuation leads, not the most frequent one (SuffixDecoding's
+choice): text that evolves, a renamed variable or a rephrased term, repeats its latest form; on the replay dev
+prompts this gained 1.4% in geometric-mean speedup and was never behind n-gram drafting.
 """
 
 from __future__ import annotations

@@ -79,11 +79,11 @@ train-longspec: setup
 	$(PY) -m actors.export_draft .cache/runs/smollm2-longspec-v6-long spyglass/drafts/smollm2-135m-longspec --train-dir train-v7
 	$(PY) -m actors.export_draft .cache/runs/smollm2-longspec-v4 spyglass/drafts/smollm2-135m-glide --train-dir train-glide --bf16
 
-# Issue 9's training ablation: v7 continued 128 steps per option, one option changed per run (configs/ablation/,
-# ~8 min each on 2 cores, after train-longspec; resumable), then every run's held-out agreement by lag.
+# Issue 9's training ablation: v8's run with one option changed per run (configs/ablation/; v8 is the control,
+# ~12 min each on 2 cores, after v8's extraction in train-longspec; resumable).
 .PHONY: train-ablation
 train-ablation: setup
-	for c in control ce-only hard-distill one-lag shallow-lags; do \
+	for c in ce-only one-lag shallow-lags hard-distill; do \
 		$(VENV)/bin/spyglass train configs/ablation/longspec-$$c.yaml --diagnose || exit 1; done
 
 # Faults and load against a real local stack (verifier/gateway killed, Redis killed, corrupted cache, SIGTERM,

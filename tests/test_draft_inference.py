@@ -42,11 +42,14 @@ def last_hidden(target, tokens: torch.Tensor) -> torch.Tensor:
         target.capture_layers = ()
 
 
-def make_draft(target, window: int, feed_hidden: bool = False) -> LongSpecDraft:
+def make_draft(target, window: int, feed_hidden: bool = False, feed_own_hidden: bool = False) -> LongSpecDraft:
     torch.manual_seed(1)
-    draft = LongSpecDraft.from_target(target, window=window, init_std=0.2, feed_hidden=feed_hidden)  # non-flat
-    if feed_hidden:  # it starts at zero (the K/V-only draft); a trained one is not
-        torch.nn.init.normal_(draft.hidden_proj.weight, std=0.2)
+    draft = LongSpecDraft.from_target(
+        target, window=window, init_std=0.2, feed_hidden=feed_hidden, feed_own_hidden=feed_own_hidden
+    )  # init_std 0.2: non-flat logits
+    for proj in ("hidden_proj", "own_proj"):  # they start at zero (a draft without them); a trained one is not
+        if hasattr(draft, proj):
+            torch.nn.init.normal_(getattr(draft, proj).weight, std=0.2)
     return draft.eval()
 
 
@@ -108,18 +111,20 @@ def test_tree_hybrid_equals_reference(target_and_kv):
     assert not torch.allclose(*siblings)
 
 
-@pytest.mark.parametrize("feed_hidden", [False, True], ids=["kv-only", "feed-hidden"])
+@pytest.mark.parametrize("inputs", ["kv-only", "feed-hidden", "own-hidden"])
 @pytest.mark.parametrize("window", [64, 16, 8])  # 16, 8: the context is longer than the window
-def test_serving_drafter_equals_training_forward_per_depth(target_and_kv, window, feed_hidden):
+def test_serving_drafter_equals_training_forward_per_depth(target_and_kv, window, inputs):
     """The serving drafter (ring window + incremental per-depth steps over the live KVCache, and with
-    `feed_hidden` the target's hidden state of the newest committed token) proposes, at every depth d, the
-    training forward's argmax with lag d + 1, with the same probability."""
+    `feed_hidden` the target's hidden state of the newest committed token, with `feed_own_hidden` also each
+    node's parent's output) proposes, at every depth d, the training forward's argmax with lag d + 1, with the
+    same probability."""
     from spyglass.drafters.longspec import LongSpecDrafter
     from spyglass.sampling import SamplingParams
     from spyglass.sequence import Sequence
 
     target, tokens, k, v = target_and_kv
-    draft = make_draft(target, window=window, feed_hidden=feed_hidden)
+    feed_hidden = inputs != "kv-only"
+    draft = make_draft(target, window=window, feed_hidden=feed_hidden, feed_own_hidden=inputs == "own-hidden")
     cache = target.new_cache(LENGTH + 8, 1)
     slot = cache.allocate()
     target.prefill(cache, slot, tokens[:COMMITTED])
@@ -148,3 +153,13 @@ def test_serving_drafter_equals_training_forward_per_depth(target_and_kv, window
         drafter.observe_hidden(seq, 0, {target.args.n_layers - 1: -hidden}, list(range(COMMITTED)))
         other = drafter.propose([seq])[0]
         assert abs(other.scores[1] - tree.scores[1]) > 1e-4
+    if inputs == "own-hidden":  # the recursion matters: without it depth 1 on would differ
+        plain = make_draft(target, window=window, feed_hidden=True)
+        plain.load_state_dict({k: w for k, w in draft.state_dict().items() if not k.startswith("own_")})
+        for d in range(1, 4):
+            without = training_logits(plain, full, kk, vv, lag=d + 1, hidden=hh)[COMMITTED + d]
+            with_own = training_logits(draft, full, kk, vv, lag=d + 1, hidden=hh)[COMMITTED + d]
+            assert not torch.allclose(without, with_own, atol=1e-3), f"depth {d}: the parent's output is not read"
+        root_without = training_logits(plain, full, kk, vv, lag=1, hidden=hh)[COMMITTED]
+        root_with = training_logits(draft, full, kk, vv, lag=1, hidden=hh)[COMMITTED]
+        assert torch.allclose(root_without, root_with, atol=1e-5), "the root has no parent to read"

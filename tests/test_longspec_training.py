@@ -38,17 +38,55 @@ def test_soft_topk_ce_matches_hand_computation():
     assert soft_topk_ce(logp, torch.tensor([[-1, -1, -1]]), lps).item() == 0.0
 
 
-def test_multi_lag_forward_equals_single_lags(tmp_path):
+@pytest.mark.parametrize("own", [False, True], ids=["plain", "own-hidden"])
+def test_multi_lag_forward_equals_single_lags(tmp_path, own):
+    """Lags asked together or one at a time give the same logits (a `feed_own_hidden` draft runs the lags below
+    the largest either way), and `logits_from` only drops rows."""
     target = _target(tmp_path)
     torch.manual_seed(0)
-    draft = LongSpecDraft.from_target(target, window=8)
+    draft = LongSpecDraft.from_target(target, window=8, feed_own_hidden=own)
+    if own:
+        torch.nn.init.normal_(draft.own_proj.weight, std=0.2)
     b = _batch(target)
     kv = b["kv.1"]
     both = draft(b["tokens"], b["positions"], kv[:, 0], kv[:, 1], lag=(1, 3))
     for i, lag in enumerate((1, 3)):
         one = draft(b["tokens"], b["positions"], kv[:, 0], kv[:, 1], lag=lag)
         assert torch.allclose(both[i], one, atol=1e-5)
+        tail = draft(b["tokens"], b["positions"], kv[:, 0], kv[:, 1], lag=lag, logits_from=10)
+        assert torch.allclose(tail, one[:, 10:], atol=1e-5)
     assert not torch.allclose(both[0], both[1])
+
+
+def test_own_hidden_draft_warm_starts_exactly_and_trains_the_recursion(tmp_path):
+    """A draft without the recursion loads into one with it (zero projection: the same logits at step 0), and
+    training the deeper lags moves the new projection."""
+    from safetensors.torch import save_file
+
+    from actors.trainer import warm_start
+
+    target = _target(tmp_path)
+    torch.manual_seed(0)
+    old = LongSpecDraft.from_target(target, window=8)
+    ckpt = tmp_path / "old"
+    ckpt.mkdir()
+    save_file(old.trainable_state_dict(), str(ckpt / "draft.safetensors"))
+    new = LongSpecDraft.from_target(target, window=8, feed_own_hidden=True)
+    warm_start(new, ckpt)
+    b = _batch(target)
+    kv = b["kv.1"]
+    with torch.no_grad():
+        same = new(b["tokens"], b["positions"], kv[:, 0], kv[:, 1], lag=(1, 2, 3))
+        want = old(b["tokens"], b["positions"], kv[:, 0], kv[:, 1], lag=(1, 2, 3))
+    assert torch.allclose(same, want, atol=1e-5)
+    loss_fn = LongSpecLoss(kv_layer=1, lag_min=1, lag_max=3, all_lags=True)
+    opt = torch.optim.AdamW([p for p in new.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(5):
+        opt.zero_grad()
+        loss, _ = loss_fn(new, b, (1, 2, 3))
+        loss.backward()
+        opt.step()
+    assert new.own_proj.weight.abs().max() > 1e-4
 
 
 def test_all_lags_loss_reports_each_lag_and_trains(tmp_path):

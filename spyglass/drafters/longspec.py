@@ -9,7 +9,8 @@ layers below over each newly committed token (`sync_kv`, lag 1). A node at depth
 `window - 1 - d` tokens, its ancestors and itself: exactly the `window` keys the training forward's sliding window
 shows it.
 A `feed_hidden` draft also reads the target's last hidden state of the newest committed token (EAGLE's feature,
-handed over by the engine through `observe_hidden`): one vector per sequence, as stale as the K/V it reads.
+handed over by the engine through `observe_hidden`): one vector per sequence, as stale as the K/V it reads. A
+`feed_own_hidden` draft's node also reads its parent's final draft hidden state (EAGLE's feature recursion).
 
 Drafting is incremental and batched: one `draft_step` per depth for every sequence of the step, each node's
 own K/V kept for its descendants (nothing is re-run). Tree shapes:
@@ -201,11 +202,15 @@ class LongSpecDrafter:
             self_groups.append((rs, pk, pv))
         crosses = [(rs, [k for k, _ in targets[i]], [v for _, v in targets[i]]) for i, rs in cross_groups.items()]
         hidden = torch.stack([states[i].hidden for i, _ in rows]) if self.hidden_layers else None
-        logits, k, v = self.draft.draft_step(
-            torch.tensor(tokens), torch.tensor(positions), self_groups, crosses, backend="auto", hidden=hidden
+        own = None
+        if self.draft.cfg.feed_own_hidden:  # each node reads its parent's output (the root: zeros)
+            zero = torch.zeros(self.draft.cfg.hidden_size, dtype=self.draft.dtype)
+            own = torch.stack([trees[i].out.get(trees[i].parents[node], zero) for i, node in rows])
+        logits, k, v, out = self.draft.draft_step(
+            torch.tensor(tokens), torch.tensor(positions), self_groups, crosses, backend="auto", hidden=hidden, own=own
         )
         for r, (i, node) in enumerate(rows):
-            trees[i].k[node], trees[i].v[node] = k[:, :, r : r + 1], v[:, :, r : r + 1]
+            trees[i].k[node], trees[i].v[node], trees[i].out[node] = k[:, :, r : r + 1], v[:, :, r : r + 1], out[r]
         return self.draft.to_full_vocab(logits)
 
     def _children(self, seq: Sequence, g: _Growing, node: int, logits: torch.Tensor, gen) -> list[int]:
@@ -242,13 +247,15 @@ class LongSpecDrafter:
 
 
 class _Growing:
-    """A draft tree under construction, with each node's draft K/V (`[N, kvh, 1, D]`) for its descendants."""
+    """A draft tree under construction, with each node's draft K/V (`[N, kvh, 1, D]`) for its descendants and
+    its final hidden state (`[H]`) for its children."""
 
     def __init__(self, root: int) -> None:
         self.tokens, self.parents, self.scores = [root], [-1], [1.0]
         self.dists: list[torch.Tensor | None] = [None]
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
+        self.out: dict[int, torch.Tensor] = {}
 
     def add(self, parent: int, tok: int, score: float, dist: torch.Tensor | None = None) -> int:
         self.tokens.append(tok)

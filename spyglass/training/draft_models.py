@@ -40,6 +40,7 @@ class LongSpecDraftConfig:
     draft_vocab: int = 0  # > 0: the head scores only this many frequency-ranked tokens (FR-Spec); 0 = all
     init_layer: int | None = None  # copy the self-attention and MLP of this target layer instead of random init
     feed_hidden: bool = False  # also read the target's last hidden state (EAGLE-style), as stale as its K/V
+    feed_own_hidden: bool = False  # a node also reads its parent's final draft hidden state (EAGLE's recursion)
     n_layers: int = 1  # GLIDE: N layers, layer m reading target layer L - N + m; LongSpec: one
     extra: dict = field(default_factory=dict)
 
@@ -175,13 +176,19 @@ class LongSpecDraft(nn.Module):
         if cfg.feed_hidden:  # read by the top layer, before its cross-attention
             self.hidden_norm = RMSNorm(h, cfg.rms_eps)
             self.hidden_proj = nn.Linear(h, h, bias=False)
+        if cfg.feed_own_hidden:  # read by the top layer beside the target's hidden state
+            self.own_norm = RMSNorm(h, cfg.rms_eps)
+            self.own_proj = nn.Linear(h, h, bias=False)
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=cfg.init_std)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
-        if cfg.feed_hidden:  # starts as the K/V-only draft (and can warm-start from one)
+        # Zero projections: a new input starts as a no-op, so a draft without it warm-starts exactly.
+        if cfg.feed_hidden:
             nn.init.zeros_(self.hidden_proj.weight)
+        if cfg.feed_own_hidden:
+            nn.init.zeros_(self.own_proj.weight)
         # Frozen, shared with the target (not part of checkpoints).
         self.embed = embed
         self.full_head = lm_head
@@ -279,6 +286,10 @@ class LongSpecDraft(nn.Module):
         """The residual update from the target's hidden state (zero rows stay zero: RMSNorm of 0 is 0)."""
         return self.hidden_proj(self.hidden_norm(hidden.to(self.hidden_proj.weight.dtype)))
 
+    def read_own(self, own: torch.Tensor) -> torch.Tensor:
+        """The residual update from the parent's final draft hidden state (zero rows, the root's, stay zero)."""
+        return self.own_proj(self.own_norm(own.to(self.own_proj.weight.dtype)))
+
     def forward(
         self,
         tokens: torch.Tensor,
@@ -294,6 +305,7 @@ class LongSpecDraft(nn.Module):
         first self-attention is shared between them); with `logits_from`, only positions from there on get
         logits (the LM head is most of the cost). `target_h` `[B, L, H]`: the target's last hidden states, for
         a `feed_hidden` draft; query t reads row t - lag (the newest one serving has), nothing before the first.
+        A `feed_own_hidden` draft's query t at lag l also reads its own final hidden state at t - 1, lag l - 1.
         Every layer sees the target with the same lag (serving computes the lower layers of committed tokens,
         which later queries attend to, at lag 1: GLIDE's approximation; exact for one layer)."""
         c = self.cfg
@@ -317,8 +329,12 @@ class LongSpecDraft(nn.Module):
 
         x0 = self.embed(tokens).to(dtype)
         first = x0 + self_attention(self.layers[0], x0)  # no target read yet: the same for every lag
-        outs = []
-        for one_lag in lag if isinstance(lag, tuple) else (lag,):
+        lags = lag if isinstance(lag, tuple) else (lag,)
+        # feed_own_hidden: lag l reads lag l - 1's final hidden state one position back (a chain node's parent), so
+        # every lag below the largest runs too, over every position (detached: each lag is trained for its own use)
+        runs = range(1, max(lags) + 1) if c.feed_own_hidden else lags
+        outs, own = {}, None
+        for one_lag in runs:
             cmask, empty = lagged_cross_mask(length, tks[0].shape[2], one_lag, dtype)
             cmask, empty = cmask.to(tokens.device), empty.to(tokens.device).view(1, 1, length, 1)
             x = first
@@ -328,12 +344,17 @@ class LongSpecDraft(nn.Module):
                     x = x + self_attention(layer, x)
                 if top and c.feed_hidden:
                     x = x + self.read_hidden(F.pad(target_h, (0, 0, one_lag, 0))[:, :length])
+                if top and own is not None:
+                    x = x + self.read_own(F.pad(own, (0, 0, 1, 0))[:, :length])
                 qc = layer.cross_query(x, cos, sin).transpose(1, 2)
                 o = F.scaled_dot_product_attention(qc, tks[m], tvs[m], attn_mask=cmask, scale=scale)
                 x = x + layer.cross_o(o.masked_fill(empty, 0.0).transpose(1, 2).reshape(b, length, -1))
-                x = layer.mlp(x[:, logits_from:] if top else x)
-            outs.append(self.head(x))
-        return torch.stack(outs) if isinstance(lag, tuple) else outs[0]
+                x = layer.mlp(x[:, logits_from:] if top and not c.feed_own_hidden else x)
+            if c.feed_own_hidden:
+                own, x = x.detach(), x[:, logits_from:]
+            if one_lag in lags:
+                outs[one_lag] = self.head(x)
+        return torch.stack([outs[lg] for lg in lags]) if isinstance(lag, tuple) else outs[lag]
 
     # --- inference: the same layers over caches, through the hybrid tree attention ---------------------
 
@@ -426,6 +447,8 @@ class LongSpecDraft(nn.Module):
         tokens back, and (`feed_hidden`) every node reads `hidden` `[H]`, the target's hidden state of the last
         committed token. Lists of K/V, lowest layer first, for a draft of several layers."""
         c, n, dtype = self.cfg, tokens.shape[0], self.dtype
+        if c.feed_own_hidden:
+            raise ValueError("a feed_own_hidden draft reads each node's parent's output: draft it depth by depth")
         wks, wvs = self._per_layer(window_k), self._per_layer(window_v)
         tks, tvs = self._per_layer(target_k), self._per_layer(target_v)
         cos, sin = self.rope(positions, dtype)
@@ -450,14 +473,16 @@ class LongSpecDraft(nn.Module):
         cross_groups: list[tuple[list[int], list[torch.Tensor], list[torch.Tensor]]],
         backend: str = "auto",
         hidden: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        own: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """One incremental drafting step for M new tree nodes of several sequences at once: the matmuls run over
         all of them; attention runs per group. A self group `(rows, prefix_k, prefix_v)` is sibling nodes that
         see `prefix` (per layer: window + their ancestors' K/V, `[N, kvh, P, D]`) and each itself; a cross group
         is the nodes of one sequence and the target's committed K/V of each draft layer's target layer (lists);
         `hidden` `[M, H]` (`feed_hidden`) the target's hidden state of each node's sequence's last committed
-        token. Returns draft-head logits `[M, Vd]` and the nodes' own K/V `[N, kvh, M, D]` (their descendants'
-        prefix)."""
+        token; `own` `[M, H]` (`feed_own_hidden`) each node's parent's final hidden state (zero for the root).
+        Returns draft-head logits `[M, Vd]`, the nodes' own K/V `[N, kvh, M, D]` (their descendants' prefix) and
+        their final hidden states `[M, H]` (their children's `own`)."""
         c, m_rows, dtype = self.cfg, tokens.shape[0], self.dtype
         cos, sin = self.rope(positions, dtype)
         selfs = [
@@ -477,6 +502,8 @@ class LongSpecDraft(nn.Module):
             x = x + layer.wo(a.transpose(0, 1).reshape(m_rows, -1))
             if m == c.n_layers - 1 and c.feed_hidden:
                 x = x + self.read_hidden(hidden)
+            if m == c.n_layers - 1 and c.feed_own_hidden:
+                x = x + self.read_own(own)
             qc = layer.cross_query(x, cos, sin).transpose(0, 1)
             o = torch.empty_like(qc)
             for idx, tks, tvs in crosses:
@@ -484,7 +511,7 @@ class LongSpecDraft(nn.Module):
             x = layer.mlp(x + layer.cross_o(o.transpose(0, 1).reshape(m_rows, -1)))
             ks.append(k)
             vs.append(v)
-        return self.head(x), torch.stack(ks), torch.stack(vs)
+        return self.head(x), torch.stack(ks), torch.stack(vs), x
 
 
 def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

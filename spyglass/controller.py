@@ -10,8 +10,10 @@ and, per sequence and step, keeps the tree nodes that maximise expected tokens p
 
 which may be no node at all (plain decoding for that sequence). Node probabilities come from the drafter's
 scores (`DraftTree.scores`, or a neutral prior when it has none), calibrated per depth against the acceptance
-the sequence actually sees (depths left untried forget old evidence as fast as tried ones); a sequence that
-stopped speculating probes again after a back-off, and a nearly free drafter keeps proposing meanwhile. Pruning only
+the sequence actually sees (depths left untried forget old evidence as fast as tried ones). A step whose tree
+does not pay is decoded plainly; the drafter still runs on the next step while drafting has paid on average
+(a learned draft that is unsure on one token is often sure on the next), and otherwise the sequence stops
+drafting and probes again after a back-off; a nearly free drafter keeps proposing meanwhile. Pruning only
 drops nodes, so every guarantee of the verifier holds whatever the controller decides.
 """
 
@@ -139,7 +141,8 @@ class _SeqControl:
     backoff: int = 4  # plain steps before the next probe
     probing: bool = False  # this step is a probe
     draft_s: float = 0.0  # recent drafting time per step (per drafted depth with `cost_by_depth`), decayed mean
-    kept_depth: int = 0  # depth of the subtree verified at the last drafting step
+    kept_depth: int = 0  # depth of the subtree verified at the last step that kept one
+    value: float = 0.0  # decayed mean gain of a drafted step over a plain one, in plain steps (< 0: drafting loses)
 
 
 class SpeculationController:
@@ -178,7 +181,12 @@ class SpeculationController:
         seq.draft_depth = None
         # A drafter that costs almost nothing (model-free lookups) proposes every step: the sizing then decides
         # from its scores whether this step's tree pays (a long fresh match often does, right after a miss).
-        return st.probing or st.draft_s <= CHEAP_DRAFT * self.curve.time(1, seq.committed)
+        if st.probing or st.draft_s <= CHEAP_DRAFT * self.curve.time(1, seq.committed):
+            return True
+        if st.value > 0:  # drafting has paid on average: one step that did not is no reason to stop
+            seq.draft_depth = st.kept_depth + 1 if st.kept_depth else None
+            return True
+        return False
 
     def skip(self, seq: Sequence) -> None:
         """The sequence decodes plainly this step without drafting."""
@@ -231,7 +239,8 @@ class SpeculationController:
         depths = tree.depths
         order = sorted(range(1, len(tree)), key=lambda i: -scores[i])[: self.max_nodes]
         ctx = seq.committed
-        best_k, best_rate, gain, depth = 0, 1.0 / self._cost(1, ctx, batch), 1.0, 0
+        plain_rate = 1.0 / self._cost(1, ctx, batch)
+        best_k, best_rate, gain, depth = 0, plain_rate, 1.0, 0
         for k, i in enumerate(order, start=1):
             gain += scores[i]
             depth = max(depth, depths[i])
@@ -239,13 +248,16 @@ class SpeculationController:
             rate = gain / (self._cost(k + 1, ctx, batch) + draft)  # drafting is part of the price
             if rate > best_rate:
                 best_k, best_rate = k, rate
+        if not st.probing:  # what drafting this step bought: the kept tree's gain, or the drafting time lost
+            spent = st.draft_s * (tree.max_depth if self.cost_by_depth else 1)
+            step_gain = best_rate / plain_rate - 1.0 if best_k else -spent * plain_rate
+            st.value = self.decay * st.value + (1.0 - self.decay) * step_gain
         if st.probing:
             best_k = max(best_k, min(len(order), 4))  # a small probe: enough to re-measure the first depths
             stats.probe_steps += 1
         elif best_k == 0:
             st.plain_streak += 1
             stats.plain_steps += 1
-            st.kept_depth = 0
             return DraftTree.root_only(int(tree.tokens[0]))
         if not st.probing:  # a cheap drafter's tree paid between probes: back to speculating
             st.plain_streak = 0

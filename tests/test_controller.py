@@ -262,3 +262,28 @@ def test_small_lm_draft_from_a_loaded_model_or_the_targets_layers(tiny_dir):
     assert build_drafter("small-lm", target, draft_layers=1).draft.args.n_layers == 1
     other = load_transformer(tiny_dir["qwen2"])
     assert build_drafter("small-lm", target, draft_model=other).draft is other
+
+
+def test_a_drafter_that_pays_on_average_keeps_drafting_through_an_unsure_step():
+    """A learned draft sure of every other token (drafting 5% of a step): the unsure steps decode plainly, but
+    the drafter runs again on the next step instead of backing off until a probe. One that never pays stops."""
+    curve = CostCurve.linear(1.0, 0.05)
+    sure, unsure = DraftTree.chain(5, [1], scores=[1.0, 0.9]), DraftTree.chain(5, [1], scores=[1.0, 0.02])
+    ctl = SpeculationController(curve, cost_by_depth=True)
+    seq = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
+    ctl.note_draft_time(seq, 0.05)
+    for _ in range(6):
+        assert ctl.wants_draft(seq)
+        kept = ctl.size(seq, sure, batch=1)
+        assert len(kept) == 2
+        ctl.observe(seq, kept, Accepted([0, 1], [1, 7]))
+        assert ctl.wants_draft(seq) and seq.draft_depth == 2  # one level beyond the depth that paid
+        assert len(ctl.size(seq, unsure, batch=1)) == 1  # this step is decoded plainly
+    assert ctl.wants_draft(seq)
+    assert seq.stats.control.plain_steps == 6 and seq.stats.control.probe_steps == 0
+
+    never = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
+    ctl.note_draft_time(never, 0.05)
+    assert ctl.wants_draft(never)
+    assert len(ctl.size(never, unsure, batch=1)) == 1
+    assert not ctl.wants_draft(never)  # no evidence that drafting pays: back off until a probe

@@ -148,6 +148,8 @@ class _SeqControl:
 class SpeculationController:
     """Per sequence: how many of the drafter's nodes to verify this step (0 = plain decoding)."""
 
+    persist = True  # keep drafting while drafted steps pay on average (False: back off after any step that did not)
+
     def __init__(
         self,
         curve: CostCurve,
@@ -183,7 +185,7 @@ class SpeculationController:
         # from its scores whether this step's tree pays (a long fresh match often does, right after a miss).
         if st.probing or st.draft_s <= CHEAP_DRAFT * self.curve.time(1, seq.committed):
             return True
-        if st.value > 0:  # drafting has paid on average: one step that did not is no reason to stop
+        if self.persist and st.value > 0:  # drafting has paid on average: one step that did not is no reason to stop
             seq.draft_depth = st.kept_depth + 1 if st.kept_depth else None
             return True
         return False

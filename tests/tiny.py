@@ -51,11 +51,19 @@ def make_tiny_model(
     return path
 
 
-def layer_copy_draft(target, window: int = 512, cross_std: float = 0.01, feed_hidden: bool = False, n_layers: int = 1):
+def layer_copy_draft(
+    target,
+    window: int = 512,
+    cross_std: float = 0.01,
+    feed_hidden: bool = False,
+    n_layers: int = 1,
+    feed_own_hidden: bool = False,
+):
     """A LongSpec draft whose block is the target's first layer (a GLIDE one, `n_layers`: the target's first
-    layers), with a small random cross-attention (and, with `feed_hidden`, a small random read of the target's
-    hidden state): untrained, yet it agrees with the target often (HF's random init leaves RMSNorm weights at 1, so
-    skipping the final norm keeps the argmax), so lossless tests exercise acceptance."""
+    layers), with a small random cross-attention (and, with `feed_hidden` / `feed_own_hidden`, a small random read
+    of the target's hidden state / of the parent node's output): untrained, yet it agrees with the target often
+    (HF's random init leaves RMSNorm weights at 1, so skipping the final norm keeps the argmax), so lossless tests
+    exercise acceptance."""
     from torch import nn
 
     from spyglass.training.draft_models import LongSpecDraft
@@ -68,6 +76,7 @@ def layer_copy_draft(target, window: int = 512, cross_std: float = 0.01, feed_hi
         intermediate_size=a.intermediate_size,
         feed_hidden=feed_hidden,
         n_layers=n_layers,
+        feed_own_hidden=feed_own_hidden,
     )
     with torch.no_grad():
         for layer, source in zip(draft.layers, target.layers, strict=False):
@@ -76,6 +85,8 @@ def layer_copy_draft(target, window: int = 512, cross_std: float = 0.01, feed_hi
             nn.init.normal_(layer.cross_o.weight, std=cross_std)
         if feed_hidden:
             nn.init.normal_(draft.hidden_proj.weight, std=cross_std)
+        if feed_own_hidden:
+            nn.init.normal_(draft.own_proj.weight, std=cross_std)
     return draft.eval()
 
 

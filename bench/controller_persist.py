@@ -1,7 +1,8 @@
 """The controller's two answers to a drafted step that did not pay, side by side on held-out prompts: keep
 drafting while drafted steps pay on average (`persist`, the default) or back off to plain decoding until a
-probe (the rule before session 12). Matters for drafters that are neither free nor useless: LongSpec (per depth)
-and DFlash (per block). SmolLM2 fp32, T=0, every variant on the same prompts in one run.
+probe (the rule before session 12). Matters for drafters that are neither free nor useless: LongSpec (per depth),
+DFlash (per block), and the composite (suffix + LongSpec), whose LongSpec part makes it too costly for the
+free-drafter rule. SmolLM2 fp32, T=0, every variant on the same prompts in one run.
 Writes bench/results/controller_persist.json (+ .png).
 
     python bench/controller_persist.py [--max-new-tokens 256] [--per-kind 2] [--kinds code,edit]
@@ -33,7 +34,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--per-kind", type=int, default=2)
     ap.add_argument("--kinds", default="code,edit")
-    ap.add_argument("--methods", default="longspec,dflash")
+    ap.add_argument("--methods", default="longspec,composite,dflash")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -53,21 +53,24 @@ bench: setup
 	$(PY) bench/attention.py
 
 # Drafting on held-out long-context prompts (bench/tasks.py): model-free methods, then the trained drafts.
-.PHONY: bench-drafting bench-longspec bench-dflash bench-tokenswift train-longspec
+.PHONY: bench-drafting bench-longspec bench-dflash bench-tokenswift bench-controller train-longspec
 bench-drafting: setup
 	$(PY) bench/drafting.py --max-new-tokens 256 --per-kind 3 --small-lm
 bench-longspec: setup
 	$(PY) bench/longspec.py --max-new-tokens 256 --per-kind 3
 bench-dflash: setup
 	$(PY) bench/dflash.py
+# After a drafted step that did not pay: keep drafting while drafting pays on average, or back off (bench/results).
+bench-controller: setup
+	$(PY) bench/controller_persist.py
 # The issue's full run (2K prefix, 6K generated, 7 variants one after another) takes over an hour on 2 CPU cores.
 bench-tokenswift: setup
 	$(PY) bench/tokenswift.py --prefix 2048 --gen 6144
 
 # The shipped LongSpec and GLIDE drafts: extraction + training (resumable: rerun to continue), then copied into the
 # package. Each run warm-starts from the one before (v3 from v2's step 200, v4 from v3, v5 from v4, v6 from v5,
-# v7 from v6, v8 from v7, GLIDE's top layer from v4); v5 and GLIDE train on v4's extraction, v6 and v7 (the long-context
-# stage) on their own, v8 on new text.
+# v7 from v6, v8 from v7, both v9 arms from v8, GLIDE's top layer from v4); v5 and GLIDE train on v4's extraction, v6
+# and v7 (the long-context stage) on their own, v8 and v9 on new text (v9's two arms on the same extraction).
 train-longspec: setup
 	$(VENV)/bin/spyglass train configs/smollm2-longspec-v2.yaml --diagnose
 	$(VENV)/bin/spyglass train configs/smollm2-longspec-v3.yaml --diagnose
@@ -76,6 +79,8 @@ train-longspec: setup
 	$(VENV)/bin/spyglass train configs/smollm2-longspec-v6-long.yaml --diagnose
 	$(VENV)/bin/spyglass train configs/smollm2-longspec-v7-long.yaml --diagnose
 	$(VENV)/bin/spyglass train configs/smollm2-longspec-v8-fresh.yaml --diagnose
+	$(VENV)/bin/spyglass train configs/smollm2-longspec-v9-fresh.yaml --diagnose
+	$(VENV)/bin/spyglass train configs/smollm2-longspec-v9-own.yaml --diagnose
 	$(VENV)/bin/spyglass train configs/smollm2-glide.yaml --diagnose
 	$(PY) -m actors.export_draft .cache/runs/smollm2-longspec-v8-fresh spyglass/drafts/smollm2-135m-longspec
 	$(PY) -m actors.export_draft .cache/runs/smollm2-longspec-v4 spyglass/drafts/smollm2-135m-glide --train-dir train-glide --bf16

@@ -1,6 +1,6 @@
 """The controller's two answers to a drafted step that did not pay, side by side on held-out prompts: keep
-drafting while drafted steps pay on average (`persist`, the default) or back off to plain decoding until a
-probe (the rule before session 12). Matters for drafters that are neither free nor useless: LongSpec (per depth),
+drafting while drafted steps pay on average (`persist`) or back off to plain decoding until a probe (the
+default). Matters for drafters that are neither free nor useless: LongSpec (per depth),
 DFlash (per block), and the composite (suffix + LongSpec), whose LongSpec part makes it too costly for the
 free-drafter rule. SmolLM2 fp32, T=0, every variant on the same prompts in one run.
 Writes bench/results/controller_persist.json (+ .png).
@@ -61,8 +61,9 @@ def main() -> None:
     kinds = tuple(k for k in args.kinds.split(",") if k)
     tasks = heldout_tasks(tok, kinds=kinds, per_kind=args.per_kind)
     load_before = machine_load()
+    default = SpeculationController.persist
     results = compare(target, tasks, makers, SamplingParams(max_new_tokens=args.max_new_tokens), cache)
-    SpeculationController.persist = True
+    SpeculationController.persist = default
     figures: dict = {"identical_all": all(r["identical"] for row in results.values() for r in row.values())}
     for m in makers:
         tag = m.replace("-", "_")

@@ -11,10 +11,9 @@ and, per sequence and step, keeps the tree nodes that maximise expected tokens p
 which may be no node at all (plain decoding for that sequence). Node probabilities come from the drafter's
 scores (`DraftTree.scores`, or a neutral prior when it has none), calibrated per depth against the acceptance
 the sequence actually sees (depths left untried forget old evidence as fast as tried ones). A step whose tree
-does not pay is decoded plainly; the drafter still runs on the next step while drafting has paid on average
-(a learned draft that is unsure on one token is often sure on the next), and otherwise the sequence stops
-drafting and probes again after a back-off; a nearly free drafter keeps proposing meanwhile. Pruning only
-drops nodes, so every guarantee of the verifier holds whatever the controller decides.
+does not pay is decoded plainly, and the sequence stops drafting and probes again after a back-off (with
+`persist`, only once drafting has stopped paying on average); a nearly free drafter keeps proposing meanwhile.
+Pruning only drops nodes, so every guarantee of the verifier holds whatever the controller decides.
 """
 
 from __future__ import annotations
@@ -148,7 +147,10 @@ class _SeqControl:
 class SpeculationController:
     """Per sequence: how many of the drafter's nodes to verify this step (0 = plain decoding)."""
 
-    persist = True  # keep drafting while drafted steps pay on average (False: back off after any step that did not)
+    # Keep drafting while drafted steps pay on average, instead of backing off after any step that did not. Off:
+    # on one Zen 4 machine it never engaged for LongSpec or DFlash (drafting did not pay on average there) and moved
+    # the composite's tau by +0.2 / +0.06 / -0.6 on three prompts (bench/controller_persist.py).
+    persist = False
 
     def __init__(
         self,

@@ -265,11 +265,13 @@ def test_small_lm_draft_from_a_loaded_model_or_the_targets_layers(tiny_dir):
 
 
 def test_a_drafter_that_pays_on_average_keeps_drafting_through_an_unsure_step():
-    """A learned draft sure of every other token (drafting 5% of a step): the unsure steps decode plainly, but
-    the drafter runs again on the next step instead of backing off until a probe. One that never pays stops."""
+    """With `persist`, a learned draft sure of every other token (drafting 5% of a step): the unsure steps decode
+    plainly, but the drafter runs again on the next step instead of backing off until a probe. One that never
+    pays stops; without `persist` one unsure step stops it too."""
     curve = CostCurve.linear(1.0, 0.05)
     sure, unsure = DraftTree.chain(5, [1], scores=[1.0, 0.9]), DraftTree.chain(5, [1], scores=[1.0, 0.02])
     ctl = SpeculationController(curve, cost_by_depth=True)
+    ctl.persist = True
     seq = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
     ctl.note_draft_time(seq, 0.05)
     for _ in range(6):
@@ -287,3 +289,10 @@ def test_a_drafter_that_pays_on_average_keeps_drafting_through_an_unsure_step():
     assert ctl.wants_draft(never)
     assert len(ctl.size(never, unsure, batch=1)) == 1
     assert not ctl.wants_draft(never)  # no evidence that drafting pays: back off until a probe
+
+    default = SpeculationController(curve, cost_by_depth=True)
+    once = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
+    default.note_draft_time(once, 0.05)
+    default.observe(once, default.size(once, sure, batch=1), Accepted([0, 1], [1, 7]))
+    default.size(once, unsure, batch=1)
+    assert not default.wants_draft(once)

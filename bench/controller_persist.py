@@ -16,16 +16,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
 
-from bench.common import RESULTS_DIR, machine_load, plot_panels, wait_for_quiet, write_results  # noqa: E402
-from bench.drafting import by_kind, compare, speed_panels  # noqa: E402
+from bench.common import RESULTS_DIR, machine_load, plot_panels, write_results  # noqa: E402
+from bench.drafting import bench_setup, by_kind, compare, speed_panels  # noqa: E402
 from bench.tasks import heldout_tasks  # noqa: E402
-from spyglass.context_cache import ContextCache  # noqa: E402
 from spyglass.controller import SpeculationController  # noqa: E402
 from spyglass.drafters import build_drafter  # noqa: E402
-from spyglass.models.llama import load_transformer  # noqa: E402
-from spyglass.models.loader import load_tokenizer, resolve_model  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
 
 
@@ -37,15 +33,7 @@ def main() -> None:
     ap.add_argument("--methods", default="longspec,composite,dflash")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    quiet = wait_for_quiet(max_load=1.0, timeout_s=120)
-    from services.local_redis import LocalRedis
-
-    redis = LocalRedis()
-    path = resolve_model(None, dtype="float32").path
-    target = load_transformer(path, dtype=torch.float32)
-    tok = load_tokenizer(path)
-    cache = ContextCache(redis.url, f"bench-controller:{target.model_id}", block_size=128)
+    quiet, redis, target, tok, cache = bench_setup("bench-controller", args.threads)
 
     def maker(method: str, persist: bool):
         def make():  # the engine built next (compare runs one at a time) reads the rule from the class

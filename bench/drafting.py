@@ -167,6 +167,20 @@ def by_kind(results: dict, tasks: list[HeldOutTask], method: str, key: str) -> d
     return out
 
 
+def bench_setup(cache_name: str, threads: int):
+    """What every drafting bench does first: wait for a quiet machine, start a local Redis (keep the returned
+    handle alive), load SmolLM2 fp32 and its tokenizer, and open a context cache under `cache_name`."""
+    from services.local_redis import LocalRedis
+
+    torch.set_num_threads(threads)
+    quiet = wait_for_quiet(max_load=1.0, timeout_s=120)
+    redis = LocalRedis()
+    path = resolve_model(None, dtype="float32").path
+    target = load_transformer(path, dtype=torch.float32)
+    cache = ContextCache(redis.url, f"{cache_name}:{target.model_id}", block_size=128)
+    return quiet, redis, target, load_tokenizer(path), cache
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -176,15 +190,7 @@ def main() -> None:
     ap.add_argument("--small-lm", action="store_true", help="also small-lm with the target's first 8 layers")
     ap.add_argument("--no-repeat", action="store_true", help="skip the multi-request workload")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    quiet = wait_for_quiet(max_load=1.0, timeout_s=120)
-    from services.local_redis import LocalRedis
-
-    redis = LocalRedis()
-    path = resolve_model(None, dtype="float32").path
-    target = load_transformer(path, dtype=torch.float32)
-    tok = load_tokenizer(path)
-    cache = ContextCache(redis.url, f"bench-drafting:{target.model_id}", block_size=128)
+    quiet, redis, target, tok, cache = bench_setup("bench-drafting", args.threads)
     t0 = time.perf_counter()
     curve = measured_curve(target, target.new_cache(8192, 1))
     curve_s = time.perf_counter() - t0

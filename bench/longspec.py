@@ -20,15 +20,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import RESULTS_DIR, machine_load, median, plot_panels, wait_for_quiet, write_results  # noqa: E402
-from bench.drafting import by_kind, compare, speed_panels  # noqa: E402
+from bench.common import RESULTS_DIR, machine_load, median, plot_panels, write_results  # noqa: E402
+from bench.drafting import bench_setup, by_kind, compare, speed_panels  # noqa: E402
 from bench.tasks import heldout_tasks  # noqa: E402
-from spyglass.context_cache import ContextCache  # noqa: E402
 from spyglass.drafters import build_drafter  # noqa: E402
 from spyglass.drafters.longspec import SHIPPED, SHIPPED_GLIDE  # noqa: E402
 from spyglass.engine import EngineConfig, SpecEngine  # noqa: E402
-from spyglass.models.llama import load_transformer  # noqa: E402
-from spyglass.models.loader import load_tokenizer, resolve_model  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
 
 METHODS = ("ngram", "suffix", "longspec", "longspec-beam", "longspec-cape", "glide", "glide-cape", "composite")
@@ -78,15 +75,7 @@ def main() -> None:
     args = ap.parse_args()
     draft_dir = Path(args.draft).resolve() if args.draft else SHIPPED
     glide_dir = Path(args.glide_draft).resolve() if args.glide_draft else SHIPPED_GLIDE
-    torch.set_num_threads(args.threads)
-    quiet = wait_for_quiet(max_load=1.0, timeout_s=120)
-    from services.local_redis import LocalRedis
-
-    redis = LocalRedis()
-    path = resolve_model(None, dtype="float32").path
-    target = load_transformer(path, dtype=torch.float32)
-    tok = load_tokenizer(path)
-    cache = ContextCache(redis.url, f"bench-longspec:{target.model_id}", block_size=128)
+    quiet, redis, target, tok, cache = bench_setup("bench-longspec", args.threads)
     methods = [m for m in args.methods.split(",") if m]
 
     def maker(m: str):

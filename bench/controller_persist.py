@@ -16,9 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
 from bench.common import RESULTS_DIR, machine_load, plot_panels, write_results  # noqa: E402
-from bench.drafting import bench_setup, by_kind, compare, speed_panels  # noqa: E402
+from bench.drafting import bench_setup, by_kind, compare, run_meta, speed_panels  # noqa: E402
 from bench.tasks import heldout_tasks  # noqa: E402
 from spyglass.controller import SpeculationController  # noqa: E402
 from spyglass.drafters import build_drafter  # noqa: E402
@@ -58,15 +57,8 @@ def main() -> None:
         for kind in kinds:
             figures[f"speedup_{kind}_{tag}"] = by_kind(results, tasks, m, "speedup").get(kind)
             figures[f"tau_{kind}_{tag}"] = by_kind(results, tasks, m, "tau").get(kind)
-    meta = {
-        "what": "decode speedup over plain decoding with the controller persisting or backing off, SmolLM2 fp32",
-        "max_new_tokens": args.max_new_tokens,
-        "tasks": {t.name: len(t.prompt_ids) for t in tasks},
-        "quiet_before": quiet,
-        "load_before": load_before,
-        "load_after": machine_load(),
-        "threads": args.threads,
-    }
+    what = "decode speedup over plain decoding with the controller persisting or backing off, SmolLM2 fp32"
+    meta = run_meta(what, tasks, quiet, load_before, args.threads, max_new_tokens=args.max_new_tokens)
     out = write_results("controller_persist", figures, {"t0": results}, meta)
     plot_panels(
         RESULTS_DIR / "controller_persist.png",

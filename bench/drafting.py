@@ -181,6 +181,19 @@ def bench_setup(cache_name: str, threads: int):
     return quiet, redis, target, load_tokenizer(path), cache
 
 
+def run_meta(what: str, tasks: list[HeldOutTask], quiet: dict, load_before: dict, threads: int, **extra) -> dict:
+    """The meta every drafting bench writes beside its figures: what ran, on which prompts, and the machine's load."""
+    return {
+        "what": what,
+        "tasks": {t.name: len(t.prompt_ids) for t in tasks},
+        "quiet_before": quiet,
+        "load_before": load_before,
+        "load_after": machine_load(),
+        "threads": threads,
+        **extra,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -238,19 +251,18 @@ def main() -> None:
         g, ng, ar = (sum(repeat[k]["tok_s"][1:]) for k in ("with_global", "without_global", "ar"))
         figures["repeat_workload_speedup"] = g / ng  # later requests only: the first has nothing to reuse
         figures["repeat_workload_speedup_vs_ar"] = g / ar
-    meta = {
-        "what": "decode speedup over plain decoding on held-out prompts (eval-split sources), SmolLM2 fp32 T=0",
-        "max_new_tokens": args.max_new_tokens,
-        "tasks": {t.name: len(t.prompt_ids) for t in tasks},
-        "cost_curve": curve.to_dict(),
-        "cost_curve_measure_s": round(curve_s, 2),
-        "quiet_before": quiet,
-        "load_before": load_before,
-        "load_after": machine_load(),
-        "threads": args.threads,
-        "repeats": args.repeats,
-        "pid": os.getpid(),
-    }
+    meta = run_meta(
+        "decode speedup over plain decoding on held-out prompts (eval-split sources), SmolLM2 fp32 T=0",
+        tasks,
+        quiet,
+        load_before,
+        args.threads,
+        max_new_tokens=args.max_new_tokens,
+        cost_curve=curve.to_dict(),
+        cost_curve_measure_s=round(curve_s, 2),
+        repeats=args.repeats,
+        pid=os.getpid(),
+    )
     out = write_results("drafting", figures, {"per_task": results, "repeat_workload": repeat}, meta)
     plot_panels(
         RESULTS_DIR / "drafting.png",

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import RESULTS_DIR, machine_load, median, plot_panels, write_results  # noqa: E402
-from bench.drafting import bench_setup, by_kind, compare, speed_panels  # noqa: E402
+from bench.drafting import bench_setup, by_kind, compare, run_meta, speed_panels  # noqa: E402
 from bench.tasks import heldout_tasks  # noqa: E402
 from spyglass.drafters import build_drafter  # noqa: E402
 from spyglass.drafters.longspec import SHIPPED, SHIPPED_GLIDE  # noqa: E402
@@ -116,18 +116,17 @@ def main() -> None:
     if any(m.startswith("glide") for m in methods):
         figures["state_bytes_8k_glide"] = state_bytes(target, "glide", 8000)
         figures.update({f"glide_{k}": v for k, v in training_figures(glide_dir).items()})
-    meta = {
-        "what": "decode speedup over plain decoding, held-out prompts (eval-split sources), SmolLM2 fp32",
-        "draft": str(draft_dir.relative_to(Path(__file__).resolve().parents[1])),
-        "glide_draft": str(glide_dir.relative_to(Path(__file__).resolve().parents[1])),
-        "max_new_tokens": args.max_new_tokens,
-        "tasks": {t.name: len(t.prompt_ids) for t in tasks},
-        "quiet_before": quiet,
-        "load_before": load_before,
-        "load_after": machine_load(),
-        "threads": args.threads,
-        "repeats": args.repeats,
-    }
+    meta = run_meta(
+        "decode speedup over plain decoding, held-out prompts (eval-split sources), SmolLM2 fp32",
+        tasks,
+        quiet,
+        load_before,
+        args.threads,
+        draft=str(draft_dir.relative_to(Path(__file__).resolve().parents[1])),
+        glide_draft=str(glide_dir.relative_to(Path(__file__).resolve().parents[1])),
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+    )
     out = write_results(args.name, figures, {"t0": t0_results, "t1": t1_results}, meta)
     plot_panels(
         RESULTS_DIR / f"{args.name}.png",

@@ -252,7 +252,7 @@ class SpeculationController:
             rate = gain / (self._cost(k + 1, ctx, batch) + draft)  # drafting is part of the price
             if rate > best_rate:
                 best_k, best_rate = k, rate
-        if not st.probing:  # what drafting this step bought: the kept tree's gain, or the drafting time lost
+        if self.persist and not st.probing:  # what drafting this step bought: the tree's gain, or the time lost
             spent = st.draft_s * (tree.max_depth if self.cost_by_depth else 1)
             step_gain = best_rate / plain_rate - 1.0 if best_k else -spent * plain_rate
             st.value = self.decay * st.value + (1.0 - self.decay) * step_gain

@@ -17,6 +17,18 @@ def _target(tmp_path):
     return load_transformer(make_tiny_model(tmp_path / "m", vocab=96), dtype=torch.float32)
 
 
+def _plain_checkpoint(target, tmp_path):
+    """A draft reading neither hidden state, and the checkpoint directory `init_from` would read it from."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    old = LongSpecDraft.from_target(target, window=8)
+    ckpt = tmp_path / "old"
+    ckpt.mkdir()
+    save_file(old.trainable_state_dict(), str(ckpt / "draft.safetensors"))
+    return old, ckpt
+
+
 def _batch(target, b=2, length=24, seed=0):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, target.args.vocab_size, (b, length), generator=g)
@@ -61,16 +73,10 @@ def test_multi_lag_forward_equals_single_lags(tmp_path, own):
 def test_own_hidden_draft_warm_starts_exactly_and_trains_the_recursion(tmp_path):
     """A draft without the recursion loads into one with it (zero projection: the same logits at step 0), and
     training the deeper lags moves the new projection."""
-    from safetensors.torch import save_file
-
     from actors.trainer import warm_start
 
     target = _target(tmp_path)
-    torch.manual_seed(0)
-    old = LongSpecDraft.from_target(target, window=8)
-    ckpt = tmp_path / "old"
-    ckpt.mkdir()
-    save_file(old.trainable_state_dict(), str(ckpt / "draft.safetensors"))
+    old, ckpt = _plain_checkpoint(target, tmp_path)
     new = LongSpecDraft.from_target(target, window=8, feed_own_hidden=True)
     warm_start(new, ckpt)
     b = _batch(target)
@@ -150,11 +156,7 @@ def test_feed_hidden_draft_warm_starts_from_a_kv_only_one_and_learns_to_read_it(
     from actors.trainer import warm_start
 
     target = _target(tmp_path)
-    torch.manual_seed(0)
-    old = LongSpecDraft.from_target(target, window=8)
-    ckpt = tmp_path / "old"
-    ckpt.mkdir()
-    save_file(old.trainable_state_dict(), str(ckpt / "draft.safetensors"))
+    old, ckpt = _plain_checkpoint(target, tmp_path)
     torch.manual_seed(1)
     new = LongSpecDraft.from_target(target, window=8, feed_hidden=True)
     warm_start(new, ckpt)

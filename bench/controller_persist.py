@@ -58,7 +58,7 @@ def main() -> None:
             figures[f"speedup_{kind}_{tag}"] = by_kind(results, tasks, m, "speedup").get(kind)
             figures[f"tau_{kind}_{tag}"] = by_kind(results, tasks, m, "tau").get(kind)
     what = "decode speedup over plain decoding with the controller persisting or backing off, SmolLM2 fp32"
-    meta = run_meta(what, tasks, quiet, load_before, args.threads, max_new_tokens=args.max_new_tokens)
+    meta = run_meta(what, tasks, quiet, load_before, args.threads, target, max_new_tokens=args.max_new_tokens)
     out = write_results("controller_persist", figures, {"t0": results}, meta)
     plot_panels(
         RESULTS_DIR / "controller_persist.png",

@@ -181,8 +181,15 @@ def bench_setup(cache_name: str, threads: int):
     return quiet, redis, target, load_tokenizer(path), cache
 
 
-def run_meta(what: str, tasks: list[HeldOutTask], quiet: dict, load_before: dict, threads: int, **extra) -> dict:
-    """The meta every drafting bench writes beside its figures: what ran, on which prompts, and the machine's load."""
+def run_meta(
+    what: str, tasks: list[HeldOutTask], quiet: dict, load_before: dict, threads: int, target, **extra
+) -> dict:
+    """The meta every drafting bench writes beside its figures: what ran, on which prompts, the machine's load, and
+    the machine-dependent choices the run made (the matmul kernel, the controller's verify-cost curves)."""
+    from dataclasses import asdict
+
+    from spyglass.controller import _CURVES
+
     return {
         "what": what,
         "tasks": {t.name: len(t.prompt_ids) for t in tasks},
@@ -190,6 +197,8 @@ def run_meta(what: str, tasks: list[HeldOutTask], quiet: dict, load_before: dict
         "load_before": load_before,
         "load_after": machine_load(),
         "threads": threads,
+        "linear_backend": target.linear_backend,
+        "cost_curves": [asdict(c) for key, c in _CURVES.items() if key[0] == target.model_id],
         **extra,
     }
 
@@ -257,6 +266,7 @@ def main() -> None:
         quiet,
         load_before,
         args.threads,
+        target,
         max_new_tokens=args.max_new_tokens,
         cost_curve=curve.to_dict(),
         cost_curve_measure_s=round(curve_s, 2),

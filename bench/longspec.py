@@ -122,6 +122,7 @@ def main() -> None:
         quiet,
         load_before,
         args.threads,
+        target,
         draft=str(draft_dir.relative_to(Path(__file__).resolve().parents[1])),
         glide_draft=str(glide_dir.relative_to(Path(__file__).resolve().parents[1])),
         max_new_tokens=args.max_new_tokens,

@@ -321,7 +321,14 @@ _CURVES: dict[tuple, CostCurve] = {}
 
 def measured_curve(target, cache) -> CostCurve:
     """The cost curve for this model, dtype, thread count and capacity, measured once per process."""
-    key = (target.model_id, str(target.dtype), torch.get_num_threads(), cache.capacity, str(cache.device))
+    key = (
+        target.model_id,
+        str(target.dtype),
+        target.linear_backend,
+        torch.get_num_threads(),
+        cache.capacity,
+        str(cache.device),
+    )
     if key not in _CURVES:
         _CURVES[key] = CostCurve.measure(target, cache)
     return _CURVES[key]

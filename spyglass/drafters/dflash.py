@@ -34,6 +34,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from spyglass.drafters.base import choose_draft_token, draft_generator
+from spyglass.models.linear import Linear, set_linear_backend
 from spyglass.models.llama import ModelArgs, RMSNorm, Transformer, apply_rope
 from spyglass.sequence import Sequence
 from spyglass.tree import DraftTree
@@ -99,11 +100,11 @@ class DFlashLayer(nn.Module):
         self.c = c
         q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_eps)
-        self.wqkv = nn.Linear(c.hidden_size, q_dim + 2 * kv_dim, bias=c.qkv_bias)
-        self.wo = nn.Linear(q_dim, c.hidden_size, bias=False)
+        self.wqkv = Linear(c.hidden_size, q_dim + 2 * kv_dim, bias=c.qkv_bias)
+        self.wo = Linear(q_dim, c.hidden_size, bias=False)
         self.mlp_norm = RMSNorm(c.hidden_size, c.rms_eps)
-        self.w_gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
-        self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.w_gate_up = Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.w_down = Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Context keys/values `[kv_heads, n, D]` (keys roped at their positions) from the projected stream."""
@@ -144,7 +145,7 @@ class DFlashDraft(nn.Module):
         super().__init__()
         self.cfg = cfg
         h = cfg.hidden_size
-        self.fc = nn.Linear(len(cfg.target_layers) * h, h, bias=False)
+        self.fc = Linear(len(cfg.target_layers) * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_eps)
         self.mask_embed = nn.Parameter(torch.zeros(h))
         self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.n_layers))
@@ -389,6 +390,7 @@ class DFlashDrafter:
 
     def bind(self, target: Transformer, cache) -> None:
         self.capacity = cache.capacity
+        set_linear_backend(self.draft, target.linear_backend)  # the kernel measured faster for the target
 
     def _state(self, seq: Sequence) -> _Context:
         if seq.drafter_state is None:

@@ -35,6 +35,7 @@ from safetensors.torch import load_file
 
 from spyglass.drafters.base import choose_draft_token, draft_generator, requested_depth
 from spyglass.kv_cache import KVCache
+from spyglass.models.linear import set_linear_backend
 from spyglass.models.llama import Transformer
 from spyglass.sequence import Sequence
 from spyglass.training.draft_models import LongSpecDraft
@@ -125,6 +126,7 @@ class LongSpecDrafter:
 
     def bind(self, target: Transformer, cache: KVCache) -> None:
         self.cache = cache
+        set_linear_backend(self.draft, target.linear_backend)  # the kernel measured faster for the target
         self.layers_read = self.draft.target_layers(target.args.n_layers)  # the last one is the target's last
 
     def start(self, seq: Sequence) -> None:

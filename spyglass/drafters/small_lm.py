@@ -130,5 +130,6 @@ def truncated_draft(target: Transformer, n_layers: int) -> Transformer:
     draft.inv_freq = target.inv_freq
     draft.rope_scaling = target.rope_scaling
     draft.attention_backend = target.attention_backend
+    draft.linear_backend = target.linear_backend  # (the layers are the target's, flags and all)
     draft.model_id = f"{target.model_id}[:{n_layers}]"
     return draft

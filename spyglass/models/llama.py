@@ -20,6 +20,7 @@ from torch import nn
 
 from spyglass.attention import batched_tree_attention, causal_mask, resolve_backend, tree_attention
 from spyglass.kv_cache import KVCache
+from spyglass.models.linear import Linear, set_linear_backend
 
 
 @dataclass(frozen=True)
@@ -118,10 +119,10 @@ class Block(nn.Module):
         super().__init__()
         self.a = a
         q_dim, kv_dim = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
-        self.wqkv = nn.Linear(a.hidden_size, q_dim + 2 * kv_dim, bias=a.qkv_bias)
-        self.wo = nn.Linear(q_dim, a.hidden_size, bias=False)
-        self.w_gate_up = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
-        self.w_down = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+        self.wqkv = Linear(a.hidden_size, q_dim + 2 * kv_dim, bias=a.qkv_bias)
+        self.wo = Linear(q_dim, a.hidden_size, bias=False)
+        self.w_gate_up = Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
+        self.w_down = Linear(a.intermediate_size, a.hidden_size, bias=False)
         self.attn_norm = RMSNorm(a.hidden_size, a.rms_eps)
         self.mlp_norm = RMSNorm(a.hidden_size, a.rms_eps)
 
@@ -190,12 +191,13 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_eps)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.rope_scaling = rope_scaling
         self.attention_backend = "auto"  # GPU: flash-attn prefix + Triton tree kernel; CPU: ATen flash
+        self.linear_backend = "aten"  # or "onednn" (CPU): see spyglass.models.linear; load_transformer measures
         self.model_id = "unnamed"
 
     @property
@@ -277,8 +279,11 @@ _WEIGHT_MAP = {
 }
 
 
-def load_transformer(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Transformer:
-    """Build a Transformer from an HF-format directory (config.json + *.safetensors)."""
+def load_transformer(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", linear_backend: str = "auto"
+) -> Transformer:
+    """Build a Transformer from an HF-format directory (config.json + *.safetensors); `linear_backend` "auto"
+    times the CPU matmul kernels on its weights and keeps the faster (spyglass.models.linear)."""
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
     args = ModelArgs.from_hf_config(cfg)
@@ -298,7 +303,9 @@ def load_transformer(path: str | Path, dtype: torch.dtype = torch.float32, devic
     model.inv_freq = inv_freq
     model.rope_scaling = scaling
     model.model_id = path.name
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    set_linear_backend(model, linear_backend)
+    return model
 
 
 def convert_hf_state_dict(raw: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:

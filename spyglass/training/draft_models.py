@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spyglass.attention import cross_attention, tree_attention
+from spyglass.models.linear import Linear
 from spyglass.models.llama import ModelArgs, RMSNorm, Transformer, apply_rope
 
 
@@ -101,14 +102,14 @@ class DraftLayer(nn.Module):
         h, q_dim, kv_dim = cfg.hidden_size, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         self.q_dim, self.kv_dim = q_dim, kv_dim
         self.attn_norm = RMSNorm(h, cfg.rms_eps)
-        self.wqkv = nn.Linear(h, q_dim + 2 * kv_dim, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(q_dim, h, bias=False)
+        self.wqkv = Linear(h, q_dim + 2 * kv_dim, bias=cfg.qkv_bias)
+        self.wo = Linear(q_dim, h, bias=False)
         self.cross_norm = RMSNorm(h, cfg.rms_eps)
-        self.cross_q = nn.Linear(h, q_dim, bias=cfg.qkv_bias)
-        self.cross_o = nn.Linear(q_dim, h, bias=False)
+        self.cross_q = Linear(h, q_dim, bias=cfg.qkv_bias)
+        self.cross_o = Linear(q_dim, h, bias=False)
         self.mlp_norm = RMSNorm(h, cfg.rms_eps)
-        self.w_gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
-        self.w_down = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.w_gate_up = Linear(h, 2 * cfg.intermediate_size, bias=False)
+        self.w_down = Linear(cfg.intermediate_size, h, bias=False)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Post-RoPE q `[..., L, nh, D]`, k and v `[..., L, kvh, D]`."""
@@ -175,10 +176,10 @@ class LongSpecDraft(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.n_layers))
         if cfg.feed_hidden:  # read by the top layer, before its cross-attention
             self.hidden_norm = RMSNorm(h, cfg.rms_eps)
-            self.hidden_proj = nn.Linear(h, h, bias=False)
+            self.hidden_proj = Linear(h, h, bias=False)
         if cfg.feed_own_hidden:  # read by the top layer beside the target's hidden state
             self.own_norm = RMSNorm(h, cfg.rms_eps)
-            self.own_proj = nn.Linear(h, h, bias=False)
+            self.own_proj = Linear(h, h, bias=False)
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=cfg.init_std)
@@ -196,7 +197,7 @@ class LongSpecDraft(nn.Module):
             p.requires_grad_(False)
         # The reduced head: rows `vocab_ids` of the shared head (set_vocab); the ids ship in the checkpoint.
         self.register_buffer("vocab_ids", torch.arange(cfg.draft_vocab or cfg.vocab_size), persistent=True)
-        self.lm_head = lm_head if not cfg.draft_vocab else nn.Linear(cfg.hidden_size, cfg.draft_vocab, bias=False)
+        self.lm_head = lm_head if not cfg.draft_vocab else Linear(cfg.hidden_size, cfg.draft_vocab, bias=False)
         if cfg.draft_vocab:
             self.set_vocab(self.vocab_ids)
         self.register_buffer("inv_freq", inv_freq.clone().float(), persistent=False)

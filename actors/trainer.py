@@ -81,6 +81,21 @@ class TrainSpec:
         """The extracted target layers this draft reads (GLIDE: draft layer m reads target layer L - N + m)."""
         return manifest["kv_layers"][-int(self.draft_options.get("n_layers", 1)) :]
 
+    def feature_layers(self, manifest: dict) -> list[int]:
+        """The extracted target layers whose hidden states a `feed_hidden` draft reads (`hidden_layers`, default
+        the last one), in the draft's order; [] for other drafts."""
+        if not self.draft_options.get("feed_hidden"):
+            return []
+        n = manifest["n_layers"]
+        layers = [i % n for i in self.draft_options.get("hidden_layers") or [-1]]
+        missing = [i for i in layers if i not in manifest["hidden_layers"]]
+        if missing:
+            raise ValueError(
+                f"the draft reads target layers {layers}' hidden states but the extraction holds only "
+                f"{manifest['hidden_layers']}: add {missing} to extract.hidden_layers"
+            )
+        return layers
+
 
 def lr_lambda(spec: TrainSpec):
     """Linear warm-up then cosine decay to `min_lr_ratio`."""
@@ -184,9 +199,11 @@ def warm_start(draft: torch.nn.Module, ckpt: Path) -> None:
         draft.set_vocab(draft.vocab_ids.clone())
 
 
-def build_loss(spec: TrainSpec, kv_layers: list[int]):
+def build_loss(spec: TrainSpec, manifest: dict):
     """The draft's training loss as the spec configures it (also what `bench/draft_agreement.py` evaluates)."""
     from spyglass.training.losses import LOSSES
+
+    kv_layers = spec.kv_layers(manifest)
 
     return LOSSES[spec.draft](
         kv_layer=kv_layers,
@@ -197,7 +214,7 @@ def build_loss(spec: TrainSpec, kv_layers: list[int]):
         all_lags=spec.all_lags,
         lag_weights=spec.lag_weights,
         loss_from=spec.loss_from,
-        hidden_layer=kv_layers[-1] if spec.draft_options.get("feed_hidden") else None,
+        hidden_layers=spec.feature_layers(manifest),
     )
 
 
@@ -224,7 +241,7 @@ def _train_loop(config: dict[str, Any]) -> None:
     manifest = json.loads((extract_dir / "manifest.json").read_text())
     kv_layers = spec.kv_layers(manifest)  # checked against the target below
 
-    loss_fn = build_loss(spec, kv_layers)
+    loss_fn = build_loss(spec, manifest)
     data = ShardDataset(extract_dir, loss_fn.required_keys())
     eval_dir = extract_dir.parent / spec.eval_split
     eval_manifest = eval_dir / "manifest.json"

@@ -37,7 +37,7 @@ def main() -> None:
     ckpt = Path(args.checkpoint or spec.init_from)
     eval_dir = Path(cfg["workdir"]) / "extract" / spec.eval_split
     manifest = json.loads((eval_dir / "manifest.json").read_text())
-    loss_fn = build_loss(spec, spec.kv_layers(manifest))
+    loss_fn = build_loss(spec, manifest)
     data = ShardDataset(eval_dir, loss_fn.required_keys())
     target = load_transformer(manifest["model_path"], dtype=torch.float32)
     draft = DRAFT_MODELS[spec.draft].from_target(target, **spec.draft_options)

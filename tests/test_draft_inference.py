@@ -30,24 +30,33 @@ def target_and_kv(tiny_dir):
     return target, tokens, k[:, :LENGTH].clone(), v[:, :LENGTH].clone()
 
 
-def last_hidden(target, tokens: torch.Tensor) -> torch.Tensor:
-    """The target's last-layer hidden states `[L, H]` (before the final norm), as extraction stores them."""
-    last = target.args.n_layers - 1
+def layer_hidden(target, tokens: torch.Tensor, layers: tuple[int, ...] = (-1,)) -> dict[int, torch.Tensor]:
+    """The target's hidden states `[L, H]` (layer outputs, the last one before the final norm) of `layers`, as
+    extraction stores them and the engine hands them over, by layer index."""
+    wanted = tuple(i % target.args.n_layers for i in layers)
     cache = target.new_cache(tokens.shape[0], 1)
-    target.capture_layers = (last,)
+    target.capture_layers = wanted
     try:
         target.prefill(cache, cache.allocate(), tokens)
-        return target.captured[0][last].clone()
+        return {i: target.captured[0][i].clone() for i in wanted}
     finally:
         target.capture_layers = ()
 
 
-def make_draft(target, window: int, feed_hidden: bool = False, feed_own_hidden: bool = False) -> LongSpecDraft:
+def make_draft(
+    target, window: int, feed_hidden: bool = False, feed_own_hidden: bool = False, hidden_layers=None
+) -> LongSpecDraft:
     torch.manual_seed(1)
     draft = LongSpecDraft.from_target(
-        target, window=window, init_std=0.2, feed_hidden=feed_hidden, feed_own_hidden=feed_own_hidden
+        target,
+        window=window,
+        init_std=0.2,
+        feed_hidden=feed_hidden,
+        feed_own_hidden=feed_own_hidden,
+        hidden_layers=hidden_layers,
     )  # init_std 0.2: non-flat logits
-    for proj in ("hidden_proj", "own_proj"):  # they start at zero (a draft without them); a trained one is not
+    # they start at zero (a draft without them); a trained one is not
+    for proj in ("hidden_proj", "own_proj", "extra_hidden_proj"):
         if hasattr(draft, proj):
             torch.nn.init.normal_(getattr(draft, proj).weight, std=0.2)
     return draft.eval()
@@ -111,12 +120,12 @@ def test_tree_hybrid_equals_reference(target_and_kv):
     assert not torch.allclose(*siblings)
 
 
-@pytest.mark.parametrize("inputs", ["kv-only", "feed-hidden", "own-hidden"])
+@pytest.mark.parametrize("inputs", ["kv-only", "feed-hidden", "own-hidden", "multi-layer"])
 @pytest.mark.parametrize("window", [64, 16, 8])  # 16, 8: the context is longer than the window
 def test_serving_drafter_equals_training_forward_per_depth(target_and_kv, window, inputs):
     """The serving drafter (ring window + incremental per-depth steps over the live KVCache, and with
-    `feed_hidden` the target's hidden state of the newest committed token, with `feed_own_hidden` also each
-    node's parent's output) proposes, at every depth d, the training forward's argmax with lag d + 1, with the
+    `feed_hidden` the target's hidden state of the newest committed token - of a low and the last layer with
+    `hidden_layers` - with `feed_own_hidden` also each node's parent's output) proposes, at every depth d, the training forward's argmax with lag d + 1, with the
     same probability."""
     from spyglass.drafters.longspec import LongSpecDrafter
     from spyglass.sampling import SamplingParams
@@ -124,7 +133,14 @@ def test_serving_drafter_equals_training_forward_per_depth(target_and_kv, window
 
     target, tokens, k, v = target_and_kv
     feed_hidden = inputs != "kv-only"
-    draft = make_draft(target, window=window, feed_hidden=feed_hidden, feed_own_hidden=inputs == "own-hidden")
+    layers = (0, -1) if inputs == "multi-layer" else (-1,)
+    draft = make_draft(
+        target,
+        window=window,
+        feed_hidden=feed_hidden,
+        feed_own_hidden=inputs in ("own-hidden", "multi-layer"),
+        hidden_layers=list(layers) if inputs == "multi-layer" else None,
+    )
     cache = target.new_cache(LENGTH + 8, 1)
     slot = cache.allocate()
     target.prefill(cache, slot, tokens[:COMMITTED])
@@ -132,10 +148,11 @@ def test_serving_drafter_equals_training_forward_per_depth(target_and_kv, window
     drafter.bind(target, cache)
     seq = Sequence(tokens[: COMMITTED + 1].tolist(), SamplingParams(max_new_tokens=8))
     seq.slot = slot
-    hidden = last_hidden(target, tokens[:COMMITTED]) if feed_hidden else None
-    assert drafter.hidden_layers == ((-1,) if feed_hidden else ())
+    by_layer = layer_hidden(target, tokens[:COMMITTED], layers) if feed_hidden else {}
+    hidden = torch.cat(list(by_layer.values()), -1) if feed_hidden else None  # side by side, in `layers` order
+    assert drafter.hidden_layers == (layers if feed_hidden else ())
     if feed_hidden:  # as the engine does after a prefill: before start()
-        drafter.observe_hidden(seq, 0, {target.args.n_layers - 1: hidden}, list(range(COMMITTED)))
+        drafter.observe_hidden(seq, 0, by_layer, list(range(COMMITTED)))
     drafter.start(seq)
     tree = drafter.propose([seq])[0]
     assert tree.is_chain and len(tree) == 5
@@ -149,10 +166,10 @@ def test_serving_drafter_equals_training_forward_per_depth(target_and_kv, window
         assert tok == int(want.argmax()), f"window {window} depth {d}: a different token"
         got_p = tree.scores[d + 1] / tree.scores[d]
         assert abs(got_p - float(want[tok])) < 1e-4, f"window {window} depth {d}: {got_p} vs {float(want[tok])}"
-    if feed_hidden:  # the hidden state matters: another one changes the proposal's probabilities
-        drafter.observe_hidden(seq, 0, {target.args.n_layers - 1: -hidden}, list(range(COMMITTED)))
+    for i in by_layer:  # each layer's hidden state matters: another one changes the proposal's probabilities
+        drafter.observe_hidden(seq, 0, {**by_layer, i: -by_layer[i]}, list(range(COMMITTED)))
         other = drafter.propose([seq])[0]
-        assert abs(other.scores[1] - tree.scores[1]) > 1e-4
+        assert abs(other.scores[1] - tree.scores[1]) > 1e-4, f"layer {i}'s hidden state is not read"
     if inputs == "own-hidden":  # the recursion matters: without it depth 1 on would differ
         plain = make_draft(target, window=window, feed_hidden=True)
         plain.load_state_dict({k: w for k, w in draft.state_dict().items() if not k.startswith("own_")})

@@ -171,7 +171,7 @@ def test_feed_hidden_draft_warm_starts_from_a_kv_only_one_and_learns_to_read_it(
     assert torch.allclose(same, want, atol=1e-5)
     with torch.no_grad():
         new.hidden_proj.weight.normal_(std=0.02)
-    loss_fn = LongSpecLoss(kv_layer=1, lag_min=1, lag_max=1, hidden_layer=1)
+    loss_fn = LongSpecLoss(kv_layer=1, lag_min=1, lag_max=1, hidden_layers=[1])
     assert "hidden.1" in loss_fn.required_keys()
     opt = torch.optim.AdamW([p for p in new.parameters() if p.requires_grad], lr=3e-3)
     for _ in range(60):
@@ -185,3 +185,48 @@ def test_feed_hidden_draft_warm_starts_from_a_kv_only_one_and_learns_to_read_it(
     save_file({"nope": torch.zeros(1)}, str(bad / "draft.safetensors"))
     with pytest.raises(ValueError, match="does not"):
         warm_start(new, bad)
+
+
+def test_multi_layer_features_warm_start_exactly_and_train_the_lower_layer(tmp_path):
+    """`hidden_layers`: a draft reading the last layer's hidden state loads into one that also reads a lower
+    layer's (its zero projection: the same logits at step 0); training then uses the lower layer, which here
+    alone carries the answer. The trainer refuses a draft whose layers the extraction did not store."""
+    from safetensors.torch import save_file
+
+    from actors.trainer import TrainSpec, warm_start
+
+    target = _target(tmp_path)
+    torch.manual_seed(0)
+    old = LongSpecDraft.from_target(target, window=8, feed_hidden=True)
+    ckpt = tmp_path / "one-layer"
+    ckpt.mkdir()
+    save_file(old.trainable_state_dict(), str(ckpt / "draft.safetensors"))
+    new = LongSpecDraft.from_target(target, window=8, feed_hidden=True, hidden_layers=[0, -1])
+    assert new.feature_layers(2) == [0, 1]
+    warm_start(new, ckpt)
+    batch = _batch(target)
+    kv = batch["kv.1"]
+    nxt = torch.nn.functional.pad(batch["tokens"][:, 1:], (0, 1))  # at lag 1, query t reads row t - 1
+    batch["hidden.0"] = target.embed(nxt).detach() * 10
+    batch["hidden.1"] = torch.randn_like(batch["hidden.0"])  # noise in the last layer
+    both = torch.cat([batch["hidden.0"], batch["hidden.1"]], -1)
+    with torch.no_grad():
+        same = new(batch["tokens"], batch["positions"], kv[:, 0], kv[:, 1], lag=1, target_h=both)
+        want = old(batch["tokens"], batch["positions"], kv[:, 0], kv[:, 1], lag=1, target_h=batch["hidden.1"])
+    assert torch.allclose(same, want, atol=1e-5)
+    with torch.no_grad():
+        new.extra_hidden_proj.weight.normal_(std=0.02)
+    loss_fn = LongSpecLoss(kv_layer=1, lag_min=1, lag_max=1, hidden_layers=[0, 1])
+    assert {"hidden.0", "hidden.1"} <= set(loss_fn.required_keys())
+    opt = torch.optim.AdamW([p for p in new.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(60):
+        opt.zero_grad()
+        loss, metrics = loss_fn(new, batch, 1)
+        loss.backward()
+        opt.step()
+    assert float(metrics["token_accuracy"]) > 0.9  # random tokens: only the lower layer tells the next one
+    spec = TrainSpec.from_dict({"draft_options": {"feed_hidden": True, "hidden_layers": [0, -1]}})
+    manifest = {"n_layers": 2, "kv_layers": [1], "hidden_layers": [1]}
+    with pytest.raises(ValueError, match=r"add \[0\] to extract.hidden_layers"):
+        spec.feature_layers(manifest)
+    assert spec.feature_layers({**manifest, "hidden_layers": [0, 1]}) == [0, 1]

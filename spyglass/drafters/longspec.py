@@ -121,13 +121,15 @@ class LongSpecDrafter:
         self.cache: KVCache | None = None
         family = "longspec" if draft.cfg.n_layers == 1 else "glide"
         self.name = family if mode == "chain" else f"{family}-{mode}"
-        self.hidden_layers = (-1,) if draft.cfg.feed_hidden else ()  # the engine then calls observe_hidden
+        # the target layers whose outputs the engine hands to observe_hidden
+        self.hidden_layers = tuple(draft.cfg.hidden_layers or [-1]) if draft.cfg.feed_hidden else ()
         self._pending: dict[int, torch.Tensor] = {}  # prefill's hidden state, until start()
 
     def bind(self, target: Transformer, cache: KVCache) -> None:
         self.cache = cache
         set_linear_backend(self.draft, target.linear_backend)  # the kernel measured faster for the target
         self.layers_read = self.draft.target_layers(target.args.n_layers)  # the last one is the target's last
+        self.feature_layers = self.draft.feature_layers(target.args.n_layers)
 
     def start(self, seq: Sequence) -> None:
         c = self.draft.cfg
@@ -137,8 +139,9 @@ class LongSpecDrafter:
         seq.drafter_state = _Window(empty, torch.zeros_like(empty), pos, 0, draft_generator(seq), hidden)
 
     def observe_hidden(self, seq: Sequence, start: int, hidden: dict, kept: list[int]) -> None:
-        """Keep only the newest committed token's row: one vector per sequence, whatever the context."""
-        h = hidden[self.layers_read[-1]][kept[-1]].clone()
+        """Keep only the newest committed token's row (its feature layers side by side): one vector per sequence,
+        whatever the context."""
+        h = torch.cat([hidden[i][kept[-1]] for i in self.feature_layers])
         w: _Window | None = seq.drafter_state
         if w is None:
             self._pending[seq.seq_id] = h

@@ -41,6 +41,9 @@ class LongSpecDraftConfig:
     draft_vocab: int = 0  # > 0: the head scores only this many frequency-ranked tokens (FR-Spec); 0 = all
     init_layer: int | None = None  # copy the self-attention and MLP of this target layer instead of random init
     feed_hidden: bool = False  # also read the target's last hidden state (EAGLE-style), as stale as its K/V
+    # feed_hidden: the target layers whose outputs are read (EAGLE-3 style low/mid/high), the last entry being the
+    # one `hidden_proj` reads; None = the last layer only. The others go through `extra_hidden_proj` (zero-init).
+    hidden_layers: list[int] | None = None
     feed_own_hidden: bool = False  # a node also reads its parent's final draft hidden state (EAGLE's recursion)
     n_layers: int = 1  # GLIDE: N layers, layer m reading target layer L - N + m; LongSpec: one
     extra: dict = field(default_factory=dict)
@@ -177,6 +180,10 @@ class LongSpecDraft(nn.Module):
         if cfg.feed_hidden:  # read by the top layer, before its cross-attention
             self.hidden_norm = RMSNorm(h, cfg.rms_eps)
             self.hidden_proj = Linear(h, h, bias=False)
+            n_extra = len(cfg.hidden_layers or [None]) - 1
+            if n_extra:  # the lower target layers, each normed, concatenated, projected
+                self.extra_hidden_norms = nn.ModuleList(RMSNorm(h, cfg.rms_eps) for _ in range(n_extra))
+                self.extra_hidden_proj = Linear(n_extra * h, h, bias=False)
         if cfg.feed_own_hidden:  # read by the top layer beside the target's hidden state
             self.own_norm = RMSNorm(h, cfg.rms_eps)
             self.own_proj = Linear(h, h, bias=False)
@@ -188,6 +195,8 @@ class LongSpecDraft(nn.Module):
         # Zero projections: a new input starts as a no-op, so a draft without it warm-starts exactly.
         if cfg.feed_hidden:
             nn.init.zeros_(self.hidden_proj.weight)
+            if hasattr(self, "extra_hidden_proj"):
+                nn.init.zeros_(self.extra_hidden_proj.weight)
         if cfg.feed_own_hidden:
             nn.init.zeros_(self.own_proj.weight)
         # Frozen, shared with the target (not part of checkpoints).
@@ -232,6 +241,16 @@ class LongSpecDraft(nn.Module):
     def target_layers(self, n_target_layers: int) -> list[int]:
         """The target layers the draft's layers read, lowest first (GLIDE: the top N)."""
         return list(range(n_target_layers - self.cfg.n_layers, n_target_layers))
+
+    def feature_layers(self, n_target_layers: int) -> list[int]:
+        """The target layers whose outputs a `feed_hidden` draft reads, concatenated in this order (the last one
+        is the main feature); [] without `feed_hidden`."""
+        if not self.cfg.feed_hidden:
+            return []
+        layers = self.cfg.hidden_layers or [-1]
+        if not all(-n_target_layers <= i < n_target_layers for i in layers):
+            raise ValueError(f"hidden_layers {layers} outside a {n_target_layers}-layer target")
+        return [i % n_target_layers for i in layers]
 
     def set_vocab(self, ids: torch.Tensor) -> None:
         """Score only the target tokens `ids` (most frequent first): the head becomes those rows of the shared
@@ -284,8 +303,14 @@ class LongSpecDraft(nn.Module):
         return self.lm_head(x.to(self.lm_head.weight.dtype)).float()
 
     def read_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The residual update from the target's hidden state (zero rows stay zero: RMSNorm of 0 is 0)."""
-        return self.hidden_proj(self.hidden_norm(hidden.to(self.hidden_proj.weight.dtype)))
+        """The residual update from the target's hidden states `[..., n*H]` (the `hidden_layers`' outputs side by
+        side, the main one last); zero rows stay zero: RMSNorm of 0 is 0."""
+        parts = hidden.to(self.hidden_proj.weight.dtype).split(self.cfg.hidden_size, dim=-1)
+        out = self.hidden_proj(self.hidden_norm(parts[-1]))
+        if len(parts) > 1:
+            normed = [norm(p) for norm, p in zip(self.extra_hidden_norms, parts[:-1], strict=True)]
+            out = out + self.extra_hidden_proj(torch.cat(normed, dim=-1))
+        return out
 
     def read_own(self, own: torch.Tensor) -> torch.Tensor:
         """The residual update from the parent's final draft hidden state (zero rows, the root's, stay zero)."""
@@ -304,8 +329,8 @@ class LongSpecDraft(nn.Module):
         """tokens/positions `[B, L]`; target_k/v `[B, kvh, L, D]` (post-RoPE; a list, lowest first, for several
         layers); returns fp32 draft-head logits `[B, L, Vd]`, or `[len(lag), B, L, Vd]` for a tuple of lags (the
         first self-attention is shared between them); with `logits_from`, only positions from there on get
-        logits (the LM head is most of the cost). `target_h` `[B, L, H]`: the target's last hidden states, for
-        a `feed_hidden` draft; query t reads row t - lag (the newest one serving has), nothing before the first.
+        logits (the LM head is most of the cost). `target_h` `[B, L, n*H]`: the target's hidden states of the
+        `hidden_layers` side by side, for a `feed_hidden` draft; query t reads row t - lag (the newest one serving has), nothing before the first.
         A `feed_own_hidden` draft's query t at lag l also reads its own final hidden state at t - 1, lag l - 1.
         Every layer sees the target with the same lag (serving computes the lower layers of committed tokens,
         which later queries attend to, at lag 1: GLIDE's approximation; exact for one layer)."""

@@ -29,7 +29,8 @@ class LongSpecLoss(nn.Module):
       lag l trains what depth l - 1 proposes.
     - `distill_weight` mixes the corpus CE with distillation: to the target's top-k distribution when
       `soft_distill` (needs `topk_logprobs` in the shards), else to its top-1.
-    - `hidden_layer`: a `feed_hidden` draft also reads that layer's hidden states, with the same lag.
+    - `hidden_layers`: a `feed_hidden` draft also reads these layers' hidden states (side by side, in this order),
+      with the same lag.
     - A draft with a reduced head (`draft_vocab`) is trained over its own rows; labels it cannot score are
       left out of the CE.
 
@@ -47,11 +48,11 @@ class LongSpecLoss(nn.Module):
         all_lags: bool = False,
         lag_weights: list[float] | None = None,
         loss_from: int = 0,
-        hidden_layer: int | None = None,
+        hidden_layers: list[int] | None = None,
     ) -> None:
         super().__init__()
         self.kv_layers = [kv_layer] if isinstance(kv_layer, int) else list(kv_layer)  # one per draft layer
-        self.hidden_layer = hidden_layer  # a `feed_hidden` draft reads this layer's extracted hidden states
+        self.hidden_layers = list(hidden_layers or [])  # a `feed_hidden` draft reads these extracted layers
         self.lag_min, self.lag_max = lag_min, lag_max
         self.distill_weight = distill_weight
         self.soft_distill = soft_distill
@@ -65,8 +66,7 @@ class LongSpecLoss(nn.Module):
 
     def required_keys(self) -> list[str]:
         keys = ["tokens", "positions", *(f"kv.{i}" for i in self.kv_layers), "topk_ids"]
-        if self.hidden_layer is not None:
-            keys.append(f"hidden.{self.hidden_layer}")
+        keys.extend(f"hidden.{i}" for i in self.hidden_layers)
         return [*keys, "topk_logprobs"] if self.soft_distill else keys
 
     def lag(self, step: int, seed: int) -> int | tuple[int, ...]:
@@ -91,7 +91,7 @@ class LongSpecLoss(nn.Module):
         kvs = [batch[f"kv.{i}"] for i in self.kv_layers]  # [B, 2, kvh, L, D] each
         lags = lag if isinstance(lag, tuple) else (lag,)
         lo = min(self.loss_from, tokens.shape[1] - 2)
-        hidden = batch[f"hidden.{self.hidden_layer}"] if self.hidden_layer is not None else None
+        hidden = torch.cat([batch[f"hidden.{i}"] for i in self.hidden_layers], -1) if self.hidden_layers else None
         # [nlags, B, L - lo, Vd]
         ks, vs = [kv[:, 0] for kv in kvs], [kv[:, 1] for kv in kvs]
         logits = model(tokens, positions, ks, vs, lag=lags, logits_from=lo, target_h=hidden)

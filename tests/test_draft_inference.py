@@ -125,8 +125,8 @@ def test_tree_hybrid_equals_reference(target_and_kv):
 def test_serving_drafter_equals_training_forward_per_depth(target_and_kv, window, inputs):
     """The serving drafter (ring window + incremental per-depth steps over the live KVCache, and with
     `feed_hidden` the target's hidden state of the newest committed token - of a low and the last layer with
-    `hidden_layers` - with `feed_own_hidden` also each node's parent's output) proposes, at every depth d, the training forward's argmax with lag d + 1, with the
-    same probability."""
+    `hidden_layers` - with `feed_own_hidden` also each node's parent's output) proposes, at every depth d, the
+    training forward's argmax with lag d + 1, with the same probability."""
     from spyglass.drafters.longspec import LongSpecDrafter
     from spyglass.sampling import SamplingParams
     from spyglass.sequence import Sequence

@@ -332,8 +332,9 @@ class LongSpecDraft(nn.Module):
         logits (the LM head is most of the cost). `target_h` `[B, L, n*H]`: the target's hidden states of the
         `hidden_layers` side by side, for a `feed_hidden` draft; query t reads row t - lag (the newest one serving
         has), nothing before the first. A `feed_own_hidden` draft's query t at lag l also reads its own final
-        hidden state at t - 1, lag l - 1. Every layer sees the target with the same lag (serving computes the lower layers of committed tokens,
-        which later queries attend to, at lag 1: GLIDE's approximation; exact for one layer)."""
+        hidden state at t - 1, lag l - 1. Every layer sees the target with the same lag (serving computes the
+        lower layers of committed tokens, which later queries attend to, at lag 1: GLIDE's approximation; exact
+        for one layer)."""
         c = self.cfg
         if c.feed_hidden and target_h is None:
             raise ValueError("this draft reads the target's hidden states: pass target_h")

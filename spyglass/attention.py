@@ -246,6 +246,15 @@ def hybrid_attention(q, k_prefix, v_prefix, k_tree, v_tree, mask, scale) -> torc
     return merge_partial(_unfold_groups(out_p, h, n), lse_p.reshape(h, n), out_t, lse_t, q.dtype)
 
 
+def single_token_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None):
+    """One new token `[H, 1, D]` over keys `[Hkv, S, D]` that end with its own: it sees every key, so on CPU one
+    unmasked call replaces the hybrid's two and their merge (a decode step's attention). Returns `[H, 1, D]`."""
+    h, n, d = q.shape
+    scale = scale if scale is not None else 1.0 / math.sqrt(d)
+    out, _ = prefix_attention(_fold_groups(q, k.shape[0]), k, v, scale)
+    return _unfold_groups(out, h, n).to(q.dtype)
+
+
 def cross_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, backend: str = "auto"
 ) -> torch.Tensor:

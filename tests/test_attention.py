@@ -138,6 +138,9 @@ def test_single_token_and_tiny_prefix(prefix_path):
         q, kp, vp, kt, vt = make_case(3, s, 1, torch.float32, seed=s)
         out = attn.tree_attention(q, kp, vp, kt, vt, None, backend="cpu")
         assert_close(out, fp64_attention(q, kp, vp, kt, vt, None), torch.float32, f"n=1 s={s}")
+        # the model's decode path: one call over the prefix with the token's own K/V appended
+        one = attn.single_token_attention(q, torch.cat([kp, kt], 1), torch.cat([vp, vt], 1))
+        assert_close(one, fp64_attention(q, kp, vp, kt, vt, None), torch.float32, f"single-token call s={s}")
 
 
 def test_adjacent_kv_is_joined_without_copy():

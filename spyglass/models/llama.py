@@ -18,7 +18,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from spyglass.attention import batched_tree_attention, causal_mask, resolve_backend, tree_attention
+from spyglass.attention import (
+    batched_tree_attention,
+    causal_mask,
+    resolve_backend,
+    single_token_attention,
+    tree_attention,
+)
 from spyglass.kv_cache import KVCache
 from spyglass.models.linear import Linear, set_linear_backend
 
@@ -146,7 +152,13 @@ class Block(nn.Module):
                 vs = v[offset : offset + n].transpose(0, 1)
                 k_pre, v_pre = cache.prefix(seg.slot, layer)
                 cache.write(seg.slot, layer, seg.start, ks, vs)
-                outs.append(tree_attention(qs, k_pre, v_pre, ks, vs, seg.mask, backend=backend).transpose(0, 1))
+                if n == 1 and backend == "cpu":  # a decode step: prefix + itself in one call (written just above)
+                    k_all, v_all = cache.layer(seg.slot, layer)
+                    end = seg.start + 1
+                    o1 = single_token_attention(qs, k_all[:, :end], v_all[:, :end])
+                else:
+                    o1 = tree_attention(qs, k_pre, v_pre, ks, vs, seg.mask, backend=backend)
+                outs.append(o1.transpose(0, 1))
                 offset += n
             o = torch.cat(outs) if len(outs) > 1 else outs[0]
         h = x + self.wo(o.reshape(t, q_dim))

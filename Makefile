@@ -69,8 +69,9 @@ bench-tokenswift: setup
 
 # The shipped LongSpec and GLIDE drafts: extraction + training (resumable: rerun to continue), then copied into the
 # package. Each run warm-starts from the one before (v3 from v2's step 200, v4 from v3, v5 from v4, v6 from v5,
-# v7 from v6, v8 from v7, both v9 arms from v8, GLIDE's top layer from v4); v5 and GLIDE train on v4's extraction, v6
-# and v7 (the long-context stage) on their own, v8 and v9 on new text (v9's two arms on the same extraction).
+# v7 from v6, v8 from v7, both v9 arms from v8, v10 from v9 (shipped), GLIDE's top layer from v4); v5 and GLIDE train
+# on v4's extraction, v6 and v7 (the long-context stage) on their own, v8, v9 and v10 on new text (v9's two arms on
+# the same extraction; v10's also stores target layers 2 and 15, which it reads).
 train-longspec: setup
 	$(VENV)/bin/spyglass train configs/smollm2-longspec-v2.yaml --diagnose
 	$(VENV)/bin/spyglass train configs/smollm2-longspec-v3.yaml --diagnose
@@ -81,8 +82,9 @@ train-longspec: setup
 	$(VENV)/bin/spyglass train configs/smollm2-longspec-v8-fresh.yaml --diagnose
 	$(VENV)/bin/spyglass train configs/smollm2-longspec-v9-fresh.yaml --diagnose
 	$(VENV)/bin/spyglass train configs/smollm2-longspec-v9-own.yaml --diagnose
+	$(VENV)/bin/spyglass train configs/smollm2-longspec-v10-layers.yaml --diagnose
 	$(VENV)/bin/spyglass train configs/smollm2-glide.yaml --diagnose
-	$(PY) -m actors.export_draft .cache/runs/smollm2-longspec-v9-fresh spyglass/drafts/smollm2-135m-longspec --train-dir train-own
+	$(PY) -m actors.export_draft .cache/runs/smollm2-longspec-v10-layers spyglass/drafts/smollm2-135m-longspec
 	$(PY) -m actors.export_draft .cache/runs/smollm2-longspec-v4 spyglass/drafts/smollm2-135m-glide --train-dir train-glide --bf16
 
 # Issue 9's training ablation: v8's run with one option changed per run (configs/ablation/; v8 is the control,

@@ -84,10 +84,11 @@ class TrainSpec:
     def feature_layers(self, manifest: dict) -> list[int]:
         """The extracted target layers whose hidden states a `feed_hidden` draft reads (`hidden_layers`, default
         the last one), in the draft's order; [] for other drafts."""
+        from spyglass.training.draft_models import feature_layers
+
         if not self.draft_options.get("feed_hidden"):
             return []
-        n = manifest["n_layers"]
-        layers = [i % n for i in self.draft_options.get("hidden_layers") or [-1]]
+        layers = feature_layers(self.draft_options.get("hidden_layers"), manifest["n_layers"])
         missing = [i for i in layers if i not in manifest["hidden_layers"]]
         if missing:
             raise ValueError(
@@ -203,10 +204,8 @@ def build_loss(spec: TrainSpec, manifest: dict):
     """The draft's training loss as the spec configures it (also what `bench/draft_agreement.py` evaluates)."""
     from spyglass.training.losses import LOSSES
 
-    kv_layers = spec.kv_layers(manifest)
-
     return LOSSES[spec.draft](
-        kv_layer=kv_layers,
+        kv_layer=spec.kv_layers(manifest),
         lag_min=spec.lag[0],
         lag_max=spec.lag[1],
         distill_weight=spec.distill_weight,

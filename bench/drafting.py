@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from bench.common import RESULTS_DIR, machine_load, median, plot_panels, wait_for_quiet, write_results  # noqa: E402
 from bench.tasks import STDLIB, HeldOutTask, _chat, _fit, heldout_tasks  # noqa: E402
 from spyglass.context_cache import ContextCache  # noqa: E402
-from spyglass.controller import measured_curve  # noqa: E402
+from spyglass.controller import measured_curve, measured_curves  # noqa: E402
 from spyglass.drafters.base import StatelessDrafter  # noqa: E402
 from spyglass.drafters.ngram import NgramDrafter  # noqa: E402
 from spyglass.drafters.suffix import SuffixDrafter  # noqa: E402
@@ -186,10 +186,6 @@ def run_meta(
 ) -> dict:
     """The meta every drafting bench writes beside its figures: what ran, on which prompts, the machine's load, and
     the machine-dependent choices the run made (the matmul kernel, the controller's verify-cost curves)."""
-    from dataclasses import asdict
-
-    from spyglass.controller import _CURVES
-
     return {
         "what": what,
         "tasks": {t.name: len(t.prompt_ids) for t in tasks},
@@ -198,7 +194,7 @@ def run_meta(
         "load_after": machine_load(),
         "threads": threads,
         "linear_backend": target.linear_backend,
-        "cost_curves": [asdict(c) for key, c in _CURVES.items() if key[0] == target.model_id],
+        "cost_curves": [c.to_dict() for c in measured_curves(target)],
         **extra,
     }
 

@@ -319,6 +319,11 @@ class SpeculationController:
 _CURVES: dict[tuple, CostCurve] = {}
 
 
+def measured_curves(target) -> list[CostCurve]:
+    """Every cost curve measured in this process for `target` (results files record them)."""
+    return [curve for key, curve in _CURVES.items() if key[0] == target.model_id]
+
+
 def measured_curve(target, cache) -> CostCurve:
     """The cost curve for this model, dtype, thread count and capacity, measured once per process."""
     key = (

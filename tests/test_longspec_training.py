@@ -29,6 +29,17 @@ def _plain_checkpoint(target, tmp_path):
     return old, ckpt
 
 
+def _fit_lag1(draft, loss_fn, batch, steps: int = 60) -> dict:
+    """Train `draft` at lag 1 on one batch; the last step's metrics."""
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss, metrics = loss_fn(draft, batch, 1)
+        loss.backward()
+        opt.step()
+    return metrics
+
+
 def _batch(target, b=2, length=24, seed=0):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, target.args.vocab_size, (b, length), generator=g)
@@ -173,12 +184,7 @@ def test_feed_hidden_draft_warm_starts_from_a_kv_only_one_and_learns_to_read_it(
         new.hidden_proj.weight.normal_(std=0.02)
     loss_fn = LongSpecLoss(kv_layer=1, lag_min=1, lag_max=1, hidden_layers=[1])
     assert "hidden.1" in loss_fn.required_keys()
-    opt = torch.optim.AdamW([p for p in new.parameters() if p.requires_grad], lr=3e-3)
-    for _ in range(60):
-        opt.zero_grad()
-        loss, metrics = loss_fn(new, batch, 1)
-        loss.backward()
-        opt.step()
+    metrics = _fit_lag1(new, loss_fn, batch)
     assert float(metrics["token_accuracy"]) > 0.9  # random tokens: only the hidden states tell the next one
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -218,12 +224,7 @@ def test_multi_layer_features_warm_start_exactly_and_train_the_lower_layer(tmp_p
         new.extra_hidden_proj.weight.normal_(std=0.02)
     loss_fn = LongSpecLoss(kv_layer=1, lag_min=1, lag_max=1, hidden_layers=[0, 1])
     assert {"hidden.0", "hidden.1"} <= set(loss_fn.required_keys())
-    opt = torch.optim.AdamW([p for p in new.parameters() if p.requires_grad], lr=3e-3)
-    for _ in range(60):
-        opt.zero_grad()
-        loss, metrics = loss_fn(new, batch, 1)
-        loss.backward()
-        opt.step()
+    metrics = _fit_lag1(new, loss_fn, batch)
     assert float(metrics["token_accuracy"]) > 0.9  # random tokens: only the lower layer tells the next one
     spec = TrainSpec.from_dict({"draft_options": {"feed_hidden": True, "hidden_layers": [0, -1]}})
     manifest = {"n_layers": 2, "kv_layers": [1], "hidden_layers": [1]}

@@ -63,15 +63,17 @@ def measure_linear_backend(model: nn.Module, rows: tuple[int, ...] = (1, 4), rep
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if not linears or not onednn_supported(linears[0].weight):
         return "aten"
-    shapes = Counter((tuple(m.weight.shape), m.bias is not None) for m in linears)
+    shapes: Counter = Counter()
+    sample: dict[tuple, Linear] = {}  # one module of each weight shape
+    for m in linears:
+        shape = (tuple(m.weight.shape), m.bias is not None)
+        shapes[shape] += 1
+        sample.setdefault(shape, m)
     key = (tuple(sorted(shapes.items())), str(linears[0].weight.dtype), torch.get_num_threads())
     if key not in _CHOICES:
-        one = {
-            shape: next(m for m in linears if (tuple(m.weight.shape), m.bias is not None) == shape) for shape in shapes
-        }
         totals = {"aten": 0.0, "onednn": 0.0}
         for shape, count in shapes.items():
-            w, b = one[shape].weight, one[shape].bias
+            w, b = sample[shape].weight, sample[shape].bias
             for n in rows:
                 x = torch.randn(n, w.shape[1], dtype=w.dtype)
                 totals["aten"] += count * _best_time(F.linear, (x, w, b), repeats)

@@ -150,13 +150,12 @@ class Block(nn.Module):
                 qs = q[offset : offset + n].transpose(0, 1)
                 ks = k[offset : offset + n].transpose(0, 1)
                 vs = v[offset : offset + n].transpose(0, 1)
-                k_pre, v_pre = cache.prefix(seg.slot, layer)
                 cache.write(seg.slot, layer, seg.start, ks, vs)
                 if n == 1 and backend == "cpu":  # a decode step: prefix + itself in one call (written just above)
                     k_all, v_all = cache.layer(seg.slot, layer)
-                    end = seg.start + 1
-                    o1 = single_token_attention(qs, k_all[:, :end], v_all[:, :end])
+                    o1 = single_token_attention(qs, k_all[:, : seg.start + 1], v_all[:, : seg.start + 1])
                 else:
+                    k_pre, v_pre = cache.prefix(seg.slot, layer)  # committed only: the write moves no length
                     o1 = tree_attention(qs, k_pre, v_pre, ks, vs, seg.mask, backend=backend)
                 outs.append(o1.transpose(0, 1))
                 offset += n

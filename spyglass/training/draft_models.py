@@ -66,6 +66,15 @@ class LongSpecDraftConfig:
         return asdict(self)
 
 
+def feature_layers(hidden_layers: list[int] | None, n_target_layers: int) -> list[int]:
+    """A `feed_hidden` draft's target layers (config `hidden_layers`, None = the last one), as indices from 0, in
+    the draft's order (the main feature last)."""
+    layers = hidden_layers or [-1]
+    if not all(-n_target_layers <= i < n_target_layers for i in layers):
+        raise ValueError(f"hidden_layers {layers} outside a {n_target_layers}-layer target")
+    return [i % n_target_layers for i in layers]
+
+
 def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     """`[B, kvh, S, D]` -> `[B, kvh*n_rep, S, D]` (GQA)."""
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
@@ -245,12 +254,7 @@ class LongSpecDraft(nn.Module):
     def feature_layers(self, n_target_layers: int) -> list[int]:
         """The target layers whose outputs a `feed_hidden` draft reads, concatenated in this order (the last one
         is the main feature); [] without `feed_hidden`."""
-        if not self.cfg.feed_hidden:
-            return []
-        layers = self.cfg.hidden_layers or [-1]
-        if not all(-n_target_layers <= i < n_target_layers for i in layers):
-            raise ValueError(f"hidden_layers {layers} outside a {n_target_layers}-layer target")
-        return [i % n_target_layers for i in layers]
+        return feature_layers(self.cfg.hidden_layers, n_target_layers) if self.cfg.feed_hidden else []
 
     def set_vocab(self, ids: torch.Tensor) -> None:
         """Score only the target tokens `ids` (most frequent first): the head becomes those rows of the shared

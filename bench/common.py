@@ -187,15 +187,11 @@ def environment() -> dict[str, Any]:
         "machine": platform.machine(),
     }
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                env["cpu"] = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
         import torch
 
+        from spyglass.controller import cpu_model
+
+        env["cpu"] = cpu_model()
         env["torch"] = torch.__version__
         env["torch_threads"] = torch.get_num_threads()
         env["cuda"] = torch.cuda.is_available()

@@ -1,8 +1,8 @@
-"""The CPU matmul kernel behind the target's linear layers: ATen/MKL `F.linear` vs oneDNN's inner product.
+"""The CPU matmul kernels behind the target's linear layers: ATen/MKL `F.linear`, oneDNN's inner product, the
+weights-first product `(W @ x^T)^T`, and the per-row-count plan `load_transformer` measured at start-up.
 
 A verify-shaped forward of SmolLM2-135M (fp32 and bf16, 1-32 new tokens over a 256- and a 2,048-token committed
-prefix) on each backend, interleaved per repeat, medians; plus what `load_transformer`'s start-up measurement
-chose on this machine. The forward time of n tokens over the 1-token time of the *same* backend is the verify-cost
+prefix) on each, interleaved per repeat, medians (oneDNN only where it has a kernel for the dtype). The forward time of n tokens over the 1-token time of the *same* backend is the verify-cost
 curve the speculation controller sizes trees from, so its shape matters as much as the decode step itself.
 Writes bench/results/linear.json (+ .png).
 
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import RESULTS_DIR, machine_load, plot_panels, time_interleaved, wait_for_quiet, write_results  # noqa: E402
-from spyglass.models.linear import set_linear_backend  # noqa: E402
+from spyglass.models.linear import onednn_supported, set_linear_backend  # noqa: E402
 from spyglass.models.llama import Segment, load_transformer  # noqa: E402
 from spyglass.models.loader import resolve_model  # noqa: E402
 
@@ -53,21 +53,27 @@ def main() -> None:
     panels = []
     for dtype in ("float32", "bfloat16"):
         model = load_transformer(resolve_model(None, dtype=dtype).path, dtype=getattr(torch, dtype))
-        figures[f"chosen_{dtype}"] = model.linear_backend
+        plan = model.linear_backend
+        figures[f"chosen_{dtype}"] = plan
+        backends = {"plan": plan, "aten": "aten", "wfirst": "wfirst"}
+        if onednn_supported(model.lm_head.weight):
+            backends["onednn"] = "onednn"
         cache = model.new_cache(max(CONTEXTS) + max(SIZES), 1)
         slot = cache.allocate()  # K/V left at zeros: attention cost does not depend on the values
         for ctx in CONTEXTS:
-            ms: dict[str, dict[int, float]] = {"aten": {}, "onednn": {}}
+            ms: dict[str, dict[int, float]] = {b: {} for b in backends}
             for n in SIZES:
                 timed = time_interleaved(
-                    {b: forward_fn(model, cache, slot, ctx, n, b) for b in ms}, repeats=args.repeats, warmup=1
+                    {b: forward_fn(model, cache, slot, ctx, n, backends[b]) for b in ms}, repeats=args.repeats, warmup=1
                 )
                 for b in ms:
                     ms[b][n] = timed[b]["median_ms"]
                 raw[f"{dtype}_{ctx}_{n}"] = timed
             tag = f"{dtype}_{ctx}"
             figures[f"decode_step_ms_{tag}"] = {b: round(ms[b][1], 2) for b in ms}
-            figures[f"onednn_vs_aten_decode_{tag}"] = round(ms["aten"][1] / ms["onednn"][1], 3)
+            figures[f"plan_vs_aten_decode_{tag}"] = round(ms["aten"][1] / ms["plan"][1], 3)
+            # what the controller pays for a tree: n tokens in one forward, in decode steps of the plan
+            figures[f"plan_vs_aten_2tokens_{tag}"] = round(ms["aten"][2] / ms["plan"][2], 3)
             figures[f"verify_cost_curve_{tag}"] = {b: {n: round(ms[b][n] / ms[b][1], 3) for n in SIZES} for b in ms}
             panels.append(
                 {
@@ -77,9 +83,9 @@ def main() -> None:
                     "series": {b: (list(SIZES), [ms[b][n] for n in SIZES]) for b in ms},
                 }
             )
-        set_linear_backend(model, "auto")
+        set_linear_backend(model, plan)
     meta = {
-        "what": "SmolLM2-135M forward time by linear backend, n new tokens over a committed prefix",
+        "what": "SmolLM2-135M forward time by linear kernel, n new tokens over a committed prefix",
         "threads": args.threads,
         "repeats": args.repeats,
         "quiet_before": quiet,
@@ -87,7 +93,7 @@ def main() -> None:
         "load_after": machine_load(),
     }
     out = write_results("linear", figures, raw, meta)
-    plot_panels(RESULTS_DIR / "linear.png", panels, title="Linear backend: ATen/MKL vs oneDNN (forward ms)")
+    plot_panels(RESULTS_DIR / "linear.png", panels, title="Linear kernels: ATen/MKL, oneDNN, weights-first, measured plan (forward ms)")
     print(out)
     for k, v in figures.items():
         print(f"{k}: {v}")

@@ -36,14 +36,23 @@ CHEAP_DRAFT = 0.02  # drafting below this share of a decode step: propose every 
 
 
 def cpu_model() -> str:
-    """The CPU model name (recorded with every measurement: the cost curve differs between CPUs)."""
+    """The CPU model name, with family/model and the vector extensions that change matmul speed (a VM may show
+    only "AMD EPYC" for both Zen 3 and Zen 4): recorded with every measurement, as the cost curve differs."""
+    info: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+            if key.strip() == "flags":
+                break
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    name = info.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" not in info:
+        return name
+    flags = set(info.get("flags", "").split())
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
+    return f"{name} (family {info['cpu family']} model {info.get('model', '?')}, {' '.join(isa) or 'no avx2'})"
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The measured choice of CPU matmul kernel (spyglass.models.linear): same numbers, lossless either way."""
+"""The measured choice of CPU matmul kernel per row count (spyglass.models.linear): same numbers, lossless."""
 
 from __future__ import annotations
 
@@ -6,18 +6,31 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from spyglass.models.linear import Linear, measure_linear_backend, set_linear_backend
+from spyglass.models import linear as linear_mod
+from spyglass.models.linear import (
+    KERNELS,
+    ROW_BUCKETS,
+    Linear,
+    measure_linear_plan,
+    onednn_supported,
+    set_linear_backend,
+)
 from spyglass.models.llama import Segment, load_transformer
 from spyglass.sampling import SamplingParams
 from tests.test_engine_identity import check_identity, drafters
 
 
+@pytest.mark.parametrize("kernel", ["onednn", "wfirst"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_onednn_linear_matches_aten(dtype, bias):
+def test_each_kernel_matches_aten(kernel, dtype, bias):
     torch.manual_seed(0)
     layer = Linear(48, 80, bias=bias).to(dtype)
-    layer.onednn = True
+    if kernel == "onednn" and not onednn_supported(layer.weight):  # bf16 without AVX-512 BF16 / AMX
+        with pytest.raises(ValueError, match="no kernel for torch.bfloat16"):
+            set_linear_backend(layer, "onednn")
+        return
+    assert set_linear_backend(layer, kernel) == kernel
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for shape in [(1, 48), (3, 48), (2, 5, 48), (0, 48)]:
         x = torch.randn(*shape, dtype=dtype)
@@ -32,31 +45,61 @@ def test_onednn_linear_matches_aten(dtype, bias):
         torch.testing.assert_close(layer(xt), F.linear(xt, layer.weight, layer.bias), atol=tol, rtol=tol)
 
 
+def test_plan_dispatches_by_row_count(monkeypatch):
+    """Each row count runs the kernel its bucket names (the last bucket also takes every larger count)."""
+    calls = []
+
+    def recording(name, fn):
+        def run(x, w, b):
+            calls.append(name)
+            return fn(x, w, b)
+
+        return run
+
+    for name, fn in list(linear_mod._KERNEL_FNS.items()):
+        monkeypatch.setitem(linear_mod._KERNEL_FNS, name, recording(name, fn))
+    layer = Linear(16, 8)
+    layer.plan = ("onednn", "wfirst", "aten", "wfirst", "onednn")
+    rows = (1, 2, 3, 4, 7, 8, 20, 200)
+    with torch.inference_mode():
+        for n in rows:
+            x = torch.randn(n, 16)
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    assert calls == ["onednn", "wfirst", "aten", "aten", "wfirst", "wfirst", "onednn", "onednn"]
+
+
 def test_training_path_keeps_autograd():
-    """With grad enabled the oneDNN flag is ignored: the layer still trains (the op has no backward)."""
+    """With grad enabled the plan is ignored: the layer still trains (the oneDNN op has no backward)."""
     layer = Linear(8, 4)
-    layer.onednn = True
+    layer.plan = ("onednn",) * len(ROW_BUCKETS)
     layer(torch.randn(3, 8)).sum().backward()
     assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
 
 
 def test_backend_choice_and_errors(tiny_dir):
     model = load_transformer(tiny_dir["llama"], linear_backend="aten")
-    assert model.linear_backend == "aten" and not any(getattr(m, "onednn", False) for m in model.modules())
-    assert measure_linear_backend(model) in ("aten", "onednn")
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert model.linear_backend == "aten" and all(m.plan is None for m in linears)
+    plan = measure_linear_plan(model)
+    assert len(plan) == len(ROW_BUCKETS) and set(plan) <= set(KERNELS)
     assert set_linear_backend(model, "onednn") == "onednn"
-    assert all(m.onednn for m in model.modules() if isinstance(m, Linear))
+    assert all(m.plan == ("onednn",) * len(ROW_BUCKETS) for m in linears)
+    # a plan string (what a draft copies from its target) round-trips
+    mixed = "onednn,wfirst,wfirst,aten,onednn"
+    assert set_linear_backend(model, mixed) == mixed and linears[0].plan == tuple(mixed.split(","))
     with pytest.raises(ValueError, match="unknown linear backend 'mkl'"):
         set_linear_backend(model, "mkl")
-    with pytest.raises(ValueError, match="fp32 or bf16"):
+    with pytest.raises(ValueError, match="one kernel per row bucket"):
+        set_linear_backend(model, "onednn,aten")
+    with pytest.raises(ValueError, match="no kernel for torch.float16"):
         set_linear_backend(model.to(torch.float16), "onednn")
 
 
 def test_forward_logits_agree_across_backends(tiny_target):
-    """A verify-shaped forward (a tree over a committed prefix) gives the same logits and argmax on both."""
+    """A verify-shaped forward (a tree over a committed prefix) gives the same logits and argmax on each."""
     tokens = torch.randint(0, tiny_target.args.vocab_size, (40,))
     out = {}
-    for backend in ("aten", "onednn"):
+    for backend in ("aten", "onednn", "wfirst", "onednn,wfirst,wfirst,aten,onednn"):
         set_linear_backend(tiny_target, backend)
         cache = tiny_target.new_cache(64, 1)
         slot = cache.allocate()
@@ -64,11 +107,12 @@ def test_forward_logits_agree_across_backends(tiny_target):
         seg = Segment(slot, 32, tokens[32:], torch.arange(32, 40), None, "all")
         out[backend] = tiny_target([seg], cache)[0]
     set_linear_backend(tiny_target, "auto")
-    torch.testing.assert_close(out["onednn"], out["aten"], atol=1e-4, rtol=1e-4)
-    assert torch.equal(out["onednn"].argmax(-1), out["aten"].argmax(-1))
+    for backend, logits in out.items():
+        torch.testing.assert_close(logits, out["aten"], atol=1e-4, rtol=1e-4, msg=backend)
+        assert torch.equal(logits.argmax(-1), out["aten"].argmax(-1)), backend
 
 
-@pytest.mark.parametrize("backend", ["aten", "onednn"])
+@pytest.mark.parametrize("backend", ["aten", "onednn", "wfirst"])
 def test_greedy_identity_on_each_backend(tiny_dir, backend):
     """Speculative output equals plain decoding whichever kernel runs the matmuls (the drafts included: they
     take the target's backend when they bind)."""

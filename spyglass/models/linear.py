@@ -1,99 +1,149 @@
-"""Inference matmuls on whichever CPU kernel is faster here, chosen by measurement at start-up.
+"""Inference matmuls on whichever CPU kernel is fastest here for the number of rows, chosen by measurement.
 
-On AMD Zen 4, MKL's fp32 GEMM handles 2-3 rows as that many passes over the weights (verifying 2 tokens cost
-1.6 decode steps) and reads the 49K-row LM head at half the memory speed even for one row, while oneDNN's inner
-product reads the weights once for a few rows: the same SmolLM2 decode step takes 41 instead of 59 ms and 4 tree
-tokens cost 1.2 instead of 1.4 steps. On other CPUs MKL may be the faster one, so each process times both on the
-model's own weight shapes and keeps the faster. Autograd always takes `F.linear` (the oneDNN op has no backward).
+A decode step multiplies one row by each weight matrix, a verify step 2-64 rows, and CPU GEMM libraries differ
+most exactly there. On AMD Zen 4, MKL's fp32 GEMM handles 2-3 rows as that many passes over the weights and
+reads the 49K-row LM head at half the memory speed even for one row, while oneDNN's inner product reads the
+weights once for a few rows (the SmolLM2 decode step: 41 instead of 59 ms). On AMD Zen 3 (AVX2 only) both of them
+take two passes for two rows, so verifying 2 tokens cost 2 decode steps of matmuls, while the same product
+written weights-first (`W @ x^T`, MKL streaming the weights once past a few columns) costs about one pass from 2
+rows on and is slow for one. So each process times the kernels on the model's own weights, per bucket of row
+counts, and keeps a plan: the fastest kernel per bucket. Every kernel computes the same product (fp32 sums in a
+different order at most), so the choice never changes which tokens are accepted beyond that rounding. Autograd
+always takes `F.linear` (the oneDNN op has no backward).
 """
 
 from __future__ import annotations
 
+import bisect
+import functools
 import time
-from collections import Counter
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-BACKENDS = ("auto", "aten", "onednn")
+KERNELS = ("aten", "onednn", "wfirst")
+# plan[i] is the kernel for row counts up to ROW_BUCKETS[i] (the last entry also serves every larger count)
+ROW_BUCKETS = (1, 2, 4, 8, 32)
+
+
+def _aten(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, w, b)
+
+
+def _onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+def _weights_first(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """(W @ x^T)^T: the weights as the GEMM's long operand, streamed once for a few rows of x."""
+    x2 = x.reshape(-1, x.shape[-1])
+    y = torch.mm(w, x2.t()).t().contiguous()  # contiguous: callers slice columns and view them as heads
+    if b is not None:
+        y += b
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
+_KERNEL_FNS = {"aten": _aten, "onednn": _onednn, "wfirst": _weights_first}
+
+
+def _bucket(rows: int) -> int:
+    return min(bisect.bisect_left(ROW_BUCKETS, rows), len(ROW_BUCKETS) - 1)
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` (same parameters and state dict) whose inference path can run on oneDNN."""
+    """`nn.Linear` (same parameters and state dict) whose inference path follows a measured kernel plan."""
 
-    onednn = False  # set per module by `set_linear_backend`
+    plan: tuple[str, ...] | None = None  # kernel per ROW_BUCKETS entry, set by `set_linear_backend`; None = aten
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.onednn and not torch.is_grad_enabled():
-            return _onednn_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        if self.plan is None or torch.is_grad_enabled():
+            return F.linear(x, self.weight, self.bias)
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        return _KERNEL_FNS[self.plan[_bucket(rows)]](x, self.weight, self.bias)
 
 
 def onednn_supported(weight: torch.Tensor) -> bool:
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype in (torch.float32, torch.bfloat16)
-        and (torch.backends.mkldnn.is_available())
-    )
+    return weight.device.type == "cpu" and _onednn_runs(weight.dtype)
 
 
-def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+@functools.cache
+def _onednn_runs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN has an inner product for `dtype` on this CPU (bf16 needs AVX-512 BF16 or AMX)."""
+    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        _onednn(torch.ones(1, 8, dtype=dtype), torch.ones(4, 8, dtype=dtype), None)
+    except RuntimeError:
+        return False
+    return True
 
 
-def _best_time(fn, args: tuple, repeats: int) -> float:
-    fn(*args)  # warm-up (oneDNN creates its primitive on first use)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn(*args)
-        best = min(best, time.perf_counter() - t0)
-    return best
+def plan_name(plan: tuple[str, ...]) -> str:
+    """One kernel name when the plan is uniform, else the kernels per row bucket joined by commas."""
+    return plan[0] if len(set(plan)) == 1 else ",".join(plan)
 
 
-_CHOICES: dict[tuple, str] = {}
+def parse_plan(backend: str) -> tuple[str, ...]:
+    """A kernel name (every row count) or a plan string from `plan_name`; ValueError names what is wrong."""
+    kernels = backend.split(",")
+    if len(kernels) == 1:
+        kernels = kernels * len(ROW_BUCKETS)
+    bad = [k for k in kernels if k not in KERNELS]
+    if bad or len(kernels) != len(ROW_BUCKETS):
+        raise ValueError(
+            f"unknown linear backend {backend!r}; choose 'auto', one of {', '.join(KERNELS)}, or one kernel per "
+            f"row bucket {ROW_BUCKETS} joined by commas"
+        )
+    return tuple(kernels)
+
+
+_PLANS: dict[tuple, tuple[str, ...]] = {}
 
 
 @torch.inference_mode()
-def measure_linear_backend(model: nn.Module, rows: tuple[int, ...] = (1, 4), repeats: int = 5) -> str:
-    """ "onednn" when it runs the model's linear layers faster than ATen's `F.linear` (MKL) for `rows` tokens
-    (the shapes of decoding and of verifying a small tree), summed over the layers; else "aten". Measured once
-    per process for a given set of shapes, dtype and thread count."""
+def measure_linear_plan(model: nn.Module, repeats: int = 2) -> tuple[str, ...]:
+    """The fastest kernel per row bucket, timed over every third linear layer and the largest one, in model order
+    (as a forward reads them: the weights come from memory, not from a cache that one repeated layer would stay
+    in). Measured once per process for a given set of shapes, dtype and thread count (~3 s for SmolLM2-135M)."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    if not linears or not onednn_supported(linears[0].weight):
-        return "aten"
-    shapes: Counter = Counter()
-    sample: dict[tuple, Linear] = {}  # one module of each weight shape
-    for m in linears:
-        shape = (tuple(m.weight.shape), m.bias is not None)
-        shapes[shape] += 1
-        sample.setdefault(shape, m)
-    key = (tuple(sorted(shapes.items())), str(linears[0].weight.dtype), torch.get_num_threads())
-    if key not in _CHOICES:
-        totals = {"aten": 0.0, "onednn": 0.0}
-        for shape, count in shapes.items():
-            w, b = sample[shape].weight, sample[shape].bias
-            for n in rows:
-                x = torch.randn(n, w.shape[1], dtype=w.dtype)
-                totals["aten"] += count * _best_time(F.linear, (x, w, b), repeats)
-                totals["onednn"] += count * _best_time(_onednn_linear, (x, w, b), repeats)
-        _CHOICES[key] = min(totals, key=totals.get)
-    return _CHOICES[key]
+    if not linears or linears[0].weight.device.type != "cpu":
+        return ("aten",) * len(ROW_BUCKETS)
+    kernels = [k for k in KERNELS if k != "onednn" or onednn_supported(linears[0].weight)]
+    shapes = tuple((tuple(m.weight.shape), m.bias is not None) for m in linears)
+    key = (shapes, str(linears[0].weight.dtype), torch.get_num_threads())
+    if key not in _PLANS:
+        largest = max(linears, key=lambda m: m.weight.numel())
+        sample = [m for i, m in enumerate(linears) if i % 3 == 0 or m is largest]
+        plan = []
+        for rows in ROW_BUCKETS:
+            xs = {m.in_features: torch.randn(rows, m.in_features, dtype=m.weight.dtype) for m in sample}
+            best = {}
+            for k in kernels:
+                fn = _KERNEL_FNS[k]
+                times = []
+                for _ in range(repeats + 1):  # the first pass warms up (oneDNN builds its primitives)
+                    t0 = time.perf_counter()
+                    for m in sample:
+                        fn(xs[m.in_features], m.weight, m.bias)
+                    times.append(time.perf_counter() - t0)
+                best[k] = min(times[1:])
+            plan.append(min(best, key=best.get))
+        _PLANS[key] = tuple(plan)
+    return _PLANS[key]
 
 
 def set_linear_backend(model: nn.Module, backend: str = "auto") -> str:
-    """Point every `Linear` of `model` at `backend` ("auto" measures); returns the backend in use."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown linear backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if backend == "auto":
-        backend = measure_linear_backend(model)
+    """Point every `Linear` of `model` at a kernel plan: "auto" measures, a kernel name uses it for every row
+    count, a plan string (`model.linear_backend` of another model) copies that plan. Returns the plan's name."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    if backend == "onednn" and linears and not onednn_supported(w := linears[0].weight):
+    plan = measure_linear_plan(model) if backend == "auto" else parse_plan(backend)
+    if "onednn" in plan and linears and not onednn_supported(w := linears[0].weight):
         raise ValueError(
-            f"the oneDNN linear backend needs fp32 or bf16 weights on the CPU, not {w.dtype} on {w.device}"
+            f"the oneDNN linear backend has no kernel for {w.dtype} weights on {w.device} here "
+            "(fp32 on the CPU; bf16 where the CPU has AVX-512 BF16 or AMX)"
         )
     for m in linears:
-        m.onednn = backend == "onednn"
-    model.linear_backend = backend
-    return backend
+        m.plan = None if set(plan) == {"aten"} else plan
+    model.linear_backend = plan_name(plan)
+    return model.linear_backend

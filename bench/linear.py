@@ -2,8 +2,9 @@
 weights-first product `(W @ x^T)^T`, and the per-row-count plan `load_transformer` measured at start-up.
 
 A verify-shaped forward of SmolLM2-135M (fp32 and bf16, 1-32 new tokens over a 256- and a 2,048-token committed
-prefix) on each, interleaved per repeat, medians (oneDNN only where it has a kernel for the dtype). The forward time of n tokens over the 1-token time of the *same* backend is the verify-cost
-curve the speculation controller sizes trees from, so its shape matters as much as the decode step itself.
+prefix) on each, interleaved per repeat, medians (oneDNN only where it has a kernel for the dtype). The forward
+time of n tokens over the 1-token time of the *same* kernel is the verify-cost curve the speculation controller
+sizes trees from, so its shape matters as much as the decode step itself.
 Writes bench/results/linear.json (+ .png).
 
     python bench/linear.py [--repeats 7] [--threads 2]
@@ -93,7 +94,8 @@ def main() -> None:
         "load_after": machine_load(),
     }
     out = write_results("linear", figures, raw, meta)
-    plot_panels(RESULTS_DIR / "linear.png", panels, title="Linear kernels: ATen/MKL, oneDNN, weights-first, measured plan (forward ms)")
+    title = "Linear kernels: ATen/MKL, oneDNN, weights-first, measured plan (forward ms)"
+    plot_panels(RESULTS_DIR / "linear.png", panels, title=title)
     print(out)
     for k, v in figures.items():
         print(f"{k}: {v}")

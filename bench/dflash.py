@@ -76,15 +76,13 @@ def chain_acceptance(target, draft, head, task: HeldOutTask, output: list[int], 
     cache = target.new_cache(tokens.shape[0] + 1, 1)
     slot = cache.allocate()
     target.capture_layers = tuple(layers)
-    streams = []
     try:
         for s in range(0, tokens.shape[0], 512):
             part = tokens[s : s + 512]
             target([Segment(slot, s, part, torch.arange(s, s + part.shape[0]), None, "none")], cache)
             cache.commit(slot, s, list(range(part.shape[0])))
-            stream_part = draft.context_stream(torch.cat([target.captured[0][i] for i in layers], dim=-1))
-            streams.append(stream_part)
-            ctx_part = draft.context_kv(stream_part, torch.arange(s, s + part.shape[0]))
+            feats_part = torch.cat([target.captured[0][i] for i in layers], dim=-1)
+            ctx_part = draft.context_kv(feats_part, torch.arange(s, s + part.shape[0]))
             if s == 0:
                 ctx = [([k], [v]) for k, v in ctx_part]
             else:
@@ -94,7 +92,6 @@ def chain_acceptance(target, draft, head, task: HeldOutTask, output: list[int], 
     finally:
         target.capture_layers = ()
     ctx = [(torch.cat(ks, dim=1), torch.cat(vs, dim=1)) for ks, vs in ctx]
-    stream = torch.cat(streams)
     b = draft.cfg.block_size
     # roots at every output position with a full block of text after it
     roots = torch.arange(n_prompt, tokens.shape[0] - b)
@@ -102,7 +99,7 @@ def chain_acceptance(target, draft, head, task: HeldOutTask, output: list[int], 
     by_pos = {"dflash": torch.zeros(b - 1), "dels": torch.zeros(b - 1)}
     for c in range(0, roots.shape[0], chunk):
         anchors = roots[c : c + chunk]
-        x = draft.block_input(tokens[anchors], b, stream[anchors - 1])
+        x = draft.block_input(tokens[anchors], b)
         pos = (anchors.unsqueeze(1) + torch.arange(b)).reshape(-1)
         mask = training_mask(anchors, tokens.shape[0], b)
         hid = draft.blocks_hidden(x, pos, ctx, mask).view(anchors.shape[0], b, -1)[:, 1:]

@@ -18,20 +18,10 @@ from spyglass.drafters.dels import (
     unigram_log_prior,
     window_weights,
 )
-from spyglass.drafters.dflash import (
-    DFlashDraft,
-    DFlashDrafter,
-    dflash_loss,
-    fuse,
-    load_dflash,
-    save_dflash,
-    training_mask,
-)
+from spyglass.drafters.dflash import DFlashDraft, DFlashDrafter, dflash_loss, fuse, load_dflash, save_dflash
 from spyglass.engine import EngineConfig, SpecEngine, plain_generate
 from spyglass.models.llama import load_transformer
 from spyglass.sampling import SamplingParams
-from spyglass.sequence import Sequence
-from spyglass.training.dflash import warm_start
 from tests.tiny import fit_local_head, full_features, make_prompts, trained_tiny
 
 # Greedy identity (batch 1 and 4) and sampling fidelity: DFlash and DFlash + DeLS run in the shared suites,
@@ -160,11 +150,7 @@ class _Checking(DFlashDrafter):
         committed = seq.committed
         assert st.n == committed and st.pos[: st.n].tolist() == list(range(committed))
         feats = full_features(self.target, seq.tokens[:committed], self.hidden_layers)
-        stream = self.draft.context_stream(feats)
-        # the anchor row (fed to `anchor_input` drafts) is the stream at the root's predecessor
-        assert st.anchor_pos == committed - 1
-        torch.testing.assert_close(st.anchor[0], stream[-1], rtol=1e-4, atol=1e-4)
-        want = self.draft.context_kv(stream, torch.arange(committed))
+        want = self.draft.context_kv(feats, torch.arange(committed))
         for (k, v), (wk, wv) in zip(st.view(), want, strict=True):
             torch.testing.assert_close(k, wk, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(v, wv, rtol=1e-4, atol=1e-4)
@@ -243,7 +229,7 @@ def test_target_init_starts_from_the_targets_own_context_keys_and_values(tiny_di
     slot = cache.allocate()
     target.prefill(cache, slot, tokens)
     with torch.no_grad():
-        k, v = draft.context_kv(draft.context_stream(full_features(target, tokens, (last - 1,))), torch.arange(n))[0]
+        k, v = draft.context_kv(full_features(target, tokens, (last - 1,)), torch.arange(n))[0]
     want_k, want_v = cache.layer(slot, last)
     torch.testing.assert_close(k, want_k[:, :n], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(v, want_v[:, :n], atol=1e-5, rtol=1e-4)
@@ -263,65 +249,6 @@ def test_distillation_labels_are_the_next_token_choices(tiny_dir):
         other, _ = dflash_loss(draft, feats, tokens, anchors, labels=tokens)
     assert float(shifted) == pytest.approx(float(text), rel=1e-6)
     assert abs(float(other) - float(text)) > 1e-3
-
-
-def _train_block_logits(draft, feats, tokens, a):
-    """The training forward's logits for the block rooted at position `a` (dflash_loss's path)."""
-    b = draft.cfg.block_size
-    stream = draft.context_stream(feats)
-    ctx = draft.context_kv(stream, torch.arange(tokens.shape[0]))
-    anchors = torch.tensor([a])
-    x = draft.block_input(tokens[anchors], b, stream[anchors - 1])
-    hid = draft.blocks_hidden(x, torch.arange(a, a + b), ctx, training_mask(anchors, tokens.shape[0], b))
-    return draft.logits(hid[1:])
-
-
-def test_anchor_input_serves_as_trained(tiny_dir):
-    """With `anchor_input`, the served block (context stream from observe_hidden, anchor = its last row) drafts
-    what the training forward computes for the same root; without the anchor row it drafts something else."""
-    target = load_transformer(tiny_dir["llama"])
-    layers = (0, 1)
-    torch.manual_seed(3)
-    draft = DFlashDraft.from_target(target, target_layers=layers, n_layers=1, block_size=5, anchor_input=True)
-    torch.nn.init.normal_(draft.anchor_proj.weight, std=0.3)
-    draft.eval()
-    prompt = make_prompts(target.args.vocab_size, 2, seed=11)[1]
-    tokens = torch.tensor(prompt)
-    a = tokens.shape[0] - 1  # the root; positions before it are the committed context
-    with torch.no_grad():
-        want = torch.softmax(_train_block_logits(draft, full_features(target, tokens, layers), tokens, a), -1)
-    drafter = DFlashDrafter(draft, max_alternatives=0)
-    seq = Sequence(prompt, SamplingParams(max_new_tokens=4))
-    hidden = {i: full_features(target, tokens[:a], (i,)) for i in layers}
-    drafter.observe_hidden(seq, 0, hidden, list(range(a)))
-    (tree,) = drafter.propose([seq])
-    chain = want.argmax(-1)
-    assert tree.tokens[1:].tolist() == chain.tolist()
-    torch.testing.assert_close(torch.tensor(tree.scores[1:]), want.gather(1, chain[:, None])[:, 0].cumprod(0),
-                               rtol=1e-4, atol=1e-6)  # fmt: skip
-    seq.drafter_state.anchor_pos = -1  # as for a prefix never observed here: no anchor row
-    (blind,) = drafter.propose([seq])
-    assert blind.scores != tree.scores
-
-
-def test_warm_start_adds_the_anchor_input_exactly(tiny_dir, tmp_path):
-    """A checkpoint trained without `anchor_input` warm-starts a draft with it: same logits at the start (the new
-    projection is zero), and a checkpoint of another shape is refused."""
-    target = load_transformer(tiny_dir["llama"])
-    base = DFlashDraft.from_target(target, target_layers=(0, 1), n_layers=1, block_size=4)
-    save_dflash(base, tmp_path / "v2", dtype=torch.float32)
-    grown = warm_start(target, tmp_path / "v2", anchor_input=True)
-    assert grown.cfg.anchor_input and not base.cfg.anchor_input
-    tokens = torch.tensor(make_prompts(target.args.vocab_size, 2, seed=2)[1])
-    feats = full_features(target, tokens, (0, 1))
-    with torch.no_grad():
-        want = _train_block_logits(base, feats, tokens, 5)
-        torch.testing.assert_close(_train_block_logits(grown, feats, tokens, 5), want)
-    save_dflash(grown, tmp_path / "v3", dtype=torch.float32)
-    with pytest.raises(ValueError, match="cannot warm-start"):
-        warm_start(target, tmp_path / "v3", anchor_input=False)
-    with pytest.raises(ValueError, match="anchors start at position 1"):
-        dflash_loss(grown, feats, tokens, torch.tensor([0, 3]))
 
 
 def test_checkpoint_round_trip_and_errors(tiny_dir, tmp_path):

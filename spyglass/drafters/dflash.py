@@ -67,11 +67,6 @@ class DFlashConfig:
     rms_eps: float = 1e-6
     qkv_bias: bool = False
     init_std: float = 0.02
-    # The block's input also carries the context stream's last row (the target's state that chose the root),
-    # through `anchor_proj`: an option beside DFlash's design, which reaches that row only through attention
-    # (an EAGLE-style shortcut to the freshest context; zero-initialised, so a draft trained without it
-    # warm-starts exactly).
-    anchor_input: bool = False
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -161,9 +156,6 @@ class DFlashDraft(nn.Module):
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
         nn.init.normal_(self.mask_embed, std=cfg.init_std)
-        if cfg.anchor_input:
-            self.anchor_proj = Linear(h, h, bias=False)
-            nn.init.zeros_(self.anchor_proj.weight)
         self._io = (embed, lm_head)  # a tuple: shared with the target, frozen, never checkpointed
         self.register_buffer("inv_freq", inv_freq.clone().float(), persistent=False)
         self.rope_scaling = rope_scaling
@@ -212,22 +204,16 @@ class DFlashDraft(nn.Module):
         sin = (emb.sin() * self.rope_scaling).to(self.dtype).unsqueeze(1)
         return cos, sin
 
-    def context_stream(self, feats: torch.Tensor) -> torch.Tensor:
-        """Concatenated target hidden states `[n, layers*H]` -> the projected, normalised stream `[n, H]`."""
-        return self.hidden_norm(self.fc(feats.to(self.dtype)))
-
-    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The stream `[n, H]` (`context_stream`) -> per draft layer (k, v) `[kv_heads, n, D]`."""
+    def context_kv(self, feats: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Concatenated target hidden states `[n, layers*H]` -> per draft layer (k, v) `[kv_heads, n, D]`."""
+        ctx = self.hidden_norm(self.fc(feats.to(self.dtype)))
         cos, sin = self.rope(positions)
         return [layer.kv(ctx, cos, sin) for layer in self.layers]
 
-    def block_input(self, first: torch.Tensor, block: int, anchor: torch.Tensor | None = None) -> torch.Tensor:
-        """`[A]` first tokens -> `[A*block, H]` embeddings of `[first, MASK x (block-1)]` per block; with
-        `anchor_input`, plus the projected stream row `anchor [A, H]` just before each block's root."""
+    def block_input(self, first: torch.Tensor, block: int) -> torch.Tensor:
+        """`[A]` first tokens -> `[A*block, H]` embeddings of `[first, MASK x (block-1)]` per block."""
         x = self.mask_embed.expand(first.shape[0], block, -1).clone()
         x[:, 0] = self.embed(first).to(x.dtype)
-        if self.cfg.anchor_input and anchor is not None:
-            x = x + self.anchor_proj(anchor.to(x.dtype)).unsqueeze(1)
         return x.reshape(-1, x.shape[-1])
 
     def blocks_hidden(self, x, positions, ctx: list[tuple[torch.Tensor, torch.Tensor]], mask=None) -> torch.Tensor:
@@ -269,11 +255,8 @@ def dflash_loss(
     the text as targets: position k then learns the target's choice after the true prefix a+k-1 (distillation)."""
     b = draft.cfg.block_size
     length = tokens.shape[0]
-    if int(anchors.min()) < 1:
-        raise ValueError("block anchors start at position 1 (a root needs the context before it)")
-    stream = draft.context_stream(feats)
-    ctx = draft.context_kv(stream, torch.arange(length))
-    x = draft.block_input(tokens[anchors], b, stream[anchors - 1])  # anchors >= 1: the root has a predecessor
+    ctx = draft.context_kv(feats, torch.arange(length))
+    x = draft.block_input(tokens[anchors], b)
     pos = (anchors.unsqueeze(1) + torch.arange(b)).reshape(-1)
     mask = training_mask(anchors, length, b)
     hid = draft.blocks_hidden(x, pos, ctx, mask).view(anchors.shape[0], b, -1)[:, 1:]
@@ -347,8 +330,6 @@ class _Context:
     pos: torch.Tensor  # [cap] int64
     generator: torch.Generator | None  # the drafter's random stream for a sampled sequence
     n: int = 0
-    anchor: torch.Tensor | None = None  # the stream row at the last observed position (`anchor_input` drafts)
-    anchor_pos: int = -1
 
     def crop(self, start: int) -> None:
         """Drop rows at positions >= start (a verify pass re-commits from `start`)."""
@@ -425,10 +406,9 @@ class DFlashDrafter:
         st = self._state(seq)
         st.crop(start)
         idx = torch.tensor(kept, dtype=torch.long)
-        stream = self.draft.context_stream(torch.cat([hidden[i][idx] for i in self.hidden_layers], dim=-1))
+        feats = torch.cat([hidden[i][idx] for i in self.hidden_layers], dim=-1)
         positions = torch.arange(start, start + len(kept))
-        st.append(self.draft.context_kv(stream, positions), positions)
-        st.anchor, st.anchor_pos = stream[-1:].clone(), start + len(kept) - 1
+        st.append(self.draft.context_kv(feats, positions), positions)
 
     def start(self, seq: Sequence) -> None:
         self._state(seq)
@@ -443,10 +423,8 @@ class DFlashDrafter:
             if b < 2:
                 continue
             p = seq.committed
-            st = self._state(seq)
-            anchor = st.anchor if st.anchor_pos == p - 1 else None  # (a prefix never observed: no anchor)
-            x = self.draft.block_input(torch.tensor([seq.root]), b, anchor)
-            hid = self.draft.blocks_hidden(x, torch.arange(p, p + b), st.view())
+            x = self.draft.block_input(torch.tensor([seq.root]), b)
+            hid = self.draft.blocks_hidden(x, torch.arange(p, p + b), self._state(seq).view())
             hiddens.append(hid[1:])
         long_logits = self.draft.logits(torch.cat(hiddens)) if hiddens else None
         trees, offset = [], 0

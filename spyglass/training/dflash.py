@@ -115,19 +115,6 @@ def write_model_card(out: Path, title: str, what: str, summary: dict) -> None:
     (Path(out) / "MODEL_CARD.md").write_text("\n".join(lines))
 
 
-def warm_start(target, checkpoint: str | Path, anchor_input: bool):
-    """A DFlash draft with `checkpoint`'s configuration and weights, with or without the anchor input: added,
-    its projection starts at zero, so the draft starts as the checkpoint; a checkpoint that has one cannot drop it."""
-    from spyglass.drafters.dflash import DFlashDraft, load_dflash
-
-    base = load_dflash(checkpoint, target)  # validates the checkpoint against the target
-    draft = DFlashDraft.from_target(target, **{**base.cfg.to_dict(), "anchor_input": anchor_input})
-    missing, unexpected = draft.load_state_dict(base.state_dict(), strict=False)
-    if unexpected or set(missing) - {"anchor_proj.weight"}:
-        raise ValueError(f"cannot warm-start from {checkpoint}: it has {sorted(unexpected)}, lacks {sorted(missing)}")
-    return draft
-
-
 def train_dflash(args) -> dict:
     from tqdm import tqdm
 
@@ -143,19 +130,10 @@ def train_dflash(args) -> dict:
     model_path = resolve_model(args.model, dtype="float32").path
     train, evals, manifest = _corpus(work, model_path, args.train_contexts)
     target = load_transformer(model_path)
-    overrides = {
-        "n_layers": args.layers,
-        "block_size": args.block,
-        "intermediate_size": args.intermediate,
-        "anchor_input": args.anchor_input,
-    }
+    overrides = {"n_layers": args.layers, "block_size": args.block, "intermediate_size": args.intermediate}
     if args.target_layers:
         overrides["target_layers"] = tuple(int(x) for x in args.target_layers.split(","))
-    if args.init_from:  # a trained checkpoint's weights (its shape wins); new modules keep their zero init
-        draft = warm_start(target, args.init_from, anchor_input=args.anchor_input)
-    else:
-        draft = DFlashDraft.from_target(target, init_from_target=args.init_from_target, **overrides)
-    draft = draft.float().train()
+    draft = DFlashDraft.from_target(target, init_from_target=args.init_from_target, **overrides).float().train()
     layers = draft.cfg.target_layers
     # distillation needs the target's own next-token choices, so the whole target runs; otherwise only the
     # layers up to the deepest tapped one
@@ -387,13 +365,6 @@ def main(argv: list[str] | None = None, return_summary: bool = False):
     d.add_argument("--intermediate", type=int, default=None, help="draft MLP width (default: the target's)")
     d.add_argument("--target-layers", default=None, help="comma-separated target layer indices")
     d.add_argument("--init-from-target", action=argparse.BooleanOptionalAction, default=True)
-    d.add_argument("--init-from", default=None, help="warm-start from a DFlash checkpoint directory (its shape)")
-    d.add_argument(
-        "--anchor-input",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="feed the context stream's last row into the block input (an option beside DFlash's design)",
-    )
     d.add_argument("--anchors", type=int, default=32)
     d.add_argument("--inner", type=int, default=2, help="optimiser steps per target forward")
     d.add_argument("--lr", type=float, default=6e-4)

@@ -45,6 +45,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--name", default="linear", help="results name: bench/results/NAME.json (+ .png)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     quiet = wait_for_quiet(max_load=1.0, timeout_s=180)
@@ -93,9 +94,9 @@ def main() -> None:
         "load_before": load_before,
         "load_after": machine_load(),
     }
-    out = write_results("linear", figures, raw, meta)
+    out = write_results(args.name, figures, raw, meta)
     title = "Linear kernels: ATen/MKL, oneDNN, weights-first, measured plan (forward ms)"
-    plot_panels(RESULTS_DIR / "linear.png", panels, title=title)
+    plot_panels(RESULTS_DIR / f"{args.name}.png", panels, title=title)
     print(out)
     for k, v in figures.items():
         print(f"{k}: {v}")

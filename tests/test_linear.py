@@ -19,6 +19,8 @@ from spyglass.models.llama import Segment, load_transformer
 from spyglass.sampling import SamplingParams
 from tests.test_engine_identity import check_identity, drafters
 
+MIXED_PLAN = ",".join(KERNELS[i % len(KERNELS)] for i in range(len(ROW_BUCKETS)))  # every kernel, mixed
+
 
 @pytest.mark.parametrize("kernel", ["onednn", "wfirst"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -59,13 +61,13 @@ def test_plan_dispatches_by_row_count(monkeypatch):
     for name, fn in list(linear_mod._KERNEL_FNS.items()):
         monkeypatch.setitem(linear_mod._KERNEL_FNS, name, recording(name, fn))
     layer = Linear(16, 8)
-    layer.plan = ("onednn", "wfirst", "aten", "wfirst", "onednn")
-    rows = (1, 2, 3, 4, 7, 8, 20, 200)
+    layer.plan = ("onednn", "wfirst", "aten", "wfirst", "onednn", "aten", "wfirst", "onednn")
+    rows = (1, 2, 3, 4, 5, 7, 8, 12, 20, 200)
     with torch.inference_mode():
         for n in rows:
             x = torch.randn(n, 16)
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
-    assert calls == ["onednn", "wfirst", "aten", "aten", "wfirst", "wfirst", "onednn", "onednn"]
+    assert calls == ["onednn", "wfirst", "aten", "wfirst", "onednn", "aten", "aten", "wfirst", "onednn", "onednn"]
 
 
 def test_training_path_keeps_autograd():
@@ -85,7 +87,7 @@ def test_backend_choice_and_errors(tiny_dir):
     assert set_linear_backend(model, "onednn") == "onednn"
     assert all(m.plan == ("onednn",) * len(ROW_BUCKETS) for m in linears)
     # a plan string (what a draft copies from its target) round-trips
-    mixed = "onednn,wfirst,wfirst,aten,onednn"
+    mixed = MIXED_PLAN
     assert set_linear_backend(model, mixed) == mixed and linears[0].plan == tuple(mixed.split(","))
     with pytest.raises(ValueError, match="unknown linear backend 'mkl'"):
         set_linear_backend(model, "mkl")
@@ -99,7 +101,7 @@ def test_forward_logits_agree_across_backends(tiny_target):
     """A verify-shaped forward (a tree over a committed prefix) gives the same logits and argmax on each."""
     tokens = torch.randint(0, tiny_target.args.vocab_size, (40,))
     out = {}
-    for backend in ("aten", "onednn", "wfirst", "onednn,wfirst,wfirst,aten,onednn"):
+    for backend in ("aten", "onednn", "wfirst", MIXED_PLAN):
         set_linear_backend(tiny_target, backend)
         cache = tiny_target.new_cache(64, 1)
         slot = cache.allocate()

@@ -106,7 +106,7 @@ _PLANS: dict[tuple, tuple[str, ...]] = {}
 def measure_linear_plan(model: nn.Module, repeats: int = 2) -> tuple[str, ...]:
     """The fastest kernel per row bucket, timed over every third linear layer and the largest one, in model order
     (as a forward reads them: the weights come from memory, not from a cache that one repeated layer would stay
-    in). Measured once per process for a given set of shapes, dtype and thread count (1.5 s for SmolLM2-135M on Sapphire Rapids)."""
+    in). Measured once per process for a given set of shapes, dtype and thread count (1.5-3 s for SmolLM2-135M)."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if not linears or linears[0].weight.device.type != "cpu":
         return ("aten",) * len(ROW_BUCKETS)

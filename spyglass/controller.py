@@ -168,12 +168,15 @@ class SpeculationController:
         decay: float = 0.85,
         max_backoff: int = 64,
         cost_by_depth: bool = False,
+        free_part: bool = False,
     ) -> None:
         """`cost_by_depth`: the drafter runs one step per depth and drafts only as deep as `seq.draft_depth` asks
         (LongSpec, GLIDE), so a shallow tree costs a fraction of a probe's deep one: charge drafting per kept
-        depth. Otherwise drafting costs what it cost recently, whatever is kept."""
+        depth. Otherwise drafting costs what it cost recently, whatever is kept. `free_part`: the drafter can
+        propose from its model-free parts alone (`seq.draft_free_only`), which it does between probes."""
         self.curve = curve
         self.cost_by_depth = cost_by_depth
+        self.free_part = free_part
         self.max_nodes = max_nodes if max_nodes is not None else max(curve.sizes) - 1
         self.decay = decay
         self.max_backoff = max_backoff
@@ -186,6 +189,7 @@ class SpeculationController:
     def wants_draft(self, seq: Sequence) -> bool:
         """False while a sequence decodes plainly between probes: its drafter need not run at all."""
         st = self._state(seq)
+        seq.draft_free_only = False
         if st.plain_streak == 0:
             # one level deeper than what paid last time (room to grow); drafting deeper would only be pruned
             seq.draft_depth = st.kept_depth + 1 if st.kept_depth else None
@@ -199,7 +203,9 @@ class SpeculationController:
         if self.persist and st.value > 0:  # drafting has paid on average: one step that did not is no reason to stop
             seq.draft_depth = st.kept_depth + 1 if st.kept_depth else None
             return True
-        return False
+        # A composite's suffix lookup is as free as suffix drafting alone: only its learned part waits for a probe.
+        seq.draft_free_only = self.free_part
+        return self.free_part
 
     def skip(self, seq: Sequence) -> None:
         """The sequence decodes plainly this step without drafting."""
@@ -257,11 +263,12 @@ class SpeculationController:
         for k, i in enumerate(order, start=1):
             gain += scores[i]
             depth = max(depth, depths[i])
-            draft = st.draft_s * depth if self.cost_by_depth else st.draft_s
+            draft = 0.0 if seq.draft_free_only else st.draft_s * depth if self.cost_by_depth else st.draft_s
             rate = gain / (self._cost(k + 1, ctx, batch) + draft)  # drafting is part of the price
             if rate > best_rate:
                 best_k, best_rate = k, rate
-        if self.persist and not st.probing:  # what drafting this step bought: the tree's gain, or the time lost
+        # what drafting this step bought: the tree's gain, or the time lost
+        if self.persist and not st.probing and not seq.draft_free_only:
             spent = st.draft_s * (tree.max_depth if self.cost_by_depth else 1)
             step_gain = best_rate / plain_rate - 1.0 if best_k else -spent * plain_rate
             st.value = self.decay * st.value + (1.0 - self.decay) * step_gain

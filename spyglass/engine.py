@@ -74,7 +74,11 @@ class SpecEngine:
                 curve = measured_curve(target, self.cache)
             elif not isinstance(curve, CostCurve):
                 raise ValueError(f"controller must be 'measure', 'off' or a CostCurve, not {curve!r}")
-            self.controller = SpeculationController(curve, cost_by_depth=getattr(drafter, "cost_by_depth", False))
+            self.controller = SpeculationController(
+                curve,
+                cost_by_depth=getattr(drafter, "cost_by_depth", False),
+                free_part=getattr(drafter, "has_free_part", False),
+            )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.eos_ids = set(target.args.eos_token_ids)
@@ -202,7 +206,8 @@ class SpecEngine:
         if ctl is not None and drafting:
             share = (time.perf_counter() - t0) / len(drafting)
             for seq in drafting:
-                ctl.note_draft_time(seq, share, proposed[id(seq)].max_depth)
+                if not seq.draft_free_only:  # a free-only step says nothing about what the whole drafter costs
+                    ctl.note_draft_time(seq, share, proposed[id(seq)].max_depth)
         trees = []
         for seq in batch:
             tree = proposed.get(id(seq))

@@ -111,6 +111,8 @@ class Sequence:
         self.control: object = None  # owned by the engine's speculation controller
         # Set by the controller each step: how deep a tree is worth drafting (None = the drafter's own limit).
         self.draft_depth: int | None = None
+        # Set by the controller between probes: propose only from model-free parts (a composite's suffix lookup).
+        self.draft_free_only = False
 
     @property
     def tokens(self) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from spyglass.controller import CostCurve, SpeculationController
 from spyglass.drafters.base import StatelessDrafter
 from spyglass.drafters.composite import CompositeDrafter, first_level_confidence, merge_trees
 from spyglass.sampling import SamplingParams
@@ -56,3 +57,45 @@ def test_later_parts_draft_only_for_sequences_the_earlier_ones_are_unsure_of():
     composite.confident = None  # every part drafts for every sequence
     composite.propose([sure, unsure])
     assert learned.seen[-1] == [9, 8]
+
+
+class LookupDrafter(ChainDrafter):
+    model_free = True
+
+
+def test_between_probes_only_the_model_free_part_proposes():
+    """A sequence the controller keeps off drafting still gets the free lookup's tree, never the learned part's,
+    and is not charged the learned part's cost for it; the probe runs every part. A drafter without a free part
+    does not propose between probes."""
+    learned = ChainDrafter({8: 0.9}, tokens=(3,))
+    composite = CompositeDrafter([LookupDrafter({8: 0.2}), learned])
+    assert composite.has_free_part and not CompositeDrafter([learned]).has_free_part
+    curve = CostCurve.linear(base=1.0, per_token=0.1)
+
+    def plain_phase(ctl: SpeculationController) -> Sequence:
+        seq = _seq(8)
+        composite.start(seq)
+        ctl.skip(seq)  # one plain step: backoff 4, no probe yet
+        ctl._state(seq).draft_s = 3.0  # the learned part costs three target steps
+        return seq
+
+    ctl = SpeculationController(curve, free_part=True)
+    seq = plain_phase(ctl)
+    assert ctl.wants_draft(seq) and seq.draft_free_only
+    (tree,) = composite.propose([seq])
+    assert learned.seen == [] and tree.tokens.tolist() == [8, 1, 2]
+    for _ in range(3):
+        ctl.skip(seq)
+    assert ctl.wants_draft(seq) and not seq.draft_free_only  # the probe: every part drafts
+    composite.propose([seq])
+    assert learned.seen == [[8]]
+
+    seq = plain_phase(ctl)
+    assert ctl.wants_draft(seq) and seq.draft_free_only
+    sized = ctl.size(seq, DraftTree.chain(8, [1, 2], scores=[1.0, 0.99, 0.98]), batch=1)
+    assert len(sized) == 3  # nearly sure free tokens pay (charged three steps of drafting they would not)
+    assert ctl.wants_draft(seq) and not seq.draft_free_only  # they paid: back to drafting with every part
+
+    plain = SpeculationController(curve)
+    seq = plain_phase(plain)
+    assert not plain.wants_draft(seq) and not seq.draft_free_only

@@ -50,6 +50,10 @@ def requested_depth(seq: Sequence, gamma: int, capacity: int) -> int:
     return max(0, min(gamma, seq.draft_depth or gamma, capacity - seq.num_tokens))
 
 
+# Optional: a drafter with `has_free_part = True` (a composite with a model-free part) keeps proposing between
+# the controller's probes with `seq.draft_free_only` set: only its model-free parts draft then.
+
+
 # Optional, for drafters that read the target's hidden states (TokenSwift, DFlash). A drafter with a non-empty
 # `hidden_layers: tuple[int, ...]` (layer indices, negative from the end; the output of that layer, before the
 # final norm) gets, after every target forward that commits tokens of a sequence (prefill chunks and verify

@@ -4,7 +4,9 @@ Copying from the context (suffix) and predicting what the model writes next (Lon
 places: merged, each path keeps the best score any drafter gave it, and the engine's controller keeps the nodes
 that pay. A later part drafts for a sequence only while the earlier parts are unsure of its next token (their
 best first-level score below `confident`): where copying is likely right, the learned draft's few extra
-candidates rarely pay for its step-by-step drafting. Sampling is verified by token matching (merged trees carry
+candidates rarely pay for its step-by-step drafting. Between the controller's probes only the model-free parts
+propose (`seq.draft_free_only`): suffix lookups cost nothing, so they should never wait for the learned part to
+pay again. Sampling is verified by token matching (merged trees carry
 no single proposal distribution), which keeps the target's distribution exactly.
 """
 
@@ -59,6 +61,7 @@ class CompositeDrafter:
         if not parts:
             raise ValueError("a composite drafter needs at least one part")
         self.parts, self.name, self.confident = parts, name, confident
+        self.has_free_part = any(getattr(p, "model_free", False) for p in parts)
         layers = {i for p in parts for i in getattr(p, "hidden_layers", ())}
         self.hidden_layers = tuple(sorted(layers))
 
@@ -88,7 +91,8 @@ class CompositeDrafter:
         saved = [s.drafter_state for s in batch]
         trees: list[list[DraftTree]] = [[] for _ in batch]
         for i, part in enumerate(self.parts):
-            rows = [j for j in range(len(batch)) if not self._sure(trees[j])]
+            free = getattr(part, "model_free", False)
+            rows = [j for j, s in enumerate(batch) if not self._sure(trees[j]) and (free or not s.draft_free_only)]
             if not rows:
                 break
             for j in rows:
@@ -98,7 +102,7 @@ class CompositeDrafter:
                 trees[j].append(tree)
         for s, st in zip(batch, saved, strict=True):
             s.drafter_state = st
-        return [merge_trees(ts) for ts in trees]
+        return [merge_trees(ts) if ts else DraftTree.root_only(s.root) for s, ts in zip(batch, trees, strict=True)]
 
     def _sure(self, trees: list[DraftTree]) -> bool:
         """The parts so far give the next token at least `confident` odds (merging keeps each node's best score)."""

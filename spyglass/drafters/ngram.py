@@ -23,6 +23,7 @@ SCAN_MATCHES = 64  # most recent occurrences considered per step (bounds the cos
 
 class NgramDrafter(StatelessDrafter):
     name = "ngram"
+    model_free = True  # a lookup: proposing costs next to nothing beside a target step
 
     def __init__(
         self, n_min: int = 1, n_max: int = 3, draft_len: int = 12, max_candidates: int = 2, adaptive: bool = True

@@ -221,6 +221,7 @@ class _SuffixState:
 
 class SuffixDrafter(StatelessDrafter):
     name = "suffix"
+    model_free = True  # a lookup: proposing costs next to nothing beside a target step
 
     def __init__(
         self,

@@ -12,7 +12,8 @@ which may be no node at all (plain decoding for that sequence). Node probabiliti
 scores (`DraftTree.scores`, or a neutral prior when it has none), calibrated per depth against the acceptance
 the sequence actually sees (depths left untried forget old evidence as fast as tried ones). A step whose tree
 does not pay is decoded plainly, and the sequence stops drafting and probes again after a back-off (with
-`persist`, only once drafting has stopped paying on average); a nearly free drafter keeps proposing meanwhile.
+`persist`, only once drafting has stopped paying on average); a nearly free drafter, or a composite's model-free
+part, keeps proposing meanwhile.
 Pruning only drops nodes, so every guarantee of the verifier holds whatever the controller decides.
 """
 
@@ -187,7 +188,8 @@ class SpeculationController:
         return seq.control
 
     def wants_draft(self, seq: Sequence) -> bool:
-        """False while a sequence decodes plainly between probes: its drafter need not run at all."""
+        """False while a sequence decodes plainly between probes: its drafter need not run at all (a drafter with a
+        model-free part still proposes from that part alone, `seq.draft_free_only`)."""
         st = self._state(seq)
         seq.draft_free_only = False
         if st.plain_streak == 0:

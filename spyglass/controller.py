@@ -261,11 +261,12 @@ class SpeculationController:
         order = sorted(range(1, len(tree)), key=lambda i: -scores[i])[: self.max_nodes]
         ctx = seq.committed
         plain_rate = 1.0 / self._cost(1, ctx, batch)
+        draft_s = 0.0 if seq.draft_free_only else st.draft_s  # a model-free part alone costs next to nothing
         best_k, best_rate, gain, depth = 0, plain_rate, 1.0, 0
         for k, i in enumerate(order, start=1):
             gain += scores[i]
             depth = max(depth, depths[i])
-            draft = 0.0 if seq.draft_free_only else st.draft_s * depth if self.cost_by_depth else st.draft_s
+            draft = draft_s * depth if self.cost_by_depth else draft_s
             rate = gain / (self._cost(k + 1, ctx, batch) + draft)  # drafting is part of the price
             if rate > best_rate:
                 best_k, best_rate = k, rate
@@ -291,7 +292,9 @@ class SpeculationController:
 
     def note_draft_time(self, seq: Sequence, seconds: float, depth: int = 1) -> None:
         """The drafter's time for this sequence in this step (a tree `depth` deep): a slow drafter must earn its
-        own cost too."""
+        own cost too. Not from a step where only a model-free part drafted: it says nothing of the whole cost."""
+        if seq.draft_free_only:
+            return
         st = self._state(seq)
         cost = seconds / max(depth, 1) if self.cost_by_depth else seconds
         st.draft_s = cost if st.draft_s == 0.0 else 0.7 * st.draft_s + 0.3 * cost

@@ -206,8 +206,7 @@ class SpecEngine:
         if ctl is not None and drafting:
             share = (time.perf_counter() - t0) / len(drafting)
             for seq in drafting:
-                if not seq.draft_free_only:  # a free-only step says nothing about what the whole drafter costs
-                    ctl.note_draft_time(seq, share, proposed[id(seq)].max_depth)
+                ctl.note_draft_time(seq, share, proposed[id(seq)].max_depth)
         trees = []
         for seq in batch:
             tree = proposed.get(id(seq))

@@ -6,8 +6,8 @@ that pay. A later part drafts for a sequence only while the earlier parts are un
 best first-level score below `confident`): where copying is likely right, the learned draft's few extra
 candidates rarely pay for its step-by-step drafting. Between the controller's probes only the model-free parts
 propose (`seq.draft_free_only`): suffix lookups cost nothing, so they should never wait for the learned part to
-pay again. Sampling is verified by token matching (merged trees carry
-no single proposal distribution), which keeps the target's distribution exactly.
+pay again. Sampling is verified by token matching (merged trees carry no single proposal distribution), which
+keeps the target's distribution exactly.
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ class CompositeDrafter:
         if not parts:
             raise ValueError("a composite drafter needs at least one part")
         self.parts, self.name, self.confident = parts, name, confident
-        self.has_free_part = any(getattr(p, "model_free", False) for p in parts)
+        self.free_parts = tuple(getattr(p, "model_free", False) for p in parts)  # these draft between probes too
+        self.has_free_part = any(self.free_parts)
         layers = {i for p in parts for i in getattr(p, "hidden_layers", ())}
         self.hidden_layers = tuple(sorted(layers))
 
@@ -90,8 +91,7 @@ class CompositeDrafter:
     def propose(self, batch: list[Sequence]) -> list[DraftTree]:
         saved = [s.drafter_state for s in batch]
         trees: list[list[DraftTree]] = [[] for _ in batch]
-        for i, part in enumerate(self.parts):
-            free = getattr(part, "model_free", False)
+        for i, (part, free) in enumerate(zip(self.parts, self.free_parts, strict=True)):
             rows = [j for j, s in enumerate(batch) if not self._sure(trees[j]) and (free or not s.draft_free_only)]
             if not rows:
                 break

@@ -6,9 +6,9 @@ reads the 49K-row LM head at half the memory speed even for one row, while oneDN
 weights once for a few rows (the SmolLM2 decode step: 41 instead of 59 ms). On AMD Zen 3 (AVX2 only) both of them
 take two passes for two rows, so verifying 2 tokens cost 2 decode steps of matmuls, while the same product
 written weights-first (`W @ x^T`, MKL streaming the weights once past a few columns) costs about one pass from 2
-rows on and is slow for one. On Sapphire Rapids MKL's fp32 GEMV path runs 1-3 rows at nearly the cost of one and
-4 rows at 1.6x. So each process times the kernels on the model's own weights, per bucket of row
-counts, and keeps a plan: the fastest kernel per bucket. Every kernel computes the same product (fp32 sums in a
+rows on and is slow for one. On a Xeon with AMX, MKL's fp32 GEMV path runs 1-3 rows at nearly the cost of one and
+4 rows at 1.6x. So each process times the kernels on the model's own weights, per bucket of row counts, and keeps
+a plan: the fastest kernel per bucket. Every kernel computes the same product (fp32 sums in a
 different order at most), so the choice never changes which tokens are accepted beyond that rounding. Autograd
 always takes `F.linear` (the oneDNN op has no backward).
 """

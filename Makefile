@@ -60,9 +60,11 @@ bench-longspec: setup
 	$(PY) bench/longspec.py --max-new-tokens 256 --per-kind 3
 bench-dflash: setup
 	$(PY) bench/dflash.py
-# After a drafted step that did not pay: keep drafting while drafting pays on average, or back off (bench/results).
+# The controller's rules on and off: keep drafting after a step that did not pay while drafting pays on average
+# (persist, off by default), and calibrating a composite's sources each on its own (per_source, on by default).
 bench-controller: setup
-	$(PY) bench/controller_persist.py
+	$(PY) bench/controller_rules.py --rule persist
+	$(PY) bench/controller_rules.py --rule per_source --methods composite --kinds code,edit,summary
 # The issue's full run (2K prefix, 6K generated, 7 variants one after another) takes over an hour on 2 CPU cores.
 bench-tokenswift: setup
 	$(PY) bench/tokenswift.py --prefix 2048 --gen 6144

@@ -144,8 +144,8 @@ class CostCurve:
 
 @dataclass
 class _SeqControl:
-    hits: list[float] = field(default_factory=list)  # per depth: decayed accepted count
-    expected: list[float] = field(default_factory=list)  # per depth: decayed predicted count
+    hits: dict[int, list[float]] = field(default_factory=dict)  # per source, per depth: decayed accepted count
+    expected: dict[int, list[float]] = field(default_factory=dict)  # per source, per depth: decayed predicted count
     plain_streak: int = 0  # consecutive steps without speculation
     backoff: int = 4  # plain steps before the next probe
     probing: bool = False  # this step is a probe
@@ -159,8 +159,12 @@ class SpeculationController:
 
     # Keep drafting while drafted steps pay on average, instead of backing off after any step that did not. Off:
     # on one Zen 4 machine it never engaged for LongSpec or DFlash (drafting did not pay on average there) and moved
-    # the composite's tau by +0.2 / +0.06 / -0.6 on three prompts (bench/controller_persist.py).
+    # the composite's tau by +0.2 / +0.06 / -0.6 on three prompts (bench/controller_rules.py --rule persist).
     persist = False
+    # Calibrate each source of a merged tree (`DraftTree.sources`: a composite's suffix lookups, its learned draft,
+    # both) on its own acceptance: their scores err differently, and one factor per depth would shrink the
+    # trustworthy source's nodes and keep the other's.
+    per_source = True
 
     def __init__(
         self,
@@ -214,13 +218,18 @@ class SpeculationController:
         self._state(seq).plain_streak += 1
         seq.stats.control.plain_steps += 1
 
-    def calibration(self, seq: Sequence, depth: int) -> float:
-        """Observed / predicted acceptance at a depth (1 with no evidence; deeper depths borrow the last seen)."""
+    def calibration(self, seq: Sequence, depth: int, source: int = 0) -> float:
+        """Observed / predicted acceptance of a source's nodes at a depth (1 with no evidence; deeper depths borrow
+        the last seen)."""
         st = self._state(seq)
-        if not st.hits:
+        hits = st.hits.get(source)
+        if not hits:
             return 1.0
-        d = min(depth, len(st.hits)) - 1
-        return (st.hits[d] + PSEUDO_COUNT) / (st.expected[d] + PSEUDO_COUNT)
+        d = min(depth, len(hits)) - 1
+        return (hits[d] + PSEUDO_COUNT) / (st.expected[source][d] + PSEUDO_COUNT)
+
+    def _sources(self, tree: DraftTree) -> list[int]:
+        return tree.sources if self.per_source and tree.sources is not None else [0] * len(tree)
 
     def conditionals(self, tree: DraftTree) -> list[float]:
         """Each node's chance of acceptance given its parent's, as the drafter estimates it.
@@ -243,10 +252,10 @@ class SpeculationController:
     def scores(self, seq: Sequence, tree: DraftTree) -> list[float]:
         """Calibrated P(node accepted), by cumulating calibrated conditionals down the tree."""
         cond = self.conditionals(tree)
-        depths = tree.depths
+        depths, sources = tree.depths, self._sources(tree)
         s = [1.0] * len(tree)
         for i, p in enumerate(tree.parents[1:], start=1):
-            s[i] = s[p] * min(1.0, cond[i] * self.calibration(seq, depths[i]))
+            s[i] = s[p] * min(1.0, cond[i] * self.calibration(seq, depths[i], sources[i]))
         return s
 
     def size(self, seq: Sequence, tree: DraftTree, batch: int) -> DraftTree:
@@ -310,25 +319,32 @@ class SpeculationController:
             return
         cond = self.conditionals(tree)
         kids = tree.children()
+        sources = self._sources(tree)
         path = accepted.path
-        tried = 0
+        tried: set[tuple[int, int]] = set()
         for d in range(1, tree.max_depth + 1):
             if d - 1 >= len(path):  # the path stopped before this depth: no trial here
                 break
             parent = path[d - 1]
-            if not kids[parent]:
-                break
-            if len(st.hits) < d:  # a depth's first trial starts from the evidence one level up
-                st.hits.append(st.hits[-1] if st.hits else 0.0)
-                st.expected.append(st.expected[-1] if st.expected else 0.0)
-            st.hits[d - 1] = self.decay * st.hits[d - 1] + (1.0 if d < len(path) else 0.0)
-            st.expected[d - 1] = self.decay * st.expected[d - 1] + min(1.0, sum(cond[c] for c in kids[parent]))
-            tried = d
-        # Depths not tried this step forget too: evidence from long ago must not keep a depth pruned (and so
-        # untried) for the rest of the request after a few early misses.
-        for d in range(tried, len(st.hits)):
-            st.hits[d] *= self.decay
-            st.expected[d] *= self.decay
+            took = path[d] if d < len(path) else -1
+            predicted: dict[int, float] = {}
+            for c in kids[parent]:
+                predicted[sources[c]] = predicted.get(sources[c], 0.0) + cond[c]
+            for src, p in predicted.items():  # one trial per source with candidates here
+                hits, expected = st.hits.setdefault(src, []), st.expected.setdefault(src, [])
+                if len(hits) < d:  # a depth's first trial starts from the evidence one level up
+                    hits.append(hits[-1] if hits else 0.0)
+                    expected.append(expected[-1] if expected else 0.0)
+                hits[d - 1] = self.decay * hits[d - 1] + (1.0 if took >= 0 and sources[took] == src else 0.0)
+                expected[d - 1] = self.decay * expected[d - 1] + min(1.0, p)
+                tried.add((src, d))
+        # What was not tried this step forgets too: evidence from long ago must not keep a depth (or a source)
+        # pruned, and so untried, for the rest of the request after a few early misses.
+        for src, hits in st.hits.items():
+            for d in range(1, len(hits) + 1):
+                if (src, d) not in tried:
+                    hits[d - 1] *= self.decay
+                    st.expected[src][d - 1] *= self.decay
         if st.probing:  # a probe that found acceptance ends the plain phase; one that did not backs off further
             st.probing = False
             if accepted.num_drafted_accepted > 0:

@@ -20,6 +20,9 @@ class DraftTree:
     # Optional per-node estimate of P(node is accepted) (root 1.0, never larger than its parent's): what the
     # engine's speculation controller sizes the tree by. None = no estimate (the controller learns one).
     scores: list[float] | None = None
+    # Optional per-node tag of which drafter(s) proposed it (a composite's bit per part; root 0): the controller
+    # calibrates each source's scores against its own acceptance.
+    sources: list[int] | None = None
     _depths: list[int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -30,6 +33,8 @@ class DraftTree:
                 raise ValueError(f"node {i} has parent {p}: nodes must follow their parents")
         if self.scores is not None and len(self.scores) != len(self.parents):
             raise ValueError("a draft tree needs one score per node")
+        if self.sources is not None and len(self.sources) != len(self.parents):
+            raise ValueError("a draft tree needs one source per node")
 
     @classmethod
     def root_only(cls, root: int) -> DraftTree:
@@ -52,7 +57,8 @@ class DraftTree:
             raise ValueError(f"subtree keeps a node without its parent {e}") from None
         probs = self.probs[keep] if self.probs is not None else None
         scores = [self.scores[i] for i in keep] if self.scores is not None else None
-        return DraftTree(self.tokens[keep], parents, probs, scores)
+        sources = [self.sources[i] for i in keep] if self.sources is not None else None
+        return DraftTree(self.tokens[keep], parents, probs, scores, sources)
 
     def best_nodes(self, scores: list[float], k: int) -> list[int]:
         """The root and the k non-root nodes of highest score (ties: earlier first), ascending. With scores that

@@ -40,6 +40,9 @@ def test_merged_paths_keep_their_best_score_and_children_never_outscore_parents(
     assert m.tokens.tolist() == [9, 1, 2, 3, 4]
     assert m.parents == [-1, 0, 1, 1, 0]
     assert m.scores == [1.0, 0.6, 0.3, 0.6, 0.2]  # token 1: max(0.4, 0.6); token 3: 0.7 clamped to its parent's 0.6
+    assert m.sources == [0, 3, 1, 2, 2]  # token 1 from both trees, 2 from a, 3 and 4 from b
+    assert merge_trees([b], parts=[1]).sources == [0, 2, 2, 2]  # bits name the drafting part, not the list index
+    assert m.subtree([0, 1, 3]).sources == [0, 3, 2]
 
 
 def test_later_parts_draft_only_for_sequences_the_earlier_ones_are_unsure_of():

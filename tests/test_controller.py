@@ -144,6 +144,27 @@ def test_a_depth_left_untried_forgets_its_old_misses():
     assert low < 0.5 and ctl.calibration(seq, 2) > 0.8
 
 
+def test_each_source_of_a_merged_tree_is_calibrated_on_its_own_acceptance():
+    """Two drafters' candidates for the next token score the same, but only one source's are ever accepted: per
+    source, the controller learns to verify that source's node alone; pooled, both sources share one factor."""
+    tree = DraftTree(torch.tensor([5, 1, 2]), [-1, 0, 0], scores=[1.0, 0.45, 0.45], sources=[0, 1, 2])
+    taken = Accepted([0, 1], [1, 7])  # source 1's token accepted
+    pooled = SpeculationController(CostCurve.linear(1.0, 0.4))
+    pooled.per_source = False
+    results = {}
+    for ctl in (SpeculationController(CostCurve.linear(1.0, 0.4)), pooled):
+        seq = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
+        for _ in range(20):
+            ctl.observe(seq, tree, taken)
+        results[ctl.per_source] = (ctl.scores(seq, tree), ctl.size(seq, tree, batch=1).tokens.tolist())
+    scores, kept = results[True]
+    assert scores[1] > 0.9 and scores[2] < 0.1
+    assert kept == [5, 1]
+    scores, kept = results[False]
+    assert scores[1] == scores[2]
+    assert kept == [5, 1, 2]  # at 0.45 each after pooling, nothing tells them apart: both are verified
+
+
 def test_always_right_grows_to_the_largest_tree(tiny_target):
     prompt = _prompt(seed=2)
     params = SamplingParams(max_new_tokens=60, ignore_eos=True)

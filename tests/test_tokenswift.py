@@ -225,3 +225,32 @@ def test_heads_extraction_cache_never_pairs_states_with_other_contexts(tiny_targ
     b = extract(tiny_target, second, out, shard=3)
     assert not torch.equal(a, b)
     assert torch.equal(b, extract(tiny_target, second, tmp_path / "fresh", shard=3))
+
+
+def test_distilled_heads_loss_is_cross_entropy_against_the_targets_own_next_token_distribution(tiny_target):
+    """Head i at t learns token t+1+i; distilled, its label is the target's distribution there, which the target's
+    head gives from the stored hidden state at t+i (no extra extraction)."""
+    from spyglass.training.tokenswift_heads import heads_loss
+
+    g = torch.Generator().manual_seed(0)
+    d = tiny_target.args.hidden_size
+    heads = TokenSwiftHeads(d, gamma=2)
+    with torch.no_grad():
+        heads.proj.normal_(0, 0.2, generator=g)
+    h0 = torch.randn(2, 10, d, generator=g)
+    tokens = torch.randint(0, tiny_target.args.vocab_size, (2, 10), generator=g)
+    pos = torch.tensor([[0, 1], [1, 4], [1, 6]])
+    with torch.no_grad():
+        corpus_loss, ces, _ = heads_loss(heads, tiny_target, h0, tokens, pos)
+        loss, _, metrics = heads_loss(heads, tiny_target, h0, tokens, pos, distill=1.0)
+        streams = heads(h0[pos[:, 0], pos[:, 1]])
+        manual, picks_agree, probs = 0.0, [], []
+        for i in (1, 2):
+            logp = tiny_target.lm_head(tiny_target.norm(streams[i])).log_softmax(-1)
+            teacher = tiny_target.lm_head(tiny_target.norm(h0[pos[:, 0], pos[:, 1] + i])).softmax(-1)
+            manual += -(teacher * logp).sum(-1).mean()
+            picks_agree.append(float((logp.argmax(-1) == teacher.argmax(-1)).float().mean()))
+            probs.append(float(teacher.gather(1, logp.argmax(-1, keepdim=True)).mean()))
+    assert torch.allclose(corpus_loss, torch.tensor(sum(ces)), atol=1e-5)
+    assert torch.allclose(loss, manual, atol=1e-5) and not torch.allclose(loss, corpus_loss, atol=1e-3)
+    assert metrics["target_top1"] == pytest.approx(picks_agree) and metrics["target_prob"] == pytest.approx(probs)

@@ -20,16 +20,18 @@ from spyglass.tree import DraftTree
 from spyglass.verify import Accepted
 
 
-def merge_trees(trees: list[DraftTree]) -> DraftTree:
+def merge_trees(trees: list[DraftTree], parts: list[int] | None = None) -> DraftTree:
     """One trie of every tree's paths under the common root; a node's score is the best any tree gave it
-    (a tree without scores counts as PRIOR for every node)."""
+    (a tree without scores: 0.5 per depth), its source the set of drafters that proposed it (bit `parts[t]` for
+    `trees[t]`; default t)."""
     root = int(trees[0].tokens[0])
-    tokens, parents, scores = [root], [-1], [1.0]
+    tokens, parents, scores, sources = [root], [-1], [1.0], [0]
     index: dict[tuple[int, int], int] = {}
-    for tree in trees:
+    for t, tree in enumerate(trees):
         if int(tree.tokens[0]) != root:
             raise ValueError("trees to merge must share their root")
         tree_scores = tree.scores or [1.0] + [0.5**d for d in tree.depths[1:]]
+        bit = 1 << (parts[t] if parts is not None else t)
         mapped = [0]
         for i in range(1, len(tree)):
             key = (mapped[tree.parents[i]], int(tree.tokens[i]))
@@ -39,12 +41,14 @@ def merge_trees(trees: list[DraftTree]) -> DraftTree:
                 tokens.append(key[1])
                 parents.append(key[0])
                 scores.append(tree_scores[i])
+                sources.append(bit)
             else:
                 scores[node] = max(scores[node], tree_scores[i])
+                sources[node] |= bit
             mapped.append(node)
     for i in range(1, len(tokens)):  # a child never above its parent
         scores[i] = min(scores[i], scores[parents[i]])
-    return DraftTree(torch.tensor(tokens), parents, scores=scores)
+    return DraftTree(torch.tensor(tokens), parents, scores=scores, sources=sources)
 
 
 def first_level_confidence(tree: DraftTree) -> float:
@@ -91,6 +95,7 @@ class CompositeDrafter:
     def propose(self, batch: list[Sequence]) -> list[DraftTree]:
         saved = [s.drafter_state for s in batch]
         trees: list[list[DraftTree]] = [[] for _ in batch]
+        drafted: list[list[int]] = [[] for _ in batch]  # which part drafted each of them
         for i, (part, free) in enumerate(zip(self.parts, self.free_parts, strict=True)):
             rows = [j for j, s in enumerate(batch) if not self._sure(trees[j]) and (free or not s.draft_free_only)]
             if not rows:
@@ -100,9 +105,13 @@ class CompositeDrafter:
             for j, tree in zip(rows, part.propose([batch[j] for j in rows]), strict=True):
                 saved[j][i] = batch[j].drafter_state
                 trees[j].append(tree)
+                drafted[j].append(i)
         for s, st in zip(batch, saved, strict=True):
             s.drafter_state = st
-        return [merge_trees(ts) if ts else DraftTree.root_only(s.root) for s, ts in zip(batch, trees, strict=True)]
+        return [
+            merge_trees(ts, parts) if ts else DraftTree.root_only(s.root)
+            for s, ts, parts in zip(batch, trees, drafted, strict=True)
+        ]
 
     def _sure(self, trees: list[DraftTree]) -> bool:
         """The parts so far give the next token at least `confident` odds (merging keeps each node's best score)."""

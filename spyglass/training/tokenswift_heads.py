@@ -108,24 +108,38 @@ def heads_loss(
     tokens: torch.Tensor,
     pos: torch.Tensor,
     vocab: torch.Tensor | None = None,
+    distill: float = 0.0,
 ):
-    """Sum over heads i = 1..gamma of CE(head i at position t, token t + 1 + i), through the frozen norm and head.
+    """Sum over heads i = 1..gamma of the loss of head i at position t on token t + 1 + i, through the frozen norm
+    and head: (1 - distill) x CE against the corpus token + distill x CE against the target's own distribution
+    there (its logits at t + i, computed from the stored hidden state: acceptance means matching the target, not
+    the corpus, and the soft label carries what a sampled continuation would make of it).
 
     `h0` `[n, L, d]` last-layer hidden states, `tokens` `[n, L]`, `pos` `[m, 2]` (context, t) rows with
     t + 1 + gamma < L. `vocab` (sorted token ids): a cheaper training loss over only those rows of the LM head,
-    positions whose target lies outside dropped (the head is most of the cost on a CPU). Returns (loss, per-head
-    CE list, per-head top-1 accuracy list)."""
+    positions whose corpus token lies outside dropped (the head is most of the cost on a CPU). Returns (loss,
+    per-head corpus CE list, per-head metrics: top-1 vs the corpus, top-1 vs the target's argmax, and the target's
+    probability of the head's top-1 token, i.e. its acceptance rate at T=1)."""
     h = h0[pos[:, 0], pos[:, 1]].float()
-    ces, accs = [], []
+    ces, losses = [], []
+    metrics = {"top1": [], "target_top1": [], "target_prob": []}
     streams = heads(h)
     weight = target.lm_head.weight if vocab is None else target.lm_head.weight[vocab]
     for i in range(1, heads.gamma + 1):
         logits = (target.norm(streams[i]) @ weight.T).float()
+        with torch.no_grad():
+            teacher = (target.norm(h0[pos[:, 0], pos[:, 1] + i].float()) @ weight.T).float().softmax(-1)
         want = tokens[pos[:, 0], pos[:, 1] + 1 + i]
         if vocab is not None:
             idx = torch.searchsorted(vocab, want).clamp(max=len(vocab) - 1)
             keep = vocab[idx] == want
-            logits, want = logits[keep], idx[keep]
-        ces.append(nn.functional.cross_entropy(logits, want))
-        accs.append(float((logits.argmax(-1) == want).float().mean()))
-    return sum(ces), [float(c.detach()) for c in ces], accs
+            logits, want, teacher = logits[keep], idx[keep], teacher[keep]
+        ce = nn.functional.cross_entropy(logits, want)
+        ces.append(ce)
+        soft = -(teacher * logits.log_softmax(-1)).sum(-1).mean() if distill else 0.0
+        losses.append((1 - distill) * ce + distill * soft)
+        pick = logits.argmax(-1)
+        metrics["top1"].append(float((pick == want).float().mean()))
+        metrics["target_top1"].append(float((pick == teacher.argmax(-1)).float().mean()))
+        metrics["target_prob"].append(float(teacher.gather(1, pick[:, None]).mean()))
+    return sum(losses), [float(c.detach()) for c in ces], metrics

@@ -42,6 +42,7 @@ DEFAULTS = {
     "batch_positions": 512,
     "eval_stride": 4,  # held-out evaluation at every n-th position (full vocabulary: the expensive part)
     "train_vocab": None,  # train the CE over the most frequent N training tokens only (None = full vocabulary)
+    "distill": 0.0,  # weight of the target's own distribution in the loss (1 - distill: the corpus token)
     "lr": 5.0e-3,
     "weight_decay": 0.1,
     "warmup": 20,
@@ -101,27 +102,23 @@ def _positions(n: int, length: int, gamma: int, count: int, g: torch.Generator) 
 
 @torch.no_grad()
 def evaluate(heads, target, hidden: torch.Tensor, tokens: torch.Tensor, stride: int = 4) -> dict:
-    """Per-head CE and top-1 accuracy against the corpus (full vocabulary) at every `stride`-th valid position
-    (base head l0 too)."""
+    """Per-head CE and top-1 agreement with the corpus and with the target's argmax, and the target's probability
+    of each head's top-1 token (full vocabulary), at every `stride`-th valid position (base head l0 too)."""
     gamma = heads.gamma
     n, length = tokens.shape
     pos = torch.stack(torch.meshgrid(torch.arange(n), torch.arange(length - 1 - gamma), indexing="ij"), -1)
     pos = pos.reshape(-1, 2)[::stride]
-    ces, accs, base = [], [], 0.0
+    sums: dict[str, torch.Tensor] = {}
+    base = 0.0
     for chunk in pos.split(1024):
-        _, c, a = heads_loss(heads, target, hidden, tokens, chunk)
+        _, ces, metrics = heads_loss(heads, target, hidden, tokens, chunk)
         h = hidden[chunk[:, 0], chunk[:, 1]].float()
         pred = target.lm_head(target.norm(h)).argmax(-1)
         base += float((pred == tokens[chunk[:, 0], chunk[:, 1] + 1]).float().sum())
-        ces.append(torch.tensor(c) * len(chunk))
-        accs.append(torch.tensor(a) * len(chunk))
+        for key, values in {"head_ce": ces, **{f"head_{k}": v for k, v in metrics.items()}}.items():
+            sums[key] = sums.get(key, 0) + torch.tensor(values) * len(chunk)
     m = len(pos)
-    return {
-        "positions": m,
-        "base_top1": base / m,
-        "head_ce": (sum(ces) / m).tolist(),
-        "head_top1": (sum(accs) / m).tolist(),
-    }
+    return {"positions": m, "base_top1": base / m, **{k: (v / m).tolist() for k, v in sums.items()}}
 
 
 def run(cfg: dict) -> dict:
@@ -168,7 +165,7 @@ def run(cfg: dict) -> dict:
     while state["step"] < steps and state["seconds"] < budget:
         t0 = time.perf_counter()
         pos = _positions(n_train, train_t.shape[1], heads.gamma, int(cfg["batch_positions"]), g)
-        loss, ces, accs = heads_loss(heads, target, train_h, train_t, pos, vocab)
+        loss, ces, metrics = heads_loss(heads, target, train_h, train_t, pos, vocab, float(cfg["distill"]))
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)
@@ -176,11 +173,12 @@ def run(cfg: dict) -> dict:
         sched.step()
         state["step"] += 1
         state["seconds"] += time.perf_counter() - t0
-        state["log"].append({"step": state["step"], "loss": float(loss), "ce": ces, "top1": accs})
+        state["log"].append({"step": state["step"], "loss": float(loss), "ce": ces, **metrics})
         if state["step"] % 5 == 0:
             print(
                 f"step {state['step']} loss {float(loss):.3f} ce {[round(c, 3) for c in ces]} "
-                f"top1 {[round(a, 3) for a in accs]} ({state['seconds']:.0f}s)",
+                f"top1 {[round(a, 3) for a in metrics['top1']]} "
+                f"vs target {[round(a, 3) for a in metrics['target_top1']]} ({state['seconds']:.0f}s)",
                 flush=True,
             )
         done = state["step"] >= steps or state["seconds"] >= budget
@@ -278,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("config")
     ap.add_argument("--max-minutes", type=float)
     ap.add_argument("--steps", type=int)
+    ap.add_argument("--threads", type=int)
     ap.add_argument("--card-only", action="store_true", help="rewrite MODEL_CARD.md from the last report.json")
     args = ap.parse_args(argv)
     try:
@@ -286,8 +285,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(str(e)) from e
     if args.max_minutes is not None:
         cfg["max_minutes"] = args.max_minutes
-    if args.steps is not None:
-        cfg["steps"] = args.steps
+    for key in ("steps", "threads"):
+        if getattr(args, key) is not None:
+            cfg[key] = getattr(args, key)
     if args.card_only:
         report = json.loads((Path(cfg["workdir"]) / "report.json").read_text())
         print(write_card(report, Path(cfg["out_dir"])))

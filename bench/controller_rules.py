@@ -1,11 +1,14 @@
-"""The controller's two answers to a drafted step that did not pay, side by side on held-out prompts: keep
-drafting while drafted steps pay on average (`persist`) or back off to plain decoding until a probe (the
-default). Matters for drafters that are neither free nor useless: LongSpec (per depth),
-DFlash (per block), and the composite (suffix + LongSpec), whose LongSpec part makes it too costly for the
-free-drafter rule. SmolLM2 fp32, T=0, every variant on the same prompts in one run.
-Writes bench/results/controller_persist.json (+ .png).
+"""One of the controller's rules on and off, side by side on held-out prompts (SmolLM2 fp32, T=0, every variant
+on the same prompts in one run):
+- `persist`: after a drafted step that did not pay, keep drafting while drafted steps pay on average, or back off
+  to plain decoding until a probe (the default). Matters for drafters that are neither free nor useless:
+  LongSpec (per depth), DFlash (per block), the composite (suffix + LongSpec).
+- `per_source`: calibrate a merged tree's sources (the composite's suffix lookups, its LongSpec draft, both)
+  each on its own acceptance (the default), or all of them with one factor per depth (`pooled`).
+Writes bench/results/controller_RULE.json (+ .png).
 
-    python bench/controller_persist.py [--max-new-tokens 256] [--per-kind 2] [--kinds code,edit]
+    python bench/controller_rules.py --rule persist [--max-new-tokens 256] [--per-kind 2] [--kinds code,edit]
+    python bench/controller_rules.py --rule per_source --methods composite --kinds code,edit,summary
 """
 
 from __future__ import annotations
@@ -23,9 +26,12 @@ from spyglass.controller import SpeculationController  # noqa: E402
 from spyglass.drafters import build_drafter  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
 
+RULES = {"persist": "backoff", "per_source": "pooled"}  # rule -> what the variant without it is called
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rule", choices=sorted(RULES), required=True)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--per-kind", type=int, default=2)
     ap.add_argument("--kinds", default="code,edit")
@@ -34,9 +40,11 @@ def main() -> None:
     args = ap.parse_args()
     quiet, redis, target, tok, cache = bench_setup("bench-controller", args.threads)
 
-    def maker(method: str, persist: bool):
+    rule = args.rule
+
+    def maker(method: str, on: bool):
         def make():  # the engine built next (compare runs one at a time) reads the rule from the class
-            SpeculationController.persist = persist
+            setattr(SpeculationController, rule, on)
             return build_drafter(method, target, max_batch=1, max_context=8192)
 
         return make
@@ -44,26 +52,26 @@ def main() -> None:
     makers = {}
     for m in (m for m in args.methods.split(",") if m):
         makers[m] = maker(m, True)
-        makers[f"{m}-backoff"] = maker(m, False)
+        makers[f"{m}-{RULES[rule]}"] = maker(m, False)
     kinds = tuple(k for k in args.kinds.split(",") if k)
     tasks = heldout_tasks(tok, kinds=kinds, per_kind=args.per_kind)
     load_before = machine_load()
-    default = SpeculationController.persist
+    default = getattr(SpeculationController, rule)
     results = compare(target, tasks, makers, SamplingParams(max_new_tokens=args.max_new_tokens), cache)
-    SpeculationController.persist = default
+    setattr(SpeculationController, rule, default)
     figures: dict = {"identical_all": all(r["identical"] for row in results.values() for r in row.values())}
     for m in makers:
         tag = m.replace("-", "_")
         for kind in kinds:
             figures[f"speedup_{kind}_{tag}"] = by_kind(results, tasks, m, "speedup").get(kind)
             figures[f"tau_{kind}_{tag}"] = by_kind(results, tasks, m, "tau").get(kind)
-    what = "decode speedup over plain decoding with the controller persisting or backing off, SmolLM2 fp32"
+    what = f"decode speedup over plain decoding with the controller's {rule} rule on and off, SmolLM2 fp32"
     meta = run_meta(what, tasks, quiet, load_before, args.threads, target, max_new_tokens=args.max_new_tokens)
-    out = write_results("controller_persist", figures, {"t0": results}, meta)
+    out = write_results(f"controller_{rule}", figures, {"t0": results}, meta)
     plot_panels(
-        RESULTS_DIR / "controller_persist.png",
+        RESULTS_DIR / f"controller_{rule}.png",
         speed_panels(results, tasks, list(makers), "T=0"),
-        title="Controller: keep drafting while it pays on average vs back off (SmolLM2 fp32)",
+        title=f"Controller: the {rule} rule on vs off (SmolLM2 fp32)",
     )
     print(out)
 

@@ -150,7 +150,7 @@ class TokenSwiftDrafter:
         last = t.args.n_layers - 1
         if not self.draft_pass:
             h = torch.stack([s.drafter_state.h_last for s in batch])
-            return self.heads.logits(t, h)[1 : 1 + len(self.widths)]
+            return self.heads.logits(t, h, slice(1, 1 + len(self.widths)))
         segments = []
         for seq in batch:
             st: PartialState = seq.drafter_state.partial
@@ -164,7 +164,7 @@ class TokenSwiftDrafter:
             h = torch.cat([c[last] for c in t.captured])
         finally:
             t.capture_layers = saved
-        return self.heads.logits(t, h)[: len(self.widths)]
+        return self.heads.logits(t, h, slice(len(self.widths)))
 
     def propose(self, batch: list[Sequence]) -> list[DraftTree]:
         if self.target is None:

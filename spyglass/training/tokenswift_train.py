@@ -121,7 +121,9 @@ def evaluate(heads, target, hidden: torch.Tensor, tokens: torch.Tensor, stride: 
     return {"positions": m, "base_top1": base / m, **{k: (v / m).tolist() for k, v in sums.items()}}
 
 
-def run(cfg: dict) -> dict:
+def run(cfg: dict, evaluate_only: str | None = None) -> dict:
+    """Train (resuming from the run's checkpoint) and evaluate; with `evaluate_only`, only evaluate that heads
+    checkpoint on this run's held-out contexts (to compare heads trained elsewhere on the same positions)."""
     torch.set_num_threads(int(cfg["threads"]))
     torch.manual_seed(cfg["seed"])
     work = Path(cfg["workdir"])
@@ -136,6 +138,11 @@ def run(cfg: dict) -> dict:
     hidden = extract(target, contexts, work / "hidden", int(cfg["shard"]))
     train_h, train_t = hidden[:n_train], contexts[:n_train]
     held_h, held_t = hidden[n_train:], contexts[n_train:]
+    if evaluate_only:
+        from spyglass.training.tokenswift_heads import load_heads
+
+        held = evaluate(load_heads(evaluate_only, target), target, held_h, held_t, int(cfg["eval_stride"]))
+        return {"checkpoint": evaluate_only, "heldout": held}
 
     heads = TokenSwiftHeads(target.args.hidden_size, int(cfg["gamma"]), target.args.rms_eps)
     opt = torch.optim.AdamW(heads.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
@@ -278,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int)
     ap.add_argument("--threads", type=int)
     ap.add_argument("--card-only", action="store_true", help="rewrite MODEL_CARD.md from the last report.json")
+    ap.add_argument("--evaluate", metavar="HEADS_DIR", help="only evaluate these heads on the run's held-out split")
     args = ap.parse_args(argv)
     try:
         cfg = resolve_config(yaml.safe_load(Path(args.config).read_text()) or {})
@@ -291,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.card_only:
         report = json.loads((Path(cfg["workdir"]) / "report.json").read_text())
         print(write_card(report, Path(cfg["out_dir"])))
+        return 0
+    if args.evaluate:
+        print(json.dumps(run(cfg, evaluate_only=args.evaluate), indent=1))
         return 0
     report = run(cfg)
     write_card(report, Path(cfg["out_dir"]))

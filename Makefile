@@ -64,7 +64,7 @@ bench-dflash: setup
 # (persist, off by default), and calibrating a composite's sources each on its own (per_source, on by default).
 bench-controller: setup
 	$(PY) bench/controller_rules.py --rule persist
-	$(PY) bench/controller_rules.py --rule per_source --methods composite --kinds code,edit,summary
+	$(PY) bench/controller_rules.py --rule per_source --methods composite --baselines suffix --kinds code,edit,summary
 # The issue's full run (2K prefix, 6K generated, 7 variants one after another) takes over an hour on 2 CPU cores.
 bench-tokenswift: setup
 	$(PY) bench/tokenswift.py --prefix 2048 --gen 6144

@@ -8,7 +8,7 @@ on the same prompts in one run):
 Writes bench/results/controller_RULE.json (+ .png).
 
     python bench/controller_rules.py --rule persist [--max-new-tokens 256] [--per-kind 2] [--kinds code,edit]
-    python bench/controller_rules.py --rule per_source --methods composite --kinds code,edit,summary
+    python bench/controller_rules.py --rule per_source --methods composite --baselines suffix --kinds code,edit,summary
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--per-kind", type=int, default=2)
     ap.add_argument("--kinds", default="code,edit")
     ap.add_argument("--methods", default="longspec,composite,dflash")
+    ap.add_argument("--baselines", default="", help="methods run once, with the default rules (e.g. suffix)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     quiet, redis, target, tok, cache = bench_setup("bench-controller", args.threads)
@@ -53,6 +54,8 @@ def main() -> None:
     for m in (m for m in args.methods.split(",") if m):
         makers[m] = maker(m, True)
         makers[f"{m}-{RULES[rule]}"] = maker(m, False)
+    for m in (m for m in args.baselines.split(",") if m):
+        makers[m] = maker(m, getattr(SpeculationController, rule))
     kinds = tuple(k for k in args.kinds.split(",") if k)
     tasks = heldout_tasks(tok, kinds=kinds, per_kind=args.per_kind)
     load_before = machine_load()

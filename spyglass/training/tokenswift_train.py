@@ -230,8 +230,16 @@ def write_card(report: dict, out_dir: Path) -> Path:
     cfg = report["config"]
     rows = "\n".join(
         f"| head {i + 1} (token t+{i + 2}) | {held['head_ce'][i]:.3f} | {held['head_top1'][i]:.3f} | "
-        f"{base['head_ce'][i]:.3f} | {base['head_top1'][i]:.3f} |"
+        f"{held['head_target_top1'][i]:.3f} | {held['head_target_prob'][i]:.3f} | "
+        f"{base['head_top1'][i]:.3f} | {base['head_target_prob'][i]:.3f} |"
         for i in range(len(held["head_ce"]))
+    )
+    distill = float(cfg.get("distill", 0.0))
+    labels = (
+        f"{1 - distill:g} x CE(head i at t, corpus token t+1+i) + {distill:g} x CE against the target's own\n"
+        "  distribution at that position (computed from the stored hidden states)"
+        if distill
+        else "sum over heads of CE(head i at t, token t+1+i)"
     )
     text = f"""# TokenSwift heads for SmolLM2-135M-Instruct
 
@@ -248,17 +256,20 @@ hidden state; their logits go through the target's own frozen final norm and LM 
   hidden states extracted once by the frozen target.
 - Training: {report["steps"]} steps of {report["positions_per_step"]} random positions
   (AdamW lr {cfg["lr"]}, weight decay {cfg["weight_decay"]}, {cfg["warmup"]} warm-up steps then cosine,
-  grad clip 1.0); loss = sum over heads of CE(head i at t, token t+1+i), computed over the
-  {report.get("train_vocab") or "full"} most frequent training tokens (a CPU budget: positions whose target
-  is outside are skipped); {report["train_seconds"]:.0f} s of training on 1 CPU thread of a shared, busy
-  2-core machine. Final training loss (sum of 3 CEs, reduced vocabulary): {report["final_train_loss"]:.3f}.
+  grad clip 1.0); loss per head = {labels}, summed over heads, over the
+  {report.get("train_vocab") or "full"} most frequent training tokens (a CPU budget: positions whose corpus
+  token is outside are skipped); {report["train_seconds"]:.0f} s of training steps on
+  {cfg["threads"]} CPU thread(s). Final training loss (reduced vocabulary): {report["final_train_loss"]:.3f}.
 - Held-out: {report["heldout_contexts"]} further train-split contexts never trained on, every
   {cfg.get("eval_stride", 4)}th position
   ({held["positions"]:,} positions), **full 49,152-token vocabulary**. Base next-token top-1 (the target itself):
   {held["base_top1"]:.3f}.
 
-| head | CE | top-1 | CE untrained (W=0: repeats the base distribution) | top-1 untrained |
-|---|---|---|---|---|
+"top-1 = target" is greedy acceptance (the head's top token is the target's); "P_target(top-1)" is the chance
+the target samples the head's top token at T=1 (its acceptance there, before min-p and penalties).
+
+| head | CE (corpus) | top-1 = corpus | top-1 = target | P_target(top-1) | untrained: = corpus | untrained: P_target |
+|---|---|---|---|---|---|---|
 {rows}
 
 Reproduce (resumable): `python -m spyglass.training.tokenswift_train configs/smollm2-tokenswift-heads.yaml`.

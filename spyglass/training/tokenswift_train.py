@@ -34,6 +34,7 @@ DEFAULTS = {
     "corpus": {},
     "train_contexts": 240,
     "heldout_contexts": 16,
+    "heldout_split": "train",  # "eval": held-out packages/documents (half prose, half code); "train": its last contexts
     "corpus_contexts": None,  # train-split contexts the corpus is built with (default: train + held out)
     "shard": 16,
     "gamma": 3,
@@ -131,13 +132,23 @@ def run(cfg: dict, evaluate_only: str | None = None) -> dict:
     for p in target.parameters():
         p.requires_grad_(False)
     n_train, n_held = int(cfg["train_contexts"]), int(cfg["heldout_contexts"])
-    n_corpus = int(cfg["corpus_contexts"] or n_train + n_held)
-    corpus_cfg = CorpusConfig.from_dict({"max_contexts": {"train": n_corpus, "eval": 0}, **cfg["corpus"]})
+    held_split = cfg["heldout_split"]
+    if held_split not in ("train", "eval"):
+        raise ValueError(f"heldout_split must be 'train' or 'eval', got {held_split!r}")
+    from_train = n_held if held_split == "train" else 0
+    n_corpus = int(cfg["corpus_contexts"] or n_train + from_train)
+    corpus_cfg = CorpusConfig.from_dict(
+        {"max_contexts": {"train": n_corpus, "eval": n_held - from_train}, **cfg["corpus"]}
+    )
     manifest = build_corpus(corpus_cfg, tokenizer, work / "corpus")
-    contexts = load_contexts(work / "corpus", "train")[: n_train + n_held]
+    contexts = load_contexts(work / "corpus", "train")[: n_train + from_train]
     hidden = extract(target, contexts, work / "hidden", int(cfg["shard"]))
     train_h, train_t = hidden[:n_train], contexts[:n_train]
-    held_h, held_t = hidden[n_train:], contexts[n_train:]
+    if held_split == "eval":  # packages and documents no training context comes from
+        held_t = load_contexts(work / "corpus", "eval")[:n_held]
+        held_h = extract(target, held_t, work / "hidden-eval", int(cfg["shard"]))
+    else:
+        held_h, held_t = hidden[n_train:], contexts[n_train:]
     if evaluate_only:
         from spyglass.training.tokenswift_heads import load_heads
 
@@ -206,6 +217,7 @@ def run(cfg: dict, evaluate_only: str | None = None) -> dict:
         "model": str(model_path.name),
         "train_contexts": n_train,
         "heldout_contexts": n_held,
+        "heldout_split": held_split,
         "context_tokens": int(train_t.shape[1]),
         "corpus_train_groups": len(split["groups_used"]),
         "steps": state["step"],
@@ -224,7 +236,7 @@ def run(cfg: dict, evaluate_only: str | None = None) -> dict:
     return report
 
 
-def write_card(report: dict, out_dir: Path) -> Path:
+def write_card(report: dict, out_dir: Path, config_file: str | None = None) -> Path:
     """MODEL_CARD.md beside the heads: data, tokens, steps, time, losses and held-out accuracy."""
     held, base = report["heldout"], report["heldout_untrained"]
     cfg = report["config"]
@@ -235,6 +247,12 @@ def write_card(report: dict, out_dir: Path) -> Path:
         for i in range(len(held["head_ce"]))
     )
     distill = float(cfg.get("distill", 0.0))
+    held_what = (
+        f"{report['heldout_contexts']} contexts of the corpus's eval split (packages and documents no training\n"
+        "  context comes from; half prose, half code)"
+        if report.get("heldout_split") == "eval"
+        else f"{report['heldout_contexts']} further train-split contexts never trained on"
+    )
     labels = (
         f"{1 - distill:g} x CE(head i at t, corpus token t+1+i) + {distill:g} x CE against the target's own\n"
         "  distribution at that position (computed from the stored hidden states)"
@@ -260,8 +278,7 @@ hidden state; their logits go through the target's own frozen final norm and LM 
   {report.get("train_vocab") or "full"} most frequent training tokens (a CPU budget: positions whose corpus
   token is outside are skipped); {report["train_seconds"]:.0f} s of training steps on
   {cfg["threads"]} CPU thread(s). Final training loss (reduced vocabulary): {report["final_train_loss"]:.3f}.
-- Held-out: {report["heldout_contexts"]} further train-split contexts never trained on, every
-  {cfg.get("eval_stride", 4)}th position
+- Held-out: {held_what}, every {cfg.get("eval_stride", 4)}th position
   ({held["positions"]:,} positions), **full 49,152-token vocabulary**. Base next-token top-1 (the target itself):
   {held["base_top1"]:.3f}.
 
@@ -272,7 +289,7 @@ the target samples the head's top token at T=1 (its acceptance there, before min
 |---|---|---|---|---|---|---|
 {rows}
 
-Reproduce (resumable): `python -m spyglass.training.tokenswift_train configs/smollm2-tokenswift-heads.yaml`.
+Reproduce (resumable): `python -m spyglass.training.tokenswift_train {config_file or "CONFIG.yaml"}`.
 This is a short run on a CPU; the paper trains 200 steps of ~1M tokens each on GPUs.
 """
     path = Path(out_dir) / "MODEL_CARD.md"
@@ -309,13 +326,13 @@ def main(argv: list[str] | None = None) -> int:
             cfg[key] = getattr(args, key)
     if args.card_only:
         report = json.loads((Path(cfg["workdir"]) / "report.json").read_text())
-        print(write_card(report, Path(cfg["out_dir"])))
+        print(write_card(report, Path(cfg["out_dir"]), args.config))
         return 0
     if args.evaluate:
         print(json.dumps(run(cfg, evaluate_only=args.evaluate), indent=1))
         return 0
     report = run(cfg)
-    write_card(report, Path(cfg["out_dir"]))
+    write_card(report, Path(cfg["out_dir"]), args.config)
     print(json.dumps({k: v for k, v in report.items() if k != "config"}, indent=1))
     return 0
 

@@ -332,7 +332,7 @@ class SpeculationController:
                 predicted[sources[c]] = predicted.get(sources[c], 0.0) + cond[c]
             for src, p in predicted.items():  # one trial per source with candidates here
                 hits, expected = st.hits.setdefault(src, []), st.expected.setdefault(src, [])
-                if len(hits) < d:  # a depth's first trial starts from the evidence one level up
+                while len(hits) < d:  # a depth's first trial starts from the evidence one level up
                     hits.append(hits[-1] if hits else 0.0)
                     expected.append(expected[-1] if expected else 0.0)
                 hits[d - 1] = self.decay * hits[d - 1] + (1.0 if took >= 0 and sources[took] == src else 0.0)

@@ -165,6 +165,19 @@ def test_each_source_of_a_merged_tree_is_calibrated_on_its_own_acceptance():
     assert kept == [5, 1, 2]  # at 0.45 each after pooling, nothing tells them apart: both are verified
 
 
+def test_a_source_first_seen_deep_in_the_tree_is_calibrated_from_there():
+    """A composite's learned part may propose only below a copied prefix: its first trial is at depth 3."""
+    ctl = SpeculationController(CostCurve.linear(1.0, 0.2))
+    seq = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
+    tree = DraftTree(
+        torch.tensor([5, 1, 2, 3, 4]), [-1, 0, 1, 2, 2], scores=[1.0, 0.9, 0.8, 0.5, 0.5], sources=[0, 1, 1, 1, 2]
+    )
+    for _ in range(10):
+        ctl.observe(seq, tree, Accepted([0, 1, 2, 4], [1, 2, 4, 9]))  # the deep source-2 node is the one taken
+    assert ctl.calibration(seq, 3, source=2) > 1.5 > 0.5 > ctl.calibration(seq, 3, source=1)
+    assert ctl.calibration(seq, 1, source=1) == pytest.approx(1 / 0.9, rel=0.05)
+
+
 def test_always_right_grows_to_the_largest_tree(tiny_target):
     prompt = _prompt(seed=2)
     params = SamplingParams(max_new_tokens=60, ignore_eos=True)

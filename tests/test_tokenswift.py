@@ -149,6 +149,16 @@ def test_tree_is_1_3_3_3_plus_ngrams_with_scores(tiny_target):
     tree = with_ngrams.propose([seq])[0]
     assert len(tree) >= 41 and len(set(zip(tree.parents, tree.tokens.tolist(), strict=True))) == len(tree)
 
+    # sources: every [1,3,3,3] node carries bit 1, the n-gram paths' nodes bit 2 (nodes on both: 3); a prompt with
+    # every token in it, so that whatever p_0's argmax is, the n-gram table continues it
+    vocab = tiny_target.args.vocab_size
+    engine = SpecEngine(tiny_target, with_ngrams, EngineConfig(max_batch=1, max_context=3 * vocab, controller="off"))
+    seq = engine.add_request(list(range(vocab)) * 2, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    engine.step()
+    tree = with_ngrams.propose([seq])[0]
+    assert tree.sources[0] == 0 and all(s in (1, 2, 3) for s in tree.sources[1:])
+    assert sum(s & 1 for s in tree.sources) == 40 and any(s == 2 for s in tree.sources)
+
 
 def test_draft_pass_off_reads_the_engines_hidden_states(tiny_target):
     heads = TokenSwiftHeads(tiny_target.args.hidden_size, 3)

@@ -178,10 +178,12 @@ class TokenSwiftDrafter:
         return trees
 
     def _tree(self, seq: Sequence, probs: torch.Tensor) -> DraftTree:
-        tokens, parents, scores = [seq.root], [-1], [1.0]
+        """Nodes are tagged by source (1: the heads' tree, 2: an n-gram, 3: both) so that the controller calibrates
+        each kind of score on its own acceptance."""
+        tokens, parents, scores, sources = [seq.root], [-1], [1.0], [0]
         index: dict[tuple[int, int], int] = {}
 
-        def add(parent: int, tok: int, score: float) -> int:
+        def add(parent: int, tok: int, score: float, source: int) -> int:
             node = index.get((parent, tok))
             if node is None:
                 node = len(tokens)
@@ -189,8 +191,10 @@ class TokenSwiftDrafter:
                 tokens.append(tok)
                 parents.append(parent)
                 scores.append(score)
+                sources.append(source)
             else:
                 scores[node] = max(scores[node], score)
+                sources[node] |= source
             return node
 
         level = [0]
@@ -200,7 +204,7 @@ class TokenSwiftDrafter:
             for par in level:
                 for p, tok in zip(top.values.tolist(), top.indices.tolist(), strict=True):
                     if p > 0.0:
-                        nxt.append(add(par, tok, scores[par] * p))
+                        nxt.append(add(par, tok, scores[par] * p, 1))
             level = nxt
         st: _State = seq.drafter_state
         if self.ngram_k > 0 and len(tokens) > 1:
@@ -210,9 +214,9 @@ class TokenSwiftDrafter:
                 node = index[(0, first)]
                 for d, tok in enumerate(cont, start=1):
                     q = float(probs[d, tok]) if d < depth else 0.0
-                    node = add(node, tok, scores[node] * max(q, freq))
+                    node = add(node, tok, scores[node] * max(q, freq), 2)
         st.stats["tree_nodes"] += len(tokens) - 1
-        return DraftTree(torch.tensor(tokens), parents, scores=scores)
+        return DraftTree(torch.tensor(tokens), parents, scores=scores, sources=sources)
 
     def commit(self, seq: Sequence, accepted: Accepted) -> None:
         st: _State = seq.drafter_state

@@ -257,7 +257,7 @@ def write_card(report: dict, out_dir: Path, config_file: str | None = None) -> P
         f"{1 - distill:g} x CE(head i at t, corpus token t+1+i) + {distill:g} x CE against the target's own\n"
         "  distribution at that position (computed from the stored hidden states)"
         if distill
-        else "sum over heads of CE(head i at t, token t+1+i)"
+        else "CE(head i at t, corpus token t+1+i)"
     )
     text = f"""# TokenSwift heads for SmolLM2-135M-Instruct
 

@@ -42,6 +42,7 @@ def main() -> None:
     quiet, redis, target, tok, cache = bench_setup("bench-controller", args.threads)
 
     rule = args.rule
+    default = getattr(SpeculationController, rule)
 
     def maker(method: str, on: bool):
         def make():  # the engine built next (compare runs one at a time) reads the rule from the class
@@ -55,11 +56,10 @@ def main() -> None:
         makers[m] = maker(m, True)
         makers[f"{m}-{RULES[rule]}"] = maker(m, False)
     for m in (m for m in args.baselines.split(",") if m):
-        makers[m] = maker(m, getattr(SpeculationController, rule))
+        makers[m] = maker(m, default)
     kinds = tuple(k for k in args.kinds.split(",") if k)
     tasks = heldout_tasks(tok, kinds=kinds, per_kind=args.per_kind)
     load_before = machine_load()
-    default = getattr(SpeculationController, rule)
     results = compare(target, tasks, makers, SamplingParams(max_new_tokens=args.max_new_tokens), cache)
     setattr(SpeculationController, rule, default)
     figures: dict = {"identical_all": all(r["identical"] for row in results.values() for r in row.values())}

@@ -144,8 +144,8 @@ class CostCurve:
 
 @dataclass
 class _SeqControl:
-    hits: dict[int, list[float]] = field(default_factory=dict)  # per source, per depth: decayed accepted count
-    expected: dict[int, list[float]] = field(default_factory=dict)  # per source, per depth: decayed predicted count
+    # per source, per depth: [decayed accepted count, decayed predicted count]
+    evidence: dict[int, list[list[float]]] = field(default_factory=dict)
     plain_streak: int = 0  # consecutive steps without speculation
     backoff: int = 4  # plain steps before the next probe
     probing: bool = False  # this step is a probe
@@ -223,11 +223,11 @@ class SpeculationController:
         """Observed / predicted acceptance of a source's nodes at a depth (1 with no evidence; deeper depths borrow
         the last seen)."""
         st = self._state(seq)
-        hits = st.hits.get(source)
-        if not hits:
+        by_depth = st.evidence.get(source)
+        if not by_depth:
             return 1.0
-        d = min(depth, len(hits)) - 1
-        return (hits[d] + PSEUDO_COUNT) / (st.expected[source][d] + PSEUDO_COUNT)
+        hits, expected = by_depth[min(depth, len(by_depth)) - 1]
+        return (hits + PSEUDO_COUNT) / (expected + PSEUDO_COUNT)
 
     def _sources(self, tree: DraftTree) -> list[int]:
         return tree.sources if self.per_source and tree.sources is not None else [0] * len(tree)
@@ -332,20 +332,20 @@ class SpeculationController:
             for c in kids[parent]:
                 predicted[sources[c]] = predicted.get(sources[c], 0.0) + cond[c]
             for src, p in predicted.items():  # one trial per source with candidates here
-                hits, expected = st.hits.setdefault(src, []), st.expected.setdefault(src, [])
-                while len(hits) < d:  # a depth's first trial starts from the evidence one level up
-                    hits.append(hits[-1] if hits else 0.0)
-                    expected.append(expected[-1] if expected else 0.0)
-                hits[d - 1] = self.decay * hits[d - 1] + (1.0 if took >= 0 and sources[took] == src else 0.0)
-                expected[d - 1] = self.decay * expected[d - 1] + min(1.0, p)
+                by_depth = st.evidence.setdefault(src, [])
+                while len(by_depth) < d:  # a depth's first trial starts from the evidence one level up
+                    by_depth.append(list(by_depth[-1]) if by_depth else [0.0, 0.0])
+                ev = by_depth[d - 1]
+                ev[0] = self.decay * ev[0] + (1.0 if took >= 0 and sources[took] == src else 0.0)
+                ev[1] = self.decay * ev[1] + min(1.0, p)
                 tried.add((src, d))
         # What was not tried this step forgets too: evidence from long ago must not keep a depth (or a source)
         # pruned, and so untried, for the rest of the request after a few early misses.
-        for src, hits in st.hits.items():
-            for d in range(1, len(hits) + 1):
+        for src, by_depth in st.evidence.items():
+            for d, ev in enumerate(by_depth, start=1):
                 if (src, d) not in tried:
-                    hits[d - 1] *= self.decay
-                    st.expected[src][d - 1] *= self.decay
+                    ev[0] *= self.decay
+                    ev[1] *= self.decay
         if st.probing:  # a probe that found acceptance ends the plain phase; one that did not backs off further
             st.probing = False
             if accepted.num_drafted_accepted > 0:

@@ -25,7 +25,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from spyglass.training.data import CorpusConfig, build_corpus, load_contexts
-from spyglass.training.tokenswift_heads import TokenSwiftHeads, heads_loss
+from spyglass.training.tokenswift_heads import TokenSwiftHeads, heads_loss, load_heads
 
 DEFAULTS = {
     "model": None,
@@ -122,9 +122,9 @@ def evaluate(heads, target, hidden: torch.Tensor, tokens: torch.Tensor, stride: 
     return {"positions": m, "base_top1": base / m, **{k: (v / m).tolist() for k, v in sums.items()}}
 
 
-def run(cfg: dict, evaluate_only: str | None = None) -> dict:
-    """Train (resuming from the run's checkpoint) and evaluate; with `evaluate_only`, only evaluate that heads
-    checkpoint on this run's held-out contexts (to compare heads trained elsewhere on the same positions)."""
+def _prepare(cfg: dict):
+    """The frozen target, the corpus manifest, and (hidden states, tokens) of the training and held-out contexts,
+    extracted once and cached in the run's directory."""
     torch.set_num_threads(int(cfg["threads"]))
     torch.manual_seed(cfg["seed"])
     work = Path(cfg["workdir"])
@@ -143,17 +143,27 @@ def run(cfg: dict, evaluate_only: str | None = None) -> dict:
     manifest = build_corpus(corpus_cfg, tokenizer, work / "corpus")
     contexts = load_contexts(work / "corpus", "train")[: n_train + from_train]
     hidden = extract(target, contexts, work / "hidden", int(cfg["shard"]))
-    train_h, train_t = hidden[:n_train], contexts[:n_train]
+    train = hidden[:n_train], contexts[:n_train]
     if held_split == "eval":  # packages and documents no training context comes from
         held_t = load_contexts(work / "corpus", "eval")[:n_held]
-        held_h = extract(target, held_t, work / "hidden-eval", int(cfg["shard"]))
+        held = extract(target, held_t, work / "hidden-eval", int(cfg["shard"])), held_t
     else:
-        held_h, held_t = hidden[n_train:], contexts[n_train:]
-    if evaluate_only:
-        from spyglass.training.tokenswift_heads import load_heads
+        held = hidden[n_train:], contexts[n_train:]
+    return target, model_path, manifest, train, held
 
-        held = evaluate(load_heads(evaluate_only, target), target, held_h, held_t, int(cfg["eval_stride"]))
-        return {"checkpoint": evaluate_only, "heldout": held}
+
+def evaluate_checkpoint(cfg: dict, heads_dir: str) -> dict:
+    """Heads trained elsewhere, evaluated on this run's held-out positions (a like-for-like comparison)."""
+    target, _, _, _, (held_h, held_t) = _prepare(cfg)
+    held = evaluate(load_heads(heads_dir, target), target, held_h, held_t, int(cfg["eval_stride"]))
+    return {"checkpoint": heads_dir, "heldout": held}
+
+
+def run(cfg: dict) -> dict:
+    """Train (resuming from the run's checkpoint), evaluate on the held-out contexts, write the heads."""
+    work = Path(cfg["workdir"])
+    target, model_path, manifest, (train_h, train_t), (held_h, held_t) = _prepare(cfg)
+    n_train, n_held = len(train_t), len(held_t)
 
     heads = TokenSwiftHeads(target.args.hidden_size, int(cfg["gamma"]), target.args.rms_eps)
     opt = torch.optim.AdamW(heads.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
@@ -217,7 +227,7 @@ def run(cfg: dict, evaluate_only: str | None = None) -> dict:
         "model": str(model_path.name),
         "train_contexts": n_train,
         "heldout_contexts": n_held,
-        "heldout_split": held_split,
+        "heldout_split": cfg["heldout_split"],
         "context_tokens": int(train_t.shape[1]),
         "corpus_train_groups": len(split["groups_used"]),
         "steps": state["step"],
@@ -319,9 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = resolve_config(yaml.safe_load(Path(args.config).read_text()) or {})
     except ValueError as e:
         raise SystemExit(str(e)) from e
-    if args.max_minutes is not None:
-        cfg["max_minutes"] = args.max_minutes
-    for key in ("steps", "threads"):
+    for key in ("max_minutes", "steps", "threads"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
     if args.card_only:
@@ -329,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         print(write_card(report, Path(cfg["out_dir"]), args.config))
         return 0
     if args.evaluate:
-        print(json.dumps(run(cfg, evaluate_only=args.evaluate), indent=1))
+        print(json.dumps(evaluate_checkpoint(cfg, args.evaluate), indent=1))
         return 0
     report = run(cfg)
     write_card(report, Path(cfg["out_dir"]), args.config)

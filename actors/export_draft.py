@@ -46,13 +46,13 @@ def summarise(run_dir: Path, step: int | None = None, train_dir: str = "train") 
         "checkpoint": repo_relative(ckpt),
         "steps": state["step"],
         "train_tokens": state["step"] * spec["batch_size"] * seq_len,
-        "train_wall_s": round(sum(r["step_s"] for r in records), 1),
+        "train_wall_s": round(sum(r.get("step_s", 0.0) for r in records), 1),
         "corpus_contexts": manifest["contexts"],
         "corpus_tokens": manifest["tokens"],
         "position_scheme": manifest["position_tag"],
         "eval_agree_by_lag": {k.removeprefix("agree_lag"): v for k, v in last_eval.items() if k.startswith("agree_")},
         "evals": evals,
-        "final_train_loss": records[-1]["loss"] if records else None,
+        "final_train_loss": records[-1].get("loss") if records else None,
         "train": spec,
     }
     return ckpt, summary
@@ -64,7 +64,7 @@ def plot(records_path: Path, evals: list[dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    recs = [json.loads(line) for line in records_path.read_text().splitlines() if line]
+    recs = [r for r in map(json.loads, filter(None, records_path.read_text().splitlines())) if "loss" in r]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     a.plot([r["step"] for r in recs], [r["loss"] for r in recs], lw=0.8)
     a.set(title="training loss", xlabel="step")

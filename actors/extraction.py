@@ -57,6 +57,10 @@ class ExtractSpec:
     cache_max_bytes: int = 2 << 30
     threads: int = 1
     logits_chunk: int = 256
+    # > 0: each context keeps its first `continue_from` tokens and the rest becomes the target's own greedy
+    # continuation of them (on-policy text: what a draft reads and predicts in T=0 serving)
+    continue_from: int = 0
+    generate_batch: int = 16
 
     @classmethod
     def from_dict(cls, d: dict | None) -> ExtractSpec:
@@ -72,6 +76,35 @@ def normalize_layers(layers: list[int], n_layers: int) -> list[int]:
     bad = [layer for layer in out if not 0 <= layer < n_layers]
     if bad:
         raise ValueError(f"layers {bad} out of range for a {n_layers}-layer target")
+    return out
+
+
+@torch.inference_mode()
+def greedy_continuations(target: Transformer, contexts: torch.Tensor, keep: int, batch: int = 16) -> torch.Tensor:
+    """`contexts [n, L]` with every row's tokens from `keep` on replaced by the target's greedy continuation of
+    its first `keep` tokens (plain positions 0..L-1, as a served prompt has; sequences decoded `batch` at a
+    time in one packed forward per step). EOS does not stop a row: the length is fixed."""
+    n, length = contexts.shape
+    if not 0 < keep < length:
+        raise ValueError(f"continue_from must be in 1..{length - 1} for {length}-token contexts, not {keep}")
+    out = contexts.clone()
+    for lo in range(0, n, batch):
+        rows = range(lo, min(n, lo + batch))
+        cache = target.new_cache(length, len(rows))
+        slots = [cache.allocate() for _ in rows]
+        nxt = torch.stack(
+            [target.prefill(cache, s, out[r, :keep]).argmax(-1) for r, s in zip(rows, slots, strict=True)]
+        )
+        for pos in range(keep, length):
+            out[lo : lo + len(rows), pos] = nxt
+            if pos == length - 1:
+                break
+            where = torch.tensor([pos], device=nxt.device)
+            segments = [Segment(s, pos, nxt[i : i + 1], where, None, "last") for i, s in enumerate(slots)]
+            logits = target.forward(segments, cache)
+            for s in slots:
+                cache.commit(s, pos, [0])
+            nxt = torch.stack([lg[-1] for lg in logits]).argmax(-1)
     return out
 
 
@@ -202,6 +235,8 @@ class Extractor:
             info["skipped"] = True
             return info
         t0 = time.perf_counter()
+        if self.spec.continue_from:
+            contexts = greedy_continuations(self.target, contexts, self.spec.continue_from, self.spec.generate_batch)
         hits0 = self.cache.stats.hits if self.cache else 0
         per: dict[str, list[torch.Tensor]] = {}
         from_cache = 0
@@ -331,6 +366,7 @@ def run_extraction(cfg: dict[str, Any]) -> dict[str, Any]:
         "kv_layers": kv_layers,
         "hidden_layers": hidden_layers,
         "topk": spec.topk,
+        "continue_from": spec.continue_from,
         "position_scheme": spec.scheme.to_dict(),
         "position_tag": spec.scheme.tag(),
     }

@@ -82,8 +82,13 @@ def validate(cfg: dict[str, Any]) -> None:
     from actors.trainer import TrainSpec
     from spyglass.training.data import CorpusConfig
 
-    CorpusConfig.from_dict(cfg.get("corpus"))
-    ExtractSpec.from_dict(cfg.get("extract")).scheme  # noqa: B018 - validates the position scheme
+    corpus = CorpusConfig.from_dict(cfg.get("corpus"))
+    extract = ExtractSpec.from_dict(cfg.get("extract"))
+    extract.scheme  # noqa: B018 - validates the position scheme
+    if extract.continue_from and not 0 < extract.continue_from < corpus.seq_len:
+        raise ValueError(
+            f"extract.continue_from must be in 1..{corpus.seq_len - 1} (corpus.seq_len), not {extract.continue_from}"
+        )
     if "train" in cfg:
         TrainSpec.from_dict(cfg.get("train"))
 

@@ -304,6 +304,13 @@ def _train_loop(config: dict[str, Any]) -> None:
 
         bar = tqdm(total=spec.steps, initial=start_step, desc="train", mininterval=5.0)
     use_autocast = spec.dtype == "bfloat16" and engine is None
+    if spec.diagnose and spec.init_from and start_step == 0 and eval_data is not None:
+        # the warm start's own figures on this run's held-out split: the baseline the run's gains are measured from
+        record = {"step": 0, **evaluate(model, loss_fn, eval_data, spec, rank, world, dist)}
+        if rank == 0:
+            print(diagnose_line(0, record), flush=True)
+            with log_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
     t_start = time.perf_counter()
     for step in range(start_step, spec.steps):
         if spec.crash_at_step is not None and step == spec.crash_at_step and rank == 0:

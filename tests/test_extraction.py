@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from actors.extraction import Extractor, ExtractSpec, resolve_target, run_extraction
+from actors.extraction import Extractor, ExtractSpec, greedy_continuations, resolve_target, run_extraction
 from actors.jobs import load_config
 from spyglass.models.llama import Segment, load_transformer
 from spyglass.training.positions import PositionScheme
@@ -69,6 +69,25 @@ def test_extraction_equals_direct_forward_at_anchor_offset_positions(tiny_dir, f
     assert not torch.allclose(plain[f"kv.{n - 1}"][0], feats[f"kv.{n - 1}"][0])
 
 
+def test_greedy_continuations_equal_full_recompute_argmax(tiny_dir):
+    """Batched, cached decoding (batches of 2 over 3 rows) equals re-running the whole text for every new token."""
+    target = load_transformer(tiny_dir["llama"])
+    contexts = torch.randint(3, 128, (3, 20), generator=torch.Generator().manual_seed(2))
+    out = greedy_continuations(target, contexts, keep=12, batch=2)
+    assert torch.equal(out[:, :12], contexts[:, :12])
+    for row in range(3):
+        text = contexts[row, :12].tolist()
+        while len(text) < 20:
+            cache = target.new_cache(20, 1)
+            ids = torch.tensor(text)
+            logits = target([Segment(cache.allocate(), 0, ids, torch.arange(len(text)), None, "last")], cache)[0]
+            text.append(int(logits[-1].argmax()))
+        assert out[row].tolist() == text
+    assert not torch.equal(out, contexts)  # the continuation replaced the random tail
+    with pytest.raises(ValueError, match="continue_from"):
+        greedy_continuations(target, contexts, keep=20)
+
+
 def _cfg(tmp_path: Path, model_dir: Path, **extract) -> dict:
     sets = [f"model={model_dir}", "corpus.max_contexts={train: 24, eval: 8}"]
     sets += [f"extract.{k}={json.dumps(v)}" for k, v in extract.items()]
@@ -122,6 +141,23 @@ def test_ray_extraction_manifest_and_resume_skips_finished_shards(tmp_path, tiny
     for p in out.rglob("shard-*.safetensors"):
         if p.relative_to(out) != Path("train/shard-00001.safetensors"):
             assert p.stat().st_mtime_ns == mtimes[p.relative_to(out)]
+
+
+def test_on_policy_extraction_continues_every_context_with_the_target(tmp_path, tiny_dir, ray_cluster):
+    """`continue_from`: the shards hold the corpus prompt, then the target's own greedy continuation."""
+    cfg = _cfg(tmp_path / "run", tiny_dir["llama"], continue_from=40, generate_batch=4, splits=["eval"])
+    run_extraction(cfg)
+    corpus = load_file(str(tmp_path / "run" / "corpus" / "contexts-eval.safetensors"))["tokens"]
+    shard = load_file(str(tmp_path / "run" / "extract" / "eval" / "shard-00000.safetensors"))
+    target = load_transformer(tiny_dir["llama"])
+    assert torch.equal(shard["tokens"], greedy_continuations(target, corpus[:8], keep=40))
+    assert not torch.equal(shard["tokens"][:, 40:], corpus[:8, 40:])
+    manifest = json.loads((tmp_path / "run" / "extract" / "eval" / "manifest.json").read_text())
+    assert manifest["continue_from"] == 40
+    # at the plain positions it was generated at, the target's top-1 after the prompt is the continuation itself
+    plain = Extractor(target, ExtractSpec(kv_layers=[-1], topk=1))
+    for row in shard["tokens"]:
+        assert torch.equal(plain.features(row)[0]["topk_ids"][39:-1, 0], row[40:])
 
 
 def test_redis_reuse_counts_hits_and_writes_identical_shards(tmp_path, tiny_dir, ray_cluster, redis_server):

@@ -136,6 +136,8 @@ def test_bad_config_fails_before_any_cluster_starts(capsys):
     assert "unknown train option(s): stepz" in capsys.readouterr().err
     bad_positions = ["extract", str(ROOT / "configs" / "tiny-longspec.yaml"), "--set", "extract.positions={scheme: x}"]
     assert main(bad_positions) == 2
+    assert main(["extract", str(ROOT / "configs" / "tiny-longspec.yaml"), "--set", "extract.continue_from=64"]) == 2
+    assert "extract.continue_from must be in 1..63" in capsys.readouterr().err
 
 
 def test_train_dispatches_single_process_trainers(smollm2, tmp_path, capsys):

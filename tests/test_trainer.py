@@ -85,6 +85,23 @@ def test_training_killed_midway_resumes_at_the_same_step(extracted, tiny_dir, tm
     assert state["step"] == 16
 
 
+def test_warm_start_with_diagnose_reports_the_start_as_step_0(extracted, tiny_dir, tmp_path):
+    """A warm-started run's step-0 line is the starting draft on the run's own held-out split: equal to the figures
+    the run it starts from ended with."""
+    first = _workdir(extracted, tmp_path / "a")
+    sets = [f"model={tiny_dir['llama']}", "train.steps=4", "train.checkpoint_every=4"]
+    run_training(load_config(ROOT / "configs" / "tiny-longspec.yaml", sets, str(first)))
+    end = _records(first)[-1]
+    second = _workdir(extracted, tmp_path / "b")
+    init = first / "train" / "checkpoints" / "step-000004"
+    sets = [f"model={tiny_dir['llama']}", "train.steps=2", f"train.init_from={init}", "train.diagnose=true"]
+    run_training(load_config(ROOT / "configs" / "tiny-longspec.yaml", sets, str(second)))
+    recs = _records(second)
+    assert [r["step"] for r in recs] == [0, 1, 2]
+    for key in ("eval_loss", "eval_agree_lag1", "eval_agree_lag2"):
+        assert recs[0][key] == pytest.approx(end[key], rel=1e-5, abs=1e-6)
+
+
 @pytest.mark.parametrize("stage", [2])  # the stage the configs use; ZeRO-1 ran here too until the CI budget grew tight
 def test_deepspeed_zero_bf16_path_runs(tiny_dir, tmp_path, ray_cluster, stage):
     """The first DeepSpeed start on a machine JIT-compiles its CPU ops (~2.5 min); later ones take seconds.

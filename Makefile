@@ -90,11 +90,14 @@ train-longspec: setup
 	$(PY) -m actors.export_draft .cache/runs/smollm2-longspec-v4 spyglass/drafts/smollm2-135m-glide --train-dir train-glide --bf16
 
 # Issue 9's training ablation: v8's run with one option changed per run (configs/ablation/; v8 is the control,
-# ~12 min each on 2 cores, after v8's extraction in train-longspec; resumable).
+# ~12 min each on 2 cores, after v8's extraction in train-longspec; resumable), then v11 (v10 on the target's own
+# greedy continuations: ~52 min of generation + extraction, 10 min of training) and its mixed-loss arm.
 .PHONY: train-ablation
 train-ablation: setup
 	for c in ce-only one-lag shallow-lags hard-distill; do \
 		$(VENV)/bin/spyglass train configs/ablation/longspec-$$c.yaml --diagnose || exit 1; done
+	$(VENV)/bin/spyglass train configs/smollm2-longspec-v11-onpolicy.yaml --diagnose
+	$(VENV)/bin/spyglass train configs/ablation/longspec-onpolicy-mixed.yaml --diagnose
 
 # Faults and load against a real local stack (verifier/gateway killed, Redis killed, corrupted cache, SIGTERM,
 # 200 requests at concurrency 16): bench/reliability.py, results in bench/results/reliability.json and

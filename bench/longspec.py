@@ -27,6 +27,7 @@ from spyglass.drafters import build_drafter  # noqa: E402
 from spyglass.drafters.longspec import SHIPPED, SHIPPED_GLIDE  # noqa: E402
 from spyglass.engine import EngineConfig, SpecEngine  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
+from spyglass.training import repo_relative  # noqa: E402
 
 METHODS = ("ngram", "suffix", "longspec", "longspec-beam", "longspec-cape", "glide", "glide-cape", "composite")
 
@@ -123,8 +124,8 @@ def main() -> None:
         load_before,
         args.threads,
         target,
-        draft=str(draft_dir.relative_to(Path(__file__).resolve().parents[1])),
-        glide_draft=str(glide_dir.relative_to(Path(__file__).resolve().parents[1])),
+        draft=repo_relative(draft_dir),  # a --draft outside the repo is named, not a crash after the whole run
+        glide_draft=repo_relative(glide_dir),
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
     )

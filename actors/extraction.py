@@ -92,19 +92,17 @@ def greedy_continuations(target: Transformer, contexts: torch.Tensor, keep: int,
         rows = range(lo, min(n, lo + batch))
         cache = target.new_cache(length, len(rows))
         slots = [cache.allocate() for _ in rows]
-        nxt = torch.stack(
-            [target.prefill(cache, s, out[r, :keep]).argmax(-1) for r, s in zip(rows, slots, strict=True)]
+        block = out[lo : lo + len(rows)]  # a view: writes land in `out`
+        block[:, keep] = torch.stack(
+            [target.prefill(cache, s, block[i, :keep]).argmax(-1) for i, s in enumerate(slots)]
         )
-        for pos in range(keep, length):
-            out[lo : lo + len(rows), pos] = nxt
-            if pos == length - 1:
-                break
-            where = torch.tensor([pos], device=nxt.device)
-            segments = [Segment(s, pos, nxt[i : i + 1], where, None, "last") for i, s in enumerate(slots)]
+        for pos in range(keep, length - 1):  # feed token `pos`, read token `pos + 1`
+            where = torch.tensor([pos], device=out.device)
+            segments = [Segment(s, pos, block[i, pos : pos + 1], where, None, "last") for i, s in enumerate(slots)]
             logits = target.forward(segments, cache)
             for s in slots:
                 cache.commit(s, pos, [0])
-            nxt = torch.stack([lg[-1] for lg in logits]).argmax(-1)
+            block[:, pos + 1] = torch.stack([lg[-1] for lg in logits]).argmax(-1)
     return out
 
 

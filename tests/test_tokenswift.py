@@ -264,3 +264,91 @@ def test_distilled_heads_loss_is_cross_entropy_against_the_targets_own_next_toke
     assert torch.allclose(corpus_loss, torch.tensor(sum(ces)), atol=1e-5)
     assert torch.allclose(loss, manual, atol=1e-5) and not torch.allclose(loss, corpus_loss, atol=1e-3)
     assert metrics["target_top1"] == pytest.approx(picks_agree) and metrics["target_prob"] == pytest.approx(probs)
+
+
+def test_heads_loss_under_sampling_matches_what_serving_computes(tiny_target):
+    """Trained for a penalised request, head i's teacher at t is the target's sampling distribution for token
+    t+1+i (penalty over the window before it, min-p), exactly as `process_in_context` gives it in serving, and the
+    head's logits are penalised over the window ending at token t+1, the drafter's start-of-step context. On a
+    reduced vocabulary both are the same computation restricted to those columns."""
+    from spyglass.sampling import SamplingParams, process_in_context
+    from spyglass.training.tokenswift_heads import heads_loss, window_mask
+
+    g = torch.Generator().manual_seed(1)
+    d, vocab_size = tiny_target.args.hidden_size, tiny_target.args.vocab_size
+    heads = TokenSwiftHeads(d, gamma=2)
+    with torch.no_grad():
+        heads.proj.normal_(0, 0.2, generator=g)
+    h0 = torch.randn(2, 24, d, generator=g)
+    tokens = torch.randint(0, 12, (2, 24), generator=g)  # few distinct tokens: windows overlap the predictions
+    pos = torch.tensor([[0, 2], [1, 9], [1, 17], [0, 20]])
+    params = SamplingParams(temperature=1.0, min_p=0.1, contextual_penalty=1.5, penalty_window=5)
+
+    mask = window_mask(tokens, pos[:, 0], pos[:, 1] + 2, 5, None, vocab_size)
+    for row, (c, t) in enumerate(pos.tolist()):
+        assert set(mask[row].nonzero().flatten().tolist()) == set(tokens[c, max(0, t + 2 - 5) : t + 2].tolist())
+
+    with torch.no_grad():
+        loss, _, metrics = heads_loss(heads, tiny_target, h0, tokens, pos, distill=1.0, sampling=params)
+        plain, _, _ = heads_loss(heads, tiny_target, h0, tokens, pos, distill=1.0)
+        streams = heads(h0[pos[:, 0], pos[:, 1]])
+        manual, probs = 0.0, []
+        for i in (1, 2):
+            raw = tiny_target.lm_head(tiny_target.norm(streams[i])).float()
+            teacher_raw = tiny_target.lm_head(tiny_target.norm(h0[pos[:, 0], pos[:, 1] + i])).float()
+            student, teacher = [], []
+            for row, (c, t) in enumerate(pos.tolist()):
+                greedy = SamplingParams(contextual_penalty=1.5, penalty_window=5)  # penalised logits, as drafted
+                student.append(process_in_context(raw[row : row + 1], greedy, tokens[c, : t + 2])[0])
+                teacher.append(process_in_context(teacher_raw[row : row + 1], params, tokens[c, : t + i + 1])[0])
+            student, teacher = torch.stack(student), torch.stack(teacher)
+            manual += -(teacher * student.log_softmax(-1)).sum(-1).mean()
+            probs.append(float(teacher.gather(1, student.argmax(-1, keepdim=True)).mean()))
+        assert (teacher == 0).any()  # min-p removed some tokens
+    assert torch.allclose(loss, manual, atol=1e-5) and not torch.allclose(loss, plain, atol=1e-3)
+    assert metrics["target_prob"] == pytest.approx(probs)
+
+    subset = torch.arange(0, vocab_size, 2)  # a reduced vocabulary: the window in its columns
+    sub_mask = window_mask(tokens, pos[:, 0], pos[:, 1] + 2, 5, subset, len(subset))
+    assert torch.equal(sub_mask, mask[:, subset])
+
+
+def test_a_bad_sampling_option_in_a_heads_config_is_a_clear_error():
+    from spyglass.training.tokenswift_train import resolve_config
+
+    with pytest.raises(ValueError, match="sampling: contextual_penalty must be >= 1"):
+        resolve_config({"sampling": {"contextual_penalty": 0.5}})
+    with pytest.raises(ValueError, match="sampling:.*unexpected keyword"):
+        resolve_config({"sampling": {"theta": 1.2}})
+    assert resolve_config({"sampling": {"min_p": 0.1}})["sampling"] == {"min_p": 0.1}
+
+
+def test_heads_on_a_reduced_vocabulary_score_only_it_and_ship_it(tiny_target, tmp_path):
+    """Heads trained on a frequency-ranked vocabulary ship its ids: their logits equal the full head's on those
+    tokens and are -inf elsewhere, so the drafter never proposes another token (verification stays exact)."""
+    d, vocab_size = tiny_target.args.hidden_size, tiny_target.args.vocab_size
+    heads = TokenSwiftHeads(d, 3)
+    with torch.no_grad():
+        heads.proj.normal_(0, 0.2, generator=torch.Generator().manual_seed(0))
+    h = torch.randn(2, d, generator=torch.Generator().manual_seed(1))
+    full = heads.logits(tiny_target, h)
+    heads.vocab_ids = torch.arange(1, vocab_size, 3)
+    part = heads.logits(tiny_target, h)
+    assert torch.allclose(part[..., heads.vocab_ids], full[..., heads.vocab_ids], atol=1e-5)
+    outside = torch.ones(vocab_size, dtype=torch.bool)
+    outside[heads.vocab_ids] = False
+    assert torch.isinf(part[..., outside]).all()
+
+    heads.save(tmp_path / "h", tiny_target)
+    loaded = load_heads(tmp_path / "h", tiny_target)
+    assert torch.equal(loaded.vocab_ids, heads.vocab_ids) and torch.equal(loaded.proj, heads.proj)
+    drafter = TokenSwiftDrafter(loaded, budget=20, sinks=4, ngram_k=0)
+    engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=1, max_context=128, controller="off"))
+    prompt, params = [5, 6, 7, 8] * 6, SamplingParams(max_new_tokens=12, ignore_eos=True)
+    seq = engine.add_request(prompt, params)
+    engine.step()
+    tree = drafter.propose([seq])[0]
+    assert set(tree.tokens[1:].tolist()) <= set(heads.vocab_ids.tolist())
+    while not seq.finished:
+        engine.step()
+    assert seq.output_ids == plain_generate(tiny_target, prompt, params)

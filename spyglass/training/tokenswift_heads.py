@@ -19,6 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from spyglass.sampling import SamplingParams, apply_repetition_penalty, process
+
 CONFIG_FILE, WEIGHTS_FILE = "heads_config.json", "heads.safetensors"
 
 
@@ -56,6 +58,10 @@ class TokenSwiftHeads(nn.Module):
         self.gamma, self.eps = gamma, eps
         self.norm_weight = nn.Parameter(torch.ones(gamma, hidden_size))
         self.proj = nn.Parameter(torch.zeros(gamma, hidden_size, hidden_size))  # [i, out, in]
+        # The tokens the heads score (sorted ids; None: the whole vocabulary). Heads trained on a reduced vocabulary
+        # ship its ids: drafting then reads only those rows of the LM head (FR-Spec), never proposing the others.
+        self.vocab_ids: torch.Tensor | None = None
+        self._rows: torch.Tensor | None = None  # the LM head's rows for vocab_ids, in the target's dtype
 
     def forward(self, h0: torch.Tensor) -> list[torch.Tensor]:
         """`h0` `[..., d]` -> [h_0, h_1, ..., h_gamma] (residual streams, not normalised)."""
@@ -72,7 +78,15 @@ class TokenSwiftHeads(nn.Module):
         """`[k, ..., V]` fp32 logits of `streams` (default: all gamma + 1) through the target's final norm and LM
         head, in one matmul: the head's weights are read once for every stream (on a CPU, most of the cost)."""
         h = torch.stack(self(h0)[streams])
-        return target.lm_head(target.norm(h.reshape(-1, h.shape[-1]))).float().view(*h.shape[:-1], -1)
+        flat = target.norm(h.reshape(-1, h.shape[-1]))
+        if self.vocab_ids is None:
+            return target.lm_head(flat).float().view(*h.shape[:-1], -1)
+        weight = target.lm_head.weight
+        if self._rows is None or self._rows.dtype != weight.dtype:
+            self._rows = weight.detach()[self.vocab_ids].contiguous()
+        full = flat.new_full((flat.shape[0], target.args.vocab_size), float("-inf"), dtype=torch.float32)
+        full[:, self.vocab_ids] = (flat @ self._rows.T).float()
+        return full.view(*h.shape[:-1], -1)
 
     def save(self, out_dir: str | Path, target, extra: dict | None = None) -> None:
         out = Path(out_dir)
@@ -80,6 +94,8 @@ class TokenSwiftHeads(nn.Module):
         cfg = {"kind": "tokenswift-heads", "gamma": self.gamma, "eps": self.eps, "target": target_signature(target)}
         cfg.update(extra or {})
         state = {k: v.detach().to(torch.float32).contiguous() for k, v in self.state_dict().items()}
+        if self.vocab_ids is not None:
+            state["vocab_ids"] = self.vocab_ids.contiguous()
         save_file(state, str(out / WEIGHTS_FILE))
         (out / CONFIG_FILE).write_text(json.dumps(cfg, indent=1))
 
@@ -96,11 +112,34 @@ def load_heads(checkpoint: str | Path, target) -> TokenSwiftHeads:
     if bad:
         raise ValueError(f"TokenSwift heads {root} were trained for another model ({'; '.join(bad)})")
     heads = TokenSwiftHeads(target.args.hidden_size, int(cfg["gamma"]), float(cfg.get("eps", 1e-6)))
+    state = load_file(str(root / WEIGHTS_FILE))
+    vocab_ids = state.pop("vocab_ids", None)
     try:
-        heads.load_state_dict(load_file(str(root / WEIGHTS_FILE)))
+        heads.load_state_dict(state)
     except RuntimeError as e:
         raise ValueError(f"TokenSwift heads {root}: {e}") from e
+    if vocab_ids is not None:
+        if vocab_ids.ndim != 1 or vocab_ids.numel() == 0 or int(vocab_ids.max()) >= target.args.vocab_size:
+            raise ValueError(f"TokenSwift heads {root}: vocab_ids do not index the target's vocabulary")
+        heads.vocab_ids = vocab_ids.long()
     return heads.eval()
+
+
+def window_mask(
+    tokens: torch.Tensor, ctx: torch.Tensor, end: torch.Tensor, window: int, vocab: torch.Tensor | None, n_cols: int
+) -> torch.Tensor:
+    """`[m, n_cols]` bool: the tokens among `tokens[ctx, end - window : end]` (row by row), as columns of the
+    reduced vocabulary `vocab` (sorted ids; tokens outside it are dropped) or of the full one."""
+    idx = end[:, None] - window + torch.arange(window)
+    toks = tokens[ctx[:, None], idx.clamp(min=0)]
+    valid = idx >= 0
+    if vocab is not None:
+        col = torch.searchsorted(vocab, toks).clamp(max=len(vocab) - 1)
+        valid &= vocab[col] == toks
+        toks = col
+    mask = torch.zeros(len(ctx), n_cols + 1, dtype=torch.bool)
+    mask.scatter_(1, torch.where(valid, toks, n_cols), True)  # invalid entries land in the spare last column
+    return mask[:, :n_cols]
 
 
 def heads_loss(
@@ -111,27 +150,46 @@ def heads_loss(
     pos: torch.Tensor,
     vocab: torch.Tensor | None = None,
     distill: float = 0.0,
+    sampling: SamplingParams | None = None,
 ):
     """Sum over heads i = 1..gamma of the loss of head i at position t on token t + 1 + i, through the frozen norm
     and head: (1 - distill) x CE against the corpus token + distill x CE against the target's own distribution
     there (its logits at t + i, computed from the stored hidden state: acceptance means matching the target, not
     the corpus, and the soft label carries what a sampled continuation would make of it).
 
+    `sampling` (a sampled request's parameters) trains for serving under them: the teacher is the distribution
+    the target samples from there (contextual penalty over the window before token t + 1 + i, temperature,
+    min-p...), and the head's logits get the penalty the drafter applies, over the window ending at token t + 1
+    (the step's root: a drafter processes every depth with the start-of-step context).
+
     `h0` `[n, L, d]` last-layer hidden states, `tokens` `[n, L]`, `pos` `[m, 2]` (context, t) rows with
     t + 1 + gamma < L. `vocab` (sorted token ids): a cheaper training loss over only those rows of the LM head,
     positions whose corpus token lies outside dropped (the head is most of the cost on a CPU). Returns (loss,
     per-head corpus CE list, per-head metrics: top-1 vs the corpus, top-1 vs the target's argmax, and the target's
     probability of the head's top-1 token, i.e. its acceptance rate at T=1)."""
-    h = h0[pos[:, 0], pos[:, 1]].float()
+    ctx, t = pos[:, 0], pos[:, 1]
+    h = h0[ctx, t].float()
     ces, losses = [], []
     metrics = {"top1": [], "target_top1": [], "target_prob": []}
     streams = heads(h)
     weight = target.lm_head.weight if vocab is None else target.lm_head.weight[vocab]
+    penalised = sampling is not None and sampling.contextual_penalty != 1.0
+    if penalised:
+        draft_window = window_mask(tokens, ctx, t + 2, sampling.penalty_window, vocab, weight.shape[0])
     for i in range(1, heads.gamma + 1):
         logits = (target.norm(streams[i]) @ weight.T).float()
         with torch.no_grad():
-            teacher = (target.norm(h0[pos[:, 0], pos[:, 1] + i].float()) @ weight.T).float().softmax(-1)
-        want = tokens[pos[:, 0], pos[:, 1] + 1 + i]
+            teacher = (target.norm(h0[ctx, t + i].float()) @ weight.T).float()
+            if sampling is None:
+                teacher = teacher.softmax(-1)
+            else:
+                window = window_mask(tokens, ctx, t + i + 1, sampling.penalty_window, vocab, weight.shape[0])
+                teacher = process(teacher, sampling, None, window if penalised else None)
+                if sampling.greedy:  # process gives the penalised logits: the teacher is their softmax
+                    teacher = teacher.softmax(-1)
+        if penalised:
+            logits = apply_repetition_penalty(logits, draft_window, sampling.contextual_penalty)
+        want = tokens[ctx, t + 1 + i]
         if vocab is not None:
             idx = torch.searchsorted(vocab, want).clamp(max=len(vocab) - 1)
             keep = vocab[idx] == want

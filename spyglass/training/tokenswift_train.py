@@ -24,6 +24,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
+from spyglass.sampling import SamplingParams
 from spyglass.training.data import CorpusConfig, build_corpus, load_contexts
 from spyglass.training.tokenswift_heads import TokenSwiftHeads, heads_loss, load_heads
 
@@ -44,6 +45,10 @@ DEFAULTS = {
     "eval_stride": 4,  # held-out evaluation at every n-th position (full vocabulary: the expensive part)
     "train_vocab": None,  # train the CE over the most frequent N training tokens only (None = full vocabulary)
     "distill": 0.0,  # weight of the target's own distribution in the loss (1 - distill: the corpus token)
+    # Train (and evaluate) for requests with these sampling parameters (`SamplingParams` fields, e.g. temperature,
+    # min_p, contextual_penalty, penalty_window): the teacher is the distribution the target samples from, and the
+    # heads' logits get the contextual penalty the drafter applies. None: the target's plain distribution.
+    "sampling": None,
     "lr": 5.0e-3,
     "weight_decay": 0.1,
     "warmup": 20,
@@ -102,9 +107,12 @@ def _positions(n: int, length: int, gamma: int, count: int, g: torch.Generator) 
 
 
 @torch.no_grad()
-def evaluate(heads, target, hidden: torch.Tensor, tokens: torch.Tensor, stride: int = 4) -> dict:
+def evaluate(
+    heads, target, hidden: torch.Tensor, tokens: torch.Tensor, stride: int = 4, sampling: SamplingParams | None = None
+) -> dict:
     """Per-head CE and top-1 agreement with the corpus and with the target's argmax, and the target's probability
-    of each head's top-1 token (full vocabulary), at every `stride`-th valid position (base head l0 too)."""
+    of each head's top-1 token (full vocabulary), at every `stride`-th valid position (base head l0 too); under
+    `sampling`, against the distribution the target samples from there (penalty, min-p...)."""
     gamma = heads.gamma
     n, length = tokens.shape
     pos = torch.stack(torch.meshgrid(torch.arange(n), torch.arange(length - 1 - gamma), indexing="ij"), -1)
@@ -112,7 +120,7 @@ def evaluate(heads, target, hidden: torch.Tensor, tokens: torch.Tensor, stride: 
     sums: dict[str, torch.Tensor] = {}
     base = 0.0
     for chunk in pos.split(1024):
-        _, ces, metrics = heads_loss(heads, target, hidden, tokens, chunk)
+        _, ces, metrics = heads_loss(heads, target, hidden, tokens, chunk, sampling=sampling)
         h = hidden[chunk[:, 0], chunk[:, 1]].float()
         pred = target.lm_head(target.norm(h)).argmax(-1)
         base += float((pred == tokens[chunk[:, 0], chunk[:, 1] + 1]).float().sum())
@@ -120,6 +128,16 @@ def evaluate(heads, target, hidden: torch.Tensor, tokens: torch.Tensor, stride: 
             sums[key] = sums.get(key, 0) + torch.tensor(values) * len(chunk)
     m = len(pos)
     return {"positions": m, "base_top1": base / m, **{k: (v / m).tolist() for k, v in sums.items()}}
+
+
+def sampling_of(cfg: dict) -> SamplingParams | None:
+    """The config's `sampling` as parameters (temperature 1 unless given); a bad field is a clear error."""
+    if not cfg["sampling"]:
+        return None
+    try:
+        return SamplingParams(**{"temperature": 1.0, **cfg["sampling"]})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"tokenswift option sampling: {e}") from e
 
 
 def _prepare(cfg: dict):
@@ -155,8 +173,11 @@ def _prepare(cfg: dict):
 def evaluate_checkpoint(cfg: dict, heads_dir: str) -> dict:
     """Heads trained elsewhere, evaluated on this run's held-out positions (a like-for-like comparison)."""
     target, _, _, _, (held_h, held_t) = _prepare(cfg)
-    held = evaluate(load_heads(heads_dir, target), target, held_h, held_t, int(cfg["eval_stride"]))
-    return {"checkpoint": heads_dir, "heldout": held}
+    heads, stride = load_heads(heads_dir, target), int(cfg["eval_stride"])
+    out = {"checkpoint": heads_dir, "heldout": evaluate(heads, target, held_h, held_t, stride)}
+    if cfg["sampling"]:
+        out["heldout_sampled"] = evaluate(heads, target, held_h, held_t, stride, sampling_of(cfg))
+    return out
 
 
 def run(cfg: dict) -> dict:
@@ -183,6 +204,7 @@ def run(cfg: dict) -> dict:
         state = saved["state"]
         print(f"resumed at step {state['step']}", flush=True)
     g = torch.Generator().manual_seed(cfg["seed"] + state["step"])
+    sampling = sampling_of(cfg)
     vocab = None
     if cfg["train_vocab"]:
         counts = torch.bincount(train_t.flatten(), minlength=target.args.vocab_size)
@@ -193,7 +215,7 @@ def run(cfg: dict) -> dict:
     while state["step"] < steps and state["seconds"] < budget:
         t0 = time.perf_counter()
         pos = _positions(n_train, train_t.shape[1], heads.gamma, int(cfg["batch_positions"]), g)
-        loss, ces, metrics = heads_loss(heads, target, train_h, train_t, pos, vocab, float(cfg["distill"]))
+        loss, ces, metrics = heads_loss(heads, target, train_h, train_t, pos, vocab, float(cfg["distill"]), sampling)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)
@@ -222,6 +244,8 @@ def run(cfg: dict) -> dict:
     untrained = evaluate(
         TokenSwiftHeads(target.args.hidden_size, heads.gamma, target.args.rms_eps), target, held_h, held_t, stride
     )
+    if sampling is not None:
+        held_sampled = evaluate(heads, target, held_h, held_t, stride, sampling)
     split = manifest["splits"]["train"]
     report = {
         "model": str(model_path.name),
@@ -237,10 +261,12 @@ def run(cfg: dict) -> dict:
         "final_train_loss": state["log"][-1]["loss"] if state["log"] else None,
         "heldout": held,
         "heldout_untrained": untrained,
+        "heldout_sampled": held_sampled if sampling is not None else None,
         "config": cfg,
         "wall_seconds_this_run": round(time.perf_counter() - t_run, 1),
     }
     out = Path(cfg["out_dir"])
+    heads.vocab_ids = vocab  # drafting scores the tokens the heads were trained on (None: all)
     heads.save(out, target, {"trained": {k: report[k] for k in ("steps", "train_contexts", "heldout")}})
     (work / "report.json").write_text(json.dumps(report, indent=1))
     return report
@@ -313,7 +339,9 @@ def resolve_config(raw: dict) -> dict:
     unknown = set(options) - set(DEFAULTS)
     if unknown:
         raise ValueError(f"unknown tokenswift option(s): {', '.join(sorted(unknown))}")
-    return {**DEFAULTS, **options}
+    cfg = {**DEFAULTS, **options}
+    sampling_of(cfg)
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:

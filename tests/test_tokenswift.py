@@ -352,3 +352,23 @@ def test_heads_on_a_reduced_vocabulary_score_only_it_and_ship_it(tiny_target, tm
     while not seq.finished:
         engine.step()
     assert seq.output_ids == plain_generate(tiny_target, prompt, params)
+
+
+def test_heads_model_card_reports_the_sampling_it_was_trained_for(tmp_path):
+    from spyglass.training.tokenswift_train import DEFAULTS, write_card
+
+    held = {"positions": 10, "base_top1": 0.5, **{f"head_{k}": [0.1, 0.2, 0.3] for k in ("ce", "top1")}}
+    held |= {"head_target_top1": [0.11, 0.12, 0.13], "head_target_prob": [0.21, 0.22, 0.23]}
+    sampled = {**held, "head_target_top1": [0.31, 0.32, 0.33], "head_target_prob": [0.41, 0.42, 0.43]}
+    report = {
+        "model": "m", "train_contexts": 2, "context_tokens": 8, "corpus_train_groups": 1, "steps": 3,
+        "positions_per_step": 4, "train_vocab": 16, "train_seconds": 1.0, "final_train_loss": 2.0,
+        "heldout_contexts": 1, "heldout_split": "eval", "heldout": held, "heldout_untrained": held,
+        "heldout_sampled": sampled,
+        "config": {**DEFAULTS, "distill": 0.7, "sampling": {"min_p": 0.1, "contextual_penalty": 1.2}},
+    }  # fmt: skip
+    card = write_card(report, tmp_path).read_text()
+    assert "| head 2 | 0.320 | 0.420 |" in card and "'contextual_penalty': 1.2" in card
+    assert "only these 16 tokens" in card
+    plain = write_card({**report, "heldout_sampled": None, "train_vocab": None}, tmp_path).read_text()
+    assert "0.420" not in plain and "only these" not in plain and "| head 2 (token t+3) |" in plain

@@ -295,6 +295,34 @@ def write_card(report: dict, out_dir: Path, config_file: str | None = None) -> P
         if distill
         else "CE(head i at t, corpus token t+1+i)"
     )
+    sampled, sampling = report.get("heldout_sampled"), cfg.get("sampling")
+    if sampled:
+        labels += (
+            f";\n  trained for requests sampled with {sampling}: the target's distribution is the one it samples from"
+            "\n  there (contextual penalty over the window before the predicted token, min-p), and the heads' logits"
+            "\n  get the penalty the drafter applies (over the window ending at the step's root)"
+        )
+        sampled_rows = "\n".join(
+            f"| head {i + 1} | {sampled['head_target_top1'][i]:.3f} | {sampled['head_target_prob'][i]:.3f} |"
+            for i in range(len(sampled["head_ce"]))
+        )
+        sampled_table = f"""
+Under the request's sampling ({sampling}), on the same positions: "top-1 = target" against the target's
+penalised argmax, "P(top-1)" the probability that the target's sampling distribution there gives the head's
+penalised top token (its acceptance in serving at these parameters).
+
+| head | top-1 = target | P(top-1) |
+|---|---|---|
+{sampled_rows}
+"""
+    else:
+        sampled_table = ""
+    vocab_note = (
+        f"- Drafting scores only these {report['train_vocab']} tokens (their ids ship with the heads), so a draft reads"
+        "\n  that fraction of the LM head's rows; other tokens are never proposed.\n"
+        if report.get("train_vocab")
+        else ""
+    )
     text = f"""# TokenSwift heads for SmolLM2-135M-Instruct
 
 Three residual linear heads (h_i = h_(i-1) + W_i rmsnorm_i(h_(i-1)), W_i 576x576, no bias) on the target's last
@@ -314,7 +342,7 @@ hidden state; their logits go through the target's own frozen final norm and LM 
   {report.get("train_vocab") or "full"} most frequent training tokens (a CPU budget: positions whose corpus
   token is outside are skipped); {report["train_seconds"]:.0f} s of training steps on
   {cfg["threads"]} CPU thread(s). Final training loss (reduced vocabulary): {report["final_train_loss"]:.3f}.
-- Held-out: {held_what}, every {cfg.get("eval_stride", 4)}th position
+{vocab_note}- Held-out: {held_what}, every {cfg.get("eval_stride", 4)}th position
   ({held["positions"]:,} positions), **full 49,152-token vocabulary**. Base next-token top-1 (the target itself):
   {held["base_top1"]:.3f}.
 
@@ -324,7 +352,7 @@ the target samples the head's top token at T=1 (its acceptance there, before min
 | head | CE (corpus) | top-1 = corpus | top-1 = target | P_target(top-1) | untrained: = corpus | untrained: P_target |
 |---|---|---|---|---|---|---|
 {rows}
-
+{sampled_table}
 Reproduce (resumable): `python -m spyglass.training.tokenswift_train {config_file or "CONFIG.yaml"}`.
 This is a short run on a CPU; the paper trains 200 steps of ~1M tokens each on GPUs.
 """

@@ -318,6 +318,8 @@ def test_a_bad_sampling_option_in_a_heads_config_is_a_clear_error():
 
     with pytest.raises(ValueError, match="sampling: contextual_penalty must be >= 1"):
         resolve_config({"sampling": {"contextual_penalty": 0.5}})
+    with pytest.raises(ValueError, match="repetition_penalty is not modelled"):
+        resolve_config({"sampling": {"repetition_penalty": 1.1}})
     with pytest.raises(ValueError, match="sampling:.*unexpected keyword"):
         resolve_config({"sampling": {"theta": 1.2}})
     assert resolve_config({"sampling": {"min_p": 0.1}})["sampling"] == {"min_p": 0.1}

@@ -135,9 +135,12 @@ def sampling_of(cfg: dict) -> SamplingParams | None:
     if not cfg["sampling"]:
         return None
     try:
-        return SamplingParams(**{"temperature": 1.0, **cfg["sampling"]})
+        params = SamplingParams(**{"temperature": 1.0, **cfg["sampling"]})
     except (TypeError, ValueError) as e:
         raise ValueError(f"tokenswift option sampling: {e}") from e
+    if params.repetition_penalty != 1.0:  # it reaches back over the whole context, which a stored one cuts short
+        raise ValueError("tokenswift option sampling: repetition_penalty is not modelled in training (use 1)")
+    return params
 
 
 def _prepare(cfg: dict):

@@ -370,7 +370,7 @@ def test_heads_model_card_reports_the_sampling_it_was_trained_for(tmp_path):
         "config": {**DEFAULTS, "distill": 0.7, "sampling": {"min_p": 0.1, "contextual_penalty": 1.2}},
     }  # fmt: skip
     card = write_card(report, tmp_path).read_text()
-    assert "| head 2 | 0.320 | 0.420 |" in card and "'contextual_penalty': 1.2" in card
+    assert "| head 2 | 0.320 | 0.420 |" in card and "contextual_penalty 1.2" in card
     assert "only these 16 tokens" in card
     plain = write_card({**report, "heldout_sampled": None, "train_vocab": None}, tmp_path).read_text()
     assert "0.420" not in plain and "only these" not in plain and "| head 2 (token t+3) |" in plain

@@ -300,17 +300,18 @@ def write_card(report: dict, out_dir: Path, config_file: str | None = None) -> P
     )
     sampled, sampling = report.get("heldout_sampled"), cfg.get("sampling")
     if sampled:
-        labels += (
-            f";\n  trained for requests sampled with {sampling}: the target's distribution is the one it samples from"
-            "\n  there (contextual penalty over the window before the predicted token, min-p), and the heads' logits"
-            "\n  get the penalty the drafter applies (over the window ending at the step's root)"
+        sampling = ", ".join(f"{k} {v}" for k, v in sampling.items())
+        sampling_note = (
+            f"- Trained for requests sampled with {sampling}: the target's distribution above is the one it\n"
+            "  samples from there (contextual penalty over the window before the predicted token, min-p), and the\n"
+            "  heads' logits get the penalty the drafter applies (over the window ending at the step's root).\n"
         )
         sampled_rows = "\n".join(
             f"| head {i + 1} | {sampled['head_target_top1'][i]:.3f} | {sampled['head_target_prob'][i]:.3f} |"
             for i in range(len(sampled["head_ce"]))
         )
         sampled_table = f"""
-Under the request's sampling ({sampling}), on the same positions: "top-1 = target" against the target's
+Under that sampling, on the same positions: "top-1 = target" against the target's
 penalised argmax, "P(top-1)" the probability that the target's sampling distribution there gives the head's
 penalised top token (its acceptance in serving at these parameters).
 
@@ -319,7 +320,7 @@ penalised top token (its acceptance in serving at these parameters).
 {sampled_rows}
 """
     else:
-        sampled_table = ""
+        sampling_note = sampled_table = ""
     vocab_note = (
         f"- Drafting scores only these {report['train_vocab']} tokens (their ids ship with the heads), so a draft reads"
         "\n  that fraction of the LM head's rows; other tokens are never proposed.\n"
@@ -345,7 +346,7 @@ hidden state; their logits go through the target's own frozen final norm and LM 
   {report.get("train_vocab") or "full"} most frequent training tokens (a CPU budget: positions whose corpus
   token is outside are skipped); {report["train_seconds"]:.0f} s of training steps on
   {cfg["threads"]} CPU thread(s). Final training loss (reduced vocabulary): {report["final_train_loss"]:.3f}.
-{vocab_note}- Held-out: {held_what}, every {cfg.get("eval_stride", 4)}th position
+{sampling_note}{vocab_note}- Held-out: {held_what}, every {cfg.get("eval_stride", 4)}th position
   ({held["positions"]:,} positions), **full 49,152-token vocabulary**. Base next-token top-1 (the target itself):
   {held["base_top1"]:.3f}.
 

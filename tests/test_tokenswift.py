@@ -222,6 +222,8 @@ def test_shipped_heads_load_for_smollm2_and_beat_untrained(smollm2):
     target, _ = smollm2
     drafter = build_drafter("tokenswift", target)
     assert drafter.heads.proj.abs().sum() > 0  # trained, not the zero init
+    ids = drafter.heads.vocab_ids  # v4 drafts over the 8,192 tokens it was trained on
+    assert ids is not None and ids.shape == (8192,) and bool((ids[1:] > ids[:-1]).all())
 
 
 def test_heads_extraction_cache_never_pairs_states_with_other_contexts(tiny_target, tmp_path):

@@ -1,15 +1,17 @@
 """Train TokenSwift heads on the offline corpus (CPU budget, resumable).
 
-    python -m spyglass.training.tokenswift_train configs/smollm2-tokenswift-heads.yaml
+    python -m spyglass.training.tokenswift_train configs/smollm2-tokenswift-heads-v4-penalty.yaml
 
 1. corpus: `build_corpus` (train split only: the eval split's packages stay held out for benchmarks);
 2. extract: the frozen target's last-layer hidden states of every context, stored bf16 per shard (skipped when
    already on disk);
-3. train: the heads only (AdamW, warmup + cosine), `batch_positions` random positions per step, loss = sum of
-   CE(head i at t, token t+1+i) through the frozen final norm + LM head; a checkpoint with optimizer state every
-   `checkpoint_every` steps, so rerunning the same command resumes; stops at `steps` or `max_minutes`;
-4. evaluate per-head top-1 agreement with the corpus on held-out train-split contexts, and write the heads plus
-   a model card into `out_dir`.
+3. train: the heads only (AdamW, warmup + cosine), `batch_positions` random positions per step, loss = sum over
+   heads of CE(head i at t, token t+1+i) mixed with CE against the target's own distribution there (`distill`),
+   for the request's `sampling` when given (penalty and min-p, as serving sees them), through the frozen final
+   norm + LM head; a checkpoint with optimizer state every `checkpoint_every` steps, so rerunning the same
+   command resumes; stops at `steps` or `max_minutes`;
+4. evaluate per-head agreement with the corpus and the target on held-out contexts, and write the heads (with
+   their training vocabulary, which drafting then keeps to) plus a model card into `out_dir`.
 """
 
 from __future__ import annotations

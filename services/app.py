@@ -90,7 +90,6 @@ def load_config(path: str | Path | None) -> dict[str, Any]:
 # Largest gRPC message the proxy accepts (Serve's default is 2 GiB): a bigger one is RESOURCE_EXHAUSTED before
 # it is read into memory. Prompts are limited further by the gateway (`max_prompt_chars`).
 MAX_GRPC_MESSAGE_BYTES = 8 << 20
-PROXY_READY_ENV = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"  # read by the Serve controller
 
 
 def start_local_ray(num_cpus: int | None = None) -> None:
@@ -134,10 +133,7 @@ def deploy(
             "as start_local_ray does): Serve's proxy would listen on every interface without TLS"
         )
     host, cert, key = grpc_bind.settings(grpc_host, tls_cert, tls_key)
-    # Serve's controller kills a proxy that is not ready 5 s after it was created, and serve.start then fails
-    # with ActorDiedError; starting the proxy's worker on a busy 2-core machine can take longer than that.
-    ready = {PROXY_READY_ENV: os.environ.get(PROXY_READY_ENV, "60")}
-    controller = {"runtime_env": {"env_vars": {**ready, **grpc_bind.controller_env(host, cert, key)}}}
+    controller = {"runtime_env": {"env_vars": grpc_bind.controller_env(host, cert, key)}}
     grpc_cfg = dict(doc.get("grpc_options") or {})
     grpc_cfg["port"] = grpc_port or grpc_cfg.get("port", 9000)
     grpc_cfg["grpc_servicer_functions"] = grpc_cfg.get("grpc_servicer_functions") or [SERVICER]

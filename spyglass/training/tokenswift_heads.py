@@ -183,8 +183,12 @@ def heads_loss(
             if sampling is None:
                 teacher = teacher.softmax(-1)
             else:
-                window = window_mask(tokens, ctx, t + i + 1, sampling.penalty_window, vocab, weight.shape[0])
-                teacher = process(teacher, sampling, None, window if penalised else None)
+                window = (
+                    window_mask(tokens, ctx, t + i + 1, sampling.penalty_window, vocab, weight.shape[0])
+                    if penalised
+                    else None
+                )
+                teacher = process(teacher, sampling, None, window)
                 if sampling.greedy:  # process gives the penalised logits: the teacher is their softmax
                     teacher = teacher.softmax(-1)
         if penalised:

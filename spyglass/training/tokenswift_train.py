@@ -178,10 +178,10 @@ def _prepare(cfg: dict):
 def evaluate_checkpoint(cfg: dict, heads_dir: str) -> dict:
     """Heads trained elsewhere, evaluated on this run's held-out positions (a like-for-like comparison)."""
     target, _, _, _, (held_h, held_t) = _prepare(cfg)
-    heads, stride = load_heads(heads_dir, target), int(cfg["eval_stride"])
+    heads, stride, sampling = load_heads(heads_dir, target), int(cfg["eval_stride"]), sampling_of(cfg)
     out = {"checkpoint": heads_dir, "heldout": evaluate(heads, target, held_h, held_t, stride)}
-    if cfg["sampling"]:
-        out["heldout_sampled"] = evaluate(heads, target, held_h, held_t, stride, sampling_of(cfg))
+    if sampling is not None:
+        out["heldout_sampled"] = evaluate(heads, target, held_h, held_t, stride, sampling)
     return out
 
 
@@ -249,8 +249,7 @@ def run(cfg: dict) -> dict:
     untrained = evaluate(
         TokenSwiftHeads(target.args.hidden_size, heads.gamma, target.args.rms_eps), target, held_h, held_t, stride
     )
-    if sampling is not None:
-        held_sampled = evaluate(heads, target, held_h, held_t, stride, sampling)
+    held_sampled = evaluate(heads, target, held_h, held_t, stride, sampling) if sampling is not None else None
     split = manifest["splits"]["train"]
     report = {
         "model": str(model_path.name),
@@ -266,7 +265,7 @@ def run(cfg: dict) -> dict:
         "final_train_loss": state["log"][-1]["loss"] if state["log"] else None,
         "heldout": held,
         "heldout_untrained": untrained,
-        "heldout_sampled": held_sampled if sampling is not None else None,
+        "heldout_sampled": held_sampled,
         "config": cfg,
         "wall_seconds_this_run": round(time.perf_counter() - t_run, 1),
     }
@@ -300,11 +299,11 @@ def write_card(report: dict, out_dir: Path, config_file: str | None = None) -> P
         if distill
         else "CE(head i at t, corpus token t+1+i)"
     )
-    sampled, sampling = report.get("heldout_sampled"), cfg.get("sampling")
+    sampled = report.get("heldout_sampled")
     if sampled:
-        sampling = ", ".join(f"{k} {v}" for k, v in sampling.items())
+        params = ", ".join(f"{k} {v}" for k, v in cfg["sampling"].items())
         sampling_note = (
-            f"- Trained for requests sampled with {sampling}: the target's distribution above is the one it\n"
+            f"- Trained for requests sampled with {params}: the target's distribution above is the one it\n"
             "  samples from there (contextual penalty over the window before the predicted token, min-p), and the\n"
             "  heads' logits get the penalty the drafter applies (over the window ending at the step's root).\n"
         )

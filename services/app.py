@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import ray
 from ray import serve
 from ray.serve.config import gRPCOptions
 
@@ -141,7 +142,18 @@ def deploy(
     http_cfg["host"] = http_cfg.get("host", "127.0.0.1")
     if http_port:
         http_cfg["port"] = http_port
-    serve.start(http_options=http_cfg, grpc_options=gRPCOptions(**grpc_cfg), controller_options=controller)
+    options = {"http_options": http_cfg, "grpc_options": gRPCOptions(**grpc_cfg), "controller_options": controller}
+    try:
+        serve.start(**options)
+    except ray.exceptions.ActorDiedError as e:
+        # Serve's controller kills a proxy that is slow to start and starts another, but serve.start waited on the
+        # first one only (seen on cold 2-core machines): wait on the proxies the controller runs now, once
+        print(
+            f"spyglass: Serve's first proxy died while starting ({e.error_msg.splitlines()[0]}); retrying once",
+            file=sys.stderr,
+        )
+        time.sleep(2.0)
+        serve.start(**options)
     app = doc["applications"][0]
     args = dict(app.get("args") or {})
     serve.run(build_app(args), name=app.get("name", APP_NAME), route_prefix=app.get("route_prefix", "/"))

@@ -266,6 +266,25 @@ def test_checkpoint_round_trip_and_errors(tiny_dir, tmp_path):
         load_dflash(tmp_path, target)
 
 
+def test_warm_start_from_a_checkpoint_with_another_block_size(tiny_dir, tmp_path):
+    """`--init-from`: a new recipe (here block 4 instead of 8) starts from a trained draft's weights."""
+    from spyglass.training.dflash import warm_start
+
+    target = load_transformer(tiny_dir["qwen2"])
+    torch.manual_seed(0)
+    trained = DFlashDraft.from_target(target, target_layers=(0, 1), n_layers=1, block_size=8)
+    save_dflash(trained, tmp_path / "d", dtype=torch.float32)
+    fresh = DFlashDraft.from_target(target, target_layers=(0, 1), n_layers=1, block_size=4)
+    assert not torch.equal(fresh.fc.weight, trained.fc.weight)
+    warm_start(fresh, tmp_path / "d", target)
+    assert fresh.cfg.block_size == 4
+    for (n, a), (_, b) in zip(fresh.state_dict().items(), trained.state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b, msg=n)
+    other = DFlashDraft.from_target(target, target_layers=(1,), n_layers=1, block_size=4)
+    with pytest.raises(ValueError, match="reading target layers"):
+        warm_start(other, tmp_path / "d", target)
+
+
 def test_packaged_drafts_serve_the_default_model(smollm2):
     """`dflash` / `dflash-dels` with no checkpoint argument load the drafts shipped in the package."""
     from spyglass.drafters import METHODS, build_drafter

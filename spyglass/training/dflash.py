@@ -75,8 +75,23 @@ def _spent(t0_wall: float, t0_cpu: float, budget: str) -> float:
 
 def _recipe(args) -> dict:
     """The run's options as shipped in a model card: paths relative to the repository."""
-    paths = ("workdir", "out", "model")
+    paths = ("workdir", "out", "model", "init_from")
     return {k: repo_relative(v) if k in paths and v else v for k, v in vars(args).items() if k != "func"}
+
+
+def warm_start(draft, checkpoint: str | Path, target) -> None:
+    """Load a trained DFlash draft's weights into `draft`: the block size is not in them, so a new recipe (another
+    block size or loss weighting) starts from what an earlier run learned. ValueError if the layers differ."""
+    from spyglass.drafters.dflash import load_dflash
+
+    warm = load_dflash(checkpoint, target)
+    mine, theirs = draft.cfg, warm.cfg
+    if (theirs.n_layers, theirs.target_layers) != (mine.n_layers, mine.target_layers):
+        raise ValueError(
+            f"init_from {checkpoint}: {theirs.n_layers} layers reading target layers {list(theirs.target_layers)}, "
+            f"this run {mine.n_layers} reading {list(mine.target_layers)}"
+        )
+    draft.load_state_dict({k: v.to(draft.fc.weight.dtype) for k, v in warm.state_dict().items()})
 
 
 def _save_state(path: Path, **state) -> None:
@@ -134,6 +149,8 @@ def train_dflash(args) -> dict:
     if args.target_layers:
         overrides["target_layers"] = tuple(int(x) for x in args.target_layers.split(","))
     draft = DFlashDraft.from_target(target, init_from_target=args.init_from_target, **overrides).float().train()
+    if args.init_from:
+        warm_start(draft, args.init_from, target)
     layers = draft.cfg.target_layers
     # distillation needs the target's own next-token choices, so the whole target runs; otherwise only the
     # layers up to the deepest tapped one
@@ -365,6 +382,7 @@ def main(argv: list[str] | None = None, return_summary: bool = False):
     d.add_argument("--intermediate", type=int, default=None, help="draft MLP width (default: the target's)")
     d.add_argument("--target-layers", default=None, help="comma-separated target layer indices")
     d.add_argument("--init-from-target", action=argparse.BooleanOptionalAction, default=True)
+    d.add_argument("--init-from", default=None, help="start from this DFlash checkpoint's weights")
     d.add_argument("--anchors", type=int, default=32)
     d.add_argument("--inner", type=int, default=2, help="optimiser steps per target forward")
     d.add_argument("--lr", type=float, default=6e-4)

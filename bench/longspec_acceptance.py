@@ -1,6 +1,6 @@
 """What a LongSpec draft gets accepted in serving, by depth and by context length, with the controller off (every
 drafted node verified), next to the held-out agreement by lag its training reported. Several drafts side by side
-on the same held-out code prompts, cut to their last N tokens. Writes bench/results/longspec_acceptance.json.
+on the same held-out code prompts, cut to their last N tokens. Writes bench/results/longspec_acceptance.json (or `--name`).
 
     python bench/longspec_acceptance.py [--drafts shipped,DIR...] [--lengths 512,2048,0] [--max-new-tokens 64]
 
@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--name", default="longspec_acceptance", help="results name: bench/results/NAME.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = resolve_model(None, dtype="float32").path
@@ -73,7 +74,7 @@ def main() -> None:
             print(f"{key}: tau {figures[f'tau_{key}']}  acceptance by depth {depth}", flush=True)
     meta = {"what": __doc__.splitlines()[0], "max_new_tokens": args.max_new_tokens, "gamma": args.gamma,
             "controller": "off", "threads": args.threads}  # fmt: skip
-    print(write_results("longspec_acceptance", figures, rows, meta))
+    print(write_results(args.name, figures, rows, meta))
 
 
 if __name__ == "__main__":

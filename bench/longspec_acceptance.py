@@ -1,6 +1,7 @@
 """What a LongSpec draft gets accepted in serving, by depth and by context length, with the controller off (every
 drafted node verified), next to the held-out agreement by lag its training reported. Several drafts side by side
-on the same held-out code prompts, cut to their last N tokens. Writes bench/results/longspec_acceptance.json (or `--name`).
+on the same held-out code prompts, cut to their last N tokens. Writes bench/results/longspec_acceptance.json (or
+NAME.json with `--name`).
 
     python bench/longspec_acceptance.py [--drafts shipped,DIR...] [--lengths 512,2048,0] [--max-new-tokens 64]
 

@@ -266,6 +266,47 @@ def test_checkpoint_round_trip_and_errors(tiny_dir, tmp_path):
         load_dflash(tmp_path, target)
 
 
+def test_reduced_vocabulary_proposes_only_its_tokens_and_stays_lossless(tiny_dir, tmp_path):
+    """A draft served over its training softmax's rows (`vocab_ids`, saved with the checkpoint): the same logits
+    there, -inf elsewhere, only those tokens proposed, and the output still plain decoding's."""
+    target = load_transformer(tiny_dir["llama"])
+    draft, head = trained_tiny(target)
+    save_dflash(draft, tmp_path / "full", dtype=torch.float32)
+    reduced = load_dflash(tmp_path / "full", target)
+    assert reduced.vocab_ids is None
+    vocab = torch.arange(3, target.args.vocab_size, 2)
+    reduced.vocab_ids = vocab
+    save_dflash(reduced, tmp_path / "reduced", dtype=torch.float32)
+    reduced = load_dflash(tmp_path / "reduced", target)
+    assert torch.equal(reduced.vocab_ids, vocab)
+    hid = torch.randn(3, target.args.hidden_size)
+    full, part = draft.logits(hid), reduced.logits(hid)
+    torch.testing.assert_close(part[:, vocab], full[:, vocab])
+    outside = torch.ones(target.args.vocab_size, dtype=torch.bool)
+    outside[vocab] = False
+    assert torch.isneginf(part[:, outside]).all()
+
+    proposed: list[int] = []
+
+    class Recording(DFlashDrafter):
+        def propose(self, batch):
+            trees = super().propose(batch)
+            proposed.extend(t for tree in trees for t in tree.tokens[1:].tolist())
+            return trees
+
+    prompts = make_prompts(target.args.vocab_size, 4, seed=9)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    engine = SpecEngine(target, Recording(reduced, head), EngineConfig(max_batch=4, max_context=256, controller="off"))
+    seqs = engine.run(prompts, params)
+    assert proposed and set(proposed) <= set(vocab.tolist())
+    assert [s.output_ids for s in seqs] == [plain_generate(target, p, params) for p in prompts]
+    bad = tmp_path / "bad"
+    reduced.vocab_ids = torch.tensor([0, target.args.vocab_size])
+    save_dflash(reduced, bad, dtype=torch.float32)
+    with pytest.raises(ValueError, match="vocab_ids do not index"):
+        load_dflash(bad, target)
+
+
 def test_warm_start_from_a_checkpoint_with_another_block_size(tiny_dir, tmp_path):
     """`--init-from`: a new recipe (here block 4 instead of 8) starts from a trained draft's weights."""
     from spyglass.training.dflash import warm_start
@@ -297,6 +338,7 @@ def test_packaged_drafts_serve_the_default_model(smollm2):
     for method in ("dflash", "dflash-dels"):
         drafter = build_drafter(method, target)
         assert drafter.name == method and drafter.hidden_layers == (1, 14, 27)
+        assert drafter.draft.vocab_ids.numel() == 8192  # served over the rows it was trained on
         assert (drafter.local is not None) == (method == "dflash-dels")
         engine = SpecEngine(target, drafter, EngineConfig(max_batch=1, max_context=256, controller="off"))
         (seq,) = engine.run([ids], params)

@@ -159,6 +159,10 @@ class DFlashDraft(nn.Module):
         self._io = (embed, lm_head)  # a tuple: shared with the target, frozen, never checkpointed
         self.register_buffer("inv_freq", inv_freq.clone().float(), persistent=False)
         self.rope_scaling = rope_scaling
+        # the tokens the draft proposes (its training softmax's rows; None = all): the LM-head read is most of a
+        # CPU draft step, and the others are never proposed (still lossless)
+        self.vocab_ids: torch.Tensor | None = None
+        self._rows: torch.Tensor | None = None  # the LM head's rows for vocab_ids
 
     @classmethod
     def from_target(cls, target: Transformer, init_from_target: bool = False, **overrides) -> DFlashDraft:
@@ -224,7 +228,14 @@ class DFlashDraft(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
+        weight = self.lm_head.weight
+        if self.vocab_ids is None:
+            return self.lm_head(hidden.to(weight.dtype)).float()
+        if self._rows is None or self._rows.dtype != weight.dtype:
+            self._rows = weight.detach()[self.vocab_ids].contiguous()
+        full = hidden.new_full((hidden.shape[0], self.cfg.vocab_size), float("-inf"), dtype=torch.float32)
+        full[:, self.vocab_ids] = F.linear(hidden.to(weight.dtype), self._rows).float()
+        return full
 
 
 def training_mask(anchors: torch.Tensor, ctx_len: int, block: int) -> torch.Tensor:
@@ -291,6 +302,8 @@ def save_dflash(draft: DFlashDraft, out: str | Path, dtype: torch.dtype = torch.
     cfg = {"kind": "dflash", **draft.cfg.to_dict(), **({"card": card} if card else {})}
     (out / "draft_config.json").write_text(json.dumps(cfg, indent=1))
     state = {k: v.detach().to(dtype).contiguous() for k, v in draft.state_dict().items()}
+    if draft.vocab_ids is not None:
+        state["vocab_ids"] = draft.vocab_ids.contiguous()
     save_file(state, str(out / "draft.safetensors"))
 
 
@@ -311,10 +324,16 @@ def load_dflash(checkpoint: str | Path, target: Transformer) -> DFlashDraft:
     if wrong or max(cfg["target_layers"]) >= a.n_layers:
         raise ValueError(f"DFlash checkpoint {root} does not fit the target (draft, target): {wrong or 'layers'}")
     draft = DFlashDraft.from_target(target, **cfg)
+    state = load_file(str(weights))
+    vocab_ids = state.pop("vocab_ids", None)
     try:
-        draft.load_state_dict(load_file(str(weights)))
+        draft.load_state_dict(state)
     except RuntimeError as e:
         raise ValueError(f"DFlash checkpoint {root}: {e}") from e
+    if vocab_ids is not None:
+        if vocab_ids.ndim != 1 or vocab_ids.numel() == 0 or int(vocab_ids.max()) >= a.vocab_size:
+            raise ValueError(f"DFlash checkpoint {root}: vocab_ids do not index the target's vocabulary")
+        draft.vocab_ids = vocab_ids.long()
     return draft.to(target.dtype).eval()
 
 

@@ -252,6 +252,7 @@ def train_dflash(args) -> dict:
     }
     (work / "dflash-summary.json").write_text(json.dumps(summary, indent=1))
     if args.out:
+        draft.vocab_ids = vocab_ids  # served over the rows it was trained on
         save_dflash(draft, args.out, card=summary)
         write_model_card(
             Path(args.out),

@@ -151,7 +151,7 @@ def test_train_dispatches_single_process_trainers(smollm2, tmp_path, capsys):
     from spyglass.cli import main
     from spyglass.drafters.dels import load_local_head
 
-    cfg = yaml.safe_load((ROOT / "configs" / "smollm2-dels.yaml").read_text())
+    cfg = yaml.safe_load((ROOT / "configs" / "smollm2-dels-v2.yaml").read_text())
     cfg["out"] = str(tmp_path / "head")
     cfg["args"].update(max_steps=3, train_contexts=16, batch=8)
     path = tmp_path / "dels.yaml"

@@ -266,6 +266,22 @@ def test_checkpoint_round_trip_and_errors(tiny_dir, tmp_path):
         load_dflash(tmp_path, target)
 
 
+def test_block_attention_equals_attention_over_the_concatenated_repeated_keys():
+    """Serving's grouped attention (context read in place) is the training path's SDPA over [context; block]."""
+    from spyglass.drafters.dflash import block_attention
+
+    torch.manual_seed(0)
+    heads, kv_heads, n, s, d = 6, 2, 4, 37, 8
+    q = torch.randn(heads, n, d)
+    ctx_k, ctx_v = torch.randn(kv_heads, s, d), torch.randn(kv_heads, s, d)
+    k, v = torch.randn(kv_heads, n, d), torch.randn(kv_heads, n, d)
+    g = heads // kv_heads
+    full_k = torch.cat([ctx_k, k], 1).repeat_interleave(g, 0)
+    full_v = torch.cat([ctx_v, v], 1).repeat_interleave(g, 0)
+    want = torch.nn.functional.scaled_dot_product_attention(q[None], full_k[None], full_v[None])[0]
+    torch.testing.assert_close(block_attention(q, ctx_k[:, :s], ctx_v, k, v), want, rtol=1e-5, atol=1e-5)
+
+
 def test_reduced_vocabulary_proposes_only_its_tokens_and_stays_lossless(tiny_dir, tmp_path):
     """A draft served over its training softmax's rows (`vocab_ids`, saved with the checkpoint): the same logits
     there, -inf elsewhere, only those tokens proposed, and the output still plain decoding's."""

@@ -174,8 +174,8 @@ class DFlashDraft(nn.Module):
         self._io = (embed, lm_head)  # a tuple: shared with the target, frozen, never checkpointed
         self.register_buffer("inv_freq", inv_freq.clone().float(), persistent=False)
         self.rope_scaling = rope_scaling
-        # the tokens the draft proposes (its training softmax's rows; None = all): the LM-head read is most of a
-        # CPU draft step, and the others are never proposed (still lossless)
+        # the tokens the draft proposes (its training softmax's rows; None = all): a sixth of the LM-head read per
+        # draft step, and the others are never proposed (still lossless)
         self.vocab_ids: torch.Tensor | None = None
         self._rows: torch.Tensor | None = None  # the LM head's rows for vocab_ids
 
@@ -346,7 +346,12 @@ def load_dflash(checkpoint: str | Path, target: Transformer) -> DFlashDraft:
     except RuntimeError as e:
         raise ValueError(f"DFlash checkpoint {root}: {e}") from e
     if vocab_ids is not None:
-        if vocab_ids.ndim != 1 or vocab_ids.numel() == 0 or int(vocab_ids.max()) >= a.vocab_size:
+        if (
+            vocab_ids.ndim != 1
+            or vocab_ids.numel() == 0
+            or int(vocab_ids.min()) < 0
+            or int(vocab_ids.max()) >= a.vocab_size
+        ):
             raise ValueError(f"DFlash checkpoint {root}: vocab_ids do not index the target's vocabulary")
         draft.vocab_ids = vocab_ids.long()
     return draft.to(target.dtype).eval()

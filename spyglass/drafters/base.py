@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 
 from spyglass.sampling import needs_presence, process_in_context, sample
 from spyglass.sequence import Sequence
@@ -115,3 +116,28 @@ def draft_generator(seq: Sequence) -> torch.Generator | None:
     gen = torch.Generator()
     gen.manual_seed(int(torch.randint(0, 2**62, (), generator=seq.generator)))
     return gen
+
+
+class VocabSubset:
+    """The tokens a draft proposes (FR-Spec: the most frequent ones it was trained on): logits for those rows of the
+    target's LM head only, -inf elsewhere, so a draft step reads a fraction of the head and never proposes the
+    other tokens (the output is still the target's). A new subset is a new object: no stale rows."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids.long()
+        self._rows: torch.Tensor | None = None  # the head's rows for `ids`, gathered once per weight dtype
+
+    @staticmethod
+    def checked(ids: torch.Tensor, vocab_size: int, where: str) -> torch.Tensor:
+        """`ids` read from a checkpoint, or ValueError naming `where`."""
+        if ids.ndim != 1 or ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+            raise ValueError(f"{where}: vocab_ids do not index the target's vocabulary")
+        return ids.long()
+
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """`hidden [N, H]` through the head `weight [V, H]` -> fp32 `[N, V]`."""
+        if self._rows is None or self._rows.dtype != weight.dtype:
+            self._rows = weight.detach()[self.ids].contiguous()
+        full = hidden.new_full((hidden.shape[0], weight.shape[0]), float("-inf"), dtype=torch.float32)
+        full[:, self.ids] = F.linear(hidden.to(weight.dtype), self._rows).float()
+        return full

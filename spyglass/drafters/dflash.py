@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from spyglass.drafters.base import choose_draft_token, draft_generator
+from spyglass.drafters.base import VocabSubset, choose_draft_token, draft_generator
 from spyglass.models.linear import Linear, set_linear_backend
 from spyglass.models.llama import ModelArgs, RMSNorm, Transformer, apply_rope
 from spyglass.sequence import Sequence
@@ -174,10 +174,7 @@ class DFlashDraft(nn.Module):
         self._io = (embed, lm_head)  # a tuple: shared with the target, frozen, never checkpointed
         self.register_buffer("inv_freq", inv_freq.clone().float(), persistent=False)
         self.rope_scaling = rope_scaling
-        # the tokens the draft proposes (its training softmax's rows; None = all): a sixth of the LM-head read per
-        # draft step, and the others are never proposed (still lossless)
-        self.vocab_ids: torch.Tensor | None = None
-        self._rows: torch.Tensor | None = None  # the LM head's rows for vocab_ids
+        self._subset: VocabSubset | None = None  # the tokens it proposes (its training softmax's rows); None = all
 
     @classmethod
     def from_target(cls, target: Transformer, init_from_target: bool = False, **overrides) -> DFlashDraft:
@@ -216,6 +213,14 @@ class DFlashDraft(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
+    @property
+    def vocab_ids(self) -> torch.Tensor | None:
+        return None if self._subset is None else self._subset.ids
+
+    @vocab_ids.setter
+    def vocab_ids(self, ids: torch.Tensor | None) -> None:
+        self._subset = None if ids is None else VocabSubset(ids)
+
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(-1) * self.inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -243,14 +248,9 @@ class DFlashDraft(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.lm_head.weight
-        if self.vocab_ids is None:
-            return self.lm_head(hidden.to(weight.dtype)).float()
-        if self._rows is None or self._rows.dtype != weight.dtype:
-            self._rows = weight.detach()[self.vocab_ids].contiguous()
-        full = hidden.new_full((hidden.shape[0], self.cfg.vocab_size), float("-inf"), dtype=torch.float32)
-        full[:, self.vocab_ids] = F.linear(hidden.to(weight.dtype), self._rows).float()
-        return full
+        if self._subset is not None:
+            return self._subset.logits(hidden, self.lm_head.weight)
+        return self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
 
 
 def training_mask(anchors: torch.Tensor, ctx_len: int, block: int) -> torch.Tensor:
@@ -346,14 +346,7 @@ def load_dflash(checkpoint: str | Path, target: Transformer) -> DFlashDraft:
     except RuntimeError as e:
         raise ValueError(f"DFlash checkpoint {root}: {e}") from e
     if vocab_ids is not None:
-        if (
-            vocab_ids.ndim != 1
-            or vocab_ids.numel() == 0
-            or int(vocab_ids.min()) < 0
-            or int(vocab_ids.max()) >= a.vocab_size
-        ):
-            raise ValueError(f"DFlash checkpoint {root}: vocab_ids do not index the target's vocabulary")
-        draft.vocab_ids = vocab_ids.long()
+        draft.vocab_ids = VocabSubset.checked(vocab_ids, a.vocab_size, f"DFlash checkpoint {root}")
     return draft.to(target.dtype).eval()
 
 

@@ -91,7 +91,7 @@ def warm_start(draft, checkpoint: str | Path, target) -> None:
             f"init_from {checkpoint}: {theirs.n_layers} layers reading target layers {list(theirs.target_layers)}, "
             f"this run {mine.n_layers} reading {list(mine.target_layers)}"
         )
-    draft.load_state_dict({k: v.to(draft.fc.weight.dtype) for k, v in warm.state_dict().items()})
+    draft.load_state_dict(warm.state_dict())
 
 
 def _save_state(path: Path, **state) -> None:

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from spyglass.drafters.base import VocabSubset
 from spyglass.sampling import SamplingParams, apply_repetition_penalty, process
 
 CONFIG_FILE, WEIGHTS_FILE = "heads_config.json", "heads.safetensors"
@@ -58,10 +59,16 @@ class TokenSwiftHeads(nn.Module):
         self.gamma, self.eps = gamma, eps
         self.norm_weight = nn.Parameter(torch.ones(gamma, hidden_size))
         self.proj = nn.Parameter(torch.zeros(gamma, hidden_size, hidden_size))  # [i, out, in]
-        # The tokens the heads score (sorted ids; None: the whole vocabulary). Heads trained on a reduced vocabulary
-        # ship its ids: drafting then reads only those rows of the LM head (FR-Spec), never proposing the others.
-        self.vocab_ids: torch.Tensor | None = None
-        self._rows: torch.Tensor | None = None  # the LM head's rows for vocab_ids, in the target's dtype
+        # The tokens the heads score (None: the whole vocabulary). Heads trained on a reduced vocabulary ship its ids.
+        self._subset: VocabSubset | None = None
+
+    @property
+    def vocab_ids(self) -> torch.Tensor | None:
+        return None if self._subset is None else self._subset.ids
+
+    @vocab_ids.setter
+    def vocab_ids(self, ids: torch.Tensor | None) -> None:
+        self._subset = None if ids is None else VocabSubset(ids)
 
     def forward(self, h0: torch.Tensor) -> list[torch.Tensor]:
         """`h0` `[..., d]` -> [h_0, h_1, ..., h_gamma] (residual streams, not normalised)."""
@@ -79,14 +86,9 @@ class TokenSwiftHeads(nn.Module):
         head, in one matmul: the head's weights are read once for every stream (on a CPU, most of the cost)."""
         h = torch.stack(self(h0)[streams])
         flat = target.norm(h.reshape(-1, h.shape[-1]))
-        if self.vocab_ids is None:
+        if self._subset is None:
             return target.lm_head(flat).float().view(*h.shape[:-1], -1)
-        weight = target.lm_head.weight
-        if self._rows is None or self._rows.dtype != weight.dtype:
-            self._rows = weight.detach()[self.vocab_ids].contiguous()
-        full = flat.new_full((flat.shape[0], target.args.vocab_size), float("-inf"), dtype=torch.float32)
-        full[:, self.vocab_ids] = (flat @ self._rows.T).float()
-        return full.view(*h.shape[:-1], -1)
+        return self._subset.logits(flat, target.lm_head.weight).view(*h.shape[:-1], -1)
 
     def save(self, out_dir: str | Path, target, extra: dict | None = None) -> None:
         out = Path(out_dir)
@@ -119,9 +121,7 @@ def load_heads(checkpoint: str | Path, target) -> TokenSwiftHeads:
     except RuntimeError as e:
         raise ValueError(f"TokenSwift heads {root}: {e}") from e
     if vocab_ids is not None:
-        if vocab_ids.ndim != 1 or vocab_ids.numel() == 0 or int(vocab_ids.max()) >= target.args.vocab_size:
-            raise ValueError(f"TokenSwift heads {root}: vocab_ids do not index the target's vocabulary")
-        heads.vocab_ids = vocab_ids.long()
+        heads.vocab_ids = VocabSubset.checked(vocab_ids, target.args.vocab_size, f"TokenSwift heads {root}")
     return heads.eval()
 
 

@@ -141,3 +141,17 @@ class VocabSubset:
         full = hidden.new_full((hidden.shape[0], weight.shape[0]), float("-inf"), dtype=torch.float32)
         full[:, self.ids] = F.linear(hidden.to(weight.dtype), self._rows).float()
         return full
+
+
+class ProposesSubset:
+    """A mixin for a draft module: `vocab_ids` (None = the whole vocabulary) backed by a `VocabSubset`."""
+
+    _subset: VocabSubset | None = None
+
+    @property
+    def vocab_ids(self) -> torch.Tensor | None:
+        return None if self._subset is None else self._subset.ids
+
+    @vocab_ids.setter
+    def vocab_ids(self, ids: torch.Tensor | None) -> None:
+        self._subset = None if ids is None else VocabSubset(ids)

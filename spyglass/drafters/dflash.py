@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from spyglass.drafters.base import VocabSubset, choose_draft_token, draft_generator
+from spyglass.drafters.base import ProposesSubset, VocabSubset, choose_draft_token, draft_generator
 from spyglass.models.linear import Linear, set_linear_backend
 from spyglass.models.llama import ModelArgs, RMSNorm, Transformer, apply_rope
 from spyglass.sequence import Sequence
@@ -152,9 +152,10 @@ class DFlashLayer(nn.Module):
         return h + self.w_down(F.silu(gate) * up)
 
 
-class DFlashDraft(nn.Module):
+class DFlashDraft(ProposesSubset, nn.Module):
     """The trained part of DFlash (`fc`, `hidden_norm`, the mask embedding, the layers, a final norm) on top of
-    the target's frozen embedding and LM head, which are referenced, not owned (not in the state dict)."""
+    the target's frozen embedding and LM head, which are referenced, not owned (not in the state dict). It proposes
+    `vocab_ids` only (its training softmax's rows) when they are set."""
 
     def __init__(self, cfg: DFlashConfig, embed: nn.Embedding, lm_head: nn.Linear, inv_freq, rope_scaling=1.0):
         super().__init__()
@@ -174,7 +175,6 @@ class DFlashDraft(nn.Module):
         self._io = (embed, lm_head)  # a tuple: shared with the target, frozen, never checkpointed
         self.register_buffer("inv_freq", inv_freq.clone().float(), persistent=False)
         self.rope_scaling = rope_scaling
-        self._subset: VocabSubset | None = None  # the tokens it proposes (its training softmax's rows); None = all
 
     @classmethod
     def from_target(cls, target: Transformer, init_from_target: bool = False, **overrides) -> DFlashDraft:
@@ -212,14 +212,6 @@ class DFlashDraft(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
-
-    @property
-    def vocab_ids(self) -> torch.Tensor | None:
-        return None if self._subset is None else self._subset.ids
-
-    @vocab_ids.setter
-    def vocab_ids(self, ids: torch.Tensor | None) -> None:
-        self._subset = None if ids is None else VocabSubset(ids)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(-1) * self.inv_freq

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from spyglass.drafters.base import VocabSubset
+from spyglass.drafters.base import ProposesSubset, VocabSubset
 from spyglass.sampling import SamplingParams, apply_repetition_penalty, process
 
 CONFIG_FILE, WEIGHTS_FILE = "heads_config.json", "heads.safetensors"
@@ -53,22 +53,14 @@ def signature_mismatch(saved: dict, target) -> list[str]:
     return bad
 
 
-class TokenSwiftHeads(nn.Module):
+class TokenSwiftHeads(ProposesSubset, nn.Module):
+    """Heads trained on a reduced vocabulary ship its ids (`vocab_ids`) and score only those tokens."""
+
     def __init__(self, hidden_size: int, gamma: int = 3, eps: float = 1e-6) -> None:
         super().__init__()
         self.gamma, self.eps = gamma, eps
         self.norm_weight = nn.Parameter(torch.ones(gamma, hidden_size))
         self.proj = nn.Parameter(torch.zeros(gamma, hidden_size, hidden_size))  # [i, out, in]
-        # The tokens the heads score (None: the whole vocabulary). Heads trained on a reduced vocabulary ship its ids.
-        self._subset: VocabSubset | None = None
-
-    @property
-    def vocab_ids(self) -> torch.Tensor | None:
-        return None if self._subset is None else self._subset.ids
-
-    @vocab_ids.setter
-    def vocab_ids(self, ids: torch.Tensor | None) -> None:
-        self._subset = None if ids is None else VocabSubset(ids)
 
     def forward(self, h0: torch.Tensor) -> list[torch.Tensor]:
         """`h0` `[..., d]` -> [h_0, h_1, ..., h_gamma] (residual streams, not normalised)."""

@@ -267,8 +267,9 @@ def test_checkpoint_round_trip_and_errors(tiny_dir, tmp_path):
 
 
 def test_block_attention_equals_attention_over_the_concatenated_repeated_keys():
-    """Serving's grouped attention (context read in place) is the training path's SDPA over [context; block]."""
-    from spyglass.drafters.dflash import block_attention
+    """Serving's attention (the hybrid tree attention, context read in place, the block all visible) is the training
+    path's SDPA over [context; block]."""
+    from spyglass.attention import tree_attention
 
     torch.manual_seed(0)
     heads, kv_heads, n, s, d = 6, 2, 4, 37, 8
@@ -279,7 +280,8 @@ def test_block_attention_equals_attention_over_the_concatenated_repeated_keys():
     full_k = torch.cat([ctx_k, k], 1).repeat_interleave(g, 0)
     full_v = torch.cat([ctx_v, v], 1).repeat_interleave(g, 0)
     want = torch.nn.functional.scaled_dot_product_attention(q[None], full_k[None], full_v[None])[0]
-    torch.testing.assert_close(block_attention(q, ctx_k[:, :s], ctx_v, k, v), want, rtol=1e-5, atol=1e-5)
+    got = tree_attention(q, ctx_k[:, :s], ctx_v, k, v, torch.ones(n, n, dtype=torch.bool), backend="auto")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_reduced_vocabulary_proposes_only_its_tokens_and_stays_lossless(tiny_dir, tmp_path):

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from spyglass.attention import tree_attention
 from spyglass.drafters.base import ProposesSubset, VocabSubset, choose_draft_token, draft_generator
 from spyglass.models.linear import Linear, set_linear_backend
 from spyglass.models.llama import ModelArgs, RMSNorm, Transformer, apply_rope
@@ -92,18 +93,6 @@ class DFlashConfig:
         return d
 
 
-def block_attention(q, ctx_k, ctx_v, k, v) -> torch.Tensor:
-    """Unmasked attention of block queries `q [heads, Q, D]` over [context; block] keys/values (`[kv_heads, S, D]`,
-    `[kv_heads, Q, D]`), grouped by KV head: the context is read in place, never concatenated or repeated per
-    query head (a copy of the whole context per layer and step, most of a drafting step at 6K tokens)."""
-    kv_heads, n, d = k.shape[0], q.shape[1], q.shape[2]
-    qg = q.reshape(kv_heads, -1, d) * d**-0.5  # query head h reads KV head h // group
-    scores = torch.cat([qg @ ctx_k.transpose(1, 2), qg @ k.transpose(1, 2)], dim=-1)
-    p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    s = ctx_k.shape[1]
-    return (p[..., :s] @ ctx_v + p[..., s:] @ v).reshape(q.shape[0], n, d)
-
-
 class DFlashLayer(nn.Module):
     """A Llama block whose keys/values are [context stream; block] and whose attention has no causal mask."""
 
@@ -139,8 +128,8 @@ class DFlashLayer(nn.Module):
         q = apply_rope(qkv[:, :q_dim].view(n, c.n_heads, c.head_dim), cos, sin).transpose(0, 1)
         k = apply_rope(qkv[:, q_dim : q_dim + kv_dim].view(n, c.n_kv_heads, c.head_dim), cos, sin).transpose(0, 1)
         v = qkv[:, q_dim + kv_dim :].view(n, c.n_kv_heads, c.head_dim).transpose(0, 1)
-        if mask is None:  # serving: one block over the whole context
-            o = block_attention(q, ctx_k, ctx_v, k, v)
+        if mask is None:  # serving: one block over the whole context, read in place by the hybrid tree attention
+            o = tree_attention(q, ctx_k, ctx_v, k, v, torch.ones(n, n, dtype=torch.bool), backend="auto")
         else:  # training: many blocks, each masked to its own anchor
             k, v = torch.cat([ctx_k, k], dim=1), torch.cat([ctx_v, v], dim=1)
             g = c.n_heads // c.n_kv_heads

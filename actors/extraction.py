@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from actors.jobs import ensure_ray
 from spyglass.context_cache import ContextCache
 from spyglass.models.llama import Segment, Transformer
 from spyglass.training.positions import PositionScheme
@@ -381,8 +382,7 @@ def run_extraction(cfg: dict[str, Any]) -> dict[str, Any]:
     results: list[dict] = []
     cache_stats: list[dict] = []
     if jobs:
-        if not ray.is_initialized():
-            ray.init(log_to_driver=True)
+        ensure_ray()  # joins RAY_ADDRESS's cluster, else a loopback one
         use_gpu = ray.cluster_resources().get("GPU", 0) >= 1
         n_actors = max(1, min(spec.workers, len(jobs)))
         actor_cls = _extraction_actor_cls().options(num_gpus=1 if use_gpu else 0, num_cpus=0 if use_gpu else 1)

@@ -103,7 +103,6 @@ def ensure_ray(num_cpus: int | None = None) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(log_to_driver=True)
     else:
-        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
 
 

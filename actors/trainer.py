@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from actors.extraction import build_section
+from actors.jobs import ensure_ray
 
 log = logging.getLogger(__name__)
 
@@ -442,8 +443,7 @@ def run_training(cfg: dict[str, Any]) -> dict[str, Any]:
     # Each report waits for the controller's next poll of the workers (2 s by default): poll faster so
     # per-step reports do not dominate small steps. Propagated to the Train controller by Ray.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
-    if not ray.is_initialized():
-        ray.init(log_to_driver=True)
+    ensure_ray()  # joins RAY_ADDRESS's cluster, else a loopback one
     use_gpu = ray.cluster_resources().get("GPU", 0) >= spec.workers
     trainer = TorchTrainer(
         _train_loop,

@@ -94,8 +94,7 @@ MAX_GRPC_MESSAGE_BYTES = 8 << 20
 
 
 def start_local_ray(num_cpus: int | None = None) -> None:
-    """A local cluster that stays on loopback (environment.md: the env var, usage stats off)."""
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    """A local cluster on loopback (services/__init__.py sets the env var for it; usage stats off)."""
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(MAX_GRPC_MESSAGE_BYTES))  # inherited by the proxy
     import ray

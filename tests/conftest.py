@@ -13,6 +13,8 @@ from tests.tiny import make_tiny_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede any triton import (kernels are tested on CPU)
+# Ray reads this once, at import (test modules import it while being collected): the test cluster stays on loopback.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ.setdefault("SPYGLASS_CACHE", str(Path(__file__).resolve().parents[1] / ".cache" / "models"))
 # One thread: tests share the 2 cores with Ray workers and each other, and oversubscribed OpenMP
 # threads spin (ops 100x slower). Speed is measured in bench/, never here.
@@ -55,7 +57,6 @@ def redis_server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray cluster per test session, on loopback only (see environment.md), the gRPC proxy included."""
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     import ray
 

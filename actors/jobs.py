@@ -103,7 +103,22 @@ def ensure_ray(num_cpus: int | None = None) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(log_to_driver=True)
     else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
+        ray.init(
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            runtime_env={"worker_process_setup_hook": "actors.jobs.local_worker_setup"},
+        )
+
+
+def local_worker_setup() -> None:
+    """Every worker of a local cluster: Ray Train's placement-group cleaner polls the state API, which finds its
+    cluster by scanning the machine (it failed with "multiple active Ray instances" beside another cluster) and
+    lives in the dashboard, off here (a warning every second buried the progress). Name the cluster; quiet it."""
+    import ray
+
+    os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+    logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
 
 
 def _logging() -> None:

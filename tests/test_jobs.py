@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -130,6 +131,23 @@ def test_ray_job_submit_end_to_end(tiny_dir, tmp_path):
     manifest = json.loads((workdir / "extract" / "train" / "manifest.json").read_text())
     assert manifest["contexts"] == 8
     assert (workdir / "train" / "checkpoints" / "step-000004" / "draft.safetensors").exists()
+
+
+def test_local_train_runs_on_loopback_without_flooding_the_log(tiny_dir, tmp_path, ray_cluster):
+    """`spyglass train` outside a job starts its own cluster; here beside the test session's, as a user's training
+    beside a server. Its nodes are on loopback and Ray Train's cleaner neither warns every second (no dashboard)
+    nor fails to tell the two clusters apart."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("RAY_ADDRESS", None)
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # as a user's shell: the package sets it
+    cmd = [sys.executable, "-m", "spyglass", "train", "configs/tiny-longspec.yaml", "--workdir", str(tmp_path)]
+    cmd += ["--set", f"model={tiny_dir['llama']}", "--set", "train.steps=6"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    workers = re.findall(r"\(ip=([0-9.]+), pid=\d+\) world_rank=", out)
+    assert len(workers) == 2 and set(workers) == {"127.0.0.1"}, out[-3000:]
+    assert "Failed to query Ray Train Controller" not in out and "multiple active Ray instances" not in out
 
 
 def test_bad_config_fails_before_any_cluster_starts(capsys):

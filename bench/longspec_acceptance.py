@@ -1,7 +1,7 @@
 """What a LongSpec draft gets accepted in serving, by depth and by context length, with the controller off (every
 drafted node verified), next to the held-out agreement by lag its training reported. Several drafts side by side
-on the same held-out code prompts, cut to their last N tokens. Writes bench/results/longspec_acceptance.json (or
-NAME.json with `--name`).
+on the same held-out prompts (code completion unless `--kinds` says more), cut to their last N tokens. Writes
+bench/results/longspec_acceptance.json (or NAME.json with `--name`).
 
     python bench/longspec_acceptance.py [--drafts shipped,DIR...] [--lengths 512,2048,0] [--max-new-tokens 64]
 
@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--drafts", default="shipped", help="comma list of checkpoint dirs ('shipped' = the package's)")
     ap.add_argument("--lengths", default="512,2048,0", help="prompt tails to keep, in tokens (0 = the whole prompt)")
     ap.add_argument("--per-kind", type=int, default=2)
+    ap.add_argument("--kinds", default="code", help="comma list of held-out prompt kinds: code, edit, summary")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
@@ -44,7 +45,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     path = resolve_model(None, dtype="float32").path
     target = load_transformer(path, dtype=torch.float32)
-    tasks = [t for t in heldout_tasks(load_tokenizer(path), per_kind=args.per_kind) if t.kind == "code"]
+    kinds = tuple(args.kinds.split(","))
+    tasks = heldout_tasks(load_tokenizer(path), kinds=kinds, per_kind=args.per_kind)
     lengths = [int(n) for n in args.lengths.split(",")]
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     figures: dict = {}
@@ -73,7 +75,7 @@ def main() -> None:
             rows[key] = {"draft": label, "tail_tokens": n, "tasks": per_task,
                          "eval_agree_by_lag": training.get("eval_agree_by_lag")}  # fmt: skip
             print(f"{key}: tau {figures[f'tau_{key}']}  acceptance by depth {depth}", flush=True)
-    meta = {"what": __doc__.splitlines()[0], "max_new_tokens": args.max_new_tokens, "gamma": args.gamma,
+    meta = {"what": __doc__.splitlines()[0], "kinds": kinds, "max_new_tokens": args.max_new_tokens, "gamma": args.gamma,
             "controller": "off", "threads": args.threads}  # fmt: skip
     print(write_results(args.name, figures, rows, meta))
 

@@ -67,14 +67,17 @@ def main() -> None:
                 st = seq.stats.summary(seq.num_generated)
                 per_task.append({"task": task.name, "prompt_tokens": len(ids), "tau": st["tau"],
                                  "acceptance_by_depth": [round(a, 3) for a in st["acceptance_by_depth"]]})  # fmt: skip
-            key = f"{Path(label).name}@{n or 'full'}"
+            name = ckpt.name if not ckpt.name.startswith("step-") else f"{ckpt.parent.parent.name}/{ckpt.name}"
+            key = f"{name}@{n or 'full'}"  # a training checkpoint is named by its run: step-N alone repeats
             by_depth = [r["acceptance_by_depth"] + [0.0] * args.gamma for r in per_task]  # depths never reached: 0
             depth = [round(median([a[d] for a in by_depth]), 3) for d in range(args.gamma)]
             figures[f"tau_{key}"] = round(median([r["tau"] for r in per_task]), 3)
+            figures[f"tau_mean_{key}"] = round(sum(r["tau"] for r in per_task) / len(per_task), 3)
             figures[f"acceptance_by_depth_{key}"] = depth
             rows[key] = {"draft": label, "tail_tokens": n, "tasks": per_task,
                          "eval_agree_by_lag": training.get("eval_agree_by_lag")}  # fmt: skip
-            print(f"{key}: tau {figures[f'tau_{key}']}  acceptance by depth {depth}", flush=True)
+            tau, mean = figures[f"tau_{key}"], figures[f"tau_mean_{key}"]
+            print(f"{key}: tau {tau} (mean {mean})  acceptance by depth {depth}", flush=True)
     meta = {"what": __doc__.splitlines()[0], "kinds": kinds, "max_new_tokens": args.max_new_tokens, "gamma": args.gamma,
             "controller": "off", "threads": args.threads}  # fmt: skip
     print(write_results(args.name, figures, rows, meta))

@@ -91,13 +91,16 @@ train-longspec: setup
 
 # Issue 9's training ablation: v8's run with one option changed per run (configs/ablation/; v8 is the control,
 # ~12 min each on 2 cores, after v8's extraction in train-longspec; resumable), then v11 (v10 on the target's own
-# greedy continuations: ~52 min of generation + extraction, 10 min of training) and its mixed-loss arm.
+# greedy continuations: ~52 min of generation + extraction, 10 min of training) and its mixed-loss arm, then v12
+# (v10 on pre-loop continuations: ~50-80 min of generation + extraction, 17 min of training) and its equal-lags arm.
 .PHONY: train-ablation
 train-ablation: setup
 	for c in ce-only one-lag shallow-lags hard-distill; do \
 		$(VENV)/bin/spyglass train configs/ablation/longspec-$$c.yaml --diagnose || exit 1; done
 	$(VENV)/bin/spyglass train configs/smollm2-longspec-v11-onpolicy.yaml --diagnose
 	$(VENV)/bin/spyglass train configs/ablation/longspec-onpolicy-mixed.yaml --diagnose
+	$(VENV)/bin/spyglass train configs/smollm2-longspec-v12-preloop.yaml --diagnose
+	$(VENV)/bin/spyglass train configs/ablation/longspec-preloop-equal-lags.yaml --diagnose
 
 # Faults and load against a real local stack (verifier/gateway killed, Redis killed, corrupted cache, SIGTERM,
 # 200 requests at concurrency 16): bench/reliability.py, results in bench/results/reliability.json and

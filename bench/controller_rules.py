@@ -5,6 +5,7 @@ on the same prompts in one run):
   LongSpec (per depth), DFlash (per block), the composite (suffix + LongSpec).
 - `per_source`: calibrate a merged tree's sources (the composite's suffix lookups, its LongSpec draft, both)
   each on its own acceptance (the default), or all of them with one factor per depth (`pooled`).
+- `short_backoff`: at most 16 plain steps between probes, or up to the controller's `max_backoff` (64, the default).
 Writes bench/results/controller_RULE.json (+ .png).
 
     python bench/controller_rules.py --rule persist [--max-new-tokens 256] [--per-kind 2] [--kinds code,edit]
@@ -26,7 +27,8 @@ from spyglass.controller import SpeculationController  # noqa: E402
 from spyglass.drafters import build_drafter  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
 
-RULES = {"persist": "backoff", "per_source": "pooled"}  # rule -> what the variant without it is called
+# rule -> what the variant without it is called
+RULES = {"persist": "backoff", "per_source": "pooled", "short_backoff": "long-backoff"}
 
 
 def main() -> None:

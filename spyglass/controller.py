@@ -166,6 +166,11 @@ class SpeculationController:
     # trustworthy source's nodes and keep the other's. Measured neutral within noise for the composite on one AMX
     # Xeon (+1.4% over two runs, bench/controller_rules.py --rule per_source).
     per_source = True
+    # Cap the plain steps between probes at 16 instead of `max_backoff`: a learned draft's first probes can fall on
+    # output it cannot predict, and a backoff doubled to 64 then keeps it from the stretches it would have drafted
+    # (session 20: LongSpec at tau 2.01 with every node verified, 1.00 with the controller on). Off by default
+    # (bench/controller_rules.py --rule short_backoff).
+    short_backoff = False
 
     def __init__(
         self,
@@ -351,7 +356,8 @@ class SpeculationController:
             if accepted.num_drafted_accepted > 0:
                 st.plain_streak, st.backoff = 0, 4
             else:
-                st.plain_streak, st.backoff = 1, min(self.max_backoff, st.backoff * 2)
+                cap = min(self.max_backoff, 16) if self.short_backoff else self.max_backoff
+                st.plain_streak, st.backoff = 1, min(cap, st.backoff * 2)
 
 
 _CURVES: dict[tuple, CostCurve] = {}

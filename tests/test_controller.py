@@ -330,3 +330,30 @@ def test_a_drafter_that_pays_on_average_keeps_drafting_through_an_unsure_step():
     default.observe(once, default.size(once, sure, batch=1), Accepted([0, 1], [1, 7]))
     default.size(once, unsure, batch=1)
     assert not default.wants_draft(once)
+
+
+def test_short_backoff_caps_the_plain_steps_between_failed_probes():
+    """Probes that accept nothing double the wait before the next one: up to `max_backoff` (64), or 16 with
+    `short_backoff`, so a draft that missed early still gets tried on later stretches of the output."""
+    curve = CostCurve.linear(1.0, 0.05)
+    tree = DraftTree.chain(5, [1, 2], scores=[1.0, 0.9, 0.8])
+
+    def waits(short: bool) -> list[int]:
+        ctl = SpeculationController(curve, cost_by_depth=True)
+        ctl.short_backoff = short
+        seq = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
+        ctl.note_draft_time(seq, 5.0)  # five steps per depth: it never pays, only probes verify
+        out, plain = [], 0
+        for _ in range(300):
+            kept = ctl.size(seq, tree, batch=1) if ctl.wants_draft(seq) else ctl.skip(seq)
+            if kept is not None and len(kept) > 1:
+                ctl.observe(seq, kept, Accepted([0], [9]))  # nothing accepted
+                out.append(plain)
+                plain = 0
+            else:
+                plain += 1
+        return out
+
+    assert max(waits(False)) == 64
+    short = waits(True)
+    assert max(short) == 16 and short[-3:] == [16, 16, 16]

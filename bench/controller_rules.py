@@ -27,8 +27,12 @@ from spyglass.controller import SpeculationController  # noqa: E402
 from spyglass.drafters import build_drafter  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
 
-# rule -> what the variant without it is called
-RULES = {"persist": "backoff", "per_source": "pooled", "short_backoff": "long-backoff"}
+# rule -> (the controller's class attribute, its value with the rule, without it, the variant without it)
+RULES = {
+    "persist": ("persist", True, False, "backoff"),
+    "per_source": ("per_source", True, False, "pooled"),
+    "short_backoff": ("max_backoff", 16, 64, "long-backoff"),
+}
 
 
 def main() -> None:
@@ -44,26 +48,27 @@ def main() -> None:
     quiet, redis, target, tok, cache = bench_setup("bench-controller", args.threads)
 
     rule = args.rule
-    default = getattr(SpeculationController, rule)
+    attr, on, off, off_name = RULES[rule]
+    default = getattr(SpeculationController, attr)
 
-    def maker(method: str, on: bool):
+    def maker(method: str, value):
         def make():  # the engine built next (compare runs one at a time) reads the rule from the class
-            setattr(SpeculationController, rule, on)
+            setattr(SpeculationController, attr, value)
             return build_drafter(method, target, max_batch=1, max_context=8192)
 
         return make
 
     makers = {}
     for m in (m for m in args.methods.split(",") if m):
-        makers[m] = maker(m, True)
-        makers[f"{m}-{RULES[rule]}"] = maker(m, False)
+        makers[m] = maker(m, on)
+        makers[f"{m}-{off_name}"] = maker(m, off)
     for m in (m for m in args.baselines.split(",") if m):
         makers[m] = maker(m, default)
     kinds = tuple(k for k in args.kinds.split(",") if k)
     tasks = heldout_tasks(tok, kinds=kinds, per_kind=args.per_kind)
     load_before = machine_load()
     results = compare(target, tasks, makers, SamplingParams(max_new_tokens=args.max_new_tokens), cache)
-    setattr(SpeculationController, rule, default)
+    setattr(SpeculationController, attr, default)
     figures: dict = {"identical_all": all(r["identical"] for row in results.values() for r in row.values())}
     for m in makers:
         tag = m.replace("-", "_")

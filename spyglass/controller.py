@@ -166,18 +166,17 @@ class SpeculationController:
     # trustworthy source's nodes and keep the other's. Measured neutral within noise for the composite on one AMX
     # Xeon (+1.4% over two runs, bench/controller_rules.py --rule per_source).
     per_source = True
-    # Cap the plain steps between probes at 16 instead of `max_backoff`: a learned draft's first probes can fall on
-    # output it cannot predict, and a backoff doubled to 64 then keeps it from the stretches it would have drafted
-    # (session 20: LongSpec at tau 2.01 with every node verified, 1.00 with the controller on). Off by default
+    # Most plain steps between probes (the wait doubles after each probe that accepts nothing). 16 was tried, so that a
+    # learned draft whose first probes fall on output it cannot predict gets tried again sooner (session 20: LongSpec
+    # at tau 2.01 with every node verified, 1.00 with the controller on): same speed on 11 prompts
     # (bench/controller_rules.py --rule short_backoff).
-    short_backoff = False
+    max_backoff = 64
 
     def __init__(
         self,
         curve: CostCurve,
         max_nodes: int | None = None,
         decay: float = 0.85,
-        max_backoff: int = 64,
         cost_by_depth: bool = False,
         free_part: bool = False,
     ) -> None:
@@ -190,7 +189,6 @@ class SpeculationController:
         self.free_part = free_part
         self.max_nodes = max_nodes if max_nodes is not None else max(curve.sizes) - 1
         self.decay = decay
-        self.max_backoff = max_backoff
 
     def _state(self, seq: Sequence) -> _SeqControl:
         if seq.control is None:
@@ -356,8 +354,7 @@ class SpeculationController:
             if accepted.num_drafted_accepted > 0:
                 st.plain_streak, st.backoff = 0, 4
             else:
-                cap = min(self.max_backoff, 16) if self.short_backoff else self.max_backoff
-                st.plain_streak, st.backoff = 1, min(cap, st.backoff * 2)
+                st.plain_streak, st.backoff = 1, min(self.max_backoff, st.backoff * 2)
 
 
 _CURVES: dict[tuple, CostCurve] = {}

@@ -333,14 +333,14 @@ def test_a_drafter_that_pays_on_average_keeps_drafting_through_an_unsure_step():
 
 
 def test_short_backoff_caps_the_plain_steps_between_failed_probes():
-    """Probes that accept nothing double the wait before the next one: up to `max_backoff` (64), or 16 with
-    `short_backoff`, so a draft that missed early still gets tried on later stretches of the output."""
+    """Probes that accept nothing double the wait before the next one, up to `max_backoff` (64 by default; 16 was
+    tried so that a draft that missed early still gets tried on later stretches of the output)."""
     curve = CostCurve.linear(1.0, 0.05)
     tree = DraftTree.chain(5, [1, 2], scores=[1.0, 0.9, 0.8])
 
     def waits(short: bool) -> list[int]:
         ctl = SpeculationController(curve, cost_by_depth=True)
-        ctl.short_backoff = short
+        ctl.max_backoff = 16 if short else 64
         seq = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
         ctl.note_draft_time(seq, 5.0)  # five steps per depth: it never pays, only probes verify
         out, plain = [], 0

@@ -155,3 +155,9 @@ class ProposesSubset:
     @vocab_ids.setter
     def vocab_ids(self, ids: torch.Tensor | None) -> None:
         self._subset = None if ids is None else VocabSubset(ids)
+
+    def head_logits(self, hidden: torch.Tensor, lm_head: torch.nn.Linear) -> torch.Tensor:
+        """`hidden [N, H]` through the target's LM head, over `vocab_ids` when set -> fp32 `[N, V]`."""
+        if self._subset is not None:
+            return self._subset.logits(hidden, lm_head.weight)
+        return lm_head(hidden.to(lm_head.weight.dtype)).float()

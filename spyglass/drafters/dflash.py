@@ -229,9 +229,7 @@ class DFlashDraft(ProposesSubset, nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self._subset is not None:
-            return self._subset.logits(hidden, self.lm_head.weight)
-        return self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
+        return self.head_logits(hidden, self.lm_head)
 
 
 def training_mask(anchors: torch.Tensor, ctx_len: int, block: int) -> torch.Tensor:

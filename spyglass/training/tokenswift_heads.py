@@ -78,9 +78,7 @@ class TokenSwiftHeads(ProposesSubset, nn.Module):
         head, in one matmul: the head's weights are read once for every stream (on a CPU, most of the cost)."""
         h = torch.stack(self(h0)[streams])
         flat = target.norm(h.reshape(-1, h.shape[-1]))
-        if self._subset is None:
-            return target.lm_head(flat).float().view(*h.shape[:-1], -1)
-        return self._subset.logits(flat, target.lm_head.weight).view(*h.shape[:-1], -1)
+        return self.head_logits(flat, target.lm_head).view(*h.shape[:-1], -1)
 
     def save(self, out_dir: str | Path, target, extra: dict | None = None) -> None:
         out = Path(out_dir)

@@ -11,6 +11,16 @@ drafter tuned here is not tuned to a benchmark prompt.
 
     python bench/replay.py record [--max-new-tokens 256]     # once: greedy outputs + cost curve
     python bench/replay.py run [--methods ngram,suffix]      # replay
+
+A learned drafter needs the target's state, so its trees are recorded instead: `record-drafts` decodes each prompt
+plainly while the drafter proposes at every position (what it would propose there, whatever was verified before:
+its proposal depends only on the committed tokens), and `policies` replays speculation policies over those trees,
+the controller's and fixed depths, charging drafting a fixed time per drafted depth. Both accept `--curve
+RESULTS.json`, a cost curve measured on a quiet machine by another bench (a curve measured while other work runs
+says little).
+
+    python bench/replay.py record-drafts --method longspec [--max-new-tokens 256]
+    python bench/replay.py policies --method longspec --curve bench/results/longspec_s20_v10.json --draft-ms 3.7
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ import torch  # noqa: E402
 
 from bench.common import median  # noqa: E402
 from bench.tasks import code_completion, code_edit, summary  # noqa: E402
-from spyglass.controller import CostCurve, SpeculationController  # noqa: E402
+from spyglass.controller import ChainDepthController, CostCurve, SpeculationController  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
 from spyglass.sequence import Sequence  # noqa: E402
 from spyglass.tree import DraftTree  # noqa: E402
@@ -60,6 +70,56 @@ def record(max_new_tokens: int, threads: int) -> None:
     RECORD.write_text(json.dumps(out))
 
 
+class RecordingDrafter:
+    """Wraps a drafter: records the tree it proposes at every position and has only the root verified, so the run
+    is plain decoding and every position gets a proposal."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.trees: dict[int, dict] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def propose(self, batch: list[Sequence]) -> list[DraftTree]:
+        t0 = time.perf_counter()
+        trees = self.inner.propose(batch)
+        ms = 1e3 * (time.perf_counter() - t0) / len(batch)
+        for seq, t in zip(batch, trees, strict=True):
+            self.trees[seq.num_generated] = {"tokens": t.tokens.tolist(), "parents": t.parents,
+                                             "scores": t.scores, "ms": ms}  # fmt: skip
+        return [DraftTree.root_only(seq.root) for seq in batch]
+
+
+class ReplayedDrafter:
+    """Proposes the recorded tree of each position, cut to the depth the controller asks for (`max_depth` caps
+    it for fixed-depth policies). Drafting costs `seconds_per_depth` per drafted depth."""
+
+    cost_by_depth = True
+    drafts_chain = True
+
+    def __init__(self, trees: dict[int, dict], seconds_per_depth: float, max_depth: int | None = None) -> None:
+        self.trees, self.seconds_per_depth, self.max_depth = trees, seconds_per_depth, max_depth
+
+    def start(self, seq: Sequence) -> None:
+        pass
+
+    def commit(self, seq: Sequence, accepted: Accepted) -> None:
+        pass
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+    def propose(self, batch: list[Sequence]) -> list[DraftTree]:
+        out = []
+        for seq in batch:
+            r = self.trees[seq.num_generated]
+            tree = DraftTree(torch.tensor(r["tokens"]), r["parents"], None, r["scores"])
+            depth = min(d for d in (seq.draft_depth, self.max_depth, tree.max_depth) if d is not None)
+            out.append(tree.subtree([i for i, d in enumerate(tree.depths) if d <= depth]))
+        return out
+
+
 def greedy_path(tree: DraftTree, expected: list[int]) -> Accepted:
     """The path greedy verification accepts when the target's output is `expected` (from the root on)."""
     depths = tree.depths
@@ -80,7 +140,9 @@ def replay(
     seq = Sequence(prompt, SamplingParams(max_new_tokens=n))
     seq.append(output[0])  # the first token comes from prefill
     drafter.start(seq)
-    ctl = SpeculationController(curve, cost_by_depth=getattr(drafter, "cost_by_depth", False)) if controller else None
+    chain = getattr(drafter, "drafts_chain", False) and SpeculationController.chain_profile
+    cls = ChainDepthController if chain else SpeculationController
+    ctl = cls(curve, cost_by_depth=getattr(drafter, "cost_by_depth", False)) if controller else None
     spec_s = plain_s = drafting_s = 0.0
     steps = 0
     while seq.num_generated < n:
@@ -88,6 +150,8 @@ def replay(
         wants = ctl is None or ctl.wants_draft(seq)
         tree = drafter.propose([seq])[0] if wants else None
         dt = time.perf_counter() - t0 if draft_s is None else draft_s
+        if tree is not None and hasattr(drafter, "seconds_per_depth"):
+            dt = drafter.seconds_per_depth * tree.max_depth
         if ctl is not None:
             if tree is None:
                 ctl.skip(seq)
@@ -112,6 +176,73 @@ def replay(
     return {"steps": steps, "tau": (n - 1) / steps, "speedup": plain_s / spec_s, "draft_ms": 1e3 * drafting_s / steps}
 
 
+def drafts_path(method: str) -> Path:
+    return RECORD.parent / f"drafts-{method}.json"
+
+
+def load_curve(results: str | None) -> CostCurve | None:
+    """The first cost curve a results JSON recorded (None: use the record's own)."""
+    if not results:
+        return None
+    c = json.loads(Path(results).read_text())["meta"]["cost_curves"][0]
+    return CostCurve(c["contexts"], c["sizes"], c["seconds"], c["cpu"])
+
+
+def record_drafts(method: str, max_new_tokens: int, threads: int) -> None:
+    from spyglass.controller import measured_curve
+    from spyglass.drafters import build_drafter
+    from spyglass.engine import EngineConfig, SpecEngine
+    from spyglass.models.llama import load_transformer
+    from spyglass.models.loader import load_tokenizer, resolve_model
+
+    torch.set_num_threads(threads)
+    path = resolve_model(None, dtype="float32").path
+    target = load_transformer(path, dtype=torch.float32)
+    tok = load_tokenizer(path)
+    tasks = [code_completion(tok, f) for f in DEV_CODE] + [code_edit(tok, f) for f in DEV_CODE]
+    tasks += [summary(tok, d) for d in DEV_DOCS]
+    drafter = RecordingDrafter(build_drafter(method, target, max_batch=1))
+    engine = SpecEngine(target, drafter, EngineConfig(max_batch=1, max_context=8192, controller="off"))
+    out = {"method": method, "curve": measured_curve(target, engine.cache).to_dict(), "tasks": []}
+    for t in tasks:
+        drafter.trees = {}
+        (seq,) = engine.run([t.prompt_ids], SamplingParams(max_new_tokens=max_new_tokens))
+        out["tasks"].append({"name": t.name, "kind": t.kind, "prompt": t.prompt_ids, "output": seq.output_ids,
+                             "trees": drafter.trees})  # fmt: skip
+        print(f"recorded {t.name}: {len(t.prompt_ids)} + {seq.num_generated} tokens", flush=True)
+    drafts_path(method).parent.mkdir(parents=True, exist_ok=True)
+    drafts_path(method).write_text(json.dumps(out))
+
+
+def policies(method: str, curve: CostCurve | None, draft_ms: float, max_depth: int) -> None:
+    """Speculation policies over the recorded trees: the controller (sizing chains by their acceptance profile,
+    and per step from the draft's scores as before) and every fixed depth, by modelled decode speedup."""
+    data = json.loads(drafts_path(method).read_text())
+    c = data["curve"]
+    curve = curve or CostCurve(c["contexts"], c["sizes"], c["seconds"], c["cpu"])
+    s = draft_ms / 1e3
+    variants = {"controller": (True, None, True), "per-step": (True, None, False)}
+    variants |= {f"depth-{d}": (False, d, False) for d in range(1, max_depth + 1)}
+    rows: dict = {}
+    for t in data["tasks"]:
+        trees = {int(k): v for k, v in t["trees"].items()}
+        rows[t["name"]] = {}
+        for name, (control, depth, profile) in variants.items():
+            SpeculationController.chain_profile = profile
+            try:
+                drafter = ReplayedDrafter(trees, s, depth)
+                rows[t["name"]][name] = replay(drafter, t["prompt"], t["output"], curve, controller=control)
+            finally:
+                SpeculationController.chain_profile = True
+        print(f"{t['name']:38s} " + "  ".join(f"{n} {r['speedup']:.2f}x/{r['tau']:.2f}"
+                                              for n, r in rows[t["name"]].items()), flush=True)  # fmt: skip
+    for name in variants:
+        sp = [r[name]["speedup"] for r in rows.values()]
+        print(f"{name}: mean {sum(sp) / len(sp):.3f}x, median {median(sp):.3f}x, min {min(sp):.3f}x")
+    out = {"cpu": curve.cpu, "draft_ms_per_depth": draft_ms, "rows": rows}
+    (RECORD.parent / f"policies-{method}.json").write_text(json.dumps(out, indent=1))
+
+
 def make_drafter(name: str):
     """A model-free drafter by method name, or `hf_lookup` (bench/drafting.py's HF-style prompt lookup)."""
     if name == "hf_lookup":
@@ -125,7 +256,11 @@ def make_drafter(name: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["record", "run"])
+    ap.add_argument("what", choices=["record", "run", "record-drafts", "policies"])
+    ap.add_argument("--method", default="longspec", help="the learned drafter of record-drafts / policies")
+    ap.add_argument("--curve", default=None, help="a results JSON whose first cost curve to use")
+    ap.add_argument("--draft-ms", type=float, default=3.7, help="policies: drafting time per depth")
+    ap.add_argument("--max-depth", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--methods", default="ngram,suffix")
@@ -133,9 +268,15 @@ def main() -> None:
     if args.what == "record":
         record(args.max_new_tokens, args.threads)
         return
+    if args.what == "record-drafts":
+        record_drafts(args.method, args.max_new_tokens, args.threads)
+        return
+    if args.what == "policies":
+        policies(args.method, load_curve(args.curve), args.draft_ms, args.max_depth)
+        return
     data = json.loads(RECORD.read_text())
     c = data["curve"]
-    curve = CostCurve(c["contexts"], c["sizes"], c["seconds"], c["cpu"])
+    curve = load_curve(args.curve) or CostCurve(c["contexts"], c["sizes"], c["seconds"], c["cpu"])
     methods = args.methods.split(",")
     rows = {}
     for t in data["tasks"]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spyglass.controller import CostCurve, SpeculationController
+from spyglass.controller import ChainDepthController, CostCurve, SpeculationController
 from spyglass.drafters.base import StatelessDrafter
 from spyglass.engine import EngineConfig, SpecEngine, plain_generate
 from spyglass.sampling import SamplingParams
@@ -357,3 +357,80 @@ def test_short_backoff_caps_the_plain_steps_between_failed_probes():
     # the wait after a probe: the backoff less the probe step itself
     assert waits(False)[:6] == [4, 7, 15, 31, 63, 63]
     assert waits(True)[:6] == [4, 7, 15, 15, 15, 15]
+
+
+class ChainOracle(OracleDrafter):
+    """An OracleDrafter that drafts one depth at a time, only as deep as the controller asks."""
+
+    cost_by_depth = True
+    drafts_chain = True
+
+    def propose(self, batch):
+        trees = super().propose(batch)
+        out = []
+        for seq, t in zip(batch, trees, strict=True):
+            depth = min(d for d in (seq.draft_depth, t.max_depth) if d is not None)
+            out.append(t.subtree(list(range(depth + 1))))
+        return out
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_chains_are_sized_by_their_acceptance_profile(tiny_target, right):
+    """A chain drafter that is always right verifies deeper than one token; one that is always wrong is soon
+    verified not at all, but still drafts a probe now and then; the output is plain decoding's either way."""
+    prompt = _prompt(24)
+    params = SamplingParams(max_new_tokens=60)
+    ref = plain_generate(tiny_target, prompt, params)
+    drafter = ChainOracle(ref, len(prompt), 4, right)
+    engine = SpecEngine(tiny_target, drafter, EngineConfig(1, 256, controller=CostCurve.linear(1.0, 0.3)))
+    assert isinstance(engine.controller, ChainDepthController)
+    (seq,) = engine.run([prompt], params)
+    assert seq.output_ids == ref
+    c = seq.stats.control
+    if right:
+        assert c.verified_nodes / c.drafted_steps > 1.5 and c.plain_steps == 0
+    else:
+        assert c.drafted_steps <= 3 and c.probe_steps >= 3
+        assert drafter.calls < 0.5 * (c.drafted_steps + c.plain_steps)  # plain steps mostly skip the drafter
+
+
+def test_a_chain_profile_learns_from_chains_it_did_not_verify():
+    """Chains that were only drafted (a probe) are scored against the tokens the target then committed: a
+    sequence that went plain comes back to verifying once its probes match, without verifying anything first."""
+    ctl = ChainDepthController(CostCurve.linear(1.0, 0.05), cost_by_depth=True)
+    seq = Sequence(_prompt(), SamplingParams(max_new_tokens=200))
+    seq.append(7)
+    verified = []
+    for step in range(120):
+        drafted = ctl.wants_draft(seq)
+        nxt = 10 + step % 50  # the target's next token
+        good = step >= 40  # the draft is wrong for 40 steps, then right
+        if drafted:
+            tree = DraftTree.chain(seq.root, [nxt if good else 99, 99])
+            kept = ctl.size(seq, tree, batch=1)
+            verified.append((step, kept.max_depth))
+        else:
+            ctl.skip(seq)
+        seq.append(nxt)
+    assert any(d == 0 for s, d in verified if s < 40)  # the wrong draft went unverified (probes)
+    assert ctl._state(seq).matched[0][0] / ctl._state(seq).matched[0][1] > 0.5
+    assert any(d >= 1 for s, d in verified if s >= 40)  # and verification came back
+    assert not any(d >= 1 for s, d in verified if 15 <= s < 40)
+
+
+def test_only_chain_drafters_get_the_profile_controller(tiny_target):
+    curve = CostCurve.linear(1.0, 0.05)
+    tree_drafter = OracleDrafter([1], 1, 2, True)
+    assert type(SpecEngine(tiny_target, tree_drafter, EngineConfig(1, 64, controller=curve)).controller) is (
+        SpeculationController
+    )
+    chain = ChainOracle([1], 1, 2, True)
+    assert type(SpecEngine(tiny_target, chain, EngineConfig(1, 64, controller=curve)).controller) is (
+        ChainDepthController
+    )
+    SpeculationController.chain_profile = False  # the rule off: chains sized per step as before
+    try:
+        engine = SpecEngine(tiny_target, chain, EngineConfig(1, 64, controller=curve))
+        assert type(engine.controller) is SpeculationController
+    finally:
+        SpeculationController.chain_profile = True

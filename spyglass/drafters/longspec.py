@@ -125,6 +125,11 @@ class LongSpecDrafter:
         self.hidden_layers = tuple(draft.cfg.hidden_layers or [-1]) if draft.cfg.feed_hidden else ()
         self._pending: dict[int, torch.Tensor] = {}  # prefill's hidden state, until start()
 
+    @property
+    def drafts_chain(self) -> bool:
+        """One token per depth (the controller then sizes it by its acceptance profile)."""
+        return self.mode == "chain"
+
     def bind(self, target: Transformer, cache: KVCache) -> None:
         self.cache = cache
         set_linear_backend(self.draft, target.linear_backend)  # the kernel measured faster for the target

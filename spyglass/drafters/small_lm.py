@@ -29,6 +29,7 @@ class _DraftState:
 class SmallLMDrafter:
     name = "small-lm"
     cost_by_depth = True  # one draft forward per depth, and only as deep as the controller asks (`seq.draft_depth`)
+    drafts_chain = True  # one token per depth
 
     def __init__(self, draft: Transformer, gamma: int = 4, max_batch: int = 4, max_context: int = 8192) -> None:
         if gamma < 1:

@@ -37,12 +37,19 @@ def _lr(step: int, total: int, base: float, warmup: float = 0.04) -> float:
     return base * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - w) / max(1, total - w))))
 
 
-def _corpus(workdir: Path, model_path: Path, train_contexts: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def _corpus(
+    workdir: Path, model_path: Path, train_contexts: int, seq_len: int = 512
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
     from spyglass.models.loader import load_tokenizer
 
-    cfg = CorpusConfig(max_contexts={"train": train_contexts, "eval": 48})
+    cfg = CorpusConfig(seq_len=seq_len, max_contexts={"train": train_contexts, "eval": 48})
     manifest = build_corpus(cfg, load_tokenizer(model_path), workdir / "corpus")
     return load_contexts(workdir / "corpus", "train"), load_contexts(workdir / "corpus", "eval"), manifest
+
+
+def _split_summary(manifest: dict) -> dict:
+    train = manifest["splits"]["train"]
+    return {"seq_len": manifest["seq_len"], **{k: train[k] for k in ("contexts", "tokens", "kinds")}}
 
 
 def _plot(log: list[dict], path: Path, title: str) -> None:
@@ -120,7 +127,8 @@ def write_model_card(out: Path, title: str, what: str, summary: dict) -> None:
     lines = [f"# {title}", "", what, "", "## Training (this repository, `python -m spyglass.training.dflash`)", ""]
     split = summary.get("train_split", {})
     lines.append(
-        f"- data: the offline corpus's **train split** only ({split.get('contexts')} contexts of 512 tokens, "
+        f"- data: the offline corpus's **train split** only ({split.get('contexts')} contexts of "
+        f"{split.get('seq_len', 512)} tokens, "
         f"{split.get('tokens')} tokens; groups: {split.get('kinds')}); the eval split's packages and documents "
         "(the benchmark prompts' sources) were never trained on"
     )
@@ -143,7 +151,7 @@ def train_dflash(args) -> dict:
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     model_path = resolve_model(args.model, dtype="float32").path
-    train, evals, manifest = _corpus(work, model_path, args.train_contexts)
+    train, evals, manifest = _corpus(work, model_path, args.train_contexts, args.seq_len)
     target = load_transformer(model_path)
     overrides = {"n_layers": args.layers, "block_size": args.block, "intermediate_size": args.intermediate}
     if args.target_layers:
@@ -246,7 +254,7 @@ def train_dflash(args) -> dict:
         "eval_loss": sum(ev_loss) / max(1, len(ev_loss)),
         f"eval_first_token_acc_vs_{against}": sum(ev_acc1) / max(1, len(ev_acc1)),
         f"eval_chain_accepted_vs_{against}": sum(ev_chain) / max(1, len(ev_chain)),
-        "train_split": {k: manifest["splits"]["train"][k] for k in ("contexts", "tokens", "kinds")},
+        "train_split": _split_summary(manifest),
         "config": draft.cfg.to_dict(),
         "recipe": _recipe(args),
     }
@@ -284,7 +292,7 @@ def train_dels(args) -> dict:
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     model_path = resolve_model(args.model, dtype="float32").path
-    train, evals, manifest = _corpus(work, model_path, args.train_contexts)
+    train, evals, manifest = _corpus(work, model_path, args.train_contexts, args.seq_len)
     embed, head_w = read_frozen_io(model_path)  # the target's layers are never loaded
     cfg = LocalHeadConfig(embed.shape[1], embed.shape[0], args.gru_hidden, args.rank, args.window, args.gamma)
     head = LocalHead(cfg, embed, head_w).train()
@@ -342,7 +350,7 @@ def train_dels(args) -> dict:
         "final_train_loss_mean50": sum(r["loss"] for r in tail) / max(1, len(tail)),
         "eval_loss": ev_loss,
         "unigram_counted_tokens": int(train.numel()),
-        "train_split": {k: manifest["splits"]["train"][k] for k in ("contexts", "tokens", "kinds")},
+        "train_split": _split_summary(manifest),
         "config": cfg.to_dict(),
         "recipe": _recipe(args),
     }
@@ -375,6 +383,7 @@ def main(argv: list[str] | None = None, return_summary: bool = False):
         s.add_argument("--threads", type=int, default=1)
         s.add_argument("--seed", type=int, default=42)
         s.add_argument("--train-contexts", type=int, default=1024)
+        s.add_argument("--seq-len", type=int, default=512, help="tokens per corpus context")
         s.add_argument("--gamma", type=float, default=7.0)
         s.add_argument("--fresh", action="store_true", help="ignore a saved state")
     d = sub.choices["dflash"]

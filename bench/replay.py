@@ -93,13 +93,23 @@ class RecordingDrafter:
 
 class ReplayedDrafter:
     """Proposes the recorded tree of each position, cut to the depth the controller asks for (`max_depth` caps
-    it for fixed-depth policies). Drafting costs `seconds_per_depth` per drafted depth."""
+    it for fixed-depth policies; `chain_only` drops the nodes off the first chain). Drafting costs `draft_s`
+    per drafted depth (`cost_by_depth`, a drafter that runs once per depth) or per step."""
 
-    cost_by_depth = True
-    drafts_chain = True
+    def __init__(
+        self,
+        trees: dict[int, dict],
+        draft_s: float,
+        max_depth: int | None = None,
+        cost_by_depth: bool = True,
+        drafts_chain: bool = True,
+        chain_only: bool = False,
+    ) -> None:
+        self.trees, self.draft_s, self.max_depth, self.chain_only = trees, draft_s, max_depth, chain_only
+        self.cost_by_depth, self.drafts_chain = cost_by_depth, drafts_chain
 
-    def __init__(self, trees: dict[int, dict], seconds_per_depth: float, max_depth: int | None = None) -> None:
-        self.trees, self.seconds_per_depth, self.max_depth = trees, seconds_per_depth, max_depth
+    def seconds(self, tree: DraftTree) -> float:
+        return self.draft_s * (tree.max_depth if self.cost_by_depth else 1)
 
     def start(self, seq: Sequence) -> None:
         pass
@@ -115,6 +125,9 @@ class ReplayedDrafter:
         for seq in batch:
             r = self.trees[seq.num_generated]
             tree = DraftTree(torch.tensor(r["tokens"]), r["parents"], None, r["scores"])
+            if self.chain_only:
+                n = next((i for i, p in enumerate(tree.parents[1:], start=1) if p != i - 1), len(tree))
+                tree = tree.subtree(list(range(n)))
             depth = min(d for d in (seq.draft_depth, self.max_depth, tree.max_depth) if d is not None)
             out.append(tree.subtree([i for i, d in enumerate(tree.depths) if d <= depth]))
         return out
@@ -150,8 +163,8 @@ def replay(
         wants = ctl is None or ctl.wants_draft(seq)
         tree = drafter.propose([seq])[0] if wants else None
         dt = time.perf_counter() - t0 if draft_s is None else draft_s
-        if tree is not None and hasattr(drafter, "seconds_per_depth"):
-            dt = drafter.seconds_per_depth * tree.max_depth
+        if tree is not None and isinstance(drafter, ReplayedDrafter):
+            dt = drafter.seconds(tree)
         if ctl is not None:
             if tree is None:
                 ctl.skip(seq)
@@ -203,7 +216,9 @@ def record_drafts(method: str, max_new_tokens: int, threads: int) -> None:
     tasks += [summary(tok, d) for d in DEV_DOCS]
     drafter = RecordingDrafter(build_drafter(method, target, max_batch=1))
     engine = SpecEngine(target, drafter, EngineConfig(max_batch=1, max_context=8192, controller="off"))
-    out = {"method": method, "curve": measured_curve(target, engine.cache).to_dict(), "tasks": []}
+    out = {"method": method, "curve": measured_curve(target, engine.cache).to_dict(), "tasks": [],
+           "cost_by_depth": getattr(drafter.inner, "cost_by_depth", False),
+           "drafts_chain": getattr(drafter.inner, "drafts_chain", False)}  # fmt: skip
     for t in tasks:
         drafter.trees = {}
         (seq,) = engine.run([t.prompt_ids], SamplingParams(max_new_tokens=max_new_tokens))
@@ -215,22 +230,26 @@ def record_drafts(method: str, max_new_tokens: int, threads: int) -> None:
 
 
 def policies(method: str, curve: CostCurve | None, draft_ms: float, max_depth: int) -> None:
-    """Speculation policies over the recorded trees: the controller (sizing chains by their acceptance profile,
-    and per step from the draft's scores as before) and every fixed depth, by modelled decode speedup."""
+    """Speculation policies over the recorded trees, by modelled decode speedup: the controller as the engine
+    builds it, per-step sizing from the draft's scores, a tree drafter's first chain alone sized by its acceptance
+    profile, and every fixed depth of the first chain."""
     data = json.loads(drafts_path(method).read_text())
     c = data["curve"]
     curve = curve or CostCurve(c["contexts"], c["sizes"], c["seconds"], c["cpu"])
-    s = draft_ms / 1e3
-    variants = {"controller": (True, None, True), "per-step": (True, None, False)}
-    variants |= {f"depth-{d}": (False, d, False) for d in range(1, max_depth + 1)}
+    by_depth, chain = data.get("cost_by_depth", True), data.get("drafts_chain", True)
+    # name -> (controller, fixed depth, chain profile rule, first chain only)
+    variants = {"controller": (True, None, True, False), "per-step": (True, None, False, False)}
+    if not chain:
+        variants["chain-profile"] = (True, None, True, True)
+    variants |= {f"depth-{d}": (False, d, False, True) for d in range(1, max_depth + 1)}
     rows: dict = {}
     for t in data["tasks"]:
         trees = {int(k): v for k, v in t["trees"].items()}
         rows[t["name"]] = {}
-        for name, (control, depth, profile) in variants.items():
+        for name, (control, depth, profile, chain_only) in variants.items():
             SpeculationController.chain_profile = profile
             try:
-                drafter = ReplayedDrafter(trees, s, depth)
+                drafter = ReplayedDrafter(trees, draft_ms / 1e3, depth, by_depth, chain or chain_only, chain_only)
                 rows[t["name"]][name] = replay(drafter, t["prompt"], t["output"], curve, controller=control)
             finally:
                 SpeculationController.chain_profile = True
@@ -239,7 +258,7 @@ def policies(method: str, curve: CostCurve | None, draft_ms: float, max_depth: i
     for name in variants:
         sp = [r[name]["speedup"] for r in rows.values()]
         print(f"{name}: mean {sum(sp) / len(sp):.3f}x, median {median(sp):.3f}x, min {min(sp):.3f}x")
-    out = {"cpu": curve.cpu, "draft_ms_per_depth": draft_ms, "rows": rows}
+    out = {"cpu": curve.cpu, "draft_ms": draft_ms, "cost_by_depth": by_depth, "rows": rows}
     (RECORD.parent / f"policies-{method}.json").write_text(json.dumps(out, indent=1))
 
 
@@ -259,7 +278,7 @@ def main() -> None:
     ap.add_argument("what", choices=["record", "run", "record-drafts", "policies"])
     ap.add_argument("--method", default="longspec", help="the learned drafter of record-drafts / policies")
     ap.add_argument("--curve", default=None, help="a results JSON whose first cost curve to use")
-    ap.add_argument("--draft-ms", type=float, default=3.7, help="policies: drafting time per depth")
+    ap.add_argument("--draft-ms", type=float, default=3.7, help="policies: drafting time (per depth if by depth)")
     ap.add_argument("--max-depth", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)

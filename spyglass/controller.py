@@ -363,31 +363,34 @@ class SpeculationController:
 
 @dataclass
 class _ChainControl:
-    # per depth: [decayed matches, decayed trials] of a drafted token whose parent matched
-    matched: list[list[float]] = field(default_factory=list)
-    pending: list[tuple[int, list[int]]] = field(default_factory=list)  # (root's index in seq.tokens, drafted tokens)
+    # per depth: [decayed acceptances, decayed trials] of a drafted token whose parent was accepted
+    accepted: list[list[float]] = field(default_factory=list)
+    # drafted tokens not verified, scored once committed: (index in seq.tokens of the token before them, their
+    # tokens, the depth of the first)
+    pending: list[tuple[int, list[int], int]] = field(default_factory=list)
     deepest: int = 0  # the deepest chain the drafter has proposed
-    depth: int = 0  # the depth this step verifies
+    verified: int = 0  # the depth verified at this step
+    rest: tuple[int, list[int], int] | None = None  # this step's unverified drafted tokens, pending after observe
     drafted: int = 0  # drafted steps so far (every `explore`-th drafts one depth deeper)
     plain_streak: int = 0
-    draft_s: float = 0.0  # drafting time per depth, decayed mean
+    draft_s: float = 0.0  # drafting time (per depth with `cost_by_depth`), decayed mean
 
 
 class ChainDepthController(SpeculationController):
-    """Sizes a chain drafted one depth at a time (LongSpec, GLIDE, a small LM) by the acceptance profile the
+    """Sizes a drafted chain (LongSpec, GLIDE, a small LM: one token per depth) by the acceptance profile the
     sequence has shown, not by the draft's scores at this step.
 
-    Why: the per-step sizing of SpeculationController verifies nothing when a step's scores are low and then stops
-    drafting until a probe, and it learns only from what it verified; a learned draft's scores are rough (LongSpec
-    v10's tokens scored 0.2-0.3 were accepted 40% of the time), so its few early misses kept it plain. Here every
-    drafted chain, verified or not, is scored once the target has committed the tokens it drafted (under greedy
-    decoding a match is exactly what verification would have accepted; under sampling it under-counts, which only
-    verifies less), and each step verifies the depth D that maximises
+    Why: the per-step sizing of SpeculationController verifies nothing when a step's scores are low, then stops
+    drafting until a probe, and learns only from what it verified; a learned draft's scores are rough (LongSpec
+    v10's tokens scored 0.2-0.3 were accepted 40% of the time), so a few early misses kept it plain. Here each
+    step verifies the depth D that maximises
 
-        (1 + sum over d <= D of P(the first d drafted tokens accepted)) / (verify D + 1 tokens + draft D depths)
+        (1 + sum over d <= D of P(the first d drafted tokens accepted)) / (verify D + 1 tokens + drafting)
 
-    with D = 0 meaning plain decoding, where one depth is still drafted every `probe` steps (unverified) to keep
-    measuring. Every `explore`-th drafted step drafts one depth deeper than it verifies. The depth depends on the
+    (D = 0: plain decoding, where one depth is still drafted every `probe` steps), and every drafted token counts
+    as evidence: a verified one by its verdict, an unverified one (a probe's, or one drafted a depth beyond D every
+    `explore`-th step) once the target has committed the token at its place (under greedy decoding exactly what
+    verification would have said; under sampling an under-count, which only verifies less). D depends on the
     sequence's history only, so a sampled chain keeps the distribution the verifier assumes.
     """
 
@@ -401,22 +404,25 @@ class ChainDepthController(SpeculationController):
             seq.control = _ChainControl()
         return seq.control
 
+    def _count(self, st: _ChainControl, depth: int, hit: bool) -> None:
+        while len(st.accepted) < depth:
+            st.accepted.append([self.prior, 1.0])
+        ev = st.accepted[depth - 1]
+        ev[0] = self.profile_decay * ev[0] + float(hit)
+        ev[1] = self.profile_decay * ev[1] + 1.0
+
     def _resolve(self, seq: Sequence, st: _ChainControl) -> None:
-        """Score the drafted chains whose tokens have all been committed since."""
+        """Score the unverified drafted tokens whose places the target has committed since."""
         last = seq.num_tokens - 1  # the root is the target's choice too
         still = []
-        for root, chain in st.pending:
-            if root + len(chain) > last:
-                still.append((root, chain))
+        for before, chain, first in st.pending:
+            if before + len(chain) > last:
+                still.append((before, chain, first))
                 continue
-            actual = seq.tokens[root + 1 : root + 1 + len(chain)].tolist()
-            for d, (drafted, committed) in enumerate(zip(chain, actual, strict=True)):
-                if d == len(st.matched):
-                    st.matched.append([self.prior, 1.0])
-                ev = st.matched[d]
-                ev[0] = self.profile_decay * ev[0] + float(drafted == committed)
-                ev[1] = self.profile_decay * ev[1] + 1.0
-                if drafted != committed:
+            committed = seq.tokens[before + 1 : before + 1 + len(chain)].tolist()
+            for d, (drafted, actual) in enumerate(zip(chain, committed, strict=True), start=first):
+                self._count(st, d, drafted == actual)
+                if drafted != actual:
                     break
         st.pending = still
 
@@ -424,10 +430,10 @@ class ChainDepthController(SpeculationController):
         best, best_rate = 0, 1.0 / self._cost(1, context, batch)
         gain = p = 1.0
         for d in range(1, limit + 1):
-            hits, trials = st.matched[d - 1] if d <= len(st.matched) else (self.prior, 1.0)
+            hits, trials = st.accepted[d - 1] if d <= len(st.accepted) else (self.prior, 1.0)
             p *= hits / trials
             gain += p
-            rate = gain / (self._cost(d + 1, context, batch) + d * st.draft_s)
+            rate = gain / (self._cost(d + 1, context, batch) + (d if self.cost_by_depth else 1) * st.draft_s)
             if rate > best_rate:
                 best, best_rate = d, rate
         return best
@@ -439,12 +445,12 @@ class ChainDepthController(SpeculationController):
         if st.deepest == 0:  # the first step drafts as deep as the drafter goes: evidence for every depth
             seq.draft_depth = None
             return True
-        st.depth = self._best_depth(st, seq.committed, 1, st.deepest)
-        if st.depth == 0:
+        depth = self._best_depth(st, seq.committed, 1, st.deepest)
+        if depth == 0:
             seq.draft_depth = 1
             return st.plain_streak >= self.probe
         st.drafted += 1
-        seq.draft_depth = min(st.deepest, st.depth + (st.drafted % self.explore == 0))
+        seq.draft_depth = min(st.deepest, depth + (st.drafted % self.explore == 0))
         return True
 
     def skip(self, seq: Sequence) -> None:
@@ -455,11 +461,12 @@ class ChainDepthController(SpeculationController):
         st = self._state(seq)
         stats = seq.stats.control
         stats.proposed_nodes += len(tree) - 1
-        if len(tree) > 1:
-            st.deepest = max(st.deepest, tree.max_depth)
-            st.pending.append((seq.num_tokens - 1, tree.tokens[1:].tolist()))
-        depth = min(tree.max_depth, self._best_depth(st, seq.committed, batch, tree.max_depth))
-        if depth == 0:
+        st.deepest = max(st.deepest, tree.max_depth)
+        st.verified = min(tree.max_depth, self._best_depth(st, seq.committed, batch, tree.max_depth))
+        if tree.max_depth > st.verified:  # the unverified rest, scored once committed
+            rest = [int(t) for t, d in zip(tree.tokens.tolist(), tree.depths, strict=True) if d > st.verified]
+            st.rest = (seq.num_tokens - 1 + st.verified, rest, st.verified + 1)
+        if st.verified == 0:
             if st.plain_streak >= self.probe:  # a probe: drafted to be scored, not verified
                 stats.probe_steps += 1
                 stats.plain_steps += 1
@@ -469,11 +476,19 @@ class ChainDepthController(SpeculationController):
             return DraftTree.root_only(int(tree.tokens[0]))
         st.plain_streak = 0
         stats.drafted_steps += 1
-        stats.verified_nodes += depth
-        return tree.subtree([i for i, d in enumerate(tree.depths) if d <= depth])
+        stats.verified_nodes += st.verified
+        return tree.subtree([i for i, d in enumerate(tree.depths) if d <= st.verified])
 
     def observe(self, seq: Sequence, tree: DraftTree, accepted: Accepted) -> None:
-        """Nothing here: a chain is scored once all its tokens are committed (`_resolve`), verified or not."""
+        """Count the verified depths' verdicts; the unverified rest of the chain stays pending only if every
+        verified token was accepted (otherwise its parent was not)."""
+        st = self._state(seq)
+        a = accepted.num_drafted_accepted
+        for d in range(1, min(a + 1, st.verified) + 1):
+            self._count(st, d, d <= a)
+        if st.rest is not None and a == st.verified:
+            st.pending.append(st.rest)
+        st.verified, st.rest = 0, None
 
 
 _CURVES: dict[tuple, CostCurve] = {}

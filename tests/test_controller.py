@@ -395,27 +395,35 @@ def test_chains_are_sized_by_their_acceptance_profile(tiny_target, right):
 
 
 def test_a_chain_profile_learns_from_chains_it_did_not_verify():
-    """Chains that were only drafted (a probe) are scored against the tokens the target then committed: a
-    sequence that went plain comes back to verifying once its probes match, without verifying anything first."""
-    ctl = ChainDepthController(CostCurve.linear(1.0, 0.05), cost_by_depth=True)
-    seq = Sequence(_prompt(), SamplingParams(max_new_tokens=200))
+    """Chains that were only drafted (probes) are scored against the tokens the target then committed: a sequence
+    that went plain comes back to verifying once its probes match, without verifying anything first."""
+    ctl = ChainDepthController(CostCurve.linear(1.0, 0.3), cost_by_depth=True)
+    seq = Sequence(_prompt(), SamplingParams(max_new_tokens=400))
     seq.append(7)
+
+    def target(i: int) -> int:  # the target's token at index i of the sequence
+        return 10 + i % 50
+
     verified = []
-    for step in range(120):
-        drafted = ctl.wants_draft(seq)
-        nxt = 10 + step % 50  # the target's next token
+    for step in range(150):
         good = step >= 40  # the draft is wrong for 40 steps, then right
-        if drafted:
-            tree = DraftTree.chain(seq.root, [nxt if good else 99, 99])
+        i = seq.num_tokens
+        if ctl.wants_draft(seq):
+            tree = DraftTree.chain(seq.root, [target(i) if good else 99, target(i + 1) if good else 99])
             kept = ctl.size(seq, tree, batch=1)
             verified.append((step, kept.max_depth))
+            n = kept.max_depth if good else 0
+            accepted = Accepted(list(range(n + 1)), [target(i + j) for j in range(n + 1)])
+            ctl.observe(seq, kept, accepted)
+            for t in accepted.tokens:
+                seq.append(t)
         else:
             ctl.skip(seq)
-        seq.append(nxt)
+            seq.append(target(i))
     assert any(d == 0 for s, d in verified if s < 40)  # the wrong draft went unverified (probes)
-    assert ctl._state(seq).matched[0][0] / ctl._state(seq).matched[0][1] > 0.5
+    assert not any(d >= 1 for s, d in verified if 10 <= s < 40)
     assert any(d >= 1 for s, d in verified if s >= 40)  # and verification came back
-    assert not any(d >= 1 for s, d in verified if 15 <= s < 40)
+    assert [d for s, d in verified][-1] == 2  # the whole chain, now that it is always right
 
 
 def test_only_chain_drafters_get_the_profile_controller(tiny_target):

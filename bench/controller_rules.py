@@ -6,6 +6,8 @@ on the same prompts in one run):
 - `per_source`: calibrate a merged tree's sources (the composite's suffix lookups, its LongSpec draft, both)
   each on its own acceptance (the default), or all of them with one factor per depth (`pooled`).
 - `short_backoff`: at most 16 plain steps between probes, or up to the controller's `max_backoff` (64, the default).
+- `chain_profile`: chains drafted one token per depth (LongSpec, GLIDE, small-lm) sized by their acceptance
+  profile (`ChainDepthController`, the default), or per step from the draft's scores like every other tree.
 Writes bench/results/controller_RULE.json (+ .png).
 
     python bench/controller_rules.py --rule persist [--max-new-tokens 256] [--per-kind 2] [--kinds code,edit]
@@ -32,6 +34,7 @@ RULES = {
     "persist": ("persist", True, False, "backoff"),
     "per_source": ("per_source", True, False, "pooled"),
     "short_backoff": ("max_backoff", 16, 64, "long-backoff"),
+    "chain_profile": ("chain_profile", True, False, "per-step"),
 }
 
 

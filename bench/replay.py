@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import median  # noqa: E402
+from bench.common import median, write_results  # noqa: E402
 from bench.tasks import code_completion, code_edit, summary  # noqa: E402
 from spyglass.controller import ChainDepthController, CostCurve, SpeculationController  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
@@ -229,13 +229,13 @@ def record_drafts(method: str, max_new_tokens: int, threads: int) -> None:
     drafts_path(method).write_text(json.dumps(out))
 
 
-def policies(method: str, curve: CostCurve | None, draft_ms: float, max_depth: int) -> None:
+def policies(method: str, curve_from: str | None, draft_ms: float, max_depth: int) -> None:
     """Speculation policies over the recorded trees, by modelled decode speedup: the controller as the engine
     builds it, per-step sizing from the draft's scores, a tree drafter's first chain alone sized by its acceptance
     profile, and every fixed depth of the first chain."""
     data = json.loads(drafts_path(method).read_text())
     c = data["curve"]
-    curve = curve or CostCurve(c["contexts"], c["sizes"], c["seconds"], c["cpu"])
+    curve = load_curve(curve_from) or CostCurve(c["contexts"], c["sizes"], c["seconds"], c["cpu"])
     by_depth, chain = data.get("cost_by_depth", True), data.get("drafts_chain", True)
     # name -> (controller, fixed depth, chain profile rule, first chain only)
     variants = {"controller": (True, None, True, False), "per-step": (True, None, False, False)}
@@ -255,11 +255,16 @@ def policies(method: str, curve: CostCurve | None, draft_ms: float, max_depth: i
                 SpeculationController.chain_profile = True
         print(f"{t['name']:38s} " + "  ".join(f"{n} {r['speedup']:.2f}x/{r['tau']:.2f}"
                                               for n, r in rows[t["name"]].items()), flush=True)  # fmt: skip
+    figures = {}
     for name in variants:
         sp = [r[name]["speedup"] for r in rows.values()]
+        figures[f"modelled_speedup_mean_{name}"] = round(sum(sp) / len(sp), 3)
+        figures[f"modelled_speedup_median_{name}"] = round(median(sp), 3)
         print(f"{name}: mean {sum(sp) / len(sp):.3f}x, median {median(sp):.3f}x, min {min(sp):.3f}x")
-    out = {"cpu": curve.cpu, "draft_ms": draft_ms, "cost_by_depth": by_depth, "rows": rows}
-    (RECORD.parent / f"policies-{method}.json").write_text(json.dumps(out, indent=1))
+    meta = {"what": f"speculation policies replayed over {method}'s recorded trees (modelled, not timed)",
+            "curve": curve.to_dict(), "curve_from": curve_from, "draft_ms": draft_ms, "cost_by_depth": by_depth,
+            "dev_prompts": DEV_CODE + DEV_DOCS}  # fmt: skip
+    print(write_results(f"replay_policies_{method}", figures, rows, meta))
 
 
 def make_drafter(name: str):
@@ -291,7 +296,7 @@ def main() -> None:
         record_drafts(args.method, args.max_new_tokens, args.threads)
         return
     if args.what == "policies":
-        policies(args.method, load_curve(args.curve), args.draft_ms, args.max_depth)
+        policies(args.method, args.curve, args.draft_ms, args.max_depth)
         return
     data = json.loads(RECORD.read_text())
     c = data["curve"]

@@ -8,10 +8,11 @@ on the same prompts in one run):
 - `short_backoff`: at most 16 plain steps between probes, or up to the controller's `max_backoff` (64, the default).
 - `chain_profile`: chains drafted one token per depth (LongSpec, GLIDE, small-lm) sized by their acceptance
   profile (`ChainDepthController`, the default), or per step from the draft's scores like every other tree.
-Writes bench/results/controller_RULE.json (+ .png).
+Writes bench/results/controller_RULE.json (+ .png), or NAME.json with `--name`.
 
     python bench/controller_rules.py --rule persist [--max-new-tokens 256] [--per-kind 2] [--kinds code,edit]
     python bench/controller_rules.py --rule per_source --methods composite --baselines suffix --kinds code,edit,summary
+    python bench/controller_rules.py --rule chain_profile --methods longspec --draft-checkpoint DIR --name NAME
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def main() -> None:
     ap.add_argument("--methods", default="longspec,composite,dflash")
     ap.add_argument("--baselines", default="", help="methods run once, with the default rules (e.g. suffix)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--draft-checkpoint", default=None, help="a learned method's draft (default: the shipped one)")
+    ap.add_argument("--name", default=None, help="results name (default: controller_RULE)")
     args = ap.parse_args()
     quiet, redis, target, tok, cache = bench_setup("bench-controller", args.threads)
 
@@ -57,7 +60,7 @@ def main() -> None:
     def maker(method: str, value):
         def make():  # the engine built next (compare runs one at a time) reads the rule from the class
             setattr(SpeculationController, attr, value)
-            return build_drafter(method, target, max_batch=1, max_context=8192)
+            return build_drafter(method, target, max_batch=1, max_context=8192, draft_checkpoint=args.draft_checkpoint)
 
         return make
 
@@ -79,10 +82,12 @@ def main() -> None:
             figures[f"speedup_{kind}_{tag}"] = by_kind(results, tasks, m, "speedup").get(kind)
             figures[f"tau_{kind}_{tag}"] = by_kind(results, tasks, m, "tau").get(kind)
     what = f"decode speedup over plain decoding with the controller's {rule} rule on and off, SmolLM2 fp32"
-    meta = run_meta(what, tasks, quiet, load_before, args.threads, target, max_new_tokens=args.max_new_tokens)
-    out = write_results(f"controller_{rule}", figures, {"t0": results}, meta)
+    meta = run_meta(what, tasks, quiet, load_before, args.threads, target, max_new_tokens=args.max_new_tokens,
+                    draft_checkpoint=args.draft_checkpoint)  # fmt: skip
+    name = args.name or f"controller_{rule}"
+    out = write_results(name, figures, {"t0": results}, meta)
     plot_panels(
-        RESULTS_DIR / f"controller_{rule}.png",
+        RESULTS_DIR / f"{name}.png",
         speed_panels(results, tasks, list(makers), "T=0"),
         title=f"Controller: the {rule} rule on vs off (SmolLM2 fp32)",
     )

@@ -19,8 +19,8 @@ the controller's and fixed depths, charging drafting a fixed time per drafted de
 RESULTS.json`, a cost curve measured on a quiet machine by another bench (a curve measured while other work runs
 says little).
 
-    python bench/replay.py record-drafts --method longspec [--max-new-tokens 256]
-    python bench/replay.py policies --method longspec --curve bench/results/longspec_s20_v10.json --draft-ms 3.7
+    python bench/replay.py record-drafts --method longspec [--checkpoint DIR --tag NAME] [--max-new-tokens 256]
+    python bench/replay.py policies --tag longspec --curve bench/results/longspec_s20_v10.json --draft-ms 3.7
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ def load_curve(results: str | None) -> CostCurve | None:
     return CostCurve(c["contexts"], c["sizes"], c["seconds"], c["cpu"])
 
 
-def record_drafts(method: str, max_new_tokens: int, threads: int) -> None:
+def record_drafts(method: str, tag: str, checkpoint: str | None, max_new_tokens: int, threads: int) -> None:
     from spyglass.controller import measured_curve
     from spyglass.drafters import build_drafter
     from spyglass.engine import EngineConfig, SpecEngine
@@ -214,9 +214,10 @@ def record_drafts(method: str, max_new_tokens: int, threads: int) -> None:
     tok = load_tokenizer(path)
     tasks = [code_completion(tok, f) for f in DEV_CODE] + [code_edit(tok, f) for f in DEV_CODE]
     tasks += [summary(tok, d) for d in DEV_DOCS]
-    drafter = RecordingDrafter(build_drafter(method, target, max_batch=1))
+    drafter = RecordingDrafter(build_drafter(method, target, max_batch=1, draft_checkpoint=checkpoint))
     engine = SpecEngine(target, drafter, EngineConfig(max_batch=1, max_context=8192, controller="off"))
-    out = {"method": method, "curve": measured_curve(target, engine.cache).to_dict(), "tasks": [],
+    out = {"method": method, "checkpoint": checkpoint, "tasks": [],
+           "curve": measured_curve(target, engine.cache).to_dict(),
            "cost_by_depth": getattr(drafter.inner, "cost_by_depth", False),
            "drafts_chain": getattr(drafter.inner, "drafts_chain", False)}  # fmt: skip
     for t in tasks:
@@ -225,15 +226,15 @@ def record_drafts(method: str, max_new_tokens: int, threads: int) -> None:
         out["tasks"].append({"name": t.name, "kind": t.kind, "prompt": t.prompt_ids, "output": seq.output_ids,
                              "trees": drafter.trees})  # fmt: skip
         print(f"recorded {t.name}: {len(t.prompt_ids)} + {seq.num_generated} tokens", flush=True)
-    drafts_path(method).parent.mkdir(parents=True, exist_ok=True)
-    drafts_path(method).write_text(json.dumps(out))
+    drafts_path(tag).parent.mkdir(parents=True, exist_ok=True)
+    drafts_path(tag).write_text(json.dumps(out))
 
 
-def policies(method: str, curve_from: str | None, draft_ms: float, max_depth: int) -> None:
+def policies(tag: str, curve_from: str | None, draft_ms: float, max_depth: int) -> None:
     """Speculation policies over the recorded trees, by modelled decode speedup: the controller as the engine
     builds it, per-step sizing from the draft's scores, a tree drafter's first chain alone sized by its acceptance
     profile, and every fixed depth of the first chain."""
-    data = json.loads(drafts_path(method).read_text())
+    data = json.loads(drafts_path(tag).read_text())
     c = data["curve"]
     curve = load_curve(curve_from) or CostCurve(c["contexts"], c["sizes"], c["seconds"], c["cpu"])
     by_depth, chain = data.get("cost_by_depth", True), data.get("drafts_chain", True)
@@ -261,10 +262,11 @@ def policies(method: str, curve_from: str | None, draft_ms: float, max_depth: in
         figures[f"modelled_speedup_mean_{name}"] = round(sum(sp) / len(sp), 3)
         figures[f"modelled_speedup_median_{name}"] = round(median(sp), 3)
         print(f"{name}: mean {sum(sp) / len(sp):.3f}x, median {median(sp):.3f}x, min {min(sp):.3f}x")
-    meta = {"what": f"speculation policies replayed over {method}'s recorded trees (modelled, not timed)",
+    meta = {"what": f"speculation policies replayed over {tag}'s recorded trees (modelled, not timed)",
+            "method": data["method"], "checkpoint": data.get("checkpoint"),
             "curve": curve.to_dict(), "curve_from": curve_from, "draft_ms": draft_ms, "cost_by_depth": by_depth,
             "dev_prompts": DEV_CODE + DEV_DOCS}  # fmt: skip
-    print(write_results(f"replay_policies_{method}", figures, rows, meta))
+    print(write_results(f"replay_policies_{tag}", figures, rows, meta))
 
 
 def make_drafter(name: str):
@@ -281,7 +283,9 @@ def make_drafter(name: str):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["record", "run", "record-drafts", "policies"])
-    ap.add_argument("--method", default="longspec", help="the learned drafter of record-drafts / policies")
+    ap.add_argument("--method", default="longspec", help="record-drafts: the learned drafter")
+    ap.add_argument("--checkpoint", default=None, help="record-drafts: its draft (default: the shipped one)")
+    ap.add_argument("--tag", default=None, help="the recording's name (default: the method)")
     ap.add_argument("--curve", default=None, help="a results JSON whose first cost curve to use")
     ap.add_argument("--draft-ms", type=float, default=3.7, help="policies: drafting time (per depth if by depth)")
     ap.add_argument("--max-depth", type=int, default=4)
@@ -293,10 +297,10 @@ def main() -> None:
         record(args.max_new_tokens, args.threads)
         return
     if args.what == "record-drafts":
-        record_drafts(args.method, args.max_new_tokens, args.threads)
+        record_drafts(args.method, args.tag or args.method, args.checkpoint, args.max_new_tokens, args.threads)
         return
     if args.what == "policies":
-        policies(args.method, args.curve, args.draft_ms, args.max_depth)
+        policies(args.tag or args.method, args.curve, args.draft_ms, args.max_depth)
         return
     data = json.loads(RECORD.read_text())
     c = data["curve"]

@@ -71,9 +71,10 @@ bench-tokenswift: setup
 
 # The shipped LongSpec and GLIDE drafts: extraction + training (resumable: rerun to continue), then copied into the
 # package. Each run warm-starts from the one before (v3 from v2's step 200, v4 from v3, v5 from v4, v6 from v5,
-# v7 from v6, v8 from v7, both v9 arms from v8, v10 from v9 (shipped), GLIDE's top layer from v4); v5 and GLIDE train
-# on v4's extraction, v6 and v7 (the long-context stage) on their own, v8, v9 and v10 on new text (v9's two arms on
-# the same extraction; v10's also stores target layers 2 and 15, which it reads).
+# v7 from v6, v8 from v7, both v9 arms from v8, v10 from v9, v12 from v10 (shipped), GLIDE's top layer from v4); v5
+# and GLIDE train on v4's extraction, v6 and v7 (the long-context stage) on their own, v8, v9 and v10 on new text
+# (v9's two arms on the same extraction; v10's also stores target layers 2 and 15, which it reads), v12 on new text
+# whose last 128 tokens the target generated (~50-80 min of generation + extraction, 17 min of training).
 train-longspec: setup
 	$(VENV)/bin/spyglass train configs/smollm2-longspec-v2.yaml --diagnose
 	$(VENV)/bin/spyglass train configs/smollm2-longspec-v3.yaml --diagnose
@@ -85,21 +86,21 @@ train-longspec: setup
 	$(VENV)/bin/spyglass train configs/smollm2-longspec-v9-fresh.yaml --diagnose
 	$(VENV)/bin/spyglass train configs/smollm2-longspec-v9-own.yaml --diagnose
 	$(VENV)/bin/spyglass train configs/smollm2-longspec-v10-layers.yaml --diagnose
+	$(VENV)/bin/spyglass train configs/smollm2-longspec-v12-preloop.yaml --diagnose
 	$(VENV)/bin/spyglass train configs/smollm2-glide.yaml --diagnose
-	$(PY) -m actors.export_draft .cache/runs/smollm2-longspec-v10-layers spyglass/drafts/smollm2-135m-longspec
+	$(PY) -m actors.export_draft .cache/runs/smollm2-longspec-v12-preloop spyglass/drafts/smollm2-135m-longspec
 	$(PY) -m actors.export_draft .cache/runs/smollm2-longspec-v4 spyglass/drafts/smollm2-135m-glide --train-dir train-glide --bf16
 
 # Issue 9's training ablation: v8's run with one option changed per run (configs/ablation/; v8 is the control,
 # ~12 min each on 2 cores, after v8's extraction in train-longspec; resumable), then v11 (v10 on the target's own
-# greedy continuations: ~52 min of generation + extraction, 10 min of training) and its mixed-loss arm, then v12
-# (v10 on pre-loop continuations: ~50-80 min of generation + extraction, 17 min of training) and its equal-lags arm.
+# greedy continuations: ~52 min of generation + extraction, 10 min of training) and its mixed-loss arm, then v12's
+# equal-lags arm (after train-longspec's v12).
 .PHONY: train-ablation
 train-ablation: setup
 	for c in ce-only one-lag shallow-lags hard-distill; do \
 		$(VENV)/bin/spyglass train configs/ablation/longspec-$$c.yaml --diagnose || exit 1; done
 	$(VENV)/bin/spyglass train configs/smollm2-longspec-v11-onpolicy.yaml --diagnose
 	$(VENV)/bin/spyglass train configs/ablation/longspec-onpolicy-mixed.yaml --diagnose
-	$(VENV)/bin/spyglass train configs/smollm2-longspec-v12-preloop.yaml --diagnose
 	$(VENV)/bin/spyglass train configs/ablation/longspec-preloop-equal-lags.yaml --diagnose
 
 # Faults and load against a real local stack (verifier/gateway killed, Redis killed, corrupted cache, SIGTERM,

@@ -38,6 +38,7 @@ import torch  # noqa: E402
 from bench.common import median, write_results  # noqa: E402
 from bench.tasks import code_completion, code_edit, summary  # noqa: E402
 from spyglass.controller import ChainDepthController, CostCurve, SpeculationController  # noqa: E402
+from spyglass.drafters.base import StatelessDrafter  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
 from spyglass.sequence import Sequence  # noqa: E402
 from spyglass.tree import DraftTree  # noqa: E402
@@ -48,9 +49,8 @@ DEV_DOCS = ["library/dataclasses.rst.txt", "library/collections.rst.txt", "libra
 RECORD = Path(__file__).resolve().parents[1] / ".cache" / "replay" / "dev_outputs.json"
 
 
-def record(max_new_tokens: int, threads: int) -> None:
-    from spyglass.controller import measured_curve
-    from spyglass.engine import EngineConfig, SpecEngine
+def dev_setup(threads: int) -> tuple:
+    """The target and the dev prompts."""
     from spyglass.models.llama import load_transformer
     from spyglass.models.loader import load_tokenizer, resolve_model
 
@@ -59,7 +59,14 @@ def record(max_new_tokens: int, threads: int) -> None:
     target = load_transformer(path, dtype=torch.float32)
     tok = load_tokenizer(path)
     tasks = [code_completion(tok, f) for f in DEV_CODE] + [code_edit(tok, f) for f in DEV_CODE]
-    tasks += [summary(tok, d) for d in DEV_DOCS]
+    return target, tasks + [summary(tok, d) for d in DEV_DOCS]
+
+
+def record(max_new_tokens: int, threads: int) -> None:
+    from spyglass.controller import measured_curve
+    from spyglass.engine import EngineConfig, SpecEngine
+
+    target, tasks = dev_setup(threads)
     engine = SpecEngine(target, None, EngineConfig(max_batch=1, max_context=8192))
     out = {"curve": measured_curve(target, target.new_cache(8192, 1)).to_dict(), "tasks": []}
     for t in tasks:
@@ -91,7 +98,7 @@ class RecordingDrafter:
         return [DraftTree.root_only(seq.root) for seq in batch]
 
 
-class ReplayedDrafter:
+class ReplayedDrafter(StatelessDrafter):
     """Proposes the recorded tree of each position, cut to the depth the controller asks for (`max_depth` caps
     it for fixed-depth policies; `chain_only` drops the nodes off the first chain). Drafting costs `draft_s`
     per drafted depth (`cost_by_depth`, a drafter that runs once per depth) or per step."""
@@ -110,15 +117,6 @@ class ReplayedDrafter:
 
     def seconds(self, tree: DraftTree) -> float:
         return self.draft_s * (tree.max_depth if self.cost_by_depth else 1)
-
-    def start(self, seq: Sequence) -> None:
-        pass
-
-    def commit(self, seq: Sequence, accepted: Accepted) -> None:
-        pass
-
-    def release(self, seq: Sequence) -> None:
-        pass
 
     def propose(self, batch: list[Sequence]) -> list[DraftTree]:
         out = []
@@ -205,15 +203,8 @@ def record_drafts(method: str, tag: str, checkpoint: str | None, max_new_tokens:
     from spyglass.controller import measured_curve
     from spyglass.drafters import build_drafter
     from spyglass.engine import EngineConfig, SpecEngine
-    from spyglass.models.llama import load_transformer
-    from spyglass.models.loader import load_tokenizer, resolve_model
 
-    torch.set_num_threads(threads)
-    path = resolve_model(None, dtype="float32").path
-    target = load_transformer(path, dtype=torch.float32)
-    tok = load_tokenizer(path)
-    tasks = [code_completion(tok, f) for f in DEV_CODE] + [code_edit(tok, f) for f in DEV_CODE]
-    tasks += [summary(tok, d) for d in DEV_DOCS]
+    target, tasks = dev_setup(threads)
     drafter = RecordingDrafter(build_drafter(method, target, max_batch=1, draft_checkpoint=checkpoint))
     engine = SpecEngine(target, drafter, EngineConfig(max_batch=1, max_context=8192, controller="off"))
     out = {"method": method, "checkpoint": checkpoint, "tasks": [],

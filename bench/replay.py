@@ -37,7 +37,7 @@ import torch  # noqa: E402
 
 from bench.common import median, write_results  # noqa: E402
 from bench.tasks import code_completion, code_edit, summary  # noqa: E402
-from spyglass.controller import ChainDepthController, CostCurve, SpeculationController  # noqa: E402
+from spyglass.controller import CostCurve, SpeculationController, controller_for  # noqa: E402
 from spyglass.drafters.base import StatelessDrafter  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
 from spyglass.sequence import Sequence  # noqa: E402
@@ -151,9 +151,7 @@ def replay(
     seq = Sequence(prompt, SamplingParams(max_new_tokens=n))
     seq.append(output[0])  # the first token comes from prefill
     drafter.start(seq)
-    chain = getattr(drafter, "drafts_chain", False) and SpeculationController.chain_profile
-    cls = ChainDepthController if chain else SpeculationController
-    ctl = cls(curve, cost_by_depth=getattr(drafter, "cost_by_depth", False)) if controller else None
+    ctl = controller_for(drafter, curve) if controller else None
     spec_s = plain_s = drafting_s = 0.0
     steps = 0
     while seq.num_generated < n:

@@ -491,6 +491,17 @@ class ChainDepthController(SpeculationController):
         st.verified, st.rest = 0, None
 
 
+def controller_for(drafter, curve: CostCurve) -> SpeculationController:
+    """The controller a drafter gets: ChainDepthController for a chain (`drafts_chain`, unless `chain_profile` is
+    off), SpeculationController otherwise."""
+    chain = getattr(drafter, "drafts_chain", False) and SpeculationController.chain_profile
+    return (ChainDepthController if chain else SpeculationController)(
+        curve,
+        cost_by_depth=getattr(drafter, "cost_by_depth", False),
+        free_part=getattr(drafter, "has_free_part", False),
+    )
+
+
 _CURVES: dict[tuple, CostCurve] = {}
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from spyglass.context_cache import ContextCache, kv_blocks_from_cache, load_blocks_into_cache
-from spyglass.controller import ChainDepthController, CostCurve, SpeculationController, measured_curve
+from spyglass.controller import CostCurve, SpeculationController, controller_for, measured_curve
 from spyglass.drafters.base import Drafter, NullDrafter
 from spyglass.models.llama import Segment, Transformer
 from spyglass.sampling import SamplingParams, process_in_context, sample
@@ -74,12 +74,7 @@ class SpecEngine:
                 curve = measured_curve(target, self.cache)
             elif not isinstance(curve, CostCurve):
                 raise ValueError(f"controller must be 'measure', 'off' or a CostCurve, not {curve!r}")
-            chain = getattr(drafter, "drafts_chain", False) and SpeculationController.chain_profile
-            self.controller = (ChainDepthController if chain else SpeculationController)(
-                curve,
-                cost_by_depth=getattr(drafter, "cost_by_depth", False),
-                free_part=getattr(drafter, "has_free_part", False),
-            )
+            self.controller = controller_for(drafter, curve)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.eos_ids = set(target.args.eos_token_ids)

@@ -143,10 +143,9 @@ def replay(
     output: list[int],
     curve: CostCurve,
     controller: bool = True,
-    draft_s: float | None = None,
 ) -> dict:
     """Steps, tau and modelled seconds of `drafter` (with the controller) reproducing `output` from `prompt`.
-    `draft_s`: charge this drafting time per step instead of the measured one (deterministic replays)."""
+    Drafting is charged what the drafter took, or what a ReplayedDrafter says it costs (deterministic replays)."""
     n = len(output)
     seq = Sequence(prompt, SamplingParams(max_new_tokens=n))
     seq.append(output[0])  # the first token comes from prefill
@@ -158,9 +157,8 @@ def replay(
         t0 = time.perf_counter()
         wants = ctl is None or ctl.wants_draft(seq)
         tree = drafter.propose([seq])[0] if wants else None
-        dt = time.perf_counter() - t0 if draft_s is None else draft_s
-        if tree is not None and isinstance(drafter, ReplayedDrafter):
-            dt = drafter.seconds(tree)
+        replayed = tree is not None and isinstance(drafter, ReplayedDrafter)
+        dt = drafter.seconds(tree) if replayed else time.perf_counter() - t0
         if ctl is not None:
             if tree is None:
                 ctl.skip(seq)
@@ -193,8 +191,7 @@ def load_curve(results: str | None) -> CostCurve | None:
     """The first cost curve a results JSON recorded (None: use the record's own)."""
     if not results:
         return None
-    c = json.loads(Path(results).read_text())["meta"]["cost_curves"][0]
-    return CostCurve(c["contexts"], c["sizes"], c["seconds"], c["cpu"])
+    return CostCurve(**json.loads(Path(results).read_text())["meta"]["cost_curves"][0])
 
 
 def record_drafts(method: str, tag: str, checkpoint: str | None, max_new_tokens: int, threads: int) -> None:
@@ -224,8 +221,7 @@ def policies(tag: str, curve_from: str | None, draft_ms: float, max_depth: int) 
     builds it, per-step sizing from the draft's scores, a tree drafter's first chain alone sized by its acceptance
     profile, and every fixed depth of the first chain."""
     data = json.loads(drafts_path(tag).read_text())
-    c = data["curve"]
-    curve = load_curve(curve_from) or CostCurve(c["contexts"], c["sizes"], c["seconds"], c["cpu"])
+    curve = load_curve(curve_from) or CostCurve(**data["curve"])
     by_depth, chain = data.get("cost_by_depth", True), data.get("drafts_chain", True)
     # name -> (controller, fixed depth, chain profile rule, first chain only)
     variants = {"controller": (True, None, True, False), "per-step": (True, None, False, False)}
@@ -292,8 +288,7 @@ def main() -> None:
         policies(args.tag or args.method, args.curve, args.draft_ms, args.max_depth)
         return
     data = json.loads(RECORD.read_text())
-    c = data["curve"]
-    curve = load_curve(args.curve) or CostCurve(c["contexts"], c["sizes"], c["seconds"], c["cpu"])
+    curve = load_curve(args.curve) or CostCurve(**data["curve"])
     methods = args.methods.split(",")
     rows = {}
     for t in data["tasks"]:

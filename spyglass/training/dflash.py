@@ -38,7 +38,7 @@ def _lr(step: int, total: int, base: float, warmup: float = 0.04) -> float:
 
 
 def _corpus(
-    workdir: Path, model_path: Path, train_contexts: int, seq_len: int = 512
+    workdir: Path, model_path: Path, train_contexts: int, seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     from spyglass.models.loader import load_tokenizer
 

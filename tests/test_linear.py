@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from spyglass.drafters.base import VocabSubset
 from spyglass.models import linear as linear_mod
 from spyglass.models.linear import (
     KERNELS,
@@ -68,6 +69,26 @@ def test_plan_dispatches_by_row_count(monkeypatch):
             x = torch.randn(n, 16)
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
     assert calls == ["onednn", "wfirst", "aten", "wfirst", "onednn", "aten", "aten", "wfirst", "onednn", "onednn"]
+
+
+def test_reduced_vocabulary_head_follows_the_heads_plan(monkeypatch):
+    """A draft's reduced-vocabulary logits (`VocabSubset`) run the kernel the shared head's plan names for the
+    row count, not a fixed one, and equal the full head's logits on those rows (-inf elsewhere)."""
+    calls = []
+    for name, fn in list(linear_mod._KERNEL_FNS.items()):
+        monkeypatch.setitem(
+            linear_mod._KERNEL_FNS, name, lambda x, w, b, name=name, fn=fn: calls.append(name) or fn(x, w, b)
+        )
+    head = Linear(16, 40, bias=False)
+    head.plan = ("wfirst", "onednn", *("aten",) * (len(ROW_BUCKETS) - 2))
+    subset = VocabSubset(torch.arange(0, 40, 3))
+    with torch.inference_mode():
+        for n in (1, 2):
+            x = torch.randn(n, 16)
+            got = subset.logits(x, head)
+            torch.testing.assert_close(got[:, subset.ids], F.linear(x, head.weight[subset.ids]), atol=1e-5, rtol=1e-5)
+            assert torch.isneginf(got).sum() == n * (40 - subset.ids.numel())
+    assert calls == ["wfirst", "onednn"]
 
 
 def test_training_path_keeps_autograd():

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
-import torch.nn.functional as F
 
+from spyglass.models.linear import planned_linear
 from spyglass.sampling import needs_presence, process_in_context, sample
 from spyglass.sequence import Sequence
 from spyglass.tree import DraftTree
@@ -134,12 +134,15 @@ class VocabSubset:
             raise ValueError(f"{where}: vocab_ids do not index the target's vocabulary")
         return ids.long()
 
-    def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """`hidden [N, H]` through the head `weight [V, H]` -> fp32 `[N, V]`."""
+    def logits(self, hidden: torch.Tensor, head: torch.nn.Linear) -> torch.Tensor:
+        """`hidden [N, H]` through `head` (weight `[V, H]`) -> fp32 `[N, V]`, on the head's measured kernel plan
+        (MKL's GEMM reads these rows at a fifth of oneDNN's speed on Zen 4: 3 ms instead of ~0.6 for 8K rows)."""
+        weight = head.weight
         if self._rows is None or self._rows.dtype != weight.dtype:
             self._rows = weight.detach()[self.ids].contiguous()
         full = hidden.new_full((hidden.shape[0], weight.shape[0]), float("-inf"), dtype=torch.float32)
-        full[:, self.ids] = F.linear(hidden.to(weight.dtype), self._rows).float()
+        rows = planned_linear(hidden.to(weight.dtype), self._rows, None, getattr(head, "plan", None))
+        full[:, self.ids] = rows.float()
         return full
 
 
@@ -159,5 +162,5 @@ class ProposesSubset:
     def head_logits(self, hidden: torch.Tensor, lm_head: torch.nn.Linear) -> torch.Tensor:
         """`hidden [N, H]` through the target's LM head, over `vocab_ids` when set -> fp32 `[N, V]`."""
         if self._subset is not None:
-            return self._subset.logits(hidden, lm_head.weight)
+            return self._subset.logits(hidden, lm_head)
         return lm_head(hidden.to(lm_head.weight.dtype)).float()

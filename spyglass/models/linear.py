@@ -52,16 +52,21 @@ def _bucket(rows: int) -> int:
     return min(bisect.bisect_left(ROW_BUCKETS, rows), len(ROW_BUCKETS) - 1)
 
 
+def planned_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, plan: tuple[str, ...] | None):
+    """`F.linear` on the plan's kernel for x's row count (autograd, or no plan: `F.linear` itself)."""
+    if plan is None or torch.is_grad_enabled():
+        return F.linear(x, w, b)
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return _KERNEL_FNS[plan[_bucket(rows)]](x, w, b)
+
+
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters and state dict) whose inference path follows a measured kernel plan."""
 
     plan: tuple[str, ...] | None = None  # kernel per ROW_BUCKETS entry, set by `set_linear_backend`; None = aten
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.plan is None or torch.is_grad_enabled():
-            return F.linear(x, self.weight, self.bias)
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        return _KERNEL_FNS[self.plan[_bucket(rows)]](x, self.weight, self.bias)
+        return planned_linear(x, self.weight, self.bias, self.plan)
 
 
 def onednn_supported(weight: torch.Tensor) -> bool:

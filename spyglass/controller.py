@@ -78,13 +78,14 @@ class CostCurve:
         target,
         cache,
         contexts: tuple[int, ...] = (256, 2048, 6144),
-        sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64),
+        sizes: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 64),
         repeats: int = 2,
     ) -> CostCurve:
         """Time verify-shaped forwards on this machine (the best of `repeats`: robust to other work). The prefix
         K/V are zeros: the attention's cost does not depend on their values. Also warms up every shape. The
         sizes are dense where BLAS switches kernels (on one Sapphire Rapids: 3 tokens cost about 1.1 decode steps,
-        4 about 1.5, 12 more than 16), which interpolating between powers of two would miss."""
+        4 about 1.5, 12 more than 16; on Zen 4 at 5.6K: 3 cost more than 4, and 5 as much as 6), which
+        interpolating between neighbours would miss."""
         from spyglass.models.llama import Segment
 
         slot = cache.allocate()

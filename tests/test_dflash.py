@@ -303,6 +303,11 @@ def test_reduced_vocabulary_proposes_only_its_tokens_and_stays_lossless(tiny_dir
     outside = torch.ones(target.args.vocab_size, dtype=torch.bool)
     outside[vocab] = False
     assert torch.isneginf(part[:, outside]).all()
+    # DeLS fused over those rows only: the full fusion's values there, -inf outside
+    fused, _ = DFlashDrafter(reduced, head)._position_logits(part, [5], None)
+    want = fuse(part[1], head.logits(head.step(5, None)), head.log_unigram, 0.3, 0.3)
+    torch.testing.assert_close(fused[vocab], want[vocab], rtol=1e-5, atol=1e-5)
+    assert torch.isneginf(fused[outside]).all()
 
     proposed: list[int] = []
 

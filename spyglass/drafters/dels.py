@@ -67,6 +67,7 @@ class LocalHead(nn.Module):
         # Frozen target matrices: referenced in a tuple so they are neither trained nor checkpointed.
         self._frozen = (embed_weight.detach(), head_weight.detach())
         self._fused: torch.Tensor | None = None
+        self._fused_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, self._fused[ids])
 
     def _vocab(self) -> torch.Tensor:
         """`[V, rank]` = head @ w_up: logits from the rank-sized state in one small matmul."""
@@ -89,7 +90,7 @@ class LocalHead(nn.Module):
 
     # -- inference: one token at a time --------------------------------------------------------
     def train(self, mode: bool = True):
-        self._fused = None  # the fused matrix is rebuilt from the current weights
+        self._fused = self._fused_rows = None  # the fused matrix is rebuilt from the current weights
         return super().train(mode)
 
     @torch.inference_mode()
@@ -100,10 +101,17 @@ class LocalHead(nn.Module):
         return h
 
     @torch.inference_mode()
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
+    def logits(self, h: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits `[V]`, or `[len(ids)]` for the tokens `ids` only (a reduced-vocabulary draft's: the rest of
+        the fused logits is -inf whatever this head says, and the full product reads a 49K-row matrix)."""
         if self._fused is None:
             self._fused = self._vocab()
-        return self._fused @ F.silu(self.w_rank(h.view(-1)))
+        r = F.silu(self.w_rank(h.view(-1)))
+        if ids is None:
+            return self._fused @ r
+        if self._fused_rows is None or self._fused_rows[0] is not ids:
+            self._fused_rows = (ids, self._fused[ids].contiguous())
+        return self._fused_rows[1] @ r
 
 
 def read_frozen_io(model_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor]:

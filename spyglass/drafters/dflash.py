@@ -455,7 +455,12 @@ class DFlashDrafter:
         if self.local is None or not chain:
             return logits, h
         h = self.local.step(chain[-1], h)
-        return fuse(logits, self.local.logits(h), self.local.log_unigram, self.alpha, self.beta), h
+        ids = self.draft.vocab_ids
+        if ids is None:
+            return fuse(logits, self.local.logits(h), self.local.log_unigram, self.alpha, self.beta), h
+        fused = logits.clone()  # -inf outside the draft's vocabulary stays -inf
+        fused[ids] = fuse(logits[ids], self.local.logits(h, ids), self.local.log_unigram[ids], self.alpha, self.beta)
+        return fused, h
 
     def _sampled_chain(self, seq: Sequence, long_logits: torch.Tensor) -> DraftTree:
         """A chain sampled from the processed (fused) draft rows, which are the verifier's proposal q."""

@@ -216,29 +216,37 @@ def record_drafts(method: str, tag: str, checkpoint: str | None, max_new_tokens:
     drafts_path(tag).write_text(json.dumps(out))
 
 
-def policies(tag: str, curve_from: str | None, draft_ms: float, max_depth: int) -> None:
+def policies(tag: str, curve_from: str | None, draft_ms: float, max_depth: int, out: str | None = None) -> None:
     """Speculation policies over the recorded trees, by modelled decode speedup: the controller as the engine
     builds it, per-step sizing from the draft's scores, a tree drafter's first chain alone sized by its acceptance
     profile, and every fixed depth of the first chain."""
     data = json.loads(drafts_path(tag).read_text())
     curve = load_curve(curve_from) or CostCurve(**data["curve"])
     by_depth, chain = data.get("cost_by_depth", True), data.get("drafts_chain", True)
-    # name -> (controller, fixed depth, chain profile rule, first chain only)
-    variants = {"controller": (True, None, True, False), "per-step": (True, None, False, False)}
+    # name -> (controller, fixed depth, first chain only, SpeculationController rules changed from the defaults)
+    per_step = {"chain_profile": False}
+    variants = {
+        "controller": (True, None, False, {}),
+        "per-step": (True, None, False, per_step),
+        "per-step-sunk": (True, None, False, per_step | {"marginal": False}),  # the sizing before session 22
+    }
     if not chain:
-        variants["chain-profile"] = (True, None, True, True)
-    variants |= {f"depth-{d}": (False, d, False, True) for d in range(1, max_depth + 1)}
+        variants["chain-profile"] = (True, None, True, {})
+    variants |= {f"depth-{d}": (False, d, True, {}) for d in range(1, max_depth + 1)}
     rows: dict = {}
     for t in data["tasks"]:
         trees = {int(k): v for k, v in t["trees"].items()}
         rows[t["name"]] = {}
-        for name, (control, depth, profile, chain_only) in variants.items():
-            SpeculationController.chain_profile = profile
+        for name, (control, depth, chain_only, rules) in variants.items():
+            defaults = {rule: getattr(SpeculationController, rule) for rule in rules}
             try:
+                for rule, value in rules.items():
+                    setattr(SpeculationController, rule, value)
                 drafter = ReplayedDrafter(trees, draft_ms / 1e3, depth, by_depth, chain or chain_only, chain_only)
                 rows[t["name"]][name] = replay(drafter, t["prompt"], t["output"], curve, controller=control)
             finally:
-                SpeculationController.chain_profile = True
+                for rule, value in defaults.items():
+                    setattr(SpeculationController, rule, value)
         print(f"{t['name']:38s} " + "  ".join(f"{n} {r['speedup']:.2f}x/{r['tau']:.2f}"
                                               for n, r in rows[t["name"]].items()), flush=True)  # fmt: skip
     figures = {}
@@ -251,7 +259,7 @@ def policies(tag: str, curve_from: str | None, draft_ms: float, max_depth: int) 
             "method": data["method"], "checkpoint": data.get("checkpoint"),
             "curve": curve.to_dict(), "curve_from": curve_from, "draft_ms": draft_ms, "cost_by_depth": by_depth,
             "dev_prompts": DEV_CODE + DEV_DOCS}  # fmt: skip
-    print(write_results(f"replay_policies_{tag}", figures, rows, meta))
+    print(write_results(out or f"replay_policies_{tag}", figures, rows, meta))
 
 
 def make_drafter(name: str):
@@ -274,6 +282,7 @@ def main() -> None:
     ap.add_argument("--curve", default=None, help="a results JSON whose first cost curve to use")
     ap.add_argument("--draft-ms", type=float, default=3.7, help="policies: drafting time (per depth if by depth)")
     ap.add_argument("--max-depth", type=int, default=4)
+    ap.add_argument("--name", default=None, help="policies: the results file (default replay_policies_TAG)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--methods", default="ngram,suffix")
@@ -285,7 +294,7 @@ def main() -> None:
         record_drafts(args.method, args.tag or args.method, args.checkpoint, args.max_new_tokens, args.threads)
         return
     if args.what == "policies":
-        policies(args.tag or args.method, args.curve, args.draft_ms, args.max_depth)
+        policies(args.tag or args.method, args.curve, args.draft_ms, args.max_depth, args.name)
         return
     data = json.loads(RECORD.read_text())
     curve = load_curve(args.curve) or CostCurve(**data["curve"])

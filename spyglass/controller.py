@@ -176,6 +176,11 @@ class SpeculationController:
     # instead: on one Zen 4 machine this per-step sizing reached 1.08x with LongSpec where a fixed depth-1 chain
     # would have made 1.23x (bench/replay.py policies; bench/controller_rules.py --rule chain_profile).
     chain_profile = True
+    # Size a drafted tree by what verifying it adds from now on: the drafting time is spent either way. Off (as
+    # before session 22), that sunk time counted against every node too, so a step whose tree would have paid
+    # its verification, though not its drafting as well, verified nothing (DFlash on Zen 4: ~1 drafted step in
+    # 5). Whether drafting paid, its time included, still decides whether the next step drafts.
+    marginal = True
 
     def __init__(
         self,
@@ -280,18 +285,21 @@ class SpeculationController:
         ctx = seq.committed
         plain_rate = 1.0 / self._cost(1, ctx, batch)
         draft_s = 0.0 if seq.draft_free_only else st.draft_s  # a model-free part alone costs next to nothing
-        best_k, best_rate, gain, depth = 0, plain_rate, 1.0, 0
+        best_k, best_rate, best_total, gain, depth = 0, plain_rate, 0.0, 1.0, 0
         for k, i in enumerate(order, start=1):
             gain += scores[i]
             depth = max(depth, depths[i])
             draft = draft_s * depth if self.cost_by_depth else draft_s
-            rate = gain / (self._cost(k + 1, ctx, batch) + draft)  # drafting is part of the price
+            verify = self._cost(k + 1, ctx, batch)
+            best_total = max(best_total, gain / (verify + draft))  # drafting is part of this price
+            rate = gain / (verify if self.marginal else verify + draft)
             if rate > best_rate:
                 best_k, best_rate = k, rate
+        paid = best_total > plain_rate  # drafting this step beat plain decoding, its own time included
         # what drafting this step bought: the tree's gain, or the time lost
         if self.persist and not st.probing and not seq.draft_free_only:
             spent = st.draft_s * (tree.max_depth if self.cost_by_depth else 1)
-            step_gain = best_rate / plain_rate - 1.0 if best_k else -spent * plain_rate
+            step_gain = best_total / plain_rate - 1.0 if paid else -spent * plain_rate
             st.value = self.decay * st.value + (1.0 - self.decay) * step_gain
         if st.probing:
             best_k = max(best_k, min(len(order), 4))  # a small probe: enough to re-measure the first depths
@@ -300,8 +308,8 @@ class SpeculationController:
             st.plain_streak += 1
             stats.plain_steps += 1
             return DraftTree.root_only(int(tree.tokens[0]))
-        if not st.probing:  # a cheap drafter's tree paid between probes: back to speculating
-            st.plain_streak = 0
+        if not st.probing:  # a tree that paid its drafting too: speculate again next step (else wait for a probe)
+            st.plain_streak = 0 if paid else st.plain_streak + 1
         stats.drafted_steps += 1
         stats.verified_nodes += best_k
         kept = tree.subtree(tree.best_nodes(scores, best_k))

@@ -204,29 +204,35 @@ def test_greedy_identity_batch4_with_controller(tiny_target):
 
 
 def test_a_drafter_slower_than_its_gain_is_dropped():
-    """Right half the time but costing a whole step to draft: plain decoding is faster, so the controller stops."""
-    ctl = SpeculationController(CostCurve.linear(1.0, 0.0))
-    seq = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
+    """Right half the time but costing a whole step to draft: plain decoding is faster, so the controller stops
+    running the drafter until a probe. The tree already drafted is still verified where that pays by itself
+    (its drafting is spent; verifying is free on this curve); before session 22's `marginal` rule it was not."""
     tree = DraftTree.chain(5, [1, 2], scores=[1.0, 0.5, 0.25])
-    assert len(ctl.size(seq, tree, batch=1)) == 3  # free drafting: verify it
-    ctl.note_draft_time(seq, 2.0)
-    seq2 = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
-    ctl.note_draft_time(seq2, 2.0)
-    assert len(ctl.size(seq2, tree, batch=1)) == 1
-    assert not ctl.wants_draft(seq2)  # and it stops running the drafter until a probe
+    for marginal, kept in ((True, 3), (False, 1)):
+        ctl = SpeculationController(CostCurve.linear(1.0, 0.0))
+        ctl.marginal = marginal
+        seq = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
+        assert len(ctl.size(seq, tree, batch=1)) == 3  # free drafting: verify it
+        assert ctl.wants_draft(seq)
+        seq2 = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
+        ctl.note_draft_time(seq2, 2.0)
+        assert len(ctl.size(seq2, tree, batch=1)) == kept
+        assert not ctl.wants_draft(seq2)  # and it stops running the drafter until a probe
 
 
 def test_a_depth_costed_drafter_is_charged_for_the_depth_it_keeps():
     """A probe drafted 4 levels deep in 0.8 s; a drafter that drafts only as deep as asked costs 0.2 s per level, so
-    one likely node pays (1.5 tokens for 1.1 + 0.2 s) where a flat charge of the probe's 0.8 s would not."""
+    one likely node pays (1.5 tokens for 1.1 + 0.2 s) where a flat charge of the probe's 0.8 s would not: the
+    depth-costed drafter drafts again next step, the other waits for a probe. Both verify that node now."""
     tree = DraftTree.chain(5, [1, 2, 3, 4], scores=[1.0, 0.5, 0.025, 0.001, 0.0001])
-    kept = []
+    kept, again = [], []
     for by_depth in (False, True):
         ctl = SpeculationController(CostCurve.linear(1.0, 0.1), cost_by_depth=by_depth)
         seq = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
         ctl.note_draft_time(seq, 0.8, depth=4)
         kept.append(len(ctl.size(seq, tree, batch=1)) - 1)
-    assert kept == [0, 1]
+        again.append(ctl.wants_draft(seq))
+    assert kept == [1, 1] and again == [False, True]
 
 
 def test_rejection_sampled_chains_are_sized_without_their_own_scores():
@@ -354,9 +360,10 @@ def test_short_backoff_caps_the_plain_steps_between_failed_probes():
                 plain += 1
         return out
 
-    # the wait after a probe: the backoff less the probe step itself
-    assert waits(False)[:6] == [4, 7, 15, 31, 63, 63]
-    assert waits(True)[:6] == [4, 7, 15, 15, 15, 15]
+    # the first step verifies the tree it drafted (worth verifying once drafted), then the wait after each probe:
+    # the backoff less the probe step itself
+    assert waits(False)[:7] == [0, 3, 7, 15, 31, 63, 63]
+    assert waits(True)[:7] == [0, 3, 7, 15, 15, 15, 15]
 
 
 class ChainOracle(OracleDrafter):

@@ -199,7 +199,7 @@ def test_sampled_requests_hand_the_fused_distribution_to_the_verifier(tiny_dir):
     verifier's rejection step); greedy requests keep argmax trees with alternatives and no proposal."""
     target = load_transformer(tiny_dir["llama"])
     draft, head = trained_tiny(target)
-    drafter = _Recording(draft, head, alt_threshold=1.0)  # greedy trees: alternatives at every position
+    drafter = _Recording(draft, head, alt_threshold=1.0, max_alternatives=2)  # greedy: alternatives everywhere
     prompts = make_prompts(target.args.vocab_size, 4, seed=6)
     params = [
         SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.7 if i % 2 else 0.0, seed=i)

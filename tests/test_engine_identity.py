@@ -32,7 +32,8 @@ def drafters(target):
     parts = [SuffixDrafter(max_depth=6), LongSpecDrafter(layer_copy_draft(target, feed_hidden=True), gamma=3)]
     yield "composite", CompositeDrafter(parts)
     draft, head = trained_tiny(target)  # briefly trained tiny DFlash draft and DeLS head
-    yield "dflash", DFlashDrafter(draft)
+    yield "dflash", DFlashDrafter(draft)  # a chain, sized by its acceptance profile
+    yield "dflash-tree", DFlashDrafter(draft, max_alternatives=2)  # runner-ups too, sized step by step
     yield "dflash-dels", DFlashDrafter(draft, head)
     # partial KV budgets below most prompts' lengths, so selection, replacement and rebuilds all happen
     yield "tokenswift", build_tokenswift(target, "untrained", budget=24, sinks=4)
@@ -46,7 +47,7 @@ def llama_target(tiny_dir):
 
 # Drafters that read nothing of the target's internals (or read them exactly as another listed drafter does): on
 # the second model family they would repeat the first family's run, so only the family-sensitive ones run there.
-FAMILY_INDEPENDENT = {"ngram", "suffix", "longspec-beam", "longspec-cape", "composite", "dflash-dels"}
+FAMILY_INDEPENDENT = {"ngram", "suffix", "longspec-beam", "longspec-cape", "composite", "dflash-tree", "dflash-dels"}
 
 
 def check_identity(target, params: SamplingParams, batches=(1, 4), skip=frozenset()) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import platform
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -79,10 +80,14 @@ class CostCurve:
         cache,
         contexts: tuple[int, ...] = (256, 2048, 6144),
         sizes: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 64),
-        repeats: int = 2,
+        repeats: int = 3,
     ) -> CostCurve:
-        """Time verify-shaped forwards on this machine (the best of `repeats`: robust to other work). The prefix
-        K/V are zeros: the attention's cost does not depend on their values. Also warms up every shape. The
+        """Time verify-shaped forwards on this machine: per context, `repeats` rounds over every size after a
+        warm-up round, and each size's median round. Rounds interleave the sizes and the median ignores one
+        lucky or unlucky pass: the controller compares the sizes' ratios, and session 22 saw a best-of-2 run
+        price the 1-token step 10-20% below the decode steps that followed (so drafting looked dearer than it
+        was: n-gram 0.98x against 1.62x on the same prompt in the next run). The prefix K/V are zeros: the
+        attention's cost does not depend on their values. The
         sizes are dense where BLAS switches kernels (on one Sapphire Rapids: 3 tokens cost about 1.1 decode steps,
         4 about 1.5, 12 more than 16; on Zen 4 at 5.6K: 3 cost more than 4, and 5 as much as 6), which
         interpolating between neighbours would miss."""
@@ -100,18 +105,17 @@ class CostCurve:
             table = []
             for ctx in ctxs:
                 cache.lengths[slot] = ctx
-                row = []
-                for n in sizes:
-                    toks = torch.randint(0, vocab, (n,))
-                    seg = Segment(slot, ctx, toks, torch.arange(ctx, ctx + n), None, "all")
-                    target([seg], cache)  # warm-up of this shape
-                    best = float("inf")
-                    for _ in range(repeats):
+                segs = [Segment(slot, ctx, torch.randint(0, vocab, (n,)), torch.arange(ctx, ctx + n), None, "all")
+                        for n in sizes]  # fmt: skip
+                rounds = []
+                for _ in range(repeats + 1):  # the first round warms up every shape
+                    times = []
+                    for seg in segs:
                         t0 = time.perf_counter()
                         target([seg], cache)
-                        best = min(best, time.perf_counter() - t0)
-                    row.append(best)
-                table.append(row)
+                        times.append(time.perf_counter() - t0)
+                    rounds.append(times)
+                table.append([statistics.median(col) for col in zip(*rounds[1:], strict=True)])
         finally:
             cache.lengths[slot] = 0
             cache.release(slot)

@@ -21,11 +21,17 @@ says little).
 
     python bench/replay.py record-drafts --method longspec [--checkpoint DIR --tag NAME] [--max-new-tokens 256]
     python bench/replay.py policies --tag longspec --curve bench/results/longspec_s20_v10.json --draft-ms 3.7
+
+`composite` replays suffix drafting alone and the composite of suffix and the recorded learned drafter (its
+lookups timed for real, the learned part charged `--draft-ms`):
+
+    python bench/replay.py composite --tag longspec-v12 --curve bench/results/longspec_s20_v10.json --draft-ms 2.8
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -114,6 +120,7 @@ class ReplayedDrafter(StatelessDrafter):
     ) -> None:
         self.trees, self.draft_s, self.max_depth, self.chain_only = trees, draft_s, max_depth, chain_only
         self.cost_by_depth, self.drafts_chain = cost_by_depth, drafts_chain
+        self.spent = 0.0  # modelled drafting seconds of the trees proposed since the caller last reset it
 
     def seconds(self, tree: DraftTree) -> float:
         return self.draft_s * (tree.max_depth if self.cost_by_depth else 1)
@@ -128,6 +135,7 @@ class ReplayedDrafter(StatelessDrafter):
                 tree = tree.subtree(list(range(n)))
             depth = min(d for d in (seq.draft_depth, self.max_depth, tree.max_depth) if d is not None)
             out.append(tree.subtree([i for i, d in enumerate(tree.depths) if d <= depth]))
+            self.spent += self.seconds(out[-1])
         return out
 
 
@@ -145,7 +153,8 @@ def replay(
     controller: bool = True,
 ) -> dict:
     """Steps, tau and modelled seconds of `drafter` (with the controller) reproducing `output` from `prompt`.
-    Drafting is charged what the drafter took, or what a ReplayedDrafter says it costs (deterministic replays)."""
+    Drafting is charged what the drafter took, with what a ReplayedDrafter (alone, or a composite's part) says
+    it costs in place of its own time (a ReplayedDrafter alone: deterministic replays)."""
     n = len(output)
     seq = Sequence(prompt, SamplingParams(max_new_tokens=n))
     seq.append(output[0])  # the first token comes from prefill
@@ -153,12 +162,15 @@ def replay(
     ctl = controller_for(drafter, curve) if controller else None
     spec_s = plain_s = drafting_s = 0.0
     steps = 0
+    replayed = [p for p in getattr(drafter, "parts", [drafter]) if isinstance(p, ReplayedDrafter)]
     while seq.num_generated < n:
+        for part in replayed:
+            part.spent = 0.0
         t0 = time.perf_counter()
         wants = ctl is None or ctl.wants_draft(seq)
         tree = drafter.propose([seq])[0] if wants else None
-        replayed = tree is not None and isinstance(drafter, ReplayedDrafter)
-        dt = drafter.seconds(tree) if replayed else time.perf_counter() - t0
+        real = 0.0 if drafter in replayed else time.perf_counter() - t0
+        dt = real + sum(part.spent for part in replayed)
         if ctl is not None:
             if tree is None:
                 ctl.skip(seq)
@@ -238,28 +250,69 @@ def policies(tag: str, curve_from: str | None, draft_ms: float, max_depth: int, 
         trees = {int(k): v for k, v in t["trees"].items()}
         rows[t["name"]] = {}
         for name, (control, depth, chain_only, rules) in variants.items():
-            defaults = {rule: getattr(SpeculationController, rule) for rule in rules}
-            try:
-                for rule, value in rules.items():
-                    setattr(SpeculationController, rule, value)
+            with controller_rules(rules):
                 drafter = ReplayedDrafter(trees, draft_ms / 1e3, depth, by_depth, chain or chain_only, chain_only)
                 rows[t["name"]][name] = replay(drafter, t["prompt"], t["output"], curve, controller=control)
-            finally:
-                for rule, value in defaults.items():
-                    setattr(SpeculationController, rule, value)
-        print(f"{t['name']:38s} " + "  ".join(f"{n} {r['speedup']:.2f}x/{r['tau']:.2f}"
-                                              for n, r in rows[t["name"]].items()), flush=True)  # fmt: skip
+        _print_row(t["name"], rows[t["name"]])
+    meta = {"what": f"speculation policies replayed over {tag}'s recorded trees (modelled, not timed)",
+            "method": data["method"], "checkpoint": data.get("checkpoint"),
+            "curve": curve.to_dict(), "curve_from": curve_from, "draft_ms": draft_ms, "cost_by_depth": by_depth,
+            "dev_prompts": DEV_CODE + DEV_DOCS}  # fmt: skip
+    print(write_results(out or f"replay_policies_{tag}", _figures(rows, list(variants)), rows, meta))
+
+
+def composite_policies(tag: str, curve_from: str | None, draft_ms: float, out: str | None = None) -> None:
+    """The composite (suffix + the recorded learned drafter, as `--method composite` builds it) against suffix
+    alone, under the controller's current rules and with the rules named in `variants` changed."""
+    from spyglass.drafters.composite import CompositeDrafter
+    from spyglass.drafters.suffix import SuffixDrafter
+
+    data = json.loads(drafts_path(tag).read_text())
+    curve = load_curve(curve_from) or CostCurve(**data["curve"])
+    by_depth, chain = data.get("cost_by_depth", True), data.get("drafts_chain", True)
+    variants = {"suffix": {}, "composite": {}, "composite-sunk": {"marginal": False}}
+    rows: dict = {}
+    for t in data["tasks"]:
+        trees = {int(k): v for k, v in t["trees"].items()}
+        rows[t["name"]] = {}
+        for name, rules in variants.items():
+            with controller_rules(rules):
+                learned = ReplayedDrafter(trees, draft_ms / 1e3, None, by_depth, chain)
+                drafter = SuffixDrafter() if name == "suffix" else CompositeDrafter([SuffixDrafter(), learned])
+                rows[t["name"]][name] = replay(drafter, t["prompt"], t["output"], curve)
+        _print_row(t["name"], rows[t["name"]])
+    meta = {"what": f"suffix + {tag}'s recorded trees as a composite, replayed (modelled, not timed)",
+            "method": data["method"], "checkpoint": data.get("checkpoint"), "curve": curve.to_dict(),
+            "curve_from": curve_from, "draft_ms": draft_ms, "dev_prompts": DEV_CODE + DEV_DOCS}  # fmt: skip
+    print(write_results(out or f"replay_composite_{tag}", _figures(rows, list(variants)), rows, meta))
+
+
+@contextlib.contextmanager
+def controller_rules(rules: dict):
+    """SpeculationController's class-level rules changed for the duration (restored after)."""
+    defaults = {rule: getattr(SpeculationController, rule) for rule in rules}
+    try:
+        for rule, value in rules.items():
+            setattr(SpeculationController, rule, value)
+        yield
+    finally:
+        for rule, value in defaults.items():
+            setattr(SpeculationController, rule, value)
+
+
+def _print_row(name: str, row: dict) -> None:
+    print(f"{name:38s} " + "  ".join(f"{n} {r['speedup']:.2f}x/{r['tau']:.2f}" for n, r in row.items()), flush=True)
+
+
+def _figures(rows: dict, variants: list[str]) -> dict:
+    """Mean and median modelled speedup per variant over the prompts."""
     figures = {}
     for name in variants:
         sp = [r[name]["speedup"] for r in rows.values()]
         figures[f"modelled_speedup_mean_{name}"] = round(sum(sp) / len(sp), 3)
         figures[f"modelled_speedup_median_{name}"] = round(median(sp), 3)
         print(f"{name}: mean {sum(sp) / len(sp):.3f}x, median {median(sp):.3f}x, min {min(sp):.3f}x")
-    meta = {"what": f"speculation policies replayed over {tag}'s recorded trees (modelled, not timed)",
-            "method": data["method"], "checkpoint": data.get("checkpoint"),
-            "curve": curve.to_dict(), "curve_from": curve_from, "draft_ms": draft_ms, "cost_by_depth": by_depth,
-            "dev_prompts": DEV_CODE + DEV_DOCS}  # fmt: skip
-    print(write_results(out or f"replay_policies_{tag}", figures, rows, meta))
+    return figures
 
 
 def make_drafter(name: str):
@@ -275,7 +328,7 @@ def make_drafter(name: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["record", "run", "record-drafts", "policies"])
+    ap.add_argument("what", choices=["record", "run", "record-drafts", "policies", "composite"])
     ap.add_argument("--method", default="longspec", help="record-drafts: the learned drafter")
     ap.add_argument("--checkpoint", default=None, help="record-drafts: its draft (default: the shipped one)")
     ap.add_argument("--tag", default=None, help="the recording's name (default: the method)")
@@ -295,6 +348,9 @@ def main() -> None:
         return
     if args.what == "policies":
         policies(args.tag or args.method, args.curve, args.draft_ms, args.max_depth, args.name)
+        return
+    if args.what == "composite":
+        composite_policies(args.tag or args.method, args.curve, args.draft_ms, args.name)
         return
     data = json.loads(RECORD.read_text())
     curve = load_curve(args.curve) or CostCurve(**data["curve"])

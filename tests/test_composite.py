@@ -48,7 +48,7 @@ def test_merged_paths_keep_their_best_score_and_children_never_outscore_parents(
 def test_later_parts_draft_only_for_sequences_the_earlier_ones_are_unsure_of():
     sure, unsure = _seq(9), _seq(8)
     learned = ChainDrafter({8: 0.3, 9: 0.3}, tokens=(3,))
-    composite = CompositeDrafter([ChainDrafter({9: 0.8, 8: 0.2}), learned])  # default: confident = 0.5
+    composite = CompositeDrafter([ChainDrafter({9: 0.8, 8: 0.2}), learned])  # default: confident = 0.25
     for s in (sure, unsure):
         composite.start(s)
     trees = composite.propose([sure, unsure])

@@ -403,8 +403,9 @@ class ChainDepthController(SpeculationController):
     (D = 0: plain decoding, where one depth is still drafted every `probe` steps), and every drafted token counts
     as evidence: a verified one by its verdict, an unverified one (a probe's, or one drafted a depth beyond D every
     `explore`-th step) once the target has committed the token at its place (under greedy decoding exactly what
-    verification would have said; under sampling an under-count, which only verifies less). D depends on the
-    sequence's history only, so a sampled chain keeps the distribution the verifier assumes.
+    verification would have said; under sampling an under-count, so a sampled sequence's probes verify their first
+    token). D depends on the sequence's history only, so a sampled chain keeps the distribution the verifier
+    assumes.
     """
 
     explore = 8
@@ -476,12 +477,19 @@ class ChainDepthController(SpeculationController):
         stats.proposed_nodes += len(tree) - 1
         st.deepest = max(st.deepest, tree.max_depth)
         st.verified = min(tree.max_depth, self._best_depth(st, seq.committed, batch, tree.max_depth))
+        probe = st.verified == 0 and st.plain_streak >= self.probe
+        if probe and not seq.params.greedy:
+            # A sampled token matches the one the target then samples less often than rejection sampling would
+            # accept it (sum p*q against sum min(p, q)), so unverified probes would keep a sampled chain plain:
+            # verify the probe's first token (a decision from the history only, so still exact).
+            st.verified = min(1, tree.max_depth)
         if tree.max_depth > st.verified:  # the unverified rest, scored once committed
             rest = [int(t) for t, d in zip(tree.tokens.tolist(), tree.depths, strict=True) if d > st.verified]
             st.rest = (seq.num_tokens - 1 + st.verified, rest, st.verified + 1)
+        if probe:
+            stats.probe_steps += 1
         if st.verified == 0:
-            if st.plain_streak >= self.probe:  # a probe: drafted to be scored, not verified
-                stats.probe_steps += 1
+            if probe:  # drafted to be scored, not verified
                 stats.plain_steps += 1
                 st.plain_streak = 0
             else:

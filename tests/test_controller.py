@@ -433,6 +433,29 @@ def test_a_chain_profile_learns_from_chains_it_did_not_verify():
     assert [d for s, d in verified][-1] == 2  # the whole chain, now that it is always right
 
 
+@pytest.mark.parametrize("temperature, probe_depth", [(0.0, 0), (1.0, 1)])
+def test_probes_of_a_sampled_chain_verify_their_first_token(temperature, probe_depth):
+    """A sampled draft token equals the token the target samples less often than rejection sampling accepts it,
+    so a sampled sequence's probes verify one token (unverified, they would keep it plain); a greedy sequence's
+    probes stay unverified (a match is exactly acceptance there)."""
+    ctl = ChainDepthController(CostCurve.linear(1.0, 0.3), cost_by_depth=True)
+    seq = Sequence(_prompt(), SamplingParams(max_new_tokens=400, temperature=temperature, seed=0))
+    seq.append(7)
+    probes = []
+    for _ in range(60):
+        token = 10 + seq.num_tokens % 50  # the target's token; the draft always proposes 99
+        if ctl.wants_draft(seq):
+            before = seq.stats.control.probe_steps
+            kept = ctl.size(seq, DraftTree.chain(seq.root, [99, 99]), batch=1)
+            if seq.stats.control.probe_steps > before:
+                probes.append(kept.max_depth)
+            ctl.observe(seq, kept, Accepted([0], [token]))
+        else:
+            ctl.skip(seq)
+        seq.append(token)
+    assert len(probes) >= 4 and set(probes) == {probe_depth}
+
+
 def test_only_chain_drafters_get_the_profile_controller(tiny_target):
     curve = CostCurve.linear(1.0, 0.05)
     tree_drafter = OracleDrafter([1], 1, 2, True)

@@ -206,6 +206,14 @@ def load_curve(results: str | None) -> CostCurve | None:
     return CostCurve(**json.loads(Path(results).read_text())["meta"]["cost_curves"][0])
 
 
+def load_recording(tag: str, curve_from: str | None) -> tuple[dict, CostCurve, bool, bool]:
+    """A `record-drafts` recording, the cost curve to replay it with, and whether its drafter costs per depth and
+    drafts chains."""
+    data = json.loads(drafts_path(tag).read_text())
+    curve = load_curve(curve_from) or CostCurve(**data["curve"])
+    return data, curve, data.get("cost_by_depth", True), data.get("drafts_chain", True)
+
+
 def record_drafts(method: str, tag: str, checkpoint: str | None, max_new_tokens: int, threads: int) -> None:
     from spyglass.controller import measured_curve
     from spyglass.drafters import build_drafter
@@ -232,9 +240,7 @@ def policies(tag: str, curve_from: str | None, draft_ms: float, max_depth: int, 
     """Speculation policies over the recorded trees, by modelled decode speedup: the controller as the engine
     builds it, per-step sizing from the draft's scores, a tree drafter's first chain alone sized by its acceptance
     profile, and every fixed depth of the first chain."""
-    data = json.loads(drafts_path(tag).read_text())
-    curve = load_curve(curve_from) or CostCurve(**data["curve"])
-    by_depth, chain = data.get("cost_by_depth", True), data.get("drafts_chain", True)
+    data, curve, by_depth, chain = load_recording(tag, curve_from)
     # name -> (controller, fixed depth, first chain only, SpeculationController rules changed from the defaults)
     per_step = {"chain_profile": False}
     variants = {
@@ -267,9 +273,7 @@ def composite_policies(tag: str, curve_from: str | None, draft_ms: float, out: s
     from spyglass.drafters.composite import CompositeDrafter
     from spyglass.drafters.suffix import SuffixDrafter
 
-    data = json.loads(drafts_path(tag).read_text())
-    curve = load_curve(curve_from) or CostCurve(**data["curve"])
-    by_depth, chain = data.get("cost_by_depth", True), data.get("drafts_chain", True)
+    data, curve, by_depth, chain = load_recording(tag, curve_from)
     variants = {"suffix": {}, "composite": {}, "composite-sunk": {"marginal": False}}
     rows: dict = {}
     for t in data["tasks"]:
@@ -335,7 +339,11 @@ def main() -> None:
     ap.add_argument("--curve", default=None, help="a results JSON whose first cost curve to use")
     ap.add_argument("--draft-ms", type=float, default=3.7, help="policies: drafting time (per depth if by depth)")
     ap.add_argument("--max-depth", type=int, default=4)
-    ap.add_argument("--name", default=None, help="policies: the results file (default replay_policies_TAG)")
+    ap.add_argument(
+        "--name",
+        default=None,
+        help="policies, composite: the results file (default replay_policies_TAG / replay_composite_TAG)",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--methods", default="ngram,suffix")

@@ -108,3 +108,33 @@ def test_reduced_head_checkpoint_round_trip(tiny_target, tmp_path):
     engine.step()
     tree = drafter.propose([seq])[0]
     assert set(tree.tokens[1:].tolist()) <= set(ids.tolist())
+
+
+def test_a_chain_in_a_composite_drafts_its_argmax_when_sampling(tiny_target):
+    """A composite's merged tree is verified by token matching, which accepts the likeliest token most often: its
+    LongSpec chain then proposes the draft's argmax under sampling (the greedy chain, every time) and carries no
+    proposal distributions. Alone, a sampled chain draws its tokens and carries their distributions."""
+    from spyglass.drafters.composite import CompositeDrafter
+
+    sampled = SamplingParams(max_new_tokens=8, temperature=1.0, seed=0)
+
+    def after_prefill(drafter):
+        engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=1, max_context=256, controller="off"))
+        seq = engine.add_request([3 + i % 50 for i in range(40)], sampled)
+        engine.step()
+        return seq
+
+    part = LongSpecDrafter(layer_copy_draft(tiny_target, window=16), gamma=3)
+    composite = CompositeDrafter([part])
+    seq = after_prefill(composite)
+    drawn = [composite.propose([seq])[0] for _ in range(4)]
+    assert len(drawn[0]) == 4 and all(t.probs is None for t in drawn)
+    assert all(t.tokens.tolist() == drawn[0].tokens.tolist() for t in drawn)
+    seq.params = SamplingParams(max_new_tokens=8)  # greedy: the draft's argmax chain
+    assert composite.propose([seq])[0].tokens.tolist() == drawn[0].tokens.tolist()
+
+    alone = LongSpecDrafter(layer_copy_draft(tiny_target, window=16), gamma=3)
+    seq = after_prefill(alone)
+    drawn = [alone.propose([seq])[0] for _ in range(8)]
+    assert all(t.probs is not None for t in drawn)
+    assert len({tuple(t.tokens.tolist()) for t in drawn}) > 1

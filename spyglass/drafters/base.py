@@ -94,16 +94,17 @@ class NullDrafter(StatelessDrafter):
 
 
 def choose_draft_token(
-    seq: Sequence, drafted: list[int], logits: torch.Tensor, generator: torch.Generator | None
+    seq: Sequence, drafted: list[int], logits: torch.Tensor, generator: torch.Generator | None, top: bool = False
 ) -> tuple[int, torch.Tensor]:
     """The next chain token from draft logits `[1, V]` under the sequence's sampling parameters (penalties see
-    the history plus the tokens drafted so far): the argmax when greedy, else a sample. Returns the token and
-    the processed row, which is the proposal distribution the verifier's rejection step needs."""
+    the history plus the tokens drafted so far): the argmax when greedy or `top` (a tree verified by token
+    matching accepts the likeliest token most often), else a sample. Returns the token and the processed row,
+    which is the proposal distribution the verifier's rejection step needs."""
     history = seq.tokens
     if drafted and needs_presence(seq.params):
         history = torch.cat([seq.tokens, torch.tensor(drafted, dtype=torch.long)])
     row = process_in_context(logits, seq.params, history)[0]
-    if seq.params.greedy:
+    if seq.params.greedy or top:
         return int(row.argmax()), row
     return sample(row, generator), row
 

@@ -68,6 +68,9 @@ class CompositeDrafter:
         if not parts:
             raise ValueError("a composite drafter needs at least one part")
         self.parts, self.name, self.confident = parts, name, confident
+        for part in parts:  # merged trees carry no proposal distributions: sampled chains draft their argmax
+            if hasattr(part, "token_matched"):
+                part.token_matched = True
         self.free_parts = tuple(getattr(p, "model_free", False) for p in parts)  # these draft between probes too
         self.has_free_part = any(self.free_parts)
         layers = {i for p in parts for i in getattr(p, "hidden_layers", ())}

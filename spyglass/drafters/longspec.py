@@ -20,8 +20,8 @@ own K/V kept for its descendants (nothing is re-run). Tree shapes:
   confidence falls (CAPE's bins over floor(10 * p_top1)), verified in the same pass.
 Every node carries its cumulative draft probability as its score; the engine's controller decides how much of
 the tree pays on this machine. Sampling: a chain is drawn from the draft's processed distribution and carries
-it for rejection sampling; beam and CAPE trees (the draft's top candidates) are verified by token matching. Both
-keep the target's distribution exactly.
+it for rejection sampling; beam and CAPE trees (the draft's top candidates), and a chain merged into a composite's
+tree (`token_matched`: its argmax), are verified by token matching. Both keep the target's distribution exactly.
 """
 
 from __future__ import annotations
@@ -99,6 +99,9 @@ def load_longspec_draft(checkpoint: str | Path | None, target: Transformer, ship
 class LongSpecDrafter:
     name = "longspec"
     cost_by_depth = True  # one draft step per depth, and only as deep as the controller asks (`seq.draft_depth`)
+    # A sampled chain is verified by token matching (a composite merges it, dropping its proposal distributions):
+    # draft the argmax, which token matching accepts most often, not a sample.
+    token_matched = False
 
     def __init__(
         self,
@@ -227,9 +230,10 @@ class LongSpecDrafter:
         """Add the node's children to the tree; returns those to expand further."""
         if self.mode == "chain":
             drafted = g.tokens_to(node)
-            tok, dist = choose_draft_token(seq, drafted, logits.unsqueeze(0), gen)
+            tok, dist = choose_draft_token(seq, drafted, logits.unsqueeze(0), gen, top=self.token_matched)
             p = float(dist[tok]) if not seq.params.greedy else float(torch.softmax(logits, -1)[tok])
-            child = g.add(node, tok, g.scores[node] * p, None if seq.params.greedy else dist)
+            sampled = not (seq.params.greedy or self.token_matched)
+            child = g.add(node, tok, g.scores[node] * p, dist if sampled else None)
             return [child]
         probs = torch.softmax(logits, -1)
         if self.mode == "beam":

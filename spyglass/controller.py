@@ -156,7 +156,7 @@ class _SeqControl:
     probing: bool = False  # this step is a probe
     draft_s: float = 0.0  # recent drafting time per step (per drafted depth with `cost_by_depth`), decayed mean
     kept_depth: int = 0  # depth of the subtree verified at the last step that kept one
-    value: float = 0.0  # decayed mean gain of a drafted step over a plain one, in plain steps (< 0: drafting loses)
+    value: float = 0.0  # decayed mean gain of a step where every part drafted over a plain one, in plain steps
 
 
 class SpeculationController:
@@ -288,7 +288,8 @@ class SpeculationController:
         order = sorted(range(1, len(tree)), key=lambda i: -scores[i])[: self.max_nodes]
         ctx = seq.committed
         plain_rate = 1.0 / self._cost(1, ctx, batch)
-        draft_s = 0.0 if seq.draft_free_only else st.draft_s  # a model-free part alone costs next to nothing
+        free = seq.draft_free_only
+        draft_s = 0.0 if free else st.draft_s  # a model-free part alone costs next to nothing
         best_k, best_rate, best_total, gain, depth = 0, plain_rate, 0.0, 1.0, 0
         for k, i in enumerate(order, start=1):
             gain += scores[i]
@@ -300,8 +301,7 @@ class SpeculationController:
             if rate > best_rate:
                 best_k, best_rate = k, rate
         paid = best_total > plain_rate  # drafting this step beat plain decoding, its own time included
-        # what drafting this step bought: the tree's gain, or the time lost
-        if self.persist and not st.probing and not seq.draft_free_only:
+        if not free:  # what drafting with every part bought lately: the tree's gain, or the time lost
             spent = st.draft_s * (tree.max_depth if self.cost_by_depth else 1)
             step_gain = best_total / plain_rate - 1.0 if paid else -spent * plain_rate
             st.value = self.decay * st.value + (1.0 - self.decay) * step_gain
@@ -312,8 +312,12 @@ class SpeculationController:
             st.plain_streak += 1
             stats.plain_steps += 1
             return DraftTree.root_only(int(tree.tokens[0]))
-        if not st.probing:  # a tree that paid its drafting too: speculate again next step (else wait for a probe)
-            st.plain_streak = 0 if paid else st.plain_streak + 1
+        # A tree that paid its drafting too: speculate again next step (else wait for a probe). A model-free part's
+        # tree brings every part back only while their drafting has paid lately: a learned part that costs about
+        # a decode step and rarely pays (TokenSwift's partial-cache pass at T=1) waits for its probes.
+        if not st.probing:
+            again = paid and (not free or st.value >= 0.0)
+            st.plain_streak = 0 if again else st.plain_streak + 1
         stats.drafted_steps += 1
         stats.verified_nodes += best_k
         kept = tree.subtree(tree.best_nodes(scores, best_k))

@@ -68,7 +68,8 @@ class LookupDrafter(ChainDrafter):
 
 def test_between_probes_only_the_model_free_part_proposes():
     """A sequence the controller keeps off drafting still gets the free lookup's tree, never the learned part's,
-    and is not charged the learned part's cost for it; the probe runs every part. A drafter without a free part
+    and is not charged the learned part's cost for it; the probe runs every part, and so does the step after a
+    free tree that paid, unless drafting with every part has been losing time. A drafter without a free part
     does not propose between probes."""
     learned = ChainDrafter({8: 0.9}, tokens=(3,))
     composite = CompositeDrafter([LookupDrafter({8: 0.2}), learned])
@@ -98,6 +99,16 @@ def test_between_probes_only_the_model_free_part_proposes():
     sized = ctl.size(seq, DraftTree.chain(8, [1, 2], scores=[1.0, 0.99, 0.98]), batch=1)
     assert len(sized) == 3  # nearly sure free tokens pay (charged three steps of drafting they would not)
     assert ctl.wants_draft(seq) and not seq.draft_free_only  # they paid: back to drafting with every part
+
+    seq = _seq(8)  # but not while drafting with every part has been losing time (TokenSwift's pass at T=1)
+    composite.start(seq)
+    ctl._state(seq).draft_s = 3.0
+    assert ctl.wants_draft(seq) and not seq.draft_free_only
+    ctl.size(seq, DraftTree.chain(8, [1], scores=[1.0, 0.3]), batch=1)  # does not pay three steps of drafting
+    assert ctl._state(seq).value < 0
+    assert ctl.wants_draft(seq) and seq.draft_free_only
+    assert len(ctl.size(seq, DraftTree.chain(8, [1, 2], scores=[1.0, 0.99, 0.98]), batch=1)) == 3
+    assert ctl.wants_draft(seq) and seq.draft_free_only  # the free tree paid; the learned part waits for its probe
 
     plain = SpeculationController(curve)
     seq = plain_phase(plain)

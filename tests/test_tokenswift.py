@@ -160,6 +160,36 @@ def test_tree_is_1_3_3_3_plus_ngrams_with_scores(tiny_target):
     assert sum(s & 1 for s in tree.sources) == 40 and any(s == 2 for s in tree.sources)
 
 
+def test_between_probes_only_the_ngram_table_drafts_from_the_root(tiny_target):
+    """With `seq.draft_free_only` (the controller between probes) the tree is the table's most frequent
+    continuations of the root, with no partial-cache pass; greedy and sampled output stay plain decoding's."""
+    drafter = build_tokenswift(tiny_target, "untrained", budget=20, sinks=4, ngram_k=3)
+    assert drafter.has_free_part and not build_tokenswift(tiny_target, "untrained", budget=20, ngram_k=0).has_free_part
+    vocab = tiny_target.args.vocab_size  # a prompt with every token: the root has continuations in the table
+    engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=1, max_context=3 * vocab, controller="off"))
+    seq = engine.add_request(list(range(vocab)) * 2, SamplingParams(max_new_tokens=50, ignore_eos=True))
+    engine.step()
+    synced = seq.drafter_state.partial.synced
+    seq.draft_free_only = True
+    tree = drafter.propose([seq])[0]
+    assert seq.drafter_state.partial.synced == synced  # the partial cache was not run
+    expected = [cont for cont, _ in seq.drafter_state.ngrams.top(seq.root, 3)]
+
+    def path(node: int) -> tuple[int, ...]:
+        return path(tree.parents[node]) + (int(tree.tokens[node]),) if node > 0 else ()
+
+    assert expected and {path(i) for i in range(len(tree)) if tree.depths[i] == 3} == set(expected)
+    assert tree.sources[0] == 0 and set(tree.sources[1:]) == {4}
+    assert all(tree.scores[i] <= tree.scores[p] for i, p in enumerate(tree.parents) if p >= 0)
+
+    ctl_engine = SpecEngine(tiny_target, build_tokenswift(tiny_target, "untrained", budget=20, sinks=4))
+    assert ctl_engine.controller.free_part
+    for params in (SamplingParams(max_new_tokens=40), SamplingParams(max_new_tokens=40, temperature=1.0, seed=3)):
+        prompt = [5, 6, 7, 8] * 6
+        (out,) = ctl_engine.run([prompt], params)
+        assert out.output_ids == plain_generate(tiny_target, prompt, params)
+
+
 def test_draft_pass_off_reads_the_engines_hidden_states(tiny_target):
     heads = TokenSwiftHeads(tiny_target.args.hidden_size, 3)
     drafter = TokenSwiftDrafter(heads, draft_pass=False, ngram_k=4)

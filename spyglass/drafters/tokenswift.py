@@ -12,6 +12,9 @@ Per step and sequence:
    merged into one trie; every node is scored with an estimate of P(accepted) (product of the draft
    probabilities along the path, or the n-gram's relative frequency when larger), and the engine's speculation
    controller prunes the tree by the measured verify cost.
+Between the controller's probes (`seq.draft_free_only`: the partial-cache pass costs about a decode step on a CPU,
+where the weights, not the KV cache, dominate a step) only the n-gram table proposes: the most frequent n-grams
+that start at the root itself, at no cost.
 Verification is the engine's: strict token matching (one target sample per visited node), so the output is
 plain decoding's, greedy or sampled, with or without the contextual penalty. Drafts are deterministic (top-k),
 so nothing here can bias the output.
@@ -88,6 +91,9 @@ class _State:
     stats: dict = field(default_factory=lambda: {"ngram_nodes": 0, "tree_nodes": 0})
 
 
+NGRAM_SOURCE, FREE_SOURCE = 2, 4  # node sources besides the heads' tree (1): n-grams after p_0, n-grams at the root
+
+
 class TokenSwiftDrafter:
     name = "tokenswift"
     hidden_layers = (-1,)  # the engine hands over the target's last hidden states (observe_hidden)
@@ -113,6 +119,7 @@ class TokenSwiftDrafter:
         self.budget, self.sinks, self.policy, self.rebuild_every = budget, sinks, policy, rebuild_every
         self.widths, self.ngram_k, self.ngram_n, self.ngram_lag = tuple(widths), ngram_k, ngram_n, ngram_lag
         self.draft_pass = draft_pass
+        self.has_free_part = ngram_k > 0  # the n-gram table drafts between probes, for free
         self.pkv: PartialKV | None = None
         self.target: Transformer | None = None
         self._pending: dict[str, torch.Tensor] = {}
@@ -169,13 +176,32 @@ class TokenSwiftDrafter:
     def propose(self, batch: list[Sequence]) -> list[DraftTree]:
         if self.target is None:
             raise RuntimeError("TokenSwiftDrafter is not bound to an engine")
-        logits = self._distributions(batch)
-        trees = []
-        for j, seq in enumerate(batch):
-            rows = process_in_context(logits[:, j], seq.params, seq.tokens)  # start-of-step context, as the paper
-            probs = torch.softmax(rows, -1) if seq.params.greedy else rows
-            trees.append(self._tree(seq, probs))
-        return trees
+        trees = {id(s): self._ngram_tree(s) for s in batch if s.draft_free_only}
+        drafted = [s for s in batch if id(s) not in trees]
+        if drafted:
+            logits = self._distributions(drafted)
+            for j, seq in enumerate(drafted):
+                rows = process_in_context(logits[:, j], seq.params, seq.tokens)  # start-of-step context, as the paper
+                probs = torch.softmax(rows, -1) if seq.params.greedy else rows
+                trees[id(seq)] = self._tree(seq, probs)
+        return [trees[id(s)] for s in batch]
+
+    def _ngram_tree(self, seq: Sequence) -> DraftTree:
+        """The table's most frequent continuations of the root, each node scored by the best relative frequency
+        of an n-gram through it."""
+        tokens, parents, scores = [seq.root], [-1], [1.0]
+        index: dict[tuple[int, int], int] = {}
+        for cont, freq in seq.drafter_state.ngrams.top(seq.root, self.ngram_k):
+            node = 0
+            for tok in cont:
+                child = index.get((node, tok))
+                if child is None:
+                    child = index[(node, tok)] = len(tokens)
+                    tokens.append(tok)
+                    parents.append(node)
+                    scores.append(freq)
+                node = child  # continuations come most frequent first: a shared prefix keeps the best score
+        return DraftTree(torch.tensor(tokens), parents, scores=scores, sources=[0] + [FREE_SOURCE] * (len(tokens) - 1))
 
     def _tree(self, seq: Sequence, probs: torch.Tensor) -> DraftTree:
         """Nodes are tagged by source (1: the heads' tree, 2: an n-gram, 3: both) so that the controller calibrates
@@ -214,7 +240,7 @@ class TokenSwiftDrafter:
                 node = index[(0, first)]
                 for d, tok in enumerate(cont, start=1):
                     q = float(probs[d, tok]) if d < depth else 0.0
-                    node = add(node, tok, scores[node] * max(q, freq), 2)
+                    node = add(node, tok, scores[node] * max(q, freq), NGRAM_SOURCE)
         st.stats["tree_nodes"] += len(tokens) - 1
         return DraftTree(torch.tensor(tokens), parents, scores=scores, sources=sources)
 

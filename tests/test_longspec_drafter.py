@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from spyglass.cli import main
 from spyglass.drafters import build_drafter
 from spyglass.drafters.longspec import LongSpecDrafter, load_longspec_draft
-from spyglass.engine import EngineConfig, SpecEngine
+from spyglass.engine import EngineConfig, SpecEngine, plain_generate
 from spyglass.sampling import SamplingParams
 from tests.tiny import layer_copy_draft
 
@@ -132,6 +132,11 @@ def test_a_chain_in_a_composite_drafts_its_argmax_when_sampling(tiny_target):
     assert all(t.tokens.tolist() == drawn[0].tokens.tolist() for t in drawn)
     seq.params = SamplingParams(max_new_tokens=8)  # greedy: the draft's argmax chain
     assert composite.propose([seq])[0].tokens.tolist() == drawn[0].tokens.tolist()
+    # nothing drawn at random while drafting: the output is plain sampling's, token for token, with the same seed
+    engine = SpecEngine(tiny_target, composite, EngineConfig(max_batch=1, max_context=256, controller="off"))
+    prompt = [3 + i % 50 for i in range(40)]
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, seed=5)
+    assert engine.run([prompt], params)[0].output_ids == plain_generate(tiny_target, prompt, params)
 
     alone = LongSpecDrafter(layer_copy_draft(tiny_target, window=16), gamma=3)
     seq = after_prefill(alone)

@@ -144,7 +144,9 @@ class LongSpecDrafter:
         empty = torch.zeros(c.n_layers, c.n_kv_heads, self.ring, c.head_dim, dtype=self.draft.dtype)
         pos = torch.full((self.ring,), -1, dtype=torch.long)
         hidden = self._pending.pop(seq.seq_id, None)
-        seq.drafter_state = _Window(empty, torch.zeros_like(empty), pos, 0, draft_generator(seq), hidden)
+        sampled = self.mode == "chain" and not self.token_matched  # the only trees drawn at random
+        gen = draft_generator(seq) if sampled else None  # (taking no draw otherwise keeps plain sampling's stream)
+        seq.drafter_state = _Window(empty, torch.zeros_like(empty), pos, 0, gen, hidden)
 
     def observe_hidden(self, seq: Sequence, start: int, hidden: dict, kept: list[int]) -> None:
         """Keep only the newest committed token's row (its feature layers side by side): one vector per sequence,

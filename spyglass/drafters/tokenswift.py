@@ -13,8 +13,8 @@ Per step and sequence:
    probabilities along the path, or the n-gram's relative frequency when larger), and the engine's speculation
    controller prunes the tree by the measured verify cost.
 Between the controller's probes (`seq.draft_free_only`: the partial-cache pass costs about a decode step on a CPU,
-where the weights, not the KV cache, dominate a step) only the n-gram table proposes, at no cost: the most
-frequent continuations of the last two tokens and of the root.
+where the weights, not the KV cache, dominate a step) only the n-gram table proposes: the most frequent n-grams
+that start at the root itself, at no cost.
 Verification is the engine's: strict token matching (one target sample per visited node), so the output is
 plain decoding's, greedy or sampled, with or without the contextual penalty. Drafts are deterministic (top-k),
 so nothing here can bias the output.
@@ -45,16 +45,13 @@ DEFAULT_HEADS = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-t
 
 
 class NgramTable:
-    """Counts of n-grams keyed by their first token (`key` = 2: their first two), updated as tokens are committed
-    (never rescanned)."""
+    """Counts of n-grams keyed by their first token, updated as tokens are committed (never rescanned)."""
 
-    def __init__(self, n: int = 4, key: int = 1) -> None:
+    def __init__(self, n: int = 4) -> None:
         if n < 2:
             raise ValueError(f"n-gram length must be >= 2, got {n}")
-        if not 1 <= key < n:
-            raise ValueError(f"an n-gram of {n} tokens is keyed by 1 to {n - 1} of them, not {key}")
-        self.n, self.key = n, key
-        self.table: dict[int | tuple[int, ...], dict[tuple[int, ...], list[int]]] = {}
+        self.n = n
+        self.table: dict[int, dict[tuple[int, ...], list[int]]] = {}
         self.synced = 0  # n-grams ending before this index are counted
         self.entries = 0
 
@@ -66,20 +63,18 @@ class NgramTable:
         toks = tokens[lo - self.n : upto].tolist()
         for e in range(lo, upto + 1):
             gram = toks[e - lo : e - lo + self.n]
-            conts = self.table.setdefault(gram[0] if self.key == 1 else tuple(gram[: self.key]), {})
-            rest = tuple(gram[self.key :])
-            entry = conts.get(rest)
+            conts = self.table.setdefault(gram[0], {})
+            entry = conts.get(tuple(gram[1:]))
             if entry is None:
-                conts[rest] = [1, e]
+                conts[tuple(gram[1:])] = [1, e]
                 self.entries += 1
             else:
                 entry[0] += 1
                 entry[1] = e
         self.synced = upto + 1
 
-    def top(self, first: int | tuple[int, ...], k: int) -> list[tuple[tuple[int, ...], float]]:
-        """The k most frequent continuations of `first` (a token, or `key` tokens; ties: most recent first) with
-        their relative frequency."""
+    def top(self, first: int, k: int) -> list[tuple[tuple[int, ...], float]]:
+        """The k most frequent continuations of `first` (ties: most recent first) with their relative frequency."""
         conts = self.table.get(first)
         if not conts or k <= 0:
             return []
@@ -92,7 +87,6 @@ class NgramTable:
 class _State:
     partial: PartialState | None
     ngrams: NgramTable
-    pairs: NgramTable  # the same n-grams keyed by their first two tokens: continuations of (token before root, root)
     h_last: torch.Tensor | None = None  # exact hidden state of the last committed token (draft_pass=False)
     stats: dict = field(default_factory=lambda: {"ngram_nodes": 0, "tree_nodes": 0})
 
@@ -150,16 +144,11 @@ class TokenSwiftDrafter:
             st.h_last = h
 
     def start(self, seq: Sequence) -> None:
+        table = NgramTable(self.ngram_n)
         partial = self.pkv.start(seq.slot) if self.pkv is not None else None
-        tables = NgramTable(self.ngram_n), NgramTable(self.ngram_n, key=2)
-        seq.drafter_state = _State(partial, *tables, self._pending.pop(seq.seq_id, None))
-        self._count(seq)
-
-    def _count(self, seq: Sequence) -> None:
+        seq.drafter_state = _State(partial, table, self._pending.pop(seq.seq_id, None))
         if self.ngram_k > 0:
-            st: _State = seq.drafter_state
-            for table in (st.ngrams, st.pairs):
-                table.update(seq.tokens, seq.num_tokens - self.ngram_lag)
+            table.update(seq.tokens, seq.num_tokens - self.ngram_lag)
 
     @torch.inference_mode()
     def _distributions(self, batch: list[Sequence]) -> torch.Tensor:
@@ -198,14 +187,11 @@ class TokenSwiftDrafter:
         return [trees[id(s)] for s in batch]
 
     def _ngram_tree(self, seq: Sequence) -> DraftTree:
-        """The most frequent continuations of the last two tokens (the sharper guess) and of the root alone, in one
-        trie; a node scores the best relative frequency of a continuation through it, never above its parent."""
-        st: _State = seq.drafter_state
-        pair = (int(seq.tokens[-2]), seq.root) if seq.num_tokens > 1 else None
-        found = st.ngrams.top(seq.root, self.ngram_k) + (st.pairs.top(pair, self.ngram_k) if pair else [])
+        """The table's most frequent continuations of the root, each node scored by the best relative frequency
+        of an n-gram through it."""
         tokens, parents, scores = [seq.root], [-1], [1.0]
         index: dict[tuple[int, int], int] = {}
-        for cont, freq in sorted(found, key=lambda cf: -cf[1]):  # most frequent first: shared prefixes keep the best
+        for cont, freq in seq.drafter_state.ngrams.top(seq.root, self.ngram_k):
             node = 0
             for tok in cont:
                 child = index.get((node, tok))
@@ -213,8 +199,8 @@ class TokenSwiftDrafter:
                     child = index[(node, tok)] = len(tokens)
                     tokens.append(tok)
                     parents.append(node)
-                    scores.append(min(freq, scores[node]))
-                node = child
+                    scores.append(freq)
+                node = child  # continuations come most frequent first: a shared prefix keeps the best score
         return DraftTree(torch.tensor(tokens), parents, scores=scores, sources=[0] + [FREE_SOURCE] * (len(tokens) - 1))
 
     def _tree(self, seq: Sequence, probs: torch.Tensor) -> DraftTree:
@@ -259,7 +245,9 @@ class TokenSwiftDrafter:
         return DraftTree(torch.tensor(tokens), parents, scores=scores, sources=sources)
 
     def commit(self, seq: Sequence, accepted: Accepted) -> None:
-        self._count(seq)
+        st: _State = seq.drafter_state
+        if self.ngram_k > 0:
+            st.ngrams.update(seq.tokens, seq.num_tokens - self.ngram_lag)
 
     def release(self, seq: Sequence) -> None:
         self._pending.pop(seq.seq_id, None)
@@ -276,8 +264,7 @@ class TokenSwiftDrafter:
         st: _State | None = seq.drafter_state
         if st is None:
             return 0
-        entries = st.ngrams.entries + st.pairs.entries  # each a small tuple and a counter
-        return self.partial_bytes(seq) + 96 * entries
+        return self.partial_bytes(seq) + 96 * st.ngrams.entries  # n-gram entries: a small tuple and a counter
 
 
 def build_tokenswift(target: Transformer, checkpoint: str | Path | None = None, **options) -> TokenSwiftDrafter:

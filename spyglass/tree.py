@@ -132,3 +132,29 @@ class DraftTree:
         for i, p in enumerate(self.parents[1:], start=1):
             kids[p].append(i)
         return kids
+
+
+class TrieBuilder:
+    """A scored, source-tagged draft tree grown path by path: one node per (parent, token), keeping the best
+    score any path gave it and the union of the paths' source bits (composite merges, TokenSwift's trees)."""
+
+    def __init__(self, root: int) -> None:
+        self.tokens, self.parents, self.scores, self.sources = [root], [-1], [1.0], [0]
+        self._index: dict[tuple[int, int], int] = {}
+
+    def add(self, parent: int, token: int, score: float, source: int) -> int:
+        """The node for `token` under `parent` (created if new)."""
+        node = self._index.get((parent, token))
+        if node is None:
+            node = self._index[(parent, token)] = len(self.tokens)
+            self.tokens.append(token)
+            self.parents.append(parent)
+            self.scores.append(score)
+            self.sources.append(source)
+        else:
+            self.scores[node] = max(self.scores[node], score)
+            self.sources[node] |= source
+        return node
+
+    def tree(self) -> DraftTree:
+        return DraftTree(torch.tensor(self.tokens), self.parents, scores=self.scores, sources=self.sources)

@@ -12,11 +12,9 @@ keeps the target's distribution exactly.
 
 from __future__ import annotations
 
-import torch
-
 from spyglass.drafters.base import Drafter
 from spyglass.sequence import Sequence
-from spyglass.tree import DraftTree
+from spyglass.tree import DraftTree, TrieBuilder
 from spyglass.verify import Accepted
 
 
@@ -25,8 +23,7 @@ def merge_trees(trees: list[DraftTree], parts: list[int] | None = None) -> Draft
     (a tree without scores: 0.5 per depth), its source the set of drafters that proposed it (bit `parts[t]` for
     `trees[t]`; default t)."""
     root = int(trees[0].tokens[0])
-    tokens, parents, scores, sources = [root], [-1], [1.0], [0]
-    index: dict[tuple[int, int], int] = {}
+    trie = TrieBuilder(root)
     for t, tree in enumerate(trees):
         if int(tree.tokens[0]) != root:
             raise ValueError("trees to merge must share their root")
@@ -34,21 +31,11 @@ def merge_trees(trees: list[DraftTree], parts: list[int] | None = None) -> Draft
         bit = 1 << (parts[t] if parts is not None else t)
         mapped = [0]
         for i in range(1, len(tree)):
-            key = (mapped[tree.parents[i]], int(tree.tokens[i]))
-            node = index.get(key)
-            if node is None:
-                node = index[key] = len(tokens)
-                tokens.append(key[1])
-                parents.append(key[0])
-                scores.append(tree_scores[i])
-                sources.append(bit)
-            else:
-                scores[node] = max(scores[node], tree_scores[i])
-                sources[node] |= bit
-            mapped.append(node)
-    for i in range(1, len(tokens)):  # a child never above its parent
-        scores[i] = min(scores[i], scores[parents[i]])
-    return DraftTree(torch.tensor(tokens), parents, scores=scores, sources=sources)
+            mapped.append(trie.add(mapped[tree.parents[i]], int(tree.tokens[i]), tree_scores[i], bit))
+    scores = trie.scores
+    for i in range(1, len(scores)):  # a child never above its parent
+        scores[i] = min(scores[i], scores[trie.parents[i]])
+    return trie.tree()
 
 
 def first_level_confidence(tree: DraftTree) -> float:

@@ -38,7 +38,7 @@ from spyglass.partial_kv import PartialKV, PartialState
 from spyglass.sampling import process_in_context
 from spyglass.sequence import Sequence
 from spyglass.training.tokenswift_heads import TokenSwiftHeads, load_heads
-from spyglass.tree import DraftTree
+from spyglass.tree import DraftTree, TrieBuilder
 from spyglass.verify import Accepted
 
 DEFAULT_HEADS = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-tokenswift"
@@ -189,40 +189,18 @@ class TokenSwiftDrafter:
     def _ngram_tree(self, seq: Sequence) -> DraftTree:
         """The table's most frequent continuations of the root, each node scored by the best relative frequency
         of an n-gram through it."""
-        tokens, parents, scores = [seq.root], [-1], [1.0]
-        index: dict[tuple[int, int], int] = {}
+        trie = TrieBuilder(seq.root)
         for cont, freq in seq.drafter_state.ngrams.top(seq.root, self.ngram_k):
             node = 0
             for tok in cont:
-                child = index.get((node, tok))
-                if child is None:
-                    child = index[(node, tok)] = len(tokens)
-                    tokens.append(tok)
-                    parents.append(node)
-                    scores.append(freq)
-                node = child  # continuations come most frequent first: a shared prefix keeps the best score
-        return DraftTree(torch.tensor(tokens), parents, scores=scores, sources=[0] + [FREE_SOURCE] * (len(tokens) - 1))
+                node = trie.add(node, tok, freq, FREE_SOURCE)
+        return trie.tree()
 
     def _tree(self, seq: Sequence, probs: torch.Tensor) -> DraftTree:
         """Nodes are tagged by source (1: the heads' tree, 2: an n-gram, 3: both) so that the controller calibrates
         each kind of score on its own acceptance."""
-        tokens, parents, scores, sources = [seq.root], [-1], [1.0], [0]
-        index: dict[tuple[int, int], int] = {}
-
-        def add(parent: int, tok: int, score: float, source: int) -> int:
-            node = index.get((parent, tok))
-            if node is None:
-                node = len(tokens)
-                index[(parent, tok)] = node
-                tokens.append(tok)
-                parents.append(parent)
-                scores.append(score)
-                sources.append(source)
-            else:
-                scores[node] = max(scores[node], score)
-                sources[node] |= source
-            return node
-
+        trie = TrieBuilder(seq.root)
+        scores = trie.scores
         level = [0]
         tops = [torch.topk(probs[d], w) for d, w in enumerate(self.widths)]
         for top in tops:
@@ -230,19 +208,19 @@ class TokenSwiftDrafter:
             for par in level:
                 for p, tok in zip(top.values.tolist(), top.indices.tolist(), strict=True):
                     if p > 0.0:
-                        nxt.append(add(par, tok, scores[par] * p, 1))
+                        nxt.append(trie.add(par, tok, scores[par] * p, 1))
             level = nxt
         st: _State = seq.drafter_state
-        if self.ngram_k > 0 and len(tokens) > 1:
-            first = tokens[1]  # argmax of p_0
+        if self.ngram_k > 0 and len(scores) > 1:
+            first = trie.tokens[1]  # argmax of p_0: the first node added
             depth = len(self.widths)
             for cont, freq in st.ngrams.top(first, self.ngram_k):
-                node = index[(0, first)]
+                node = 1
                 for d, tok in enumerate(cont, start=1):
                     q = float(probs[d, tok]) if d < depth else 0.0
-                    node = add(node, tok, scores[node] * max(q, freq), NGRAM_SOURCE)
-        st.stats["tree_nodes"] += len(tokens) - 1
-        return DraftTree(torch.tensor(tokens), parents, scores=scores, sources=sources)
+                    node = trie.add(node, tok, scores[node] * max(q, freq), NGRAM_SOURCE)
+        st.stats["tree_nodes"] += len(scores) - 1
+        return trie.tree()
 
     def commit(self, seq: Sequence, accepted: Accepted) -> None:
         st: _State = seq.drafter_state

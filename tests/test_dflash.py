@@ -217,6 +217,34 @@ def test_sampled_requests_hand_the_fused_distribution_to_the_verifier(tiny_dir):
     assert all(t.probs is None for t in greedy) and any(not t.is_chain for t in greedy)
 
 
+def test_in_a_composite_sampled_requests_get_the_argmax_chain_and_plain_samplings_stream(tiny_dir):
+    """A composite verifies its merged tree by token matching: there DFlash proposes the chain of its processed
+    rows' argmaxes under sampling and draws nothing from the sequence's stream, so a seeded request's output is
+    plain sampling's token for token. Alone, the chain is sampled (more than one chain over repeated proposals)."""
+    from spyglass.drafters.composite import CompositeDrafter
+
+    target = load_transformer(tiny_dir["llama"])
+    draft, head = trained_tiny(target)
+    prompt = make_prompts(target.args.vocab_size, 1, seed=8)[0]
+    sampled = SamplingParams(max_new_tokens=8, temperature=1.0, seed=0, ignore_eos=True)
+
+    def proposals(drafter, n):
+        engine = SpecEngine(target, drafter, EngineConfig(max_batch=1, max_context=256, controller="off"))
+        seq = engine.add_request(prompt, sampled)
+        engine.step()
+        return [tuple(drafter.propose([seq])[0].tokens.tolist()) for _ in range(n)]
+
+    composite = CompositeDrafter([DFlashDrafter(draft, head)])
+    assert composite.parts[0].token_matched
+    assert len(set(proposals(composite, 4))) == 1
+    assert len(set(proposals(DFlashDrafter(draft, head), 8))) > 1
+    engine = SpecEngine(target, composite, EngineConfig(max_batch=1, max_context=256, controller="off"))
+    params = SamplingParams(max_new_tokens=24, temperature=0.3, seed=5, ignore_eos=True)  # argmaxes often drawn
+    (seq,) = engine.run([prompt], params)
+    assert seq.output_ids == plain_generate(target, prompt, params)
+    assert sum(seq.stats.new_tokens_per_step) > seq.stats.steps  # drafts were accepted along the way
+
+
 def test_target_init_starts_from_the_targets_own_context_keys_and_values(tiny_dir):
     """Initialised from the target, the first draft layer's context K/V are the target's K/V of the layer it copies
     (the deepest tapped layer feeds it), so training starts from what the target itself attends to."""
@@ -366,3 +394,7 @@ def test_packaged_drafts_serve_the_default_model(smollm2):
         engine = SpecEngine(target, drafter, EngineConfig(max_batch=1, max_context=256, controller="off"))
         (seq,) = engine.run([ids], params)
         assert seq.output_ids == ref
+    composite = build_drafter("composite-dflash", target)  # suffix lookups + the shipped DFlash + DeLS
+    assert composite.name == "composite-dflash" and [p.name for p in composite.parts] == ["suffix", "dflash-dels"]
+    engine = SpecEngine(target, composite, EngineConfig(max_batch=1, max_context=256, controller="off"))
+    assert engine.run([ids], params)[0].output_ids == ref

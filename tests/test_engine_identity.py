@@ -35,6 +35,7 @@ def drafters(target):
     yield "dflash", DFlashDrafter(draft)  # a chain, sized by its acceptance profile
     yield "dflash-tree", DFlashDrafter(draft, max_alternatives=2)  # runner-ups too, sized step by step
     yield "dflash-dels", DFlashDrafter(draft, head)
+    yield "composite-dflash", CompositeDrafter([SuffixDrafter(max_depth=6), DFlashDrafter(draft, head)])
     # partial KV budgets below most prompts' lengths, so selection, replacement and rebuilds all happen
     yield "tokenswift", build_tokenswift(target, "untrained", budget=24, sinks=4)
     yield "streaming", StreamingDrafter(budget=24, sinks=4, gamma=4)
@@ -49,7 +50,9 @@ def llama_target(tiny_dir):
 # the second model family they would repeat the first family's run, so only the family-sensitive ones run there.
 # (DFlash reads the target's hidden states, so one DFlash variant runs on both: the tree, whose runner-ups get
 # something accepted from the briefly trained draft on the Qwen2 model, where its top-1 chain never is.)
-FAMILY_INDEPENDENT = {"ngram", "suffix", "longspec-beam", "longspec-cape", "composite", "dflash", "dflash-dels"}
+FAMILY_INDEPENDENT = {
+    "ngram", "suffix", "longspec-beam", "longspec-cape", "composite", "dflash", "dflash-dels", "composite-dflash",
+}  # fmt: skip
 
 
 def check_identity(target, params: SamplingParams, batches=(1, 4), skip=frozenset()) -> None:

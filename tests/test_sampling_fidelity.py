@@ -137,12 +137,12 @@ def sample_joint(
 
 METHODS = [
     "ar", "ngram", "suffix", "small-lm", "longspec", "longspec-beam", "longspec-cape", "composite", "tokenswift",
-    "streaming", "dflash", "dflash-dels",
+    "streaming", "dflash", "dflash-dels", "composite-dflash",
 ]  # fmt: skip
 # Drafters whose trees run with the controller off, so every node (chain and alternatives) is verified: at batch
 # 500 the controller rightly prunes a tiny draft's unscored sampled chains (streaming) or low-scored blocks (DFlash)
 # to almost nothing, and the drafts-were-used check below could not hold.
-CONTROLLER_OFF = {"streaming", "dflash", "dflash-dels"}
+CONTROLLER_OFF = {"streaming", "dflash", "dflash-dels", "composite-dflash"}
 SETTINGS = {"T1": (1.0, 1.0, None), "T0.8-topp0.9": (0.8, 0.9, None)}
 # The contextual penalty against HF's penalty over the last W tokens: plain sampling and TokenSwift (whose
 # feature it is). Drafters with random parts (LongSpec's cross-attention init) drew p-values down to 3e-4 here in
@@ -179,6 +179,12 @@ def test_first_three_tokens_match_plain_sampling(sampling_model, model, prompt, 
         # DFlash trained for a few seconds on this very prompt's continuations, so its blocks get accepted
         "dflash": lambda: DFlashDrafter(trained_tiny(model, block=4, steps=240, prefix=prompt)[0]),
         "dflash-dels": lambda: DFlashDrafter(*trained_tiny(model, block=4, steps=240, prefix=prompt)),
+        "composite-dflash": lambda: CompositeDrafter(
+            [
+                SuffixDrafter(max_depth=3, max_nodes=8),
+                DFlashDrafter(*trained_tiny(model, block=4, steps=240, prefix=prompt)),
+            ]
+        ),
     }[method]()
     probs = exact_joint(sampling_model, prompt, temperature, top_p, penalty)
     # With the penalty the seeds start elsewhere: seeds 1000.. give even plain sampling ("ar", no drafter) p = 2.5e-4

@@ -24,7 +24,7 @@ GATEWAY_MAX_QUEUED = 2
 MAX_BATCH = 4
 # the first is the default; every drafter family is served here (dflash differs from dflash-dels only in the head)
 SERVED_METHODS = ["ngram", "ar", "suffix", "longspec", "longspec-cape", "glide", "composite"]
-SERVED_METHODS += ["dflash-dels", "tokenswift", "streaming"]
+SERVED_METHODS += ["dflash-dels", "composite-dflash", "tokenswift", "streaming"]
 PROMPTS = [
     "List the days of the week, one per line.",
     "Count from one to twenty in words, separated by commas.",

@@ -15,11 +15,15 @@ METHODS = (
     "glide",
     "glide-cape",
     "composite",
+    "composite-dflash",
     "dflash",
     "dflash-dels",
     "tokenswift",
     "streaming",
 )
+
+# A composite's parts, the model-free one first (the learned one drafts only where it is unsure).
+COMPOSITES = {"composite": ("suffix", "longspec"), "composite-dflash": ("suffix", "dflash-dels")}
 
 
 def build_drafter(method: str, target, *, max_batch: int = 4, max_context: int = 8192, **options) -> Drafter | None:
@@ -41,14 +45,14 @@ def build_drafter(method: str, target, *, max_batch: int = 4, max_context: int =
         draft = load_draft_model(target, options.get("draft_model"), options.get("draft_layers"))
         gamma = options.get("gamma") or 4
         return SmallLMDrafter(draft, gamma=gamma, max_batch=max_batch, max_context=max_context)
-    if method == "composite":  # suffix + LongSpec candidates in one tree
+    if method in COMPOSITES:  # suffix + a learned drafter's candidates in one tree
         from spyglass.drafters.composite import CompositeDrafter
 
         parts = [
             build_drafter(m, target, max_batch=max_batch, max_context=max_context, **options)
-            for m in ("suffix", "longspec")
+            for m in COMPOSITES[method]
         ]
-        return CompositeDrafter(parts)
+        return CompositeDrafter(parts, name=method)
     if method in ("longspec", "longspec-beam", "longspec-cape", "glide", "glide-cape"):
         from spyglass.drafters.longspec import SHIPPED, SHIPPED_GLIDE, LongSpecDrafter, load_longspec_draft
 

@@ -375,6 +375,10 @@ def _grow(t: torch.Tensor, cap: int) -> torch.Tensor:
 class DFlashDrafter:
     """DFlash block drafting (`local_head` None) or DFlash + DeLS-Spec fusion (a `LocalHead`)."""
 
+    # Set by a composite, whose merged tree is verified by token matching: sampled requests then get the chain of
+    # the processed rows' argmaxes (what token matching accepts most often), drawn from no random stream.
+    token_matched = False
+
     def __init__(
         self,
         draft: DFlashDraft,
@@ -419,7 +423,8 @@ class DFlashDrafter:
             cap = 256
             k = [torch.empty(c.n_kv_heads, cap, c.head_dim, dtype=self.draft.dtype) for _ in range(c.n_layers)]
             v = [torch.empty_like(t) for t in k]
-            seq.drafter_state = _Context(k, v, torch.zeros(cap, dtype=torch.long), draft_generator(seq))
+            gen = None if self.token_matched else draft_generator(seq)  # no draw: plain sampling's stream kept
+            seq.drafter_state = _Context(k, v, torch.zeros(cap, dtype=torch.long), gen)
         return seq.drafter_state
 
     @torch.inference_mode()
@@ -473,12 +478,13 @@ class DFlashDrafter:
         return fused, h
 
     def _sampled_chain(self, seq: Sequence, long_logits: torch.Tensor) -> DraftTree:
-        """A chain sampled from the processed (fused) draft rows, which are the verifier's proposal q."""
+        """A chain sampled from the processed (fused) draft rows, which are the verifier's proposal q (their
+        argmaxes when `token_matched`)."""
         chain, rows, h = [], [], None
         gen = self._state(seq).generator
         for _ in range(long_logits.shape[0]):
             logits, h = self._position_logits(long_logits, chain, h)
-            tok, row = choose_draft_token(seq, chain, logits[None], gen)
+            tok, row = choose_draft_token(seq, chain, logits[None], gen, top=self.token_matched)
             chain.append(tok)
             rows.append(row)
         # no per-node scores: the controller sizes a rejection-sampled chain from its shape and history only

@@ -54,6 +54,7 @@ class TrainSpec:
     soft_distill: bool = False  # distil the target's top-k log-probs (KL) rather than its top-1
     all_lags: bool = False  # train every lag in `lag` each step instead of one drawn per step
     lag_weights: list[float] | None = None
+    copy_weight: float = 1.0  # positions where copying from the context gives the target's choice weigh this much
     loss_from: int = 0  # positions before this get no loss (their logits are not computed): cheaper steps
     diagnose: bool = False  # at each checkpoint: top-1 agreement with the target by lag on the eval split
     threads: int = 1
@@ -151,7 +152,8 @@ def evaluate(model, loss_fn, data: ShardDataset | None, spec: TrainSpec, rank: i
     idx = list(range(rank, data.n, world))
     chunk = max(1, spec.batch_size // world)
     lags = tuple(range(spec.lag[0], spec.lag[1] + 1))
-    sums = torch.zeros(2 + len(lags), dtype=torch.float64)  # loss*n, agreement*n per lag, n
+    # loss*n, agreement*n per lag, copy agreement*n and copyable share*n at the smallest lag, n
+    sums = torch.zeros(4 + len(lags), dtype=torch.float64)
     for i in range(0, len(idx), chunk):
         batch = {k: v[idx[i : i + chunk]] for k, v in data.data.items()}
         n = len(idx[i : i + chunk])
@@ -160,12 +162,14 @@ def evaluate(model, loss_fn, data: ShardDataset | None, spec: TrainSpec, rank: i
             row = [loss.item() * n, float(metrics["top1_agreement"]) * n]
             for lg in lags[1:]:
                 row.append(float(loss_fn(model, batch, lg)[1]["top1_agreement"]) * n)
+        row += [float(metrics.get("copy_agreement", 0.0)) * n, float(metrics.get("copyable", 0.0)) * n]
         sums += torch.tensor([*row, n], dtype=torch.float64)
     if world > 1:
         dist.all_reduce(sums)
     n = max(1.0, float(sums[-1]))
     out = {"eval_loss": float(sums[0]) / n, "eval_top1_agreement": float(sums[1]) / n, "eval_contexts": int(sums[-1])}
     out.update({f"eval_agree_lag{lg}": float(sums[1 + j]) / n for j, lg in enumerate(lags)})
+    out.update({"eval_copy_agreement": float(sums[-3]) / n, "eval_copyable": float(sums[-2]) / n})
     return out
 
 
@@ -173,7 +177,10 @@ def diagnose_line(step: int, record: dict) -> str:
     """The `--diagnose` report: agreement by lag on the eval split (lag l = what chain depth l - 1 drafts from)."""
     lags = sorted(int(k.removeprefix("eval_agree_lag")) for k in record if k.startswith("eval_agree_lag"))
     by_lag = "  ".join(f"lag {lg}: {record[f'eval_agree_lag{lg}']:.3f}" for lg in lags)
-    return f"diagnose step {step}: eval top-1 agreement with the target by lag  {by_lag}"
+    line = f"diagnose step {step}: eval top-1 agreement with the target by lag  {by_lag}"
+    if "eval_copy_agreement" in record:  # on the positions where copying from the context is right
+        line += f"  | copyable ({record['eval_copyable']:.2f} of positions): {record['eval_copy_agreement']:.3f}"
+    return line
 
 
 def rank_vocab(tokens: torch.Tensor, size: int, vocab: int) -> torch.Tensor:
@@ -215,6 +222,7 @@ def build_loss(spec: TrainSpec, manifest: dict):
         lag_weights=spec.lag_weights,
         loss_from=spec.loss_from,
         hidden_layers=spec.feature_layers(manifest),
+        copy_weight=spec.copy_weight,
     )
 
 

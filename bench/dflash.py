@@ -5,8 +5,8 @@ decoding and n-gram drafting, side by side in one run. Writes bench/results/dfla
 
 Two parts:
 1. End to end through the engine (speculation controller on, as served): per prompt, decode tokens/s of ar,
-   ngram, dflash, dflash-dels (speedup = ratio to ar on the same prompt), tau, greedy identity; `--sampled` adds
-   T=1 runs (seeded) of ar, dflash and dflash-dels.
+   ngram, suffix, dflash, dflash-dels and composite-dflash (suffix lookups + DFlash + DeLS in one tree) (speedup =
+   ratio to ar on the same prompt), tau, greedy identity; `--sampled` adds T=1 runs (seeded) of all but ngram.
 2. Acceptance along the greedy output (no controller, no timing): one target forward over prompt + ar's
    output gives the hidden states; at every output position the block is drafted exactly as served (context
    stream = positions before the root) and its chain compared with the text that follows. This gives acceptance
@@ -33,6 +33,7 @@ import torch  # noqa: E402
 from bench.common import RESULTS_DIR, machine_load, median, plot_panels, wait_for_quiet, write_results  # noqa: E402
 from bench.tasks import HeldOutTask, heldout_tasks  # noqa: E402
 from spyglass.controller import measured_curve  # noqa: E402
+from spyglass.drafters.composite import CompositeDrafter  # noqa: E402
 from spyglass.drafters.dels import load_local_head  # noqa: E402
 from spyglass.drafters.dflash import (  # noqa: E402
     DEFAULT_DELS,
@@ -43,6 +44,7 @@ from spyglass.drafters.dflash import (  # noqa: E402
     training_mask,
 )
 from spyglass.drafters.ngram import NgramDrafter  # noqa: E402
+from spyglass.drafters.suffix import SuffixDrafter  # noqa: E402
 from spyglass.engine import EngineConfig, SpecEngine  # noqa: E402
 from spyglass.models.llama import Segment, load_transformer  # noqa: E402
 from spyglass.models.loader import load_tokenizer, resolve_model  # noqa: E402
@@ -155,7 +157,7 @@ def main() -> None:
     ap.add_argument("--per-kind", type=int, default=1)
     ap.add_argument("--kinds", default="code,edit,summary")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--sampled", action="store_true", help="also T=1 runs of ar, dflash, dflash-dels")
+    ap.add_argument("--sampled", action="store_true", help="also T=1 runs of every method but ngram")
     ap.add_argument("--no-grid", action="store_true")
     ap.add_argument("--shortest", type=int, default=0, help="keep only the N shortest prompts (0 = all)")
     ap.add_argument("--dflash", default=str(DEFAULT_DFLASH))
@@ -179,6 +181,9 @@ def main() -> None:
         "ngram": NgramDrafter,
         "dflash": lambda: DFlashDrafter(draft),
         "dflash-dels": lambda: DFlashDrafter(draft, head),
+        "suffix": SuffixDrafter,
+        # as `--method composite-dflash` builds it (spyglass.drafters.COMPOSITES), with this run's drafts
+        "composite-dflash": lambda: CompositeDrafter([SuffixDrafter(), DFlashDrafter(draft, head)], "composite-dflash"),
     }
     load_before = machine_load()
     greedy = SamplingParams(max_new_tokens=args.max_new_tokens)
@@ -192,7 +197,7 @@ def main() -> None:
         for name, make in makers.items():
             row[name] = run_task(SpecEngine(target, make(), EngineConfig(max_batch=1, max_context=8192)), task, greedy)
         if args.sampled:
-            for name in ("ar", "dflash", "dflash-dels"):
+            for name in ("ar", *(m for m in makers if m != "ngram")):
                 sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, seed=1234)
                 drafter = makers[name]() if name != "ar" else None
                 row[f"{name}@T1"] = run_task(SpecEngine(target, drafter, EngineConfig(max_batch=1, max_context=8192)),
@@ -233,6 +238,10 @@ def main() -> None:
         "speedup_dels": med("dflash-dels", "speedup"),
         "speedup_ngram": med("ngram", "speedup"),
         "tau_ngram": med("ngram", "tau"),
+        "speedup_suffix": med("suffix", "speedup"),
+        "tau_suffix": med("suffix", "tau"),
+        "speedup_composite": med("composite-dflash", "speedup"),
+        "tau_composite": med("composite-dflash", "tau"),
         "identical_all_greedy": all(
             r["identical"] for row in results.values() for n, r in row.items() if not n.endswith("@T1")
         ),
@@ -261,6 +270,9 @@ def main() -> None:
                 "tau_dels_T1": med("dflash-dels@T1", "tau"),
                 "speedup_dflash_T1": med("dflash@T1", "speedup"),
                 "speedup_dels_T1": med("dflash-dels@T1", "speedup"),
+                "speedup_suffix_T1": med("suffix@T1", "speedup"),
+                "speedup_composite_T1": med("composite-dflash@T1", "speedup"),
+                "tau_composite_T1": med("composite-dflash@T1", "tau"),
             }
         )
     n_pos = {t.name: offline[t.name]["positions"] for t in tasks}
@@ -279,7 +291,8 @@ def main() -> None:
     # timings on a machine busier than its cores are not speed evidence (tau and acceptance still are)
     figures["machine_busy"] = load_before["loadavg_1m"] > load_before["nproc"]
     meta = {
-        "what": "DFlash / DFlash+DeLS vs plain decoding and n-gram on held-out prompts (eval split), SmolLM2 fp32",
+        "what": "DFlash / DFlash+DeLS / composite-dflash vs plain decoding, n-gram and suffix on held-out prompts "
+        "(eval split), SmolLM2 fp32",
         "run": {**vars(args), "dflash": repo_relative(args.dflash), "dels": repo_relative(args.dels)},
         "tasks": {t.name: len(t.prompt_ids) for t in tasks},
         "cost_curve": curve.to_dict(),
@@ -307,7 +320,7 @@ def main() -> None:
                 "ylabel": "x",
                 "series": {
                     m: (list(range(len(tasks))), [results[t.name][m]["speedup"] for t in tasks])
-                    for m in ("ngram", "dflash", "dflash-dels")
+                    for m in ("ngram", "suffix", "dflash", "dflash-dels", "composite-dflash")
                 },
                 "hline": 1.0,
             },

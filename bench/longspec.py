@@ -1,6 +1,6 @@
-"""The shipped LongSpec and GLIDE drafts against n-gram and suffix drafting on held-out long-context prompts (code
-completion, code editing, summarisation; SmolLM2, fp32), every method on the same prompts in one run, at T=0 and
-T=1.
+"""The shipped LongSpec and GLIDE drafts (and the composites: suffix + LongSpec, suffix + DFlash) against n-gram and
+suffix drafting on held-out long-context prompts (code completion, code editing, summarisation; SmolLM2, fp32),
+every method on the same prompts in one run, at T=0 and T=1.
 Writes bench/results/longspec.json (+ .png).
 
     python bench/longspec.py [--max-new-tokens 96] [--per-kind 2] [--t1-kinds code]
@@ -29,7 +29,10 @@ from spyglass.engine import EngineConfig, SpecEngine  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
 from spyglass.training import repo_relative  # noqa: E402
 
-METHODS = ("ngram", "suffix", "longspec", "longspec-beam", "longspec-cape", "glide", "glide-cape", "composite")
+METHODS = (
+    "ngram", "suffix", "longspec", "longspec-beam", "longspec-cape", "glide", "glide-cape", "composite",
+    "composite-dflash",
+)  # fmt: skip
 
 
 def state_bytes(target, method: str, context: int) -> int:
@@ -80,7 +83,7 @@ def main() -> None:
     methods = [m for m in args.methods.split(",") if m]
 
     def maker(m: str):
-        ckpt = glide_dir if m.startswith("glide") else draft_dir
+        ckpt = glide_dir if m.startswith("glide") else None if "dflash" in m else draft_dir  # DFlash: its shipped
         return lambda: build_drafter(m, target, max_batch=1, max_context=8192, draft_checkpoint=ckpt)
 
     makers = {m: maker(m) for m in methods}

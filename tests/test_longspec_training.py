@@ -231,3 +231,43 @@ def test_multi_layer_features_warm_start_exactly_and_train_the_lower_layer(tmp_p
     with pytest.raises(ValueError, match=r"add \[0\] to extract.hidden_layers"):
         spec.feature_layers(manifest)
     assert spec.feature_layers({**manifest, "hidden_layers": [0, 1]}) == [0, 1]
+
+
+def test_copy_predictions_propose_what_followed_the_latest_earlier_ngram():
+    from spyglass.training.losses import copy_predictions
+
+    #                 0  1  2  3  4  5  6  7  8  9
+    row = torch.tensor([[5, 6, 7, 5, 6, 8, 5, 6, 9, 4]])
+    got = copy_predictions(row)[0].tolist()
+    # t=4 ("5 6" seen at 0-1, then 7); t=7 ("5 6" latest at 3-4, then 8); t=3 ("5" is no 2-gram: nothing);
+    # t=5, t=6, t=8, t=9: their 2-grams ("6 8", "8 5", "6 9", "9 4") never occurred before
+    assert got == [-1, -1, -1, -1, 7, -1, -1, 8, -1, -1]
+    # the longest order wins: "1 2 3" -> 4 although "2 3" was followed by 9 more recently
+    row = torch.tensor([[1, 2, 3, 4, 2, 3, 9, 1, 2, 3]])
+    assert copy_predictions(row)[0, -1].item() == 4
+    assert copy_predictions(row, orders=(2,))[0, -1].item() == 9
+
+
+def test_copy_weight_weighs_the_copyable_positions(tmp_path):
+    """Equal weights reproduce the plain mean; `copy_weight` moves the loss toward the copyable positions' loss,
+    and the metrics report agreement there and their share."""
+    target = _target(tmp_path)
+    torch.manual_seed(0)
+    draft = LongSpecDraft.from_target(target, window=8)
+    batch = _batch(target, b=1, length=24)
+    batch["tokens"][0, 12:18] = batch["tokens"][0, 2:8]  # a copied stretch
+    batch["topk_ids"][0, 13:17, 0] = batch["tokens"][0, 4:8]  # where the target follows the copy
+    plain = LongSpecLoss(kv_layer=1, lag_min=1, lag_max=1)
+    heavy = LongSpecLoss(kv_layer=1, lag_min=1, lag_max=1, copy_weight=50.0)
+    with torch.no_grad():
+        logits = draft(batch["tokens"], batch["positions"], batch["kv.1"][:, 0], batch["kv.1"][:, 1], lag=1)
+        logp = torch.log_softmax(logits[0, :-1].float(), -1)
+        nll = -logp.gather(-1, batch["tokens"][0, 1:, None])[:, 0]
+        loss, metrics = plain(draft, batch, 1)
+        assert torch.allclose(loss, nll.mean(), atol=1e-5)
+        assert metrics["copyable"].item() == pytest.approx(4 / 23)
+        heavy_loss, _ = heavy(draft, batch, 1)
+    copied = nll[13:17].mean()
+    assert abs(heavy_loss - copied) < abs(loss - copied)
+    with pytest.raises(ValueError, match="copy_weight"):
+        LongSpecLoss(kv_layer=1, copy_weight=0.0)

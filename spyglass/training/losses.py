@@ -6,7 +6,6 @@ the metrics to log.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -18,6 +17,24 @@ def soft_topk_ce(logp: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torc
     p = torch.softmax(topk_logprobs.masked_fill(~scored, float("-inf")), dim=-1).nan_to_num(0.0)
     picked = logp.gather(-1, topk_ids.clamp(min=0))
     return -(p * picked.masked_fill(~scored, 0.0)).sum(-1)
+
+
+def copy_predictions(tokens: torch.Tensor, orders: tuple[int, ...] = (3, 2)) -> torch.Tensor:
+    """`[B, L]`: per position t, the token that followed the latest earlier occurrence of the longest of `orders`
+    tokens ending at t (what copying from the context proposes next, as suffix drafting would), -1 if none."""
+    out = torch.full_like(tokens, -1)
+    for b, row in enumerate(tokens.tolist()):
+        seen: dict[tuple, int] = {}  # n-gram -> the token after its latest occurrence so far
+        for t in range(len(row)):
+            for n in orders:
+                if t + 1 >= n and (nxt := seen.get(tuple(row[t + 1 - n : t + 1]))) is not None:
+                    out[b, t] = nxt
+                    break
+            if t + 1 < len(row):  # the n-grams ending at t are followed by row[t + 1]: known from t + 1 on
+                for n in orders:
+                    if t + 1 >= n:
+                        seen[tuple(row[t + 1 - n : t + 1])] = row[t + 1]
+    return out
 
 
 class LongSpecLoss(nn.Module):
@@ -33,9 +50,13 @@ class LongSpecLoss(nn.Module):
       with the same lag.
     - A draft with a reduced head (`draft_vocab`) is trained over its own rows; labels it cannot score are
       left out of the CE.
+    - `copy_weight`: positions where copying from the context (`copy_predictions`) gives the target's choice
+      weigh this much more. Served at T=0 the target copies its prompt most of the time, and the draft misses
+      more than half of those tokens (BENCHMARKS.md, "What the learned drafts miss").
 
     Metrics: `loss`, `ce`, `top1_agreement` (the draft's argmax equals the target's, on the positions that see
-    some target context), `token_accuracy`, and per lag `agree_lag{l}` when several lags run.
+    some target context), `token_accuracy`, `copy_agreement` (the same on copyable positions), `copyable` (their
+    share), and per lag `agree_lag{l}` when several lags run.
     """
 
     def __init__(
@@ -49,6 +70,7 @@ class LongSpecLoss(nn.Module):
         lag_weights: list[float] | None = None,
         loss_from: int = 0,
         hidden_layers: list[int] | None = None,
+        copy_weight: float = 1.0,
     ) -> None:
         super().__init__()
         self.kv_layers = [kv_layer] if isinstance(kv_layer, int) else list(kv_layer)  # one per draft layer
@@ -62,6 +84,9 @@ class LongSpecLoss(nn.Module):
         if len(self.lag_weights) != n:
             raise ValueError(f"lag_weights needs {n} entries (lags {lag_min}..{lag_max})")
         self.loss_from = loss_from  # positions before it get no loss (and no logits): cheaper steps
+        if copy_weight <= 0:
+            raise ValueError(f"copy_weight must be > 0, got {copy_weight}")
+        self.copy_weight = copy_weight
         self._id_map: torch.Tensor | None = None
 
     def required_keys(self) -> list[str]:
@@ -100,21 +125,22 @@ class LongSpecLoss(nn.Module):
         soft = None
         if self.soft_distill:
             soft = (self._draft_ids(model, batch["topk_ids"][:, lo:-1]), batch["topk_logprobs"][:, lo:-1].float())
+        copyable = copy_predictions(tokens)[:, lo:-1] == batch["topk_ids"][:, lo:-1, 0]
+        pos_w = (1.0 + (self.copy_weight - 1.0) * copyable.float()).flatten()
         loss = logits.new_zeros(())
         metrics: dict[str, torch.Tensor] = {}
-        ce_sum = agree_sum = acc_sum = 0.0
+        ce_sum = agree_sum = acc_sum = copy_sum = 0.0
         weights = [self.lag_weights[lg - self.lag_min] for lg in lags]
         for lg, w, lgt in zip(lags, weights, logits, strict=True):
             pred = lgt[:, :-1]
-            logp = torch.log_softmax(pred.float(), dim=-1)
-            ce = F.nll_loss(logp.reshape(-1, logp.shape[-1]), labels.reshape(-1), ignore_index=-1)
+            logp = torch.log_softmax(pred.float(), dim=-1).flatten(0, 1)
+            ce = _weighted_nll(logp, labels.flatten(), pos_w)
             one = ce
             if self.distill_weight > 0:
                 if soft is not None:
-                    kd = soft_topk_ce(logp.reshape(-1, logp.shape[-1]), soft[0].flatten(0, 1), soft[1].flatten(0, 1))
-                    kd = kd.mean()
+                    kd = (soft_topk_ce(logp, soft[0].flatten(0, 1), soft[1].flatten(0, 1)) * pos_w).sum() / pos_w.sum()
                 else:
-                    kd = F.nll_loss(logp.reshape(-1, logp.shape[-1]), target_top1.reshape(-1), ignore_index=-1)
+                    kd = _weighted_nll(logp, target_top1.flatten(), pos_w)
                 one = (1 - self.distill_weight) * ce + self.distill_weight * kd
             loss = loss + w * one
             with torch.no_grad():
@@ -126,6 +152,8 @@ class LongSpecLoss(nn.Module):
                 ce_sum += float(ce)
                 agree_sum += float(agree)
                 acc_sum += float(((argmax == labels) & valid).sum().float() / n)
+                copied = valid & copyable
+                copy_sum += float(((argmax == target_top1) & copied).sum() / copied.sum().clamp(min=1))
                 if len(lags) > 1:
                     metrics[f"agree_lag{lg}"] = agree
         loss = loss / sum(weights)
@@ -135,9 +163,19 @@ class LongSpecLoss(nn.Module):
                 "ce": torch.tensor(ce_sum / k),
                 "top1_agreement": torch.tensor(agree_sum / k),
                 "token_accuracy": torch.tensor(acc_sum / k),
+                "copy_agreement": torch.tensor(copy_sum / k),
+                "copyable": copyable.float().mean(),
             }
         )
         return loss, metrics
+
+
+def _weighted_nll(logp: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Mean NLL over the rows with a label (-1: none), row i weighing `weights[i]` (plain mean for equal weights)."""
+    has = labels >= 0
+    nll = -logp.gather(-1, labels.clamp(min=0)[:, None])[:, 0]
+    w = weights * has
+    return (nll * w).sum() / w.sum().clamp(min=1e-9)
 
 
 LOSSES = {"longspec": LongSpecLoss}

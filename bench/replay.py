@@ -26,6 +26,11 @@ says little).
 lookups timed for real, the learned part charged `--draft-ms`):
 
     python bench/replay.py composite --tag longspec-v12 --curve bench/results/longspec_s20_v10.json --draft-ms 2.8
+
+`complement` counts, along the recorded outputs, where the learned draft's first token and suffix's lookups are
+right (both, one, neither):
+
+    python bench/replay.py complement --tag longspec-v12,dflash-dels-s24
 """
 
 from __future__ import annotations
@@ -291,6 +296,45 @@ def composite_policies(tag: str, curve_from: str | None, draft_ms: float, out: s
     print(write_results(out or f"replay_composite_{tag}", _figures(rows, list(variants)), rows, meta))
 
 
+def complement(tags: list[str], out: str | None = None) -> None:
+    """Where each recorded learned draft and suffix drafting are right, position by position along the greedy
+    outputs: the learned draft's first token, and any of suffix's first-level candidates (as a composite merges
+    them), against the target's next token. `learned_only` is what a learned part adds to copying."""
+    from spyglass.drafters.suffix import SuffixDrafter
+
+    kinds = ("both", "learned_only", "suffix_only", "neither")
+    figures: dict = {}
+    rows: dict = {}
+    for tag in tags:
+        data = json.loads(drafts_path(tag).read_text())
+        total = dict.fromkeys(kinds, 0)
+        for t in data["tasks"]:
+            output, trees = t["output"], {int(k): v for k, v in t["trees"].items()}
+            seq = Sequence(t["prompt"], SamplingParams(max_new_tokens=len(output)))
+            seq.append(output[0])
+            suffix = SuffixDrafter()
+            suffix.start(seq)
+            counts = dict.fromkeys(kinds, 0)
+            while seq.num_generated < len(output):
+                nxt, tree = output[seq.num_generated], trees.get(seq.num_generated)
+                learned = tree is not None and len(tree["tokens"]) > 1 and tree["tokens"][1] == nxt
+                lookup = suffix.propose([seq])[0]
+                copied = any(int(lookup.tokens[i]) == nxt for i in range(1, len(lookup)) if lookup.parents[i] == 0)
+                counts[
+                    ("both" if copied else "learned_only") if learned else ("suffix_only" if copied else "neither")
+                ] += 1
+                seq.append(nxt)
+                suffix.commit(seq, None)
+            rows.setdefault(t["name"], {})[tag] = counts
+            total = {k: total[k] + counts[k] for k in kinds}
+        n = sum(total.values())
+        figures[tag] = {k: round(v / n, 3) for k, v in total.items()} | {"positions": n}
+        print(tag, figures[tag], flush=True)
+    meta = {"what": "first-token right: learned draft vs suffix lookups along recorded greedy outputs",
+            "dev_prompts": DEV_CODE + DEV_DOCS}  # fmt: skip
+    print(write_results(out or "replay_complement", figures, rows, meta))
+
+
 @contextlib.contextmanager
 def controller_rules(rules: dict):
     """SpeculationController's class-level rules changed for the duration (restored after)."""
@@ -332,10 +376,10 @@ def make_drafter(name: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["record", "run", "record-drafts", "policies", "composite"])
+    ap.add_argument("what", choices=["record", "run", "record-drafts", "policies", "composite", "complement"])
     ap.add_argument("--method", default="longspec", help="record-drafts: the learned drafter")
     ap.add_argument("--checkpoint", default=None, help="record-drafts: its draft (default: the shipped one)")
-    ap.add_argument("--tag", default=None, help="the recording's name (default: the method)")
+    ap.add_argument("--tag", default=None, help="the recording's name (default: the method; complement: a list)")
     ap.add_argument("--curve", default=None, help="a results JSON whose first cost curve to use")
     ap.add_argument("--draft-ms", type=float, default=3.7, help="policies: drafting time (per depth if by depth)")
     ap.add_argument("--max-depth", type=int, default=4)
@@ -359,6 +403,9 @@ def main() -> None:
         return
     if args.what == "composite":
         composite_policies(args.tag or args.method, args.curve, args.draft_ms, args.name)
+        return
+    if args.what == "complement":
+        complement((args.tag or args.method).split(","), args.name)
         return
     data = json.loads(RECORD.read_text())
     curve = load_curve(args.curve) or CostCurve(**data["curve"])

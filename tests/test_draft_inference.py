@@ -44,7 +44,12 @@ def layer_hidden(target, tokens: torch.Tensor, layers: tuple[int, ...] = (-1,)) 
 
 
 def make_draft(
-    target, window: int, feed_hidden: bool = False, feed_own_hidden: bool = False, hidden_layers=None
+    target,
+    window: int,
+    feed_hidden: bool = False,
+    feed_own_hidden: bool = False,
+    hidden_layers=None,
+    prev_token: bool = False,
 ) -> LongSpecDraft:
     torch.manual_seed(1)
     draft = LongSpecDraft.from_target(
@@ -54,9 +59,10 @@ def make_draft(
         feed_hidden=feed_hidden,
         feed_own_hidden=feed_own_hidden,
         hidden_layers=hidden_layers,
+        prev_token=prev_token,
     )  # init_std 0.2: non-flat logits
     # they start at zero (a draft without them); a trained one is not
-    for proj in ("hidden_proj", "own_proj", "extra_hidden_proj"):
+    for proj in ("hidden_proj", "own_proj", "extra_hidden_proj", "prev_proj"):
         if hasattr(draft, proj):
             torch.nn.init.normal_(getattr(draft, proj).weight, std=0.2)
     return draft.eval()
@@ -120,13 +126,15 @@ def test_tree_hybrid_equals_reference(target_and_kv):
     assert not torch.allclose(*siblings)
 
 
-@pytest.mark.parametrize("inputs", ["kv-only", "feed-hidden", "own-hidden", "multi-layer"])
+@pytest.mark.parametrize("inputs", ["kv-only", "feed-hidden", "own-hidden", "multi-layer", "prev-token"])
 @pytest.mark.parametrize("window", [64, 16, 8])  # 16, 8: the context is longer than the window
 def test_serving_drafter_equals_training_forward_per_depth(target_and_kv, window, inputs):
     """The serving drafter (ring window + incremental per-depth steps over the live KVCache, and with
     `feed_hidden` the target's hidden state of the newest committed token - of a low and the last layer with
     `hidden_layers` - with `feed_own_hidden` also each node's parent's output) proposes, at every depth d, the
-    training forward's argmax with lag d + 1, with the same probability."""
+    training forward's argmax with lag d + 1, with the same probability. `prev-token`: the shipped draft's inputs
+    (`feed_hidden`, `feed_own_hidden`) and each token's predecessor, in the ring (synced committed tokens, the
+    first one's predecessor from before the ring) and in the tree (a node's parent)."""
     from spyglass.drafters.longspec import LongSpecDrafter
     from spyglass.sampling import SamplingParams
     from spyglass.sequence import Sequence
@@ -138,8 +146,9 @@ def test_serving_drafter_equals_training_forward_per_depth(target_and_kv, window
         target,
         window=window,
         feed_hidden=feed_hidden,
-        feed_own_hidden=inputs in ("own-hidden", "multi-layer"),
+        feed_own_hidden=inputs in ("own-hidden", "multi-layer", "prev-token"),
         hidden_layers=list(layers) if inputs == "multi-layer" else None,
+        prev_token=inputs == "prev-token",
     )
     cache = target.new_cache(LENGTH + 8, 1)
     slot = cache.allocate()
@@ -170,6 +179,13 @@ def test_serving_drafter_equals_training_forward_per_depth(target_and_kv, window
         drafter.observe_hidden(seq, 0, {**by_layer, i: -by_layer[i]}, list(range(COMMITTED)))
         other = drafter.propose([seq])[0]
         assert abs(other.scores[1] - tree.scores[1]) > 1e-4, f"layer {i}'s hidden state is not read"
+    if inputs == "prev-token":  # the predecessor matters at every depth, the root's included
+        plain = make_draft(target, window=window, feed_hidden=True, feed_own_hidden=True)
+        plain.load_state_dict({k: w for k, w in draft.state_dict().items() if not k.startswith("prev_")})
+        for d in range(4):
+            without = training_logits(plain, full, kk, vv, lag=d + 1, hidden=hh)[COMMITTED + d]
+            with_prev = training_logits(draft, full, kk, vv, lag=d + 1, hidden=hh)[COMMITTED + d]
+            assert not torch.allclose(without, with_prev, atol=1e-3), f"depth {d}: the predecessor is not read"
     if inputs == "own-hidden":  # the recursion matters: without it depth 1 on would differ
         plain = make_draft(target, window=window, feed_hidden=True)
         plain.load_state_dict({k: w for k, w in draft.state_dict().items() if not k.startswith("own_")})

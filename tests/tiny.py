@@ -58,6 +58,7 @@ def layer_copy_draft(
     feed_hidden: bool = False,
     n_layers: int = 1,
     feed_own_hidden: bool = False,
+    prev_token: bool = False,
 ):
     """A LongSpec draft whose block is the target's first layer (a GLIDE one, `n_layers`: the target's first
     layers), with a small random cross-attention (and, with `feed_hidden` / `feed_own_hidden`, a small random read
@@ -77,6 +78,7 @@ def layer_copy_draft(
         feed_hidden=feed_hidden,
         n_layers=n_layers,
         feed_own_hidden=feed_own_hidden,
+        prev_token=prev_token,
     )
     with torch.no_grad():
         for layer, source in zip(draft.layers, target.layers, strict=False):
@@ -87,6 +89,8 @@ def layer_copy_draft(
             nn.init.normal_(draft.hidden_proj.weight, std=cross_std)
         if feed_own_hidden:
             nn.init.normal_(draft.own_proj.weight, std=cross_std)
+        if prev_token:
+            nn.init.normal_(draft.prev_proj.weight, std=cross_std)
     return draft.eval()
 
 

@@ -162,7 +162,8 @@ class LongSpecDrafter:
         """Push the committed tokens the ring has not seen (`sync_kv` computes only the last `ring` of them)."""
         if w.synced < committed:
             tokens = seq.tokens[w.synced : committed]
-            k, v = self.draft.sync_kv(tokens, w.synced, (w.k, w.v, w.pos), targets, self.ring)
+            before = int(seq.tokens[w.synced - 1]) if w.synced else -1
+            k, v = self.draft.sync_kv(tokens, w.synced, (w.k, w.v, w.pos), targets, self.ring, before=before)
             lo = committed - k.shape[2]
             slots = torch.arange(lo, committed) % self.ring
             w.k[:, :, slots], w.v[:, :, slots] = k, v
@@ -181,12 +182,13 @@ class LongSpecDrafter:
             self._sync(seq, w, c, t)
         depth_cap = [requested_depth(s, self.gamma, self.cache.capacity) for s in batch]
         trees = [_Growing(int(s.root)) for s in batch]
+        before_root = [int(s.tokens[c - 1]) if c else -1 for s, c in zip(batch, committed, strict=True)]
         frontier = [[0] if depth_cap[i] > 0 else [] for i in range(len(batch))]
         for depth in range(max(depth_cap, default=0)):
             rows = [(i, node) for i in range(len(batch)) for node in frontier[i]]
             if not rows:
                 break
-            logits = self._step(rows, trees, states, committed, targets, depth)
+            logits = self._step(rows, trees, states, committed, targets, depth, before_root)
             for i in range(len(batch)):
                 frontier[i] = []
             for r, (i, node) in enumerate(rows):
@@ -198,13 +200,14 @@ class LongSpecDrafter:
                     frontier[i] = sorted(frontier[i], key=lambda n, g=g: -g.scores[n])[: self.width]
         return [g.tree(s) for g, s in zip(trees, batch, strict=True)]
 
-    def _step(self, rows, trees, states, committed, targets, depth: int) -> torch.Tensor:
+    def _step(self, rows, trees, states, committed, targets, depth: int, before_root: list[int]) -> torch.Tensor:
         """The draft's logits (target vocabulary) at the frontier nodes of every sequence, in one draft_step."""
-        tokens, positions, self_groups, cross_groups = [], [], [], {}
+        tokens, prev, positions, self_groups, cross_groups = [], [], [], [], {}
         by_parent: dict[tuple[int, int], list[int]] = {}
         for r, (i, node) in enumerate(rows):
             g = trees[i]
             tokens.append(g.tokens[node])
+            prev.append(g.tokens[g.parents[node]] if node else before_root[i])  # the token before this node
             positions.append(committed[i] + depth)
             by_parent.setdefault((i, g.parents[node]), []).append(r)
             cross_groups.setdefault(i, []).append(r)
@@ -222,7 +225,14 @@ class LongSpecDrafter:
             zero = torch.zeros(self.draft.cfg.hidden_size, dtype=self.draft.dtype)
             own = torch.stack([trees[i].out.get(trees[i].parents[node], zero) for i, node in rows])
         logits, k, v, out = self.draft.draft_step(
-            torch.tensor(tokens), torch.tensor(positions), self_groups, crosses, backend="auto", hidden=hidden, own=own
+            torch.tensor(tokens),
+            torch.tensor(positions),
+            self_groups,
+            crosses,
+            backend="auto",
+            hidden=hidden,
+            own=own,
+            prev=torch.tensor(prev),
         )
         for r, (i, node) in enumerate(rows):
             trees[i].k[node], trees[i].v[node], trees[i].out[node] = k[:, :, r : r + 1], v[:, :, r : r + 1], out[r]

@@ -45,6 +45,9 @@ class LongSpecDraftConfig:
     # one `hidden_proj` reads; None = the last layer only. The others go through `extra_hidden_proj` (zero-init).
     hidden_layers: list[int] | None = None
     feed_own_hidden: bool = False  # a node also reads its parent's final draft hidden state (EAGLE's recursion)
+    # Each token's input also carries the token before it (a projection of its embedding, zero-init): keys that
+    # know their predecessor let one attention layer copy ("what followed the last time this token came").
+    prev_token: bool = False
     n_layers: int = 1  # GLIDE: N layers, layer m reading target layer L - N + m; LongSpec: one
     extra: dict = field(default_factory=dict)
 
@@ -196,6 +199,8 @@ class LongSpecDraft(nn.Module):
         if cfg.feed_own_hidden:  # read by the top layer beside the target's hidden state
             self.own_norm = RMSNorm(h, cfg.rms_eps)
             self.own_proj = Linear(h, h, bias=False)
+        if cfg.prev_token:
+            self.prev_proj = Linear(h, h, bias=False)
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=cfg.init_std)
@@ -208,6 +213,8 @@ class LongSpecDraft(nn.Module):
                 nn.init.zeros_(self.extra_hidden_proj.weight)
         if cfg.feed_own_hidden:
             nn.init.zeros_(self.own_proj.weight)
+        if cfg.prev_token:
+            nn.init.zeros_(self.prev_proj.weight)
         # Frozen, shared with the target (not part of checkpoints).
         self.embed = embed
         self.full_head = lm_head
@@ -316,6 +323,17 @@ class LongSpecDraft(nn.Module):
             out = out + self.extra_hidden_proj(torch.cat(normed, dim=-1))
         return out
 
+    def inputs(self, tokens: torch.Tensor, prev: torch.Tensor | None) -> torch.Tensor:
+        """The first layer's input: each token's embedding, plus (`prev_token`) the projected embedding of the
+        token before it, `prev` (same shape; -1: none, as for position 0)."""
+        x = self.embed(tokens).to(self.dtype)
+        if not self.cfg.prev_token:
+            return x
+        if prev is None:
+            raise ValueError("this draft reads each token's predecessor: pass prev")
+        before = self.embed(prev.clamp(min=0)).to(self.dtype) * (prev >= 0).unsqueeze(-1).to(self.dtype)
+        return x + self.prev_proj(before)
+
     def read_own(self, own: torch.Tensor) -> torch.Tensor:
         """The residual update from the parent's final draft hidden state (zero rows, the root's, stay zero)."""
         return self.own_proj(self.own_norm(own.to(self.own_proj.weight.dtype)))
@@ -358,7 +376,7 @@ class LongSpecDraft(nn.Module):
             )
             return layer.wo(a.transpose(1, 2).reshape(b, length, -1))
 
-        x0 = self.embed(tokens).to(dtype)
+        x0 = self.inputs(tokens, F.pad(tokens, (1, 0), value=-1)[:, :-1])
         first = x0 + self_attention(self.layers[0], x0)  # no target read yet: the same for every lag
         lags = lag if isinstance(lag, tuple) else (lag,)
         # feed_own_hidden: lag l reads lag l - 1's final hidden state one position back (a chain node's parent), so
@@ -390,11 +408,14 @@ class LongSpecDraft(nn.Module):
     # --- inference: the same layers over caches, through the hybrid tree attention ---------------------
 
     @torch.inference_mode()
-    def window_kv(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first layer's post-RoPE self-attention K/V `[kvh, n, D]` of committed tokens `[n]`: a function
-        of token and position only (the other layers' need `sync_kv`)."""
+    def window_kv(
+        self, tokens: torch.Tensor, positions: torch.Tensor, prev: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first layer's post-RoPE self-attention K/V `[kvh, n, D]` of committed tokens `[n]` (`prev`: the
+        token before each, for a `prev_token` draft): a function of tokens and position only (the other layers'
+        need `sync_kv`)."""
         cos, sin = self.rope(positions, self.dtype)
-        k, v = self.layers[0].kv(self.embed(tokens).to(self.dtype), cos, sin)
+        k, v = self.layers[0].kv(self.inputs(tokens, prev), cos, sin)
         return k.transpose(0, 1), v.transpose(0, 1)
 
     @torch.inference_mode()
@@ -406,6 +427,7 @@ class LongSpecDraft(nn.Module):
         targets: list[tuple[torch.Tensor, torch.Tensor]],
         keep: int,
         backend: str = "auto",
+        before: int = -1,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer's self-attention K/V `[N, kvh, n', D]` of newly committed tokens `[n]` (positions
         `start`..), for a window cache that keeps the last `keep` positions: n' = min(n, keep) newest ones.
@@ -413,7 +435,8 @@ class LongSpecDraft(nn.Module):
         The first layer's depend on token and position only; a higher layer's on the layers below, run over
         the new tokens: self-attention within the training window over the cache `ring` (K/V `[N, kvh, R, D]`,
         positions `[R]`, -1 empty) and the new tokens, cross-attention into `targets` (the target's committed
-        K/V per layer, `[kvh, >= start + n, D]`) up to the token before each (lag 1; position 0 reads nothing)."""
+        K/V per layer, `[kvh, >= start + n, D]`) up to the token before each (lag 1; position 0 reads nothing).
+        `before`: the committed token at `start - 1` (-1 at the start), a `prev_token` draft's first predecessor."""
         c, n, dtype = self.cfg, tokens.shape[0], self.dtype
         end = start + n
         need = [max(start, end - keep)]  # first position whose K/V layer m must give, from the top down
@@ -421,7 +444,8 @@ class LongSpecDraft(nn.Module):
             need.insert(0, max(start, need[0] - c.window + 1))
         pos = torch.arange(need[0], end)
         cos, sin = self.rope(pos, dtype)
-        x = self.embed(tokens[need[0] - start :]).to(dtype)
+        prev = torch.cat([torch.tensor([before], dtype=tokens.dtype), tokens[:-1]])
+        x = self.inputs(tokens[need[0] - start :], prev[need[0] - start :])
         ks, vs = [], []
         ring_k, ring_v, ring_pos = ring
         for m, layer in enumerate(self.layers):
@@ -468,8 +492,10 @@ class LongSpecDraft(nn.Module):
         target_v: torch.Tensor | list[torch.Tensor],
         backend: str = "auto",
         hidden: torch.Tensor | None = None,
+        prev: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """fp32 target-vocab logits `[n, vocab]` for n draft-tree tokens (tree_mask `[n, n]`, None = chain).
+        """fp32 target-vocab logits `[n, vocab]` for n draft-tree tokens (tree_mask `[n, n]`, None = chain;
+        `prev`: each token's parent, the root's the last committed token, for a `prev_token` draft).
 
         Self-attention: hybrid tree attention over the window cache (per layer: `window_kv` / `sync_kv` of the
         last committed tokens, all visible) plus the tree under its mask. Cross-attention: every node sees the
@@ -483,7 +509,7 @@ class LongSpecDraft(nn.Module):
         wks, wvs = self._per_layer(window_k), self._per_layer(window_v)
         tks, tvs = self._per_layer(target_k), self._per_layer(target_v)
         cos, sin = self.rope(positions, dtype)
-        x = self.embed(tokens).to(dtype)
+        x = self.inputs(tokens, prev)
         for m, layer in enumerate(self.layers):
             q, k, v = (t.transpose(0, 1) for t in layer.qkv(x, cos, sin))
             a = tree_attention(q, wks[m].to(dtype), wvs[m].to(dtype), k, v, tree_mask, backend=backend)
@@ -505,13 +531,15 @@ class LongSpecDraft(nn.Module):
         backend: str = "auto",
         hidden: torch.Tensor | None = None,
         own: torch.Tensor | None = None,
+        prev: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """One incremental drafting step for M new tree nodes of several sequences at once: the matmuls run over
         all of them; attention runs per group. A self group `(rows, prefix_k, prefix_v)` is sibling nodes that
         see `prefix` (per layer: window + their ancestors' K/V, `[N, kvh, P, D]`) and each itself; a cross group
         is the nodes of one sequence and the target's committed K/V of each draft layer's target layer (lists);
         `hidden` `[M, H]` (`feed_hidden`) the target's hidden state of each node's sequence's last committed
-        token; `own` `[M, H]` (`feed_own_hidden`) each node's parent's final hidden state (zero for the root).
+        token; `own` `[M, H]` (`feed_own_hidden`) each node's parent's final hidden state (zero for the root);
+        `prev` `[M]` (`prev_token`) each node's parent token (the root's: the last committed token).
         Returns draft-head logits `[M, Vd]`, the nodes' own K/V `[N, kvh, M, D]` (their descendants' prefix) and
         their final hidden states `[M, H]` (their children's `own`)."""
         c, m_rows, dtype = self.cfg, tokens.shape[0], self.dtype
@@ -521,7 +549,7 @@ class LongSpecDraft(nn.Module):
             for rows, pk, pv in self_groups
         ]
         crosses = [(torch.tensor(rows), tks, tvs) for rows, tks, tvs in cross_groups]
-        x = self.embed(tokens).to(dtype)
+        x = self.inputs(tokens, prev)
         ks, vs = [], []
         for m, layer in enumerate(self.layers):
             q, k, v = (t.transpose(0, 1) for t in layer.qkv(x, cos, sin))

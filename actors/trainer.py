@@ -55,6 +55,7 @@ class TrainSpec:
     all_lags: bool = False  # train every lag in `lag` each step instead of one drawn per step
     lag_weights: list[float] | None = None
     copy_weight: float = 1.0  # positions where copying from the context gives the target's choice weigh this much
+    new_lr_scale: float = 1.0  # the learning rate of weights `init_from` lacks (a new input's zero projection), x
     loss_from: int = 0  # positions before this get no loss (their logits are not computed): cheaper steps
     diagnose: bool = False  # at each checkpoint: top-1 agreement with the target by lag on the eval split
     threads: int = 1
@@ -226,6 +227,17 @@ def build_loss(spec: TrainSpec, manifest: dict):
     )
 
 
+def param_groups(draft: torch.nn.Module, spec: TrainSpec) -> list[dict]:
+    """The optimiser's parameter groups: the trainable weights, and those `init_from` lacks (a new input's zero
+    projection on a trained draft) at `new_lr_scale` times the rate, so they catch up within one pass."""
+    trainable = {n: p for n, p in draft.named_parameters() if p.requires_grad}
+    known = set(load_file(str(Path(spec.init_from) / "draft.safetensors"))) if spec.init_from else set(trainable)
+    groups = [{"params": [p for n, p in trainable.items() if n in known]}]
+    if new := [trainable[n] for n in sorted(set(trainable) - known)]:
+        groups.append({"params": new, "lr": spec.lr * spec.new_lr_scale})
+    return groups
+
+
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
     done = sorted(p for p in ckpt_root.glob("step-*") if (p / "trainer_state.json").exists())
     return done[-1] if done else None
@@ -266,8 +278,9 @@ def _train_loop(config: dict[str, Any]) -> None:
     del target
     if getattr(draft.cfg, "draft_vocab", 0):
         draft.set_vocab(rank_vocab(data.data["tokens"], draft.cfg.draft_vocab, draft.cfg.vocab_size))
-    params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
+    groups = param_groups(draft, spec)
+    params = [p for g in groups for p in g["params"]]
+    opt = torch.optim.AdamW(groups, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(spec))
 
     resume = latest_checkpoint(ckpt_root)

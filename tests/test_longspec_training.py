@@ -271,3 +271,20 @@ def test_copy_weight_weighs_the_copyable_positions(tmp_path):
     assert abs(heavy_loss - copied) < abs(loss - copied)
     with pytest.raises(ValueError, match="copy_weight"):
         LongSpecLoss(kv_layer=1, copy_weight=0.0)
+
+
+def test_weights_a_warm_start_lacks_learn_at_their_own_rate(tmp_path):
+    """`new_lr_scale`: a new input's projection (here `prev_token`'s) starts from zero on a trained draft and gets
+    its own, higher learning rate; every weight the checkpoint has keeps the run's rate."""
+    from actors.trainer import TrainSpec, param_groups
+
+    target = _target(tmp_path)
+    _, ckpt = _plain_checkpoint(target, tmp_path)
+    draft = LongSpecDraft.from_target(target, window=8, prev_token=True)
+    assert torch.count_nonzero(draft.prev_proj.weight) == 0  # a no-op until trained
+    spec = TrainSpec(lr=1e-4, new_lr_scale=20.0, init_from=str(ckpt))
+    old, new = param_groups(draft, spec)
+    assert [p is draft.prev_proj.weight for p in new["params"]] == [True] and new["lr"] == pytest.approx(2e-3)
+    assert "lr" not in old and len(old["params"]) + 1 == sum(p.requires_grad for p in draft.parameters())
+    (only,) = param_groups(draft, TrainSpec(lr=1e-4))  # no warm start: one group
+    assert len(only["params"]) == len(old["params"]) + 1

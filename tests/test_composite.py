@@ -62,6 +62,31 @@ def test_later_parts_draft_only_for_sequences_the_earlier_ones_are_unsure_of():
     assert learned.seen[-1] == [9, 8]
 
 
+def test_the_gate_trusts_the_earlier_parts_only_as_far_as_they_come_true():
+    """A lookup that keeps claiming 0.8 for a first token the target never takes stops holding the learned part off
+    once its misses outweigh the claim; where it is right, the gate keeps trusting it (never above its scores)."""
+    from spyglass.verify import Accepted
+
+    def run(next_token: int) -> list[int]:
+        learned = ChainDrafter({9: 0.3}, tokens=(3,))
+        composite = CompositeDrafter([ChainDrafter({9: 0.8}), learned])  # first token 1, scored 0.8
+        seq = _seq(9)
+        composite.start(seq)
+        drafted = []
+        for _ in range(8):
+            n = len(learned.seen)
+            composite.propose([seq])
+            drafted.append(len(learned.seen) - n)
+            composite.commit(seq, Accepted([0], [next_token]))  # the target's next token, as verification says
+        composite.release(seq)
+        assert not composite._record and not composite._claims  # nothing kept past the sequence
+        return drafted
+
+    wrong = run(next_token=5)
+    assert wrong[0] == 0 and wrong[-1] == 1 and wrong == sorted(wrong)  # held off, then let in for good
+    assert run(next_token=1) == [0] * 8  # a lookup that comes true keeps the learned part off
+
+
 class LookupDrafter(ChainDrafter):
     model_free = True
 

@@ -3,8 +3,9 @@
 Copying from the context (suffix) and predicting what the model writes next (LongSpec) are right at different
 places: merged, each path keeps the best score any drafter gave it, and the engine's controller keeps the nodes
 that pay. A later part drafts for a sequence only while the earlier parts are unsure of its next token (their
-best first-level score below `confident`): where copying is likely right, the learned draft's few extra
-candidates rarely pay for its step-by-step drafting. Between the controller's probes only the model-free parts
+best first-level score below `confident`, discounted by how often their best first token has come true for the
+sequence): where copying is likely right, the learned draft's few extra candidates rarely pay for its
+step-by-step drafting. Between the controller's probes only the model-free parts
 propose (`seq.draft_free_only`): suffix lookups cost nothing, so they should never wait for the learned part to
 pay again. Sampling is verified by token matching (merged trees carry no single proposal distribution), which
 keeps the target's distribution exactly.
@@ -40,12 +41,24 @@ def merge_trees(trees: list[DraftTree], parts: list[int] | None = None) -> Draft
 
 def first_level_confidence(tree: DraftTree) -> float:
     """The best score among the root's children (0 for a root-only or unscored tree: no evidence)."""
+    return best_first(tree)[1]
+
+
+def best_first(tree: DraftTree) -> tuple[int, float]:
+    """The root's best-scored child's token and score ((-1, 0) for a root-only or unscored tree)."""
     if tree.scores is None:
-        return 0.0
-    return max((tree.scores[i] for i in range(1, len(tree)) if tree.parents[i] == 0), default=0.0)
+        return -1, 0.0
+    kids = [i for i in range(1, len(tree)) if tree.parents[i] == 0]
+    best = max(kids, key=lambda i: tree.scores[i], default=None)
+    return (-1, 0.0) if best is None else (int(tree.tokens[best]), tree.scores[best])
 
 
 class CompositeDrafter:
+    # The gate reads the earlier parts' scores as far as they come true for the sequence: their best first token
+    # against the target's next one, decayed by this much per step, scales the score the gate compares (a lookup
+    # that keeps claiming long matches where the output departs from the context stops holding the learned part off).
+    decay = 0.9
+
     def __init__(self, parts: list[Drafter], name: str = "composite", confident: float | None = 0.25) -> None:
         """`confident`: skip the later parts for a sequence whose earlier parts' best first token has at least this
         score (None: every part always drafts). 0.25: suffix lookups scored 0.25-0.5 are right often enough that
@@ -62,6 +75,8 @@ class CompositeDrafter:
         self.has_free_part = any(self.free_parts)
         layers = {i for p in parts for i in getattr(p, "hidden_layers", ())}
         self.hidden_layers = tuple(sorted(layers))
+        self._claims: dict[int, tuple[int, float]] = {}  # seq_id -> the gating parts' best first token, score
+        self._record: dict[int, list[float]] = {}  # seq_id -> decayed [right, claimed] (a neutral prior of 1, 1)
 
     def _each(self, seq: Sequence):
         """Run a part with its own per-sequence state swapped in."""
@@ -90,7 +105,10 @@ class CompositeDrafter:
         trees: list[list[DraftTree]] = [[] for _ in batch]
         drafted: list[list[int]] = [[] for _ in batch]  # which part drafted each of them
         for i, (part, free) in enumerate(zip(self.parts, self.free_parts, strict=True)):
-            rows = [j for j, s in enumerate(batch) if not self._sure(trees[j]) and (free or not s.draft_free_only)]
+            if i == len(self.parts) - 1:  # the gate's evidence: what the earlier parts claimed
+                for s, ts in zip(batch, trees, strict=True):
+                    self._claims[s.seq_id] = max(map(best_first, ts), key=lambda c: c[1], default=(-1, 0.0))
+            rows = [j for j, s in enumerate(batch) if not self._sure(s, trees[j]) and (free or not s.draft_free_only)]
             if not rows:
                 break
             for j in rows:
@@ -106,11 +124,21 @@ class CompositeDrafter:
             for s, ts, parts in zip(batch, trees, drafted, strict=True)
         ]
 
-    def _sure(self, trees: list[DraftTree]) -> bool:
-        """The parts so far give the next token at least `confident` odds (merging keeps each node's best score)."""
-        return self.confident is not None and max(map(first_level_confidence, trees), default=0.0) >= self.confident
+    def _sure(self, seq: Sequence, trees: list[DraftTree]) -> bool:
+        """The parts so far give the next token at least `confident` odds (merging keeps each node's best score),
+        their scores scaled by how far they have come true for this sequence."""
+        if self.confident is None:
+            return False
+        right, claimed = self._record.get(seq.seq_id, (1.0, 1.0))
+        trust = min(1.0, right / claimed)  # discounted where they overclaim, never raised
+        return max(map(first_level_confidence, trees), default=0.0) * trust >= self.confident
 
     def commit(self, seq: Sequence, accepted: Accepted) -> None:
+        token, score = self._claims.pop(seq.seq_id, (-1, 0.0))
+        if score > 0:
+            right, claimed = self._record.get(seq.seq_id, (1.0, 1.0))
+            hit = float(accepted.tokens[0] == token)
+            self._record[seq.seq_id] = [self.decay * right + hit, self.decay * claimed + score]
         for part in self._each(seq):
             part.commit(seq, accepted)
 
@@ -118,6 +146,8 @@ class CompositeDrafter:
         for part in self._each(seq):
             part.release(seq)
         seq.drafter_state = None
+        self._claims.pop(seq.seq_id, None)
+        self._record.pop(seq.seq_id, None)
 
     def state_bytes(self, seq: Sequence) -> int:
         total = 0

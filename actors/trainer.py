@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from actors.extraction import build_section
@@ -231,7 +232,10 @@ def param_groups(draft: torch.nn.Module, spec: TrainSpec) -> list[dict]:
     """The optimiser's parameter groups: the trainable weights, and those `init_from` lacks (a new input's zero
     projection on a trained draft) at `new_lr_scale` times the rate, so they catch up within one pass."""
     trainable = {n: p for n, p in draft.named_parameters() if p.requires_grad}
-    known = set(load_file(str(Path(spec.init_from) / "draft.safetensors"))) if spec.init_from else set(trainable)
+    known = set(trainable)
+    if spec.init_from:  # the checkpoint's names from its header (warm_start reads the weights)
+        with safe_open(str(Path(spec.init_from) / "draft.safetensors"), framework="pt") as f:
+            known = set(f.keys())
     groups = [{"params": [p for n, p in trainable.items() if n in known]}]
     if new := [trainable[n] for n in sorted(set(trainable) - known)]:
         groups.append({"params": new, "lr": spec.lr * spec.new_lr_scale})

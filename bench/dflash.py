@@ -33,6 +33,7 @@ import torch  # noqa: E402
 from bench.common import RESULTS_DIR, machine_load, median, plot_panels, wait_for_quiet, write_results  # noqa: E402
 from bench.tasks import HeldOutTask, heldout_tasks  # noqa: E402
 from spyglass.controller import measured_curve  # noqa: E402
+from spyglass.drafters import COMPOSITES  # noqa: E402
 from spyglass.drafters.composite import CompositeDrafter  # noqa: E402
 from spyglass.drafters.dels import load_local_head  # noqa: E402
 from spyglass.drafters.dflash import (  # noqa: E402
@@ -182,9 +183,10 @@ def main() -> None:
         "dflash": lambda: DFlashDrafter(draft),
         "dflash-dels": lambda: DFlashDrafter(draft, head),
         "suffix": SuffixDrafter,
-        # as `--method composite-dflash` builds it (spyglass.drafters.COMPOSITES), with this run's drafts
-        "composite-dflash": lambda: CompositeDrafter([SuffixDrafter(), DFlashDrafter(draft, head)], "composite-dflash"),
     }
+    # as `--method composite-dflash` builds it, from this run's drafts
+    parts = COMPOSITES["composite-dflash"]
+    makers["composite-dflash"] = lambda: CompositeDrafter([makers[m]() for m in parts], "composite-dflash")
     load_before = machine_load()
     greedy = SamplingParams(max_new_tokens=args.max_new_tokens)
     results: dict[str, dict] = {}

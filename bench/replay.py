@@ -319,7 +319,7 @@ def complement(tags: list[str], out: str | None = None) -> None:
                 nxt, tree = output[seq.num_generated], trees.get(seq.num_generated)
                 learned = tree is not None and len(tree["tokens"]) > 1 and tree["tokens"][1] == nxt
                 lookup = suffix.propose([seq])[0]
-                copied = any(int(lookup.tokens[i]) == nxt for i in range(1, len(lookup)) if lookup.parents[i] == 0)
+                copied = any(int(lookup.tokens[i]) == nxt for i in lookup.children()[0])
                 counts[
                     ("both" if copied else "learned_only") if learned else ("suffix_only" if copied else "neither")
                 ] += 1

@@ -105,10 +105,15 @@ class CompositeDrafter:
         trees: list[list[DraftTree]] = [[] for _ in batch]
         drafted: list[list[int]] = [[] for _ in batch]  # which part drafted each of them
         for i, (part, free) in enumerate(zip(self.parts, self.free_parts, strict=True)):
-            if i == len(self.parts) - 1:  # the gate's evidence: what the earlier parts claimed
-                for s, ts in zip(batch, trees, strict=True):
-                    self._claims[s.seq_id] = max(map(best_first, ts), key=lambda c: c[1], default=(-1, 0.0))
-            rows = [j for j, s in enumerate(batch) if not self._sure(s, trees[j]) and (free or not s.draft_free_only)]
+            # what the earlier parts claim for each sequence's next token: their best first token and its score
+            claims = [max(map(best_first, ts), key=lambda c: c[1], default=(-1, 0.0)) for ts in trees]
+            if i == len(self.parts) - 1:  # the gate's evidence, checked against the target in `commit`
+                self._claims.update((s.seq_id, c) for s, c in zip(batch, claims, strict=True))
+            rows = [
+                j
+                for j, (s, (_, score)) in enumerate(zip(batch, claims, strict=True))
+                if not self._sure(s, score) and (free or not s.draft_free_only)
+            ]
             if not rows:
                 break
             for j in rows:
@@ -124,14 +129,14 @@ class CompositeDrafter:
             for s, ts, parts in zip(batch, trees, drafted, strict=True)
         ]
 
-    def _sure(self, seq: Sequence, trees: list[DraftTree]) -> bool:
-        """The parts so far give the next token at least `confident` odds (merging keeps each node's best score),
-        their scores scaled by how far they have come true for this sequence."""
+    def _sure(self, seq: Sequence, score: float) -> bool:
+        """The parts so far give the next token at least `confident` odds (`score`: their best first token's; merging
+        keeps each node's best score), scaled by how far their claims have come true for this sequence."""
         if self.confident is None:
             return False
         right, claimed = self._record.get(seq.seq_id, (1.0, 1.0))
         trust = min(1.0, right / claimed)  # discounted where they overclaim, never raised
-        return max(map(first_level_confidence, trees), default=0.0) * trust >= self.confident
+        return score * trust >= self.confident
 
     def commit(self, seq: Sequence, accepted: Accepted) -> None:
         token, score = self._claims.pop(seq.seq_id, (-1, 0.0))

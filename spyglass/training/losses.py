@@ -138,7 +138,7 @@ class LongSpecLoss(nn.Module):
             one = ce
             if self.distill_weight > 0:
                 if soft is not None:
-                    kd = (soft_topk_ce(logp, soft[0].flatten(0, 1), soft[1].flatten(0, 1)) * pos_w).sum() / pos_w.sum()
+                    kd = _weighted_mean(soft_topk_ce(logp, soft[0].flatten(0, 1), soft[1].flatten(0, 1)), pos_w)
                 else:
                     kd = _weighted_nll(logp, target_top1.flatten(), pos_w)
                 one = (1 - self.distill_weight) * ce + self.distill_weight * kd
@@ -170,12 +170,14 @@ class LongSpecLoss(nn.Module):
         return loss, metrics
 
 
+def _weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    return (values * weights).sum() / weights.sum().clamp(min=1e-9)
+
+
 def _weighted_nll(logp: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Mean NLL over the rows with a label (-1: none), row i weighing `weights[i]` (plain mean for equal weights)."""
-    has = labels >= 0
     nll = -logp.gather(-1, labels.clamp(min=0)[:, None])[:, 0]
-    w = weights * has
-    return (nll * w).sum() / w.sum().clamp(min=1e-9)
+    return _weighted_mean(nll, weights * (labels >= 0))
 
 
 LOSSES = {"longspec": LongSpecLoss}

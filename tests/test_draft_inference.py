@@ -50,6 +50,7 @@ def make_draft(
     feed_own_hidden: bool = False,
     hidden_layers=None,
     prev_token: bool = False,
+    copy_head: bool = False,
 ) -> LongSpecDraft:
     torch.manual_seed(1)
     draft = LongSpecDraft.from_target(
@@ -60,9 +61,10 @@ def make_draft(
         feed_own_hidden=feed_own_hidden,
         hidden_layers=hidden_layers,
         prev_token=prev_token,
+        copy_head=copy_head,
     )  # init_std 0.2: non-flat logits
     # they start at zero (a draft without them); a trained one is not
-    for proj in ("hidden_proj", "own_proj", "extra_hidden_proj", "prev_proj"):
+    for proj in ("hidden_proj", "own_proj", "extra_hidden_proj", "prev_proj", "copy_gate"):
         if hasattr(draft, proj):
             torch.nn.init.normal_(getattr(draft, proj).weight, std=0.2)
     return draft.eval()
@@ -72,7 +74,10 @@ def training_logits(draft, tokens, k, v, lag: int, hidden: torch.Tensor | None =
     with torch.no_grad():
         positions = torch.arange(tokens.shape[0]).unsqueeze(0)
         h = None if hidden is None else hidden.unsqueeze(0)
-        return draft(tokens.unsqueeze(0), positions, k.unsqueeze(0), v.unsqueeze(0), lag=lag, target_h=h)[0]
+        out = draft(tokens.unsqueeze(0), positions, k.unsqueeze(0), v.unsqueeze(0), lag=lag, target_h=h)
+        if draft.cfg.copy_head:  # target-vocab log-probs: position j proposes the token after it
+            return draft.mix(out, torch.cat([tokens[1:], tokens[-1:]]))[0]
+        return out[0]
 
 
 def test_chain_equals_training_forward(target_and_kv):
@@ -126,7 +131,7 @@ def test_tree_hybrid_equals_reference(target_and_kv):
     assert not torch.allclose(*siblings)
 
 
-@pytest.mark.parametrize("inputs", ["kv-only", "feed-hidden", "own-hidden", "multi-layer", "prev-token"])
+@pytest.mark.parametrize("inputs", ["kv-only", "feed-hidden", "own-hidden", "multi-layer", "prev-token", "copy-head"])
 @pytest.mark.parametrize("window", [64, 16, 8])  # 16, 8: the context is longer than the window
 def test_serving_drafter_equals_training_forward_per_depth(target_and_kv, window, inputs):
     """The serving drafter (ring window + incremental per-depth steps over the live KVCache, and with
@@ -134,7 +139,8 @@ def test_serving_drafter_equals_training_forward_per_depth(target_and_kv, window
     `hidden_layers` - with `feed_own_hidden` also each node's parent's output) proposes, at every depth d, the
     training forward's argmax with lag d + 1, with the same probability. `prev-token`: the shipped draft's inputs
     (`feed_hidden`, `feed_own_hidden`) and each token's predecessor, in the ring (synced committed tokens, the
-    first one's predecessor from before the ring) and in the tree (a node's parent)."""
+    first one's predecessor from before the ring) and in the tree (a node's parent). `copy-head`: the shipped
+    draft's inputs and a copy head over the target's keys, each position proposing the token after it."""
     from spyglass.drafters.longspec import LongSpecDrafter
     from spyglass.sampling import SamplingParams
     from spyglass.sequence import Sequence
@@ -146,9 +152,10 @@ def test_serving_drafter_equals_training_forward_per_depth(target_and_kv, window
         target,
         window=window,
         feed_hidden=feed_hidden,
-        feed_own_hidden=inputs in ("own-hidden", "multi-layer", "prev-token"),
+        feed_own_hidden=inputs in ("own-hidden", "multi-layer", "prev-token", "copy-head"),
         hidden_layers=list(layers) if inputs == "multi-layer" else None,
         prev_token=inputs == "prev-token",
+        copy_head=inputs == "copy-head",
     )
     cache = target.new_cache(LENGTH + 8, 1)
     slot = cache.allocate()
@@ -186,6 +193,13 @@ def test_serving_drafter_equals_training_forward_per_depth(target_and_kv, window
             without = training_logits(plain, full, kk, vv, lag=d + 1, hidden=hh)[COMMITTED + d]
             with_prev = training_logits(draft, full, kk, vv, lag=d + 1, hidden=hh)[COMMITTED + d]
             assert not torch.allclose(without, with_prev, atol=1e-3), f"depth {d}: the predecessor is not read"
+    if inputs == "copy-head":  # the copies matter at every depth
+        plain = make_draft(target, window=window, feed_hidden=True, feed_own_hidden=True)
+        plain.load_state_dict({k: w for k, w in draft.state_dict().items() if not k.startswith("copy_")})
+        for d in range(4):
+            without = torch.log_softmax(training_logits(plain, full, kk, vv, lag=d + 1, hidden=hh)[COMMITTED + d], -1)
+            with_copy = training_logits(draft, full, kk, vv, lag=d + 1, hidden=hh)[COMMITTED + d]
+            assert not torch.allclose(without, with_copy, atol=1e-3), f"depth {d}: the copy head is not read"
     if inputs == "own-hidden":  # the recursion matters: without it depth 1 on would differ
         plain = make_draft(target, window=window, feed_hidden=True)
         plain.load_state_dict({k: w for k, w in draft.state_dict().items() if not k.startswith("own_")})

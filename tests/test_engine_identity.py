@@ -24,8 +24,9 @@ def drafters(target):
     yield "ngram", NgramDrafter(n_min=1, n_max=3, draft_len=6, max_candidates=3)
     yield "suffix", SuffixDrafter(max_depth=8, max_nodes=24)
     yield "small-lm", SmallLMDrafter(truncated_draft(target, 1), gamma=4, max_batch=4, max_context=512)
-    # reads the target's hidden state, from depth 1 on its parent node's output, and each token's predecessor
-    draft = layer_copy_draft(target, feed_hidden=True, feed_own_hidden=True, prev_token=True)
+    # reads the target's hidden state, from depth 1 on its parent node's output, and each token's predecessor, and
+    # copies from the context
+    draft = layer_copy_draft(target, feed_hidden=True, feed_own_hidden=True, prev_token=True, copy_head=True)
     yield "longspec", LongSpecDrafter(draft, gamma=4)
     yield "longspec-beam", LongSpecDrafter(layer_copy_draft(target), gamma=3, mode="beam", width=2)
     yield "longspec-cape", LongSpecDrafter(layer_copy_draft(target), gamma=4, mode="cape")

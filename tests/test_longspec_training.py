@@ -56,9 +56,10 @@ def test_soft_topk_ce_matches_hand_computation():
     lps = torch.tensor([[-0.5, -1.5, -0.1]])
     p = torch.softmax(torch.tensor([-0.5, -1.5]), -1)
     want = -(p[0] * logp[0, 3] + p[1] * logp[0, 1])
-    assert torch.allclose(soft_topk_ce(logp, ids, lps), want.view(1))
+    picked = logp.gather(-1, ids.clamp(min=0))
+    assert torch.allclose(soft_topk_ce(picked, ids >= 0, lps), want.view(1))
     # nothing scored: contributes zero rather than NaN
-    assert soft_topk_ce(logp, torch.tensor([[-1, -1, -1]]), lps).item() == 0.0
+    assert soft_topk_ce(picked, torch.zeros_like(ids, dtype=torch.bool), lps).item() == 0.0
 
 
 @pytest.mark.parametrize("own", [False, True], ids=["plain", "own-hidden"])
@@ -288,3 +289,62 @@ def test_weights_a_warm_start_lacks_learn_at_their_own_rate(tmp_path):
     assert "lr" not in old and len(old["params"]) + 1 == sum(p.requires_grad for p in draft.parameters())
     (only,) = param_groups(draft, TrainSpec(lr=1e-4))  # no warm start: one group
     assert len(only["params"]) == len(old["params"]) + 1
+
+
+def test_copy_head_loss_is_its_dense_mixture(tmp_path):
+    """The loss reads a copy-head draft's proposal sparsely (at the label and the target's top-k, per context); it
+    must give the log-probs and the argmax of the dense target-vocab mixture serving uses (`mix`), including
+    tokens the reduced head does not score."""
+    from spyglass.training.losses import proposal_argmax, proposal_logp
+
+    target = _target(tmp_path)
+    torch.manual_seed(0)
+    draft = LongSpecDraft.from_target(target, window=8, draft_vocab=64, copy_head=True, init_std=0.2)
+    draft.set_vocab(rank_vocab(_batch(target)["tokens"], 64, target.args.vocab_size))
+    torch.nn.init.normal_(draft.copy_gate.weight, std=0.5)
+    b = _batch(target, length=32)
+    tokens, kv = b["tokens"], b["kv.1"]
+    after = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)
+    ids = torch.cat([tokens[:, 1:].unsqueeze(-1), b["topk_ids"][:, :-1]], dim=-1)
+    rows = draft.full_to_draft_ids()[ids]
+    with torch.no_grad():
+        outs = draft(tokens, b["positions"], kv[:, 0], kv[:, 1], lag=(1, 2))
+    for i in range(2):
+        out = outs.select((i, slice(None), slice(None, -1)))
+        dense = draft.mix(out, after.unsqueeze(1))  # [B, L-1, V]
+        assert torch.allclose(dense.exp().sum(-1), torch.ones(dense.shape[:-1]), atol=1e-5)
+        want = dense.gather(-1, ids)
+        got = proposal_logp(out, ids, rows, after)
+        scored = rows >= 0
+        assert torch.allclose(got[scored], want[scored], atol=1e-5)
+        assert torch.equal(proposal_argmax(out, draft, after), dense.argmax(-1))
+        copied_only = dense.argmax(-1)[~torch.isin(dense.argmax(-1), draft.vocab_ids)]
+        assert copied_only.numel() > 0, "some first proposals are copies the reduced head could not make"
+
+
+def test_copy_head_learns_to_copy(tmp_path):
+    """Contexts that repeat a random phrase, with keys that identify their token (all at position 0: no RoPE to
+    undo): a draft with a copy head learns
+    to propose what followed the current token last time, on phrases it never saw; the same draft without one
+    only memorises its training phrases."""
+    target = _target(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    key_of = torch.randn(target.args.vocab_size, target.args.n_kv_heads, target.args.head_dim, generator=g)
+
+    def repeats(n: int) -> dict:
+        phrase = torch.stack([torch.randperm(target.args.vocab_size, generator=g)[:8] for _ in range(n)])
+        tokens = phrase.repeat(1, 4)  # [n, 32]
+        kv = torch.stack([key_of[tokens], key_of[tokens]], dim=1).permute(0, 1, 3, 2, 4)  # [n, 2, kvh, L, D]
+        after = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1).unsqueeze(-1)
+        return {"tokens": tokens, "positions": torch.zeros(n, 32, dtype=torch.long), "kv.1": kv, "topk_ids": after}
+
+    train, held_out = repeats(64), repeats(16)
+    loss_fn = LongSpecLoss(kv_layer=1, distill_weight=1.0, loss_from=12)
+    agreement = {}
+    for copy in (False, True):
+        torch.manual_seed(0)
+        draft = LongSpecDraft.from_target(target, window=4, copy_head=copy)
+        _fit_lag1(draft, loss_fn, train, steps=80)
+        with torch.no_grad():
+            agreement[copy] = float(loss_fn(draft, held_out, 1)[1]["top1_agreement"])
+    assert agreement[True] > 0.8 and agreement[False] < 0.3, agreement

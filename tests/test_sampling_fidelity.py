@@ -163,7 +163,9 @@ def test_first_three_tokens_match_plain_sampling(sampling_model, model, prompt, 
         "ngram": lambda: NgramDrafter(n_min=1, n_max=3, draft_len=3, max_candidates=4),
         "suffix": lambda: SuffixDrafter(max_depth=3, max_nodes=8, alpha=3.0),
         "small-lm": lambda: SmallLMDrafter(truncated_draft(model, 1), gamma=3, max_batch=500, max_context=64),
-        "longspec": lambda: LongSpecDrafter(layer_copy_draft(model, feed_hidden=True, feed_own_hidden=True), gamma=3),
+        "longspec": lambda: LongSpecDrafter(
+            layer_copy_draft(model, feed_hidden=True, feed_own_hidden=True, copy_head=True), gamma=3
+        ),
         "longspec-beam": lambda: LongSpecDrafter(layer_copy_draft(model), gamma=3, mode="beam", width=2),
         "longspec-cape": lambda: LongSpecDrafter(layer_copy_draft(model), gamma=3, mode="cape"),
         "glide": lambda: LongSpecDrafter(layer_copy_draft(model, feed_hidden=True, n_layers=2), gamma=3),

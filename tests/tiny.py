@@ -59,12 +59,13 @@ def layer_copy_draft(
     n_layers: int = 1,
     feed_own_hidden: bool = False,
     prev_token: bool = False,
+    copy_head: bool = False,
 ):
-    """A LongSpec draft whose block is the target's first layer (a GLIDE one, `n_layers`: the target's first
-    layers), with a small random cross-attention (and, with `feed_hidden` / `feed_own_hidden`, a small random read
-    of the target's hidden state / of the parent node's output): untrained, yet it agrees with the target often
-    (HF's random init leaves RMSNorm weights at 1, so skipping the final norm keeps the argmax), so lossless tests
-    exercise acceptance."""
+    """A LongSpec draft whose block is the target's first layer (a GLIDE one, `n_layers`: the target's first layers),
+    with a small random cross-attention (and, with `feed_hidden` / `feed_own_hidden`, a small random read of the
+    target's hidden state / of the parent node's output; with `copy_head`, a random copy gate): untrained, yet it agrees
+    with the target often (HF's random init leaves RMSNorm weights at 1, so skipping the final norm keeps the argmax),
+    so lossless tests exercise acceptance."""
     from torch import nn
 
     from spyglass.training.draft_models import LongSpecDraft
@@ -79,6 +80,7 @@ def layer_copy_draft(
         n_layers=n_layers,
         feed_own_hidden=feed_own_hidden,
         prev_token=prev_token,
+        copy_head=copy_head,
     )
     with torch.no_grad():
         for layer, source in zip(draft.layers, target.layers, strict=False):
@@ -91,6 +93,8 @@ def layer_copy_draft(
             nn.init.normal_(draft.own_proj.weight, std=cross_std)
         if prev_token:
             nn.init.normal_(draft.prev_proj.weight, std=cross_std)
+        if copy_head:
+            nn.init.normal_(draft.copy_gate.weight, std=0.1)
     return draft.eval()
 
 

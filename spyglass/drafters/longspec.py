@@ -183,12 +183,16 @@ class LongSpecDrafter:
         depth_cap = [requested_depth(s, self.gamma, self.cache.capacity) for s in batch]
         trees = [_Growing(int(s.root)) for s in batch]
         before_root = [int(s.tokens[c - 1]) if c else -1 for s, c in zip(batch, committed, strict=True)]
+        # a copy head's: the token after each committed one (views of the sequences' buffers, no copy)
+        after = [
+            s.tokens[1 : c + 1] if self.draft.cfg.copy_head else None for s, c in zip(batch, committed, strict=True)
+        ]
         frontier = [[0] if depth_cap[i] > 0 else [] for i in range(len(batch))]
         for depth in range(max(depth_cap, default=0)):
             rows = [(i, node) for i in range(len(batch)) for node in frontier[i]]
             if not rows:
                 break
-            logits = self._step(rows, trees, states, committed, targets, depth, before_root)
+            logits = self._step(rows, trees, states, committed, targets, depth, before_root, after)
             for i in range(len(batch)):
                 frontier[i] = []
             for r, (i, node) in enumerate(rows):
@@ -200,7 +204,7 @@ class LongSpecDrafter:
                     frontier[i] = sorted(frontier[i], key=lambda n, g=g: -g.scores[n])[: self.width]
         return [g.tree(s) for g, s in zip(trees, batch, strict=True)]
 
-    def _step(self, rows, trees, states, committed, targets, depth: int, before_root: list[int]) -> torch.Tensor:
+    def _step(self, rows, trees, states, committed, targets, depth: int, before_root: list[int], after) -> torch.Tensor:
         """The draft's logits (target vocabulary) at the frontier nodes of every sequence, in one draft_step."""
         tokens, prev, positions, self_groups, cross_groups = [], [], [], [], {}
         by_parent: dict[tuple[int, int], list[int]] = {}
@@ -218,7 +222,9 @@ class LongSpecDrafter:
             pk = torch.cat([w.k[:, :, keep], *(g.k[n] for n in path)], dim=2) if path else w.k[:, :, keep]
             pv = torch.cat([w.v[:, :, keep], *(g.v[n] for n in path)], dim=2) if path else w.v[:, :, keep]
             self_groups.append((rs, pk, pv))
-        crosses = [(rs, [k for k, _ in targets[i]], [v for _, v in targets[i]]) for i, rs in cross_groups.items()]
+        crosses = [
+            (rs, [k for k, _ in targets[i]], [v for _, v in targets[i]], after[i]) for i, rs in cross_groups.items()
+        ]
         hidden = torch.stack([states[i].hidden for i, _ in rows]) if self.hidden_layers else None
         own = None
         if self.draft.cfg.feed_own_hidden:  # each node reads its parent's output (the root: zeros)
@@ -236,7 +242,7 @@ class LongSpecDrafter:
         )
         for r, (i, node) in enumerate(rows):
             trees[i].k[node], trees[i].v[node], trees[i].out[node] = k[:, :, r : r + 1], v[:, :, r : r + 1], out[r]
-        return self.draft.to_full_vocab(logits)
+        return logits
 
     def _children(self, seq: Sequence, g: _Growing, node: int, logits: torch.Tensor, gen) -> list[int]:
         """Add the node's children to the tree; returns those to expand further."""

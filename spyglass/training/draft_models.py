@@ -48,6 +48,11 @@ class LongSpecDraftConfig:
     # Each token's input also carries the token before it (a projection of its embedding, zero-init): keys that
     # know their predecessor let one attention layer copy ("what followed the last time this token came").
     prev_token: bool = False
+    # A copy head (not in the LongSpec paper; a pointer network over the target's cache): per target KV head, a
+    # query from the draft's final hidden state attends over the target's last-layer keys, and position j proposes
+    # the token after it; a gate mixes that with the LM head. Copying is most of what the target does on long
+    # prompts, and one attention layer over token-embedding keys cannot express it.
+    copy_head: bool = False
     n_layers: int = 1  # GLIDE: N layers, layer m reading target layer L - N + m; LongSpec: one
     extra: dict = field(default_factory=dict)
 
@@ -102,6 +107,25 @@ def lagged_cross_mask(q_len: int, kv_len: int, lag: int, dtype: torch.dtype) -> 
     empty = ~ok.any(dim=1)
     ok = ok | empty.unsqueeze(1)  # keep softmax finite; those rows are zeroed afterwards
     return torch.zeros(q_len, kv_len, dtype=dtype).masked_fill(~ok, float("-inf")), empty
+
+
+@dataclass
+class CopyMix:
+    """A `copy_head` draft's output: its LM head's logits `[..., Vd]`, the log-weight `keep` `[...]` the gate gives
+    them, and the rest of the mass spread over the target's context positions, `attn` `[..., S]` (rows sum to
+    1 - exp(keep)): position j proposes the token after it."""
+
+    logits: torch.Tensor
+    keep: torch.Tensor
+    attn: torch.Tensor
+
+    def select(self, index) -> CopyMix:
+        """The same rows of each part (an index over the leading dimensions they share)."""
+        return CopyMix(self.logits[index], self.keep[index], self.attn[index])
+
+    @staticmethod
+    def stack(outs: list[CopyMix]) -> CopyMix:
+        return CopyMix(*(torch.stack([getattr(o, f) for o in outs]) for f in ("logits", "keep", "attn")))
 
 
 LAYER_PARTS = ("attn_norm", "wqkv", "wo", "cross_norm", "cross_q", "cross_o", "mlp_norm", "w_gate_up", "w_down")
@@ -201,6 +225,10 @@ class LongSpecDraft(nn.Module):
             self.own_proj = Linear(h, h, bias=False)
         if cfg.prev_token:
             self.prev_proj = Linear(h, h, bias=False)
+        if cfg.copy_head:
+            self.copy_norm = RMSNorm(h, cfg.rms_eps)
+            self.copy_q = Linear(h, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+            self.copy_gate = Linear(h, 1 + cfg.n_kv_heads)  # log-weights: the LM head, then each copy head
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=cfg.init_std)
@@ -215,6 +243,10 @@ class LongSpecDraft(nn.Module):
             nn.init.zeros_(self.own_proj.weight)
         if cfg.prev_token:
             nn.init.zeros_(self.prev_proj.weight)
+        if cfg.copy_head:  # a fifth of the mass copied, spread evenly: the ranking barely moves at first
+            nn.init.zeros_(self.copy_gate.weight)
+            with torch.no_grad():
+                self.copy_gate.bias.copy_(torch.tensor([0.0] + [-2.5] * cfg.n_kv_heads))
         # Frozen, shared with the target (not part of checkpoints).
         self.embed = embed
         self.full_head = lm_head
@@ -323,6 +355,35 @@ class LongSpecDraft(nn.Module):
             out = out + self.extra_hidden_proj(torch.cat(normed, dim=-1))
         return out
 
+    def copy_read(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The copy head over final hidden states `x` `[..., L, H]` and the target's last-layer post-RoPE keys
+        `[..., kvh, S, D]` (`visible` `[L, S]` bool, None = all): the head's log-weight `[..., L]` and the copy mass
+        per key position `[..., L, S]`. A row that sees no key keeps all its mass on the head."""
+        c = self.cfg
+        h = self.copy_norm(x)
+        q = apply_rope(self.copy_q(h).view(*h.shape[:-1], c.n_kv_heads, c.head_dim), cos, sin).transpose(-3, -2)
+        scores = q.float() @ keys.float().transpose(-1, -2) / math.sqrt(c.head_dim)  # [..., kvh, L, S]
+        gate = torch.log_softmax(self.copy_gate(h).float(), dim=-1)  # [..., L, 1 + kvh]
+        if visible is not None:
+            scores = scores.masked_fill(~visible, float("-inf"))
+            blind = ~visible.any(-1)  # [L]
+            gate = torch.where(blind.unsqueeze(-1), torch.tensor([0.0] + [float("-inf")] * c.n_kv_heads), gate)
+            scores = scores.masked_fill(blind.unsqueeze(-1), 0.0)
+        per_head = torch.softmax(scores, dim=-1) * gate[..., 1:].exp().transpose(-1, -2).unsqueeze(-1)
+        return gate[..., 0], per_head.sum(-3)
+
+    def mix(self, out: CopyMix | torch.Tensor, next_tokens: torch.Tensor | None) -> torch.Tensor:
+        """Target-vocab log-probs (`copy_head`) or logits (otherwise) `[..., V]` of the draft's proposal;
+        `next_tokens` `[..., S]` (broadcast over rows): the token after each context position."""
+        if not isinstance(out, CopyMix):
+            return self.to_full_vocab(out)
+        if next_tokens is None:
+            raise ValueError("a copy-head draft proposes context tokens: pass next_tokens")
+        p = torch.softmax(self.to_full_vocab(out.logits), -1) * out.keep.exp().unsqueeze(-1)
+        return p.scatter_add(-1, next_tokens.expand(out.attn.shape), out.attn).log()
+
     def inputs(self, tokens: torch.Tensor, prev: torch.Tensor | None) -> torch.Tensor:
         """The first layer's input: each token's embedding, plus (`prev_token`) the projected embedding of the
         token before it, `prev` (same shape; -1: none, as for position 0)."""
@@ -351,12 +412,12 @@ class LongSpecDraft(nn.Module):
         """tokens/positions `[B, L]`; target_k/v `[B, kvh, L, D]` (post-RoPE; a list, lowest first, for several
         layers); returns fp32 draft-head logits `[B, L, Vd]`, or `[len(lag), B, L, Vd]` for a tuple of lags (the
         first self-attention is shared between them); with `logits_from`, only positions from there on get
-        logits (the LM head is most of the cost). `target_h` `[B, L, n*H]`: the target's hidden states of the
-        `hidden_layers` side by side, for a `feed_hidden` draft; query t reads row t - lag (the newest one serving
-        has), nothing before the first. A `feed_own_hidden` draft's query t at lag l also reads its own final
-        hidden state at t - 1, lag l - 1. Every layer sees the target with the same lag (serving computes the
-        lower layers of committed tokens, which later queries attend to, at lag 1: GLIDE's approximation; exact
-        for one layer)."""
+        logits (the LM head is most of the cost); a `copy_head` draft returns a `CopyMix` of such shapes.
+        `target_h` `[B, L, n*H]`: the target's hidden states of the `hidden_layers` side by side, for a `feed_hidden`
+        draft; query t reads row t - lag (the newest one serving has), nothing before the first. A `feed_own_hidden`
+        draft's query t at lag l also reads its own final hidden state at t - 1, lag l - 1. Every layer sees the target
+        with the same lag (serving computes the lower layers of committed tokens, which later queries attend to, at lag
+        1: GLIDE's approximation; exact for one layer)."""
         c = self.cfg
         if c.feed_hidden and target_h is None:
             raise ValueError("this draft reads the target's hidden states: pass target_h")
@@ -365,6 +426,7 @@ class LongSpecDraft(nn.Module):
         n_rep = c.n_heads // c.n_kv_heads
         tks = [_repeat_kv(k.to(dtype), n_rep) for k in self._per_layer(target_k)]
         tvs = [_repeat_kv(v.to(dtype), n_rep) for v in self._per_layer(target_v)]
+        top_keys = self._per_layer(target_k)[-1]  # the copy head's
         cos, sin = self.rope(positions, dtype)
         mask = sliding_window_mask(length, c.window, dtype).to(tokens.device)
         scale = 1.0 / math.sqrt(c.head_dim)
@@ -403,7 +465,15 @@ class LongSpecDraft(nn.Module):
                 own, x = x.detach(), x[:, logits_from:]
             if one_lag in lags:
                 outs[one_lag] = self.head(x)
-        return torch.stack([outs[lg] for lg in lags]) if isinstance(lag, tuple) else outs[lag]
+                if c.copy_head:
+                    rows = torch.arange(logits_from, length, device=tokens.device).unsqueeze(1)
+                    visible = torch.arange(length, device=tokens.device).unsqueeze(0) <= rows - one_lag
+                    read = self.copy_read(x, cos[:, logits_from:], sin[:, logits_from:], top_keys, visible)
+                    outs[one_lag] = CopyMix(outs[one_lag], *read)
+        if not isinstance(lag, tuple):
+            return outs[lag]
+        stack = CopyMix.stack if c.copy_head else torch.stack
+        return stack([outs[lg] for lg in lags])
 
     # --- inference: the same layers over caches, through the hybrid tree attention ---------------------
 
@@ -493,9 +563,11 @@ class LongSpecDraft(nn.Module):
         backend: str = "auto",
         hidden: torch.Tensor | None = None,
         prev: torch.Tensor | None = None,
+        next_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """fp32 target-vocab logits `[n, vocab]` for n draft-tree tokens (tree_mask `[n, n]`, None = chain;
-        `prev`: each token's parent, the root's the last committed token, for a `prev_token` draft).
+        `prev`: each token's parent, the root's the last committed token, for a `prev_token` draft; `next_tokens`
+        `[C]`: the token after each committed one, for a `copy_head` draft, whose rows are log-probs).
 
         Self-attention: hybrid tree attention over the window cache (per layer: `window_kv` / `sync_kv` of the
         last committed tokens, all visible) plus the tree under its mask. Cross-attention: every node sees the
@@ -519,7 +591,10 @@ class LongSpecDraft(nn.Module):
             qc = layer.cross_query(x, cos, sin).transpose(0, 1)
             o = cross_attention(qc, tks[m].to(dtype), tvs[m].to(dtype), backend=backend)
             x = layer.mlp(x + layer.cross_o(o.transpose(0, 1).reshape(n, -1)))
-        return self.to_full_vocab(self.head(x))
+        out = self.head(x)
+        if c.copy_head:
+            out = CopyMix(out, *self.copy_read(x, cos, sin, tks[-1], None))
+        return self.mix(out, next_tokens)
 
     @torch.inference_mode()
     def draft_step(
@@ -536,19 +611,21 @@ class LongSpecDraft(nn.Module):
         """One incremental drafting step for M new tree nodes of several sequences at once: the matmuls run over
         all of them; attention runs per group. A self group `(rows, prefix_k, prefix_v)` is sibling nodes that
         see `prefix` (per layer: window + their ancestors' K/V, `[N, kvh, P, D]`) and each itself; a cross group
-        is the nodes of one sequence and the target's committed K/V of each draft layer's target layer (lists);
+        is the nodes of one sequence, the target's committed K/V of each draft layer's target layer (lists) and,
+        for a `copy_head` draft, the token after each committed one `[C]` (else None);
         `hidden` `[M, H]` (`feed_hidden`) the target's hidden state of each node's sequence's last committed
         token; `own` `[M, H]` (`feed_own_hidden`) each node's parent's final hidden state (zero for the root);
         `prev` `[M]` (`prev_token`) each node's parent token (the root's: the last committed token).
-        Returns draft-head logits `[M, Vd]`, the nodes' own K/V `[N, kvh, M, D]` (their descendants' prefix) and
-        their final hidden states `[M, H]` (their children's `own`)."""
+        Returns target-vocab logits `[M, V]` (log-probs for a `copy_head` draft), the nodes' own K/V
+        `[N, kvh, M, D]` (their descendants' prefix) and their final hidden states `[M, H]` (their children's
+        `own`)."""
         c, m_rows, dtype = self.cfg, tokens.shape[0], self.dtype
         cos, sin = self.rope(positions, dtype)
         selfs = [
             (torch.tensor(rows), pk, pv, None if len(rows) == 1 else torch.eye(len(rows), dtype=torch.bool))
             for rows, pk, pv in self_groups
         ]
-        crosses = [(torch.tensor(rows), tks, tvs) for rows, tks, tvs in cross_groups]
+        crosses = [(torch.tensor(rows), tks, tvs, after) for rows, tks, tvs, after in cross_groups]
         x = self.inputs(tokens, prev)
         ks, vs = [], []
         for m, layer in enumerate(self.layers):
@@ -565,12 +642,19 @@ class LongSpecDraft(nn.Module):
                 x = x + self.read_own(own)
             qc = layer.cross_query(x, cos, sin).transpose(0, 1)
             o = torch.empty_like(qc)
-            for idx, tks, tvs in crosses:
+            for idx, tks, tvs, _ in crosses:
                 o[:, idx] = cross_attention(qc[:, idx], tks[m].to(dtype), tvs[m].to(dtype), backend=backend)
             x = layer.mlp(x + layer.cross_o(o.transpose(0, 1).reshape(m_rows, -1)))
             ks.append(k)
             vs.append(v)
-        return self.head(x), torch.stack(ks), torch.stack(vs), x
+        head = self.head(x)
+        if not c.copy_head:
+            return self.to_full_vocab(head), torch.stack(ks), torch.stack(vs), x
+        logits = head.new_empty(m_rows, c.vocab_size)
+        for idx, tks, _, after in crosses:
+            read = self.copy_read(x[idx], cos[idx], sin[idx], tks[-1], None)
+            logits[idx] = self.mix(CopyMix(head[idx], *read), after)
+        return logits, torch.stack(ks), torch.stack(vs), x
 
 
 def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

@@ -8,15 +8,59 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from spyglass.training.draft_models import CopyMix
 
-def soft_topk_ce(logp: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of draft log-probs `[N, Vd]` against the target's top-k distribution (renormalised over
-    the ids the draft head scores; `topk_ids` already mapped to draft rows, -1 = not scored): KL to the
-    target's top-k up to a constant, per row `[N]`. Rows whose top-k the draft scores none of give 0."""
-    scored = topk_ids >= 0
+
+def soft_topk_ce(picked: torch.Tensor, scored: torch.Tensor, topk_logprobs: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the draft's log-probs at the target's top-k ids (`picked` `[N, K]`) against the target's
+    top-k distribution, renormalised over the ids the draft's head scores (`scored`): KL to the target's top-k up
+    to a constant, per row `[N]`. Rows whose top-k the draft scores none of give 0."""
     p = torch.softmax(topk_logprobs.masked_fill(~scored, float("-inf")), dim=-1).nan_to_num(0.0)
-    picked = logp.gather(-1, topk_ids.clamp(min=0))
     return -(p * picked.masked_fill(~scored, 0.0)).sum(-1)
+
+
+def _copy_mass(attn: torch.Tensor, next_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A copy head's mass `[L, S]` over context positions, gathered by the token each proposes (`next_tokens`
+    `[S]`): the distinct tokens `[U]` (sorted) and the mass on each, `[L, U]`."""
+    uniq, inv = torch.unique(next_tokens, return_inverse=True)
+    mass = attn.new_zeros(attn.shape[0], uniq.shape[0]).scatter_add_(1, inv.expand(attn.shape[0], -1), attn)
+    return uniq, mass
+
+
+def proposal_logp(out: torch.Tensor | CopyMix, ids: torch.Tensor, rows: torch.Tensor, next_tokens: torch.Tensor):
+    """The draft's log-probs `[B, L, K]` at target ids `ids` `[B, L, K]` whose head rows are `rows` (-1: the head
+    does not score it; only rows >= 0 are meaningful). A copy-head draft adds the mass its copy head puts on
+    context positions followed by the id (`next_tokens` `[B, S]`)."""
+    logits = out.logits if isinstance(out, CopyMix) else out
+    head = torch.log_softmax(logits.float(), dim=-1).gather(-1, rows.clamp(min=0))
+    if not isinstance(out, CopyMix):
+        return head
+    copied = []
+    for b in range(ids.shape[0]):
+        uniq, mass = _copy_mass(out.attn[b], next_tokens[b])
+        at = torch.searchsorted(uniq, ids[b].flatten(1).clamp(min=0)).clamp(max=uniq.shape[0] - 1)
+        copied.append(mass.gather(1, at) * (uniq[at] == ids[b].flatten(1)))
+    copy_p = torch.stack(copied).view_as(head)
+    return torch.logaddexp(out.keep.unsqueeze(-1) + head, copy_p.clamp_min(1e-30).log())
+
+
+@torch.no_grad()
+def proposal_argmax(out: torch.Tensor | CopyMix, draft: nn.Module, next_tokens: torch.Tensor) -> torch.Tensor:
+    """The target id `[B, L]` the draft proposes first (its argmax; a copy-head draft's over head and copies)."""
+    vocab_ids = draft.vocab_ids
+    if not isinstance(out, CopyMix):
+        return vocab_ids[out.argmax(-1)]
+    p_head = torch.softmax(out.logits.float(), -1) * out.keep.exp().unsqueeze(-1)
+    best_head_p, best_head = p_head.max(-1)
+    rows_of = draft.full_to_draft_ids()
+    picks = []
+    for b in range(p_head.shape[0]):
+        uniq, mass = _copy_mass(out.attn[b], next_tokens[b])
+        rows = rows_of[uniq]
+        mass = mass + p_head[b][:, rows.clamp(min=0)] * (rows >= 0)
+        best_copy_p, u = mass.max(-1)
+        picks.append(torch.where(best_copy_p > best_head_p[b], uniq[u], vocab_ids[best_head[b]]))
+    return torch.stack(picks)
 
 
 def copy_predictions(tokens: torch.Tensor, orders: tuple[int, ...] = (3, 2)) -> torch.Tensor:
@@ -117,36 +161,44 @@ class LongSpecLoss(nn.Module):
         lags = lag if isinstance(lag, tuple) else (lag,)
         lo = min(self.loss_from, tokens.shape[1] - 2)
         hidden = torch.cat([batch[f"hidden.{i}"] for i in self.hidden_layers], -1) if self.hidden_layers else None
-        # [nlags, B, L - lo, Vd]
+        # [nlags, B, L - lo, Vd] (a CopyMix of such for a copy-head draft)
         ks, vs = [kv[:, 0] for kv in kvs], [kv[:, 1] for kv in kvs]
-        logits = model(tokens, positions, ks, vs, lag=lags, logits_from=lo, target_h=hidden)
-        labels = self._draft_ids(model, tokens[:, lo + 1 :])
-        target_top1 = self._draft_ids(model, batch["topk_ids"][:, lo:-1, 0])
-        soft = None
-        if self.soft_distill:
-            soft = (self._draft_ids(model, batch["topk_ids"][:, lo:-1]), batch["topk_logprobs"][:, lo:-1].float())
-        copyable = copy_predictions(tokens)[:, lo:-1] == batch["topk_ids"][:, lo:-1, 0]
+        outs = model(tokens, positions, ks, vs, lag=lags, logits_from=lo, target_h=hidden)
+        draft = getattr(model, "module", model)
+        next_tokens = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)  # the token after each context position
+        labels = tokens[:, lo + 1 :]
+        label_rows = self._draft_ids(model, labels)
+        topk = batch["topk_ids"][:, lo:-1] if self.soft_distill else batch["topk_ids"][:, lo:-1, :1]
+        topk_rows = self._draft_ids(model, topk)
+        ids = torch.cat([labels.unsqueeze(-1), topk], dim=-1)
+        rows = torch.cat([label_rows.unsqueeze(-1), topk_rows], dim=-1)
+        target_top1 = batch["topk_ids"][:, lo:-1, 0]
+        copyable = copy_predictions(tokens)[:, lo:-1] == target_top1
         pos_w = (1.0 + (self.copy_weight - 1.0) * copyable.float()).flatten()
-        loss = logits.new_zeros(())
+        loss = outs.logits.new_zeros(()) if isinstance(outs, CopyMix) else outs.new_zeros(())
         metrics: dict[str, torch.Tensor] = {}
         ce_sum = agree_sum = acc_sum = copy_sum = 0.0
         weights = [self.lag_weights[lg - self.lag_min] for lg in lags]
-        for lg, w, lgt in zip(lags, weights, logits, strict=True):
-            pred = lgt[:, :-1]
-            logp = torch.log_softmax(pred.float(), dim=-1).flatten(0, 1)
-            ce = _weighted_nll(logp, labels.flatten(), pos_w)
+        for i, (lg, w) in enumerate(zip(lags, weights, strict=True)):
+            out = outs.select((i, slice(None), slice(None, -1))) if isinstance(outs, CopyMix) else outs[i, :, :-1]
+            picked = proposal_logp(out, ids, rows, next_tokens)  # [B, L', 1 + K]: the label, the target's top-k
+            ce = _weighted_nll(picked[..., 0].flatten(), label_rows.flatten(), pos_w)
             one = ce
             if self.distill_weight > 0:
-                if soft is not None:
-                    kd = _weighted_mean(soft_topk_ce(logp, soft[0].flatten(0, 1), soft[1].flatten(0, 1)), pos_w)
+                at_topk = picked[..., 1:].flatten(0, 1)
+                if self.soft_distill:
+                    kd_rows = soft_topk_ce(
+                        at_topk, topk_rows.flatten(0, 1) >= 0, batch["topk_logprobs"][:, lo:-1].float().flatten(0, 1)
+                    )
+                    kd = _weighted_mean(kd_rows, pos_w)
                 else:
-                    kd = _weighted_nll(logp, target_top1.flatten(), pos_w)
+                    kd = _weighted_nll(at_topk[:, 0], topk_rows.flatten(0, 1)[:, 0], pos_w)
                 one = (1 - self.distill_weight) * ce + self.distill_weight * kd
             loss = loss + w * one
             with torch.no_grad():
                 valid = torch.zeros_like(labels, dtype=torch.bool)
                 valid[:, max(0, lg - lo) :] = True  # queries t >= lag see target K/V; earlier ones still get a loss
-                argmax = pred.argmax(-1)
+                argmax = proposal_argmax(out, draft, next_tokens)
                 n = valid.sum().clamp(min=1)
                 agree = (((argmax == target_top1) & valid).sum().float() / n).detach()
                 ce_sum += float(ce)
@@ -174,10 +226,10 @@ def _weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (values * weights).sum() / weights.sum().clamp(min=1e-9)
 
 
-def _weighted_nll(logp: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Mean NLL over the rows with a label (-1: none), row i weighing `weights[i]` (plain mean for equal weights)."""
-    nll = -logp.gather(-1, labels.clamp(min=0)[:, None])[:, 0]
-    return _weighted_mean(nll, weights * (labels >= 0))
+def _weighted_nll(picked: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Mean NLL of the label log-probs `picked` `[N]` over the rows whose label the head scores (`rows` >= 0), row i
+    weighing `weights[i]` (a plain mean for equal weights)."""
+    return _weighted_mean(-picked, weights * (rows >= 0))
 
 
 LOSSES = {"longspec": LongSpecLoss}

@@ -57,6 +57,7 @@ class TrainSpec:
     lag_weights: list[float] | None = None
     copy_weight: float = 1.0  # positions where copying from the context gives the target's choice weigh this much
     new_lr_scale: float = 1.0  # the learning rate of weights `init_from` lacks (a new input's zero projection), x
+    fast_params: list[str] | None = None  # name prefixes also trained at `new_lr_scale` (a new part's second pass)
     loss_from: int = 0  # positions before this get no loss (their logits are not computed): cheaper steps
     diagnose: bool = False  # at each checkpoint: top-1 agreement with the target by lag on the eval split
     threads: int = 1
@@ -230,12 +231,13 @@ def build_loss(spec: TrainSpec, manifest: dict):
 
 def param_groups(draft: torch.nn.Module, spec: TrainSpec) -> list[dict]:
     """The optimiser's parameter groups: the trainable weights, and those `init_from` lacks (a new input's zero
-    projection on a trained draft) at `new_lr_scale` times the rate, so they catch up within one pass."""
+    projection on a trained draft) or `fast_params` names at `new_lr_scale` times the rate, so they catch up."""
     trainable = {n: p for n, p in draft.named_parameters() if p.requires_grad}
     known = set(trainable)
     if spec.init_from:  # the checkpoint's names from its header (warm_start reads the weights)
         with safe_open(str(Path(spec.init_from) / "draft.safetensors"), framework="pt") as f:
             known = set(f.keys())
+    known -= {n for n in known if n.startswith(tuple(spec.fast_params or ()))}
     groups = [{"params": [p for n, p in trainable.items() if n in known]}]
     if new := [trainable[n] for n in sorted(set(trainable) - known)]:
         groups.append({"params": new, "lr": spec.lr * spec.new_lr_scale})

@@ -289,6 +289,14 @@ def test_weights_a_warm_start_lacks_learn_at_their_own_rate(tmp_path):
     assert "lr" not in old and len(old["params"]) + 1 == sum(p.requires_grad for p in draft.parameters())
     (only,) = param_groups(draft, TrainSpec(lr=1e-4))  # no warm start: one group
     assert len(only["params"]) == len(old["params"]) + 1
+    # `fast_params`: a part the checkpoint has, named by prefix, keeps the higher rate (its second pass)
+    _, fast = param_groups(
+        draft, TrainSpec(lr=1e-4, new_lr_scale=20.0, init_from=str(ckpt), fast_params=["layers.0.wo."])
+    )
+    assert {id(p) for p in fast["params"]} == {
+        id(draft.prev_proj.weight),
+        *(id(layer.wo.weight) for layer in draft.layers),
+    }
 
 
 def test_copy_head_loss_is_its_dense_mixture(tmp_path):

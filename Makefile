@@ -87,8 +87,11 @@ train-longspec: setup
 	$(VENV)/bin/spyglass train configs/smollm2-longspec-v9-own.yaml --diagnose
 	$(VENV)/bin/spyglass train configs/smollm2-longspec-v10-layers.yaml --diagnose
 	$(VENV)/bin/spyglass train configs/smollm2-longspec-v12-preloop.yaml --diagnose
+	$(VENV)/bin/spyglass train configs/smollm2-longspec-v17-copyhead.yaml --diagnose
+	$(VENV)/bin/spyglass train configs/smollm2-longspec-v18-copyhead.yaml --diagnose
 	$(VENV)/bin/spyglass train configs/smollm2-glide.yaml --diagnose
-	$(PY) -m actors.export_draft .cache/runs/smollm2-longspec-v12-preloop spyglass/drafts/smollm2-135m-longspec
+	$(PY) -m actors.export_draft .cache/runs/smollm2-longspec-v12-preloop spyglass/drafts/smollm2-135m-longspec \
+		--train-dir train-v18-copyhead
 	$(PY) -m actors.export_draft .cache/runs/smollm2-longspec-v4 spyglass/drafts/smollm2-135m-glide --train-dir train-glide --bf16
 
 # Issue 9's training ablation: v8's run with one option changed per run (configs/ablation/; v8 is the control,

@@ -369,7 +369,7 @@ class LongSpecDraft(nn.Module):
         if visible is not None:
             scores = scores.masked_fill(~visible, float("-inf"))
             blind = ~visible.any(-1)  # [L]
-            gate = torch.where(blind.unsqueeze(-1), torch.tensor([0.0] + [float("-inf")] * c.n_kv_heads), gate)
+            gate = torch.where(blind.unsqueeze(-1), gate.new_tensor([0.0] + [float("-inf")] * c.n_kv_heads), gate)
             scores = scores.masked_fill(blind.unsqueeze(-1), 0.0)
         per_head = torch.softmax(scores, dim=-1) * gate[..., 1:].exp().transpose(-1, -2).unsqueeze(-1)
         return gate[..., 0], per_head.sum(-3)

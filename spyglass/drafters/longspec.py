@@ -10,7 +10,9 @@ layers below over each newly committed token (`sync_kv`, lag 1). A node at depth
 shows it.
 A `feed_hidden` draft also reads the target's last hidden state of the newest committed token (EAGLE's feature,
 handed over by the engine through `observe_hidden`): one vector per sequence, as stale as the K/V it reads. A
-`feed_own_hidden` draft's node also reads its parent's final draft hidden state (EAGLE's feature recursion).
+`feed_own_hidden` draft's node also reads its parent's final draft hidden state (EAGLE's feature recursion). A
+`copy_head` draft's proposal mixes its LM head with copies: its pointer over the target's last-layer keys makes each
+committed position propose the token after it (read from the sequence's own tokens, a view).
 
 Drafting is incremental and batched: one `draft_step` per depth for every sequence of the step, each node's
 own K/V kept for its descendants (nothing is re-run). Tree shapes:
@@ -204,7 +206,9 @@ class LongSpecDrafter:
                     frontier[i] = sorted(frontier[i], key=lambda n, g=g: -g.scores[n])[: self.width]
         return [g.tree(s) for g, s in zip(trees, batch, strict=True)]
 
-    def _step(self, rows, trees, states, committed, targets, depth: int, before_root: list[int], after) -> torch.Tensor:
+    def _step(
+        self, rows, trees, states, committed, targets, depth: int, before_root: list[int], after: list
+    ) -> torch.Tensor:
         """The draft's logits (target vocabulary) at the frontier nodes of every sequence, in one draft_step."""
         tokens, prev, positions, self_groups, cross_groups = [], [], [], [], {}
         by_parent: dict[tuple[int, int], list[int]] = {}

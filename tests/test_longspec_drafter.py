@@ -19,9 +19,10 @@ from tests.tiny import layer_copy_draft
 
 
 def test_memory_is_constant_in_the_context(tiny_target):
-    """The ring holds window - 1 tokens' K/V whatever the prompt length; it fills up, then stays."""
+    """The ring holds window - 1 tokens' K/V whatever the prompt length; it fills up, then stays (the copy head
+    reads the target's cache and the sequence's tokens in place: it keeps nothing)."""
     window = 16
-    drafter = LongSpecDrafter(layer_copy_draft(tiny_target, window=window), gamma=3)
+    drafter = LongSpecDrafter(layer_copy_draft(tiny_target, window=window, copy_head=True), gamma=3)
     engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=2, max_context=512))
     assert drafter.cache is engine.cache  # bound: cross-attention reads the live target cache in place
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)

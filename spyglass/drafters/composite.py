@@ -48,8 +48,7 @@ def best_first(tree: DraftTree) -> tuple[int, float]:
     """The root's best-scored child's token and score ((-1, 0) for a root-only or unscored tree)."""
     if tree.scores is None:
         return -1, 0.0
-    kids = [i for i in range(1, len(tree)) if tree.parents[i] == 0]
-    best = max(kids, key=lambda i: tree.scores[i], default=None)
+    best = max(tree.children()[0], key=lambda i: tree.scores[i], default=None)
     return (-1, 0.0) if best is None else (int(tree.tokens[best]), tree.scores[best])
 
 
@@ -75,8 +74,8 @@ class CompositeDrafter:
         self.has_free_part = any(self.free_parts)
         layers = {i for p in parts for i in getattr(p, "hidden_layers", ())}
         self.hidden_layers = tuple(sorted(layers))
-        self._claims: dict[int, tuple[int, float]] = {}  # seq_id -> the gating parts' best first token, score
-        self._record: dict[int, list[float]] = {}  # seq_id -> decayed [right, claimed] (a neutral prior of 1, 1)
+        self._claims: dict[str, tuple[int, float]] = {}  # seq_id -> the gating parts' best first token, score
+        self._record: dict[str, list[float]] = {}  # seq_id -> decayed [right, claimed] (a neutral prior of 1, 1)
 
     def _each(self, seq: Sequence):
         """Run a part with its own per-sequence state swapped in."""

@@ -381,8 +381,9 @@ class LongSpecDraft(nn.Module):
             return self.to_full_vocab(out)
         if next_tokens is None:
             raise ValueError("a copy-head draft proposes context tokens: pass next_tokens")
-        p = torch.softmax(self.to_full_vocab(out.logits), -1) * out.keep.exp().unsqueeze(-1)
-        return p.scatter_add(-1, next_tokens.expand(out.attn.shape), out.attn).log()
+        p = out.logits.new_zeros(*out.logits.shape[:-1], self.cfg.vocab_size)
+        p[..., self.vocab_ids] = torch.softmax(out.logits, -1) * out.keep.exp().unsqueeze(-1)  # the head's rows only
+        return p.scatter_add_(-1, next_tokens.expand(out.attn.shape), out.attn).log()
 
     def inputs(self, tokens: torch.Tensor, prev: torch.Tensor | None) -> torch.Tensor:
         """The first layer's input: each token's embedding, plus (`prev_token`) the projected embedding of the

@@ -45,18 +45,19 @@ def proposal_logp(out: torch.Tensor | CopyMix, ids: torch.Tensor, rows: torch.Te
 
 
 @torch.no_grad()
-def proposal_argmax(out: torch.Tensor | CopyMix, draft: nn.Module, next_tokens: torch.Tensor) -> torch.Tensor:
-    """The target id `[B, L]` the draft proposes first (its argmax; a copy-head draft's over head and copies)."""
-    vocab_ids = draft.vocab_ids
+def proposal_argmax(
+    out: torch.Tensor | CopyMix, vocab_ids: torch.Tensor, id_table: torch.Tensor, next_tokens: torch.Tensor
+) -> torch.Tensor:
+    """The target id `[B, L]` the draft proposes first (its argmax; a copy-head draft's over head and copies).
+    `vocab_ids`: the target id of each head row; `id_table`: each target id's head row (-1: not scored)."""
     if not isinstance(out, CopyMix):
         return vocab_ids[out.argmax(-1)]
     p_head = torch.softmax(out.logits.float(), -1) * out.keep.exp().unsqueeze(-1)
     best_head_p, best_head = p_head.max(-1)
-    rows_of = draft.full_to_draft_ids()
     picks = []
     for b in range(p_head.shape[0]):
         uniq, mass = _copy_mass(out.attn[b], next_tokens[b])
-        rows = rows_of[uniq]
+        rows = id_table[uniq]
         mass = mass + p_head[b][:, rows.clamp(min=0)] * (rows >= 0)
         best_copy_p, u = mass.max(-1)
         picks.append(torch.where(best_copy_p > best_head_p[b], uniq[u], vocab_ids[best_head[b]]))
@@ -145,13 +146,11 @@ class LongSpecLoss(nn.Module):
         g = torch.Generator().manual_seed(seed * 1_000_003 + step)
         return int(torch.randint(self.lag_min, self.lag_max + 1, (1,), generator=g))
 
-    def _draft_ids(self, model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        draft = getattr(model, "module", model)
-        if not draft.cfg.draft_vocab:
-            return ids
+    def _id_table(self, draft: nn.Module) -> torch.Tensor:
+        """`[vocab]`: each target id's row in the draft's head (-1: not scored), kept while the head's ids stay."""
         if self._id_map is None or not torch.equal(self._id_map_src, draft.vocab_ids):
             self._id_map, self._id_map_src = draft.full_to_draft_ids(), draft.vocab_ids.clone()
-        return self._id_map[ids]
+        return self._id_map
 
     def forward(
         self, model: nn.Module, batch: dict[str, torch.Tensor], lag: int | tuple[int, ...]
@@ -165,11 +164,12 @@ class LongSpecLoss(nn.Module):
         ks, vs = [kv[:, 0] for kv in kvs], [kv[:, 1] for kv in kvs]
         outs = model(tokens, positions, ks, vs, lag=lags, logits_from=lo, target_h=hidden)
         draft = getattr(model, "module", model)
+        id_table = self._id_table(draft)
         next_tokens = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)  # the token after each context position
         labels = tokens[:, lo + 1 :]
-        label_rows = self._draft_ids(model, labels)
+        label_rows = id_table[labels]
         topk = batch["topk_ids"][:, lo:-1] if self.soft_distill else batch["topk_ids"][:, lo:-1, :1]
-        topk_rows = self._draft_ids(model, topk)
+        topk_rows = id_table[topk]
         ids = torch.cat([labels.unsqueeze(-1), topk], dim=-1)
         rows = torch.cat([label_rows.unsqueeze(-1), topk_rows], dim=-1)
         target_top1 = batch["topk_ids"][:, lo:-1, 0]
@@ -198,7 +198,7 @@ class LongSpecLoss(nn.Module):
             with torch.no_grad():
                 valid = torch.zeros_like(labels, dtype=torch.bool)
                 valid[:, max(0, lg - lo) :] = True  # queries t >= lag see target K/V; earlier ones still get a loss
-                argmax = proposal_argmax(out, draft, next_tokens)
+                argmax = proposal_argmax(out, draft.vocab_ids, id_table, next_tokens)
                 n = valid.sum().clamp(min=1)
                 agree = (((argmax == target_top1) & valid).sum().float() / n).detach()
                 ce_sum += float(ce)

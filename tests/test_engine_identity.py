@@ -30,6 +30,9 @@ def drafters(target):
     yield "longspec", LongSpecDrafter(draft, gamma=4)
     yield "longspec-beam", LongSpecDrafter(layer_copy_draft(target), gamma=3, mode="beam", width=2)
     yield "longspec-cape", LongSpecDrafter(layer_copy_draft(target), gamma=4, mode="cape")
+    # a random copy head spreads its mass thinly: any mass at all makes a span here
+    span_draft = layer_copy_draft(target, copy_head=True)
+    yield "longspec-span", LongSpecDrafter(span_draft, gamma=3, span=6, span_mass=1e-6)
     yield "glide", LongSpecDrafter(layer_copy_draft(target, feed_hidden=True, n_layers=2), gamma=4)
     parts = [SuffixDrafter(max_depth=6), LongSpecDrafter(layer_copy_draft(target, feed_hidden=True), gamma=3)]
     yield "composite", CompositeDrafter(parts)
@@ -53,7 +56,7 @@ def llama_target(tiny_dir):
 # (DFlash reads the target's hidden states, so one DFlash variant runs on both: the tree, whose runner-ups get
 # something accepted from the briefly trained draft on the Qwen2 model, where its top-1 chain never is.)
 FAMILY_INDEPENDENT = {
-    "ngram", "suffix", "longspec-beam", "longspec-cape", "composite", "dflash", "dflash-dels", "composite-dflash",
+    "ngram", "suffix", "longspec-beam", "longspec-cape", "longspec-span", "composite", "dflash", "dflash-dels", "composite-dflash",
 }  # fmt: skip
 
 

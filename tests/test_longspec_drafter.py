@@ -144,3 +144,54 @@ def test_a_chain_in_a_composite_drafts_its_argmax_when_sampling(tiny_target):
     drawn = [alone.propose([seq])[0] for _ in range(8)]
     assert all(t.probs is not None for t in drawn)
     assert len({tuple(t.tokens.tolist()) for t in drawn}) > 1
+
+
+def test_a_span_follows_the_pointer_into_the_context(tiny_target):
+    """Where the copy head's mass for the drafted token sits on one committed position, the context's continuation
+    from there hangs below the node (as many tokens as there is room for), each scored as suffix lookup scores a
+    match of that length; mass below `span_mass`, or on positions proposing another token, adds nothing."""
+    from spyglass.drafters.longspec import SPANNED, _Growing
+    from spyglass.sequence import Sequence
+
+    drafter = LongSpecDrafter(layer_copy_draft(tiny_target, copy_head=True), gamma=3, span=4, span_mass=0.3)
+    phrase = [11, 12, 13, 14, 15, 16, 17]
+    seq = Sequence([5, 6, 9, 12, *phrase, 7, 8, 9], SamplingParams(max_new_tokens=4))
+    seq.append(12)  # the root: "9 12" came before at positions 2-3, then "11 12 13 ...": where 12 was followed by 11
+    c = seq.num_tokens - 1
+    after = seq.tokens[1 : c + 1]
+    mass = torch.zeros(c)
+    mass[5] = 0.5  # position 5 (token 12, inside the phrase) proposes its successor, 13
+    g = _Growing(int(seq.root))
+    node = g.add(0, 13, 0.6)
+    assert drafter._add_span(seq, g, node, mass, after, room=4)
+    assert g.tokens[2:] == [14, 15, 16, 17] and g.parents[2:] == [1, 2, 3, 4]
+    assert g.sources == [0, 1, SPANNED, SPANNED, SPANNED, SPANNED]
+    # "12" matched before 13 (the node itself makes the first match): 2 tokens, so 14 scores 0.6 * 2/3, then 3/4...
+    expected = [0.6 * 2 / 3]
+    for m in (3, 4, 5):
+        expected.append(expected[-1] * m / (m + 1))
+    assert g.scores[2:] == pytest.approx(expected)
+    tree = g.tree(seq)
+    assert tree.sources == g.sources and tree.max_depth == 5
+    # not enough mass on the position, or mass on a position that proposes a different token: no span
+    g = _Growing(int(seq.root))
+    node = g.add(0, 13, 0.6)
+    assert not drafter._add_span(seq, g, node, mass * 0.5, after, room=4)
+    assert not drafter._add_span(seq, g, g.add(0, 99, 0.5), mass, after, room=4)
+    # the span stops at the room left, and at the root (nothing after it is known)
+    g = _Growing(int(seq.root))
+    assert drafter._add_span(seq, g, g.add(0, 13, 0.6), mass, after, room=2) and g.tokens[2:] == [14, 15]
+    mass = torch.zeros(c)
+    mass[c - 3] = 1.0  # position c - 3 (token 7) proposes 8, then 9 and the root 12 follow
+    g = _Growing(int(seq.root))
+    assert drafter._add_span(seq, g, g.add(0, 8, 0.6), mass, after, room=4) and g.tokens[2:] == [9, 12]
+
+
+def test_span_options_are_checked(tiny_target):
+    with pytest.raises(ValueError, match="no copy head"):
+        LongSpecDrafter(layer_copy_draft(tiny_target), span=4)
+    with pytest.raises(ValueError, match="span must be"):
+        LongSpecDrafter(layer_copy_draft(tiny_target, copy_head=True), span=4, span_mass=0.0)
+    drafter = LongSpecDrafter(layer_copy_draft(tiny_target, copy_head=True), span=4)
+    assert drafter.name == "longspec-span" and drafter.drafts_chain and drafter.token_matched
+    assert not drafter.cost_by_depth  # a span costs no draft step: the controller prices whole steps

@@ -136,8 +136,8 @@ def sample_joint(
 
 
 METHODS = [
-    "ar", "ngram", "suffix", "small-lm", "longspec", "longspec-beam", "longspec-cape", "composite", "tokenswift",
-    "streaming", "dflash", "dflash-dels", "composite-dflash",
+    "ar", "ngram", "suffix", "small-lm", "longspec", "longspec-beam", "longspec-cape", "longspec-span", "composite",
+    "tokenswift", "streaming", "dflash", "dflash-dels", "composite-dflash",
 ]  # fmt: skip
 # Drafters whose trees run with the controller off, so every node (chain and alternatives) is verified: at batch
 # 500 the controller rightly prunes a tiny draft's unscored sampled chains (streaming) or low-scored blocks (DFlash)
@@ -168,6 +168,9 @@ def test_first_three_tokens_match_plain_sampling(sampling_model, model, prompt, 
         ),
         "longspec-beam": lambda: LongSpecDrafter(layer_copy_draft(model), gamma=3, mode="beam", width=2),
         "longspec-cape": lambda: LongSpecDrafter(layer_copy_draft(model), gamma=3, mode="cape"),
+        "longspec-span": lambda: LongSpecDrafter(
+            layer_copy_draft(model, copy_head=True), gamma=3, span=3, span_mass=1e-6
+        ),
         "glide": lambda: LongSpecDrafter(layer_copy_draft(model, feed_hidden=True, n_layers=2), gamma=3),
         "composite": lambda: CompositeDrafter(
             [

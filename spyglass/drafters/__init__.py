@@ -12,6 +12,7 @@ METHODS = (
     "longspec",
     "longspec-beam",
     "longspec-cape",
+    "longspec-span",
     "glide",
     "glide-cape",
     "composite",
@@ -53,13 +54,15 @@ def build_drafter(method: str, target, *, max_batch: int = 4, max_context: int =
             for m in COMPOSITES[method]
         ]
         return CompositeDrafter(parts, name=method)
-    if method in ("longspec", "longspec-beam", "longspec-cape", "glide", "glide-cape"):
-        from spyglass.drafters.longspec import SHIPPED, SHIPPED_GLIDE, LongSpecDrafter, load_longspec_draft
+    if method in ("longspec", "longspec-beam", "longspec-cape", "longspec-span", "glide", "glide-cape"):
+        from spyglass.drafters.longspec import SHIPPED, SHIPPED_GLIDE, SPAN, LongSpecDrafter, load_longspec_draft
 
         family, _, mode = method.partition("-")
         shipped = SHIPPED if family == "longspec" else SHIPPED_GLIDE  # used when no checkpoint is given
         draft = load_longspec_draft(options.get("draft_checkpoint"), target, shipped)
-        return LongSpecDrafter(draft, gamma=options.get("gamma") or 5, mode=mode or "chain")
+        span = SPAN if mode == "span" else 0  # a chain whose copied tokens bring their context's continuation
+        mode = "chain" if mode in ("", "span") else mode
+        return LongSpecDrafter(draft, gamma=options.get("gamma") or 5, mode=mode, span=span)
     if method in ("dflash", "dflash-dels"):
         from spyglass.drafters.dflash import build_dflash_drafter
 

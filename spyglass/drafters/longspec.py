@@ -12,7 +12,11 @@ A `feed_hidden` draft also reads the target's last hidden state of the newest co
 handed over by the engine through `observe_hidden`): one vector per sequence, as stale as the K/V it reads. A
 `feed_own_hidden` draft's node also reads its parent's final draft hidden state (EAGLE's feature recursion). A
 `copy_head` draft's proposal mixes its LM head with copies: its pointer over the target's last-layer keys makes each
-committed position propose the token after it (read from the sequence's own tokens, a view).
+committed position propose the token after it (read from the sequence's own tokens, a view). With `span`, a node
+whose token the pointer read from one place (at least `span_mass` of the mass there) gets the tokens that followed
+that place as a chain of children, `span` long at most, for no further draft step: where the output copies its
+context, one draft step finds the source and the context supplies the rest (what n-gram lookup guesses from the
+last few tokens, the pointer reads from the target's keys).
 
 Drafting is incremental and batched: one `draft_step` per depth for every sequence of the step, each node's
 own K/V kept for its descendants (nothing is re-run). Tree shapes:
@@ -20,10 +24,12 @@ own K/V kept for its descendants (nothing is re-run). Tree shapes:
 - `beam`: LongSpec's dynamic beam: at each depth the `width` best children by cumulative draft probability;
 - `cape`: the greedy chain plus, at each chain node, extra candidates whose number grows as the draft's
   confidence falls (CAPE's bins over floor(10 * p_top1)), verified in the same pass.
+A node that gets a span is not drafted further (its span continues it).
 Every node carries its cumulative draft probability as its score; the engine's controller decides how much of
 the tree pays on this machine. Sampling: a chain is drawn from the draft's processed distribution and carries
-it for rejection sampling; beam and CAPE trees (the draft's top candidates), and a chain merged into a composite's
-tree (`token_matched`: its argmax), are verified by token matching. Both keep the target's distribution exactly.
+it for rejection sampling; beam and CAPE trees (the draft's top candidates), trees with spans, and a chain merged
+into a composite's tree (`token_matched`: its argmax), are verified by token matching. Both keep the target's
+distribution exactly.
 """
 
 from __future__ import annotations
@@ -49,6 +55,9 @@ SHIPPED_GLIDE = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-g
 CAPE_BINS = (8, 8, 8, 6, 6, 6, 4, 4, 2, 2, 2)  # extra candidates by floor(10 * p_top1) (GPU default)
 CAPE_BINS_CPU = (3, 3, 3, 2, 2, 2, 1, 1, 1, 0, 0)  # on CPU every node costs verify time: fewer
 MODES = ("chain", "beam", "cape")
+SPAN = 8  # `longspec-span`'s longest copied continuation (the controller keeps what pays of it)
+MATCH_LOOKBACK = 32  # how far back a span's source is compared with the text before the node
+DRAFTED, SPANNED = 1, 2  # node sources: the controller calibrates the draft's and the spans' scores apart
 
 
 @dataclass
@@ -112,6 +121,8 @@ class LongSpecDrafter:
         mode: str = "chain",
         width: int = 3,
         cape_bins: tuple[int, ...] | None = None,
+        span: int = 0,
+        span_mass: float = 0.1,
     ) -> None:
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
@@ -119,13 +130,21 @@ class LongSpecDrafter:
             raise ValueError(f"unknown LongSpec tree mode {mode!r}; choose from {', '.join(MODES)}")
         if width < 1:
             raise ValueError(f"width must be >= 1, got {width}")
+        if span < 0 or not 0 < span_mass <= 1:
+            raise ValueError(f"span must be >= 0 and span_mass in (0, 1], got {span}, {span_mass}")
+        if span and not draft.cfg.copy_head:
+            raise ValueError("spans follow the copy head's pointer: this draft has no copy head")
         if cape_bins is None:  # the paper's bins on a GPU; on CPU each extra node costs verify time
             cape_bins = CAPE_BINS if draft.layers[0].wqkv.weight.is_cuda else CAPE_BINS_CPU
         self.draft, self.gamma, self.mode, self.width, self.cape_bins = draft, gamma, mode, width, cape_bins
+        self.span, self.span_mass = span, span_mass
+        if span:  # a tree, verified by token matching (so the argmax, not a sample), priced per step: draft steps
+            self.token_matched, self.cost_by_depth = True, False  # stop where a span starts, so depth is no measure
         self.ring = draft.cfg.window - 1  # + the token being drafted from = the training window
         self.cache: KVCache | None = None
         family = "longspec" if draft.cfg.n_layers == 1 else "glide"
         self.name = family if mode == "chain" else f"{family}-{mode}"
+        self.name += "-span" if span else ""
         # the target layers whose outputs the engine hands to observe_hidden
         self.hidden_layers = tuple(draft.cfg.hidden_layers or [-1]) if draft.cfg.feed_hidden else ()
         self._pending: dict[int, torch.Tensor] = {}  # prefill's hidden state, until start()
@@ -194,11 +213,14 @@ class LongSpecDrafter:
             rows = [(i, node) for i in range(len(batch)) for node in frontier[i]]
             if not rows:
                 break
-            logits = self._step(rows, trees, states, committed, targets, depth, before_root, after)
+            logits, mass = self._step(rows, trees, states, committed, targets, depth, before_root, after)
             for i in range(len(batch)):
                 frontier[i] = []
             for r, (i, node) in enumerate(rows):
                 kids = self._children(batch[i], trees[i], node, logits[r], states[i].generator)
+                if self.span:  # a node continued by its span is not drafted further
+                    room = requested_depth(batch[i], depth + 1 + self.span, self.cache.capacity) - depth - 1
+                    kids = [k for k in kids if not self._add_span(batch[i], trees[i], k, mass[r], after[i], room)]
                 if depth + 1 < depth_cap[i]:
                     frontier[i].extend(kids)
             if self.mode == "beam":  # keep the `width` best new nodes per sequence
@@ -208,8 +230,9 @@ class LongSpecDrafter:
 
     def _step(
         self, rows, trees, states, committed, targets, depth: int, before_root: list[int], after: list
-    ) -> torch.Tensor:
-        """The draft's logits (target vocabulary) at the frontier nodes of every sequence, in one draft_step."""
+    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """The draft's logits (target vocabulary) at the frontier nodes of every sequence, in one draft_step, and
+        (copy head) each node's copy mass over its sequence's committed positions."""
         tokens, prev, positions, self_groups, cross_groups = [], [], [], [], {}
         by_parent: dict[tuple[int, int], list[int]] = {}
         for r, (i, node) in enumerate(rows):
@@ -234,7 +257,7 @@ class LongSpecDrafter:
         if self.draft.cfg.feed_own_hidden:  # each node reads its parent's output (the root: zeros)
             zero = torch.zeros(self.draft.cfg.hidden_size, dtype=self.draft.dtype)
             own = torch.stack([trees[i].out.get(trees[i].parents[node], zero) for i, node in rows])
-        logits, k, v, out = self.draft.draft_step(
+        logits, k, v, out, mass = self.draft.draft_step(
             torch.tensor(tokens),
             torch.tensor(positions),
             self_groups,
@@ -246,7 +269,31 @@ class LongSpecDrafter:
         )
         for r, (i, node) in enumerate(rows):
             trees[i].k[node], trees[i].v[node], trees[i].out[node] = k[:, :, r : r + 1], v[:, :, r : r + 1], out[r]
-        return logits
+        return logits, mass
+
+    def _add_span(
+        self, seq: Sequence, g: _Growing, node: int, mass: torch.Tensor, after: torch.Tensor, room: int
+    ) -> bool:
+        """Hang the context's continuation (at most `room` tokens) below `node` if its token came from one committed
+        position (the one proposing it with the most copy mass, at least `span_mass`); True if a span was added."""
+        tok = g.tokens[node]
+        at = torch.where(after == tok, mass, 0.0)
+        j = int(at.argmax())
+        if float(at[j]) < self.span_mass:
+            return False
+        # position j proposed tokens[j + 1] == tok; what followed it, up to the root (tokens[len(after)])
+        continuation = seq.tokens[j + 2 : min(j + 2 + room, len(after) + 1)].tolist()
+        # Each span token is scored as suffix lookup scores a match of that length (m / (m + 1)): how far the text
+        # before the node agrees with the text before the source, plus the span tokens before it.
+        c = len(after)
+        before = (seq.tokens[max(0, c + 1 - MATCH_LOOKBACK) : c + 1].tolist() + g.tokens_to(node)[:-1])[::-1]
+        source = seq.tokens[max(0, j + 1 - MATCH_LOOKBACK) : j + 1].tolist()[::-1]
+        n = min(len(source), len(before))
+        match = 1 + next((m for m in range(n) if source[m] != before[m]), n)
+        for t in continuation:
+            node = g.add(node, t, g.scores[node] * match / (match + 1), source=SPANNED)
+            match += 1
+        return bool(continuation)
 
     def _children(self, seq: Sequence, g: _Growing, node: int, logits: torch.Tensor, gen) -> list[int]:
         """Add the node's children to the tree; returns those to expand further."""
@@ -289,12 +336,14 @@ class _Growing:
     def __init__(self, root: int) -> None:
         self.tokens, self.parents, self.scores = [root], [-1], [1.0]
         self.dists: list[torch.Tensor | None] = [None]
+        self.sources = [0]
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
         self.out: dict[int, torch.Tensor] = {}
 
-    def add(self, parent: int, tok: int, score: float, dist: torch.Tensor | None = None) -> int:
+    def add(self, parent: int, tok: int, score: float, dist: torch.Tensor | None = None, source: int = DRAFTED) -> int:
         self.tokens.append(tok)
+        self.sources.append(source)
         self.parents.append(parent)
         self.scores.append(score)
         self.dists.append(dist)
@@ -318,4 +367,5 @@ class _Growing:
             chain = all(p == i - 1 for i, p in enumerate(self.parents))
             if chain:
                 probs = torch.stack([torch.zeros_like(self.dists[1]), *self.dists[1:]])
-        return DraftTree(torch.tensor(self.tokens), self.parents, probs, list(self.scores))
+        sources = self.sources if SPANNED in self.sources else None  # the draft's nodes alone need no tags
+        return DraftTree(torch.tensor(self.tokens), self.parents, probs, list(self.scores), sources)

@@ -608,7 +608,7 @@ class LongSpecDraft(nn.Module):
         hidden: torch.Tensor | None = None,
         own: torch.Tensor | None = None,
         prev: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor] | None]:
         """One incremental drafting step for M new tree nodes of several sequences at once: the matmuls run over
         all of them; attention runs per group. A self group `(rows, prefix_k, prefix_v)` is sibling nodes that
         see `prefix` (per layer: window + their ancestors' K/V, `[N, kvh, P, D]`) and each itself; a cross group
@@ -618,8 +618,9 @@ class LongSpecDraft(nn.Module):
         token; `own` `[M, H]` (`feed_own_hidden`) each node's parent's final hidden state (zero for the root);
         `prev` `[M]` (`prev_token`) each node's parent token (the root's: the last committed token).
         Returns target-vocab logits `[M, V]` (log-probs for a `copy_head` draft), the nodes' own K/V
-        `[N, kvh, M, D]` (their descendants' prefix) and their final hidden states `[M, H]` (their children's
-        `own`)."""
+        `[N, kvh, M, D]` (their descendants' prefix), their final hidden states `[M, H]` (their children's
+        `own`) and, for a `copy_head` draft, each node's copy mass per committed position (`[C]` per row; else
+        None): where its pointer reads, for drafting the context's continuation."""
         c, m_rows, dtype = self.cfg, tokens.shape[0], self.dtype
         cos, sin = self.rope(positions, dtype)
         selfs = [
@@ -650,12 +651,15 @@ class LongSpecDraft(nn.Module):
             vs.append(v)
         head = self.head(x)
         if not c.copy_head:
-            return self.to_full_vocab(head), torch.stack(ks), torch.stack(vs), x
+            return self.to_full_vocab(head), torch.stack(ks), torch.stack(vs), x, None
         logits = head.new_empty(m_rows, c.vocab_size)
+        mass: list[torch.Tensor] = [head] * m_rows  # every row is replaced below
         for idx, tks, _, after in crosses:
-            read = self.copy_read(x[idx], cos[idx], sin[idx], tks[-1], None)
-            logits[idx] = self.mix(CopyMix(head[idx], *read), after)
-        return logits, torch.stack(ks), torch.stack(vs), x
+            read = CopyMix(head[idx], *self.copy_read(x[idx], cos[idx], sin[idx], tks[-1], None))
+            logits[idx] = self.mix(read, after)
+            for r, row in zip(idx.tolist(), read.attn, strict=True):
+                mass[r] = row
+        return logits, torch.stack(ks), torch.stack(vs), x, mass
 
 
 def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

@@ -30,8 +30,8 @@ from spyglass.sampling import SamplingParams  # noqa: E402
 from spyglass.training import repo_relative  # noqa: E402
 
 METHODS = (
-    "ngram", "suffix", "longspec", "longspec-beam", "longspec-cape", "glide", "glide-cape", "composite",
-    "composite-dflash",
+    "ngram", "suffix", "longspec", "longspec-span", "longspec-beam", "longspec-cape", "glide", "glide-cape",
+    "composite", "composite-dflash",
 )  # fmt: skip
 
 
@@ -106,10 +106,10 @@ def main() -> None:
             figures[f"tau_{kind}_t1{tag}"] = by_kind(t1_results, t1_tasks, m, "tau").get(kind)
             figures[f"speedup_{kind}_t1{tag}"] = by_kind(t1_results, t1_tasks, m, "speedup").get(kind)
     figures["identical_t0_all"] = all(r["identical"] for row in t0_results.values() for r in row.values())
-    for m in ("longspec", "glide"):
+    for m in ("longspec", "longspec-span", "glide"):
         if m in methods:
             rows = [t0_results[t.name][m]["acceptance_by_depth"] for t in tasks]
-            figures[f"acceptance_by_depth_{m}"] = [
+            figures[f"acceptance_by_depth_{m.replace('-', '_')}"] = [
                 round(median([r[d] for r in rows]), 3) for d in range(min(len(r) for r in rows))
             ]
     for ctx in (1024, 8000):

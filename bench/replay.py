@@ -52,7 +52,7 @@ from spyglass.controller import CostCurve, SpeculationController, controller_for
 from spyglass.drafters.base import StatelessDrafter  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
 from spyglass.sequence import Sequence  # noqa: E402
-from spyglass.tree import DraftTree  # noqa: E402
+from spyglass.tree import SPAN_SOURCE, DraftTree  # noqa: E402
 from spyglass.verify import Accepted, walk  # noqa: E402
 
 DEV_CODE = ["inspect.py", "_pyio.py", "profile.py"]  # eval split, not in bench/tasks.py's CODE_FILES
@@ -105,14 +105,16 @@ class RecordingDrafter:
         ms = 1e3 * (time.perf_counter() - t0) / len(batch)
         for seq, t in zip(batch, trees, strict=True):
             self.trees[seq.num_generated] = {"tokens": t.tokens.tolist(), "parents": t.parents,
-                                             "scores": t.scores, "ms": ms}  # fmt: skip
+                                             "scores": t.scores, "sources": t.sources, "ms": ms}  # fmt: skip
         return [DraftTree.root_only(seq.root) for seq in batch]
 
 
 class ReplayedDrafter(StatelessDrafter):
     """Proposes the recorded tree of each position, cut to the depth the controller asks for (`max_depth` caps
     it for fixed-depth policies; `chain_only` drops the nodes off the first chain). Drafting costs `draft_s`
-    per drafted depth (`cost_by_depth`, a drafter that runs once per depth) or per step."""
+    per drafted depth (`cost_by_depth`, a drafter that runs once per depth) or per step. A chain ending in a span
+    (LongSpec's, `SPAN_SOURCE` nodes) is cut where the drafter would stop drafting (the span follows whatever the
+    controller asked) and costs `draft_s` per drafted node: spans take no draft step."""
 
     def __init__(
         self,
@@ -128,18 +130,31 @@ class ReplayedDrafter(StatelessDrafter):
         self.spent = 0.0  # modelled drafting seconds of the trees proposed since the caller last reset it
 
     def seconds(self, tree: DraftTree) -> float:
+        if tree.sources is not None:
+            return self.draft_s * sum(1 for s in tree.sources[1:] if s != SPAN_SOURCE)
         return self.draft_s * (tree.max_depth if self.cost_by_depth else 1)
 
     def propose(self, batch: list[Sequence]) -> list[DraftTree]:
         out = []
         for seq in batch:
             r = self.trees[seq.num_generated]
-            tree = DraftTree(torch.tensor(r["tokens"]), r["parents"], None, r["scores"])
+            tree = DraftTree(torch.tensor(r["tokens"]), r["parents"], None, r["scores"], r.get("sources"))
             if self.chain_only:
                 n = next((i for i, p in enumerate(tree.parents[1:], start=1) if p != i - 1), len(tree))
                 tree = tree.subtree(list(range(n)))
             depth = min(d for d in (seq.draft_depth, self.max_depth, tree.max_depth) if d is not None)
-            out.append(tree.subtree([i for i, d in enumerate(tree.depths) if d <= depth]))
+            spans = tree.sources is not None and self.max_depth is None
+            if spans:  # a chain: the drafted nodes up to the asked depth, and a span below the last of them
+                drafted = [i for i, s in enumerate(tree.sources) if s != SPAN_SOURCE]
+                last = drafted[min(depth, len(drafted) - 1)]
+                kept = {0}
+                for i in range(1, len(tree)):
+                    if tree.parents[i] in kept and (i <= last or tree.sources[i] == SPAN_SOURCE):
+                        kept.add(i)
+                keep = sorted(kept)
+            else:
+                keep = [i for i, d in enumerate(tree.depths) if d <= depth]
+            out.append(tree.subtree(keep))
             self.spent += self.seconds(out[-1])
         return out
 

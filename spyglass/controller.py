@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from spyglass.sequence import Sequence
-from spyglass.tree import DraftTree
+from spyglass.tree import SPAN_SOURCE, DraftTree
 from spyglass.verify import Accepted
 
 PRIOR_CONDITIONAL = 0.6  # a node's chance given its parent, for drafters that give no scores
@@ -382,12 +382,15 @@ class SpeculationController:
 class _ChainControl:
     # per depth: [decayed acceptances, decayed trials] of a drafted token whose parent was accepted
     accepted: list[list[float]] = field(default_factory=list)
+    # [decayed acceptances, decayed predicted] of span nodes (copied from the context, scored per step)
+    span: list[float] = field(default_factory=lambda: [0.0, 0.0])
     # drafted tokens not verified, scored once committed: (index in seq.tokens of the token before them, their
-    # tokens, the depth of the first)
-    pending: list[tuple[int, list[int], int]] = field(default_factory=list)
+    # tokens, the depth of the first, their span conditionals (None: a drafted token))
+    pending: list[tuple[int, list[int], int, list[float | None]]] = field(default_factory=list)
     deepest: int = 0  # the deepest chain the drafter has proposed
     verified: int = 0  # the depth verified at this step
-    rest: tuple[int, list[int], int] | None = None  # this step's unverified drafted tokens, pending after observe
+    rest: tuple | None = None  # this step's unverified drafted tokens (as `pending`), pending after observe
+    conds: list[float | None] = field(default_factory=list)  # this step's span conditionals by depth
     drafted: int = 0  # drafted steps so far (every `explore`-th drafts one depth deeper)
     plain_streak: int = 0
     draft_s: float = 0.0  # drafting time (per depth with `cost_by_depth`), decayed mean
@@ -410,6 +413,11 @@ class ChainDepthController(SpeculationController):
     verification would have said; under sampling an under-count, so a sampled sequence's probes verify their first
     token). D depends on the sequence's history only, so a sampled chain keeps the distribution the verifier
     assumes.
+
+    A chain may end in a span copied from the context (`DraftTree.sources` == SPAN_SOURCE, LongSpec's `span`):
+    those nodes cost no drafting and are right or wrong by how far the copy's source matches, which their scores
+    tell step by step (suffix lookup's estimate), so they enter the sum with their own conditional, calibrated by
+    how the sequence's spans have fared (token-matched chains only: a sampled chain's sizing stays history-only).
     """
 
     explore = 8
@@ -422,7 +430,13 @@ class ChainDepthController(SpeculationController):
             seq.control = _ChainControl()
         return seq.control
 
-    def _count(self, st: _ChainControl, depth: int, hit: bool) -> None:
+    def _count(self, st: _ChainControl, depth: int, hit: bool, span: float | None = None) -> None:
+        """A verdict on a drafted token at `depth` (`span`: a span token's conditional, counted for its calibration
+        instead)."""
+        if span is not None:
+            st.span[0] = self.profile_decay * st.span[0] + float(hit)
+            st.span[1] = self.profile_decay * st.span[1] + span
+            return
         while len(st.accepted) < depth:
             st.accepted.append([self.prior, 1.0])
         ev = st.accepted[depth - 1]
@@ -433,23 +447,39 @@ class ChainDepthController(SpeculationController):
         """Score the unverified drafted tokens whose places the target has committed since."""
         last = seq.num_tokens - 1  # the root is the target's choice too
         still = []
-        for before, chain, first in st.pending:
+        for before, chain, first, conds in st.pending:
             if before + len(chain) > last:
-                still.append((before, chain, first))
+                still.append((before, chain, first, conds))
                 continue
             committed = seq.tokens[before + 1 : before + 1 + len(chain)].tolist()
-            for d, (drafted, actual) in enumerate(zip(chain, committed, strict=True), start=first):
-                self._count(st, d, drafted == actual)
+            for d, (drafted, actual, c) in enumerate(zip(chain, committed, conds, strict=True), start=first):
+                self._count(st, d, drafted == actual, c)
                 if drafted != actual:
                     break
         st.pending = still
 
-    def _best_depth(self, st: _ChainControl, context: int, batch: int, limit: int) -> int:
+    @staticmethod
+    def _span_conditionals(tree: DraftTree) -> list[float | None]:
+        """Per depth of a chain, a span node's conditional from its score (None: a drafted node, or no spans)."""
+        if tree.sources is None or tree.scores is None or tree.probs is not None:
+            return [None] * tree.max_depth
+        s = tree.scores
+        return [min(1.0, s[i] / s[i - 1]) if tree.sources[i] == SPAN_SOURCE and s[i - 1] > 0 else None
+                for i in range(1, len(tree))]  # fmt: skip
+
+    def _best_depth(
+        self, st: _ChainControl, context: int, batch: int, limit: int, conds: list[float | None] | None = None
+    ) -> int:
+        """`conds`: span nodes' conditionals by depth (calibrated here by the sequence's spans so far)."""
         best, best_rate = 0, 1.0 / self._cost(1, context, batch)
         gain = p = 1.0
+        calibration = (st.span[0] + PSEUDO_COUNT) / (st.span[1] + PSEUDO_COUNT)
         for d in range(1, limit + 1):
-            hits, trials = st.accepted[d - 1] if d <= len(st.accepted) else (self.prior, 1.0)
-            p *= hits / trials
+            if conds and conds[d - 1] is not None:
+                p *= min(1.0, conds[d - 1] * calibration)
+            else:
+                hits, trials = st.accepted[d - 1] if d <= len(st.accepted) else (self.prior, 1.0)
+                p *= hits / trials
             gain += p
             rate = gain / (self._cost(d + 1, context, batch) + (d if self.cost_by_depth else 1) * st.draft_s)
             if rate > best_rate:
@@ -480,7 +510,8 @@ class ChainDepthController(SpeculationController):
         stats = seq.stats.control
         stats.proposed_nodes += len(tree) - 1
         st.deepest = max(st.deepest, tree.max_depth)
-        st.verified = min(tree.max_depth, self._best_depth(st, seq.committed, batch, tree.max_depth))
+        st.conds = self._span_conditionals(tree)
+        st.verified = min(tree.max_depth, self._best_depth(st, seq.committed, batch, tree.max_depth, st.conds))
         probe = st.verified == 0 and st.plain_streak >= self.probe
         if probe and not seq.params.greedy:
             # A sampled token matches the one the target then samples less often than rejection sampling would
@@ -489,7 +520,7 @@ class ChainDepthController(SpeculationController):
             st.verified = min(1, tree.max_depth)
         if tree.max_depth > st.verified:  # the unverified rest, scored once committed
             rest = [int(t) for t, d in zip(tree.tokens.tolist(), tree.depths, strict=True) if d > st.verified]
-            st.rest = (seq.num_tokens - 1 + st.verified, rest, st.verified + 1)
+            st.rest = (seq.num_tokens - 1 + st.verified, rest, st.verified + 1, st.conds[st.verified :])
         if probe:
             stats.probe_steps += 1
         if st.verified == 0:
@@ -510,7 +541,7 @@ class ChainDepthController(SpeculationController):
         st = self._state(seq)
         a = accepted.num_drafted_accepted
         for d in range(1, min(a + 1, st.verified) + 1):
-            self._count(st, d, d <= a)
+            self._count(st, d, d <= a, st.conds[d - 1])
         if st.rest is not None and a == st.verified:
             st.pending.append(st.rest)
         st.verified, st.rest = 0, None

@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+# `DraftTree.sources` of a chain's nodes copied from the context after a drafted token (LongSpec's spans; the
+# drafted nodes are 1): the chain controller sizes them by their own scores
+SPAN_SOURCE = 2
+
 
 @dataclass
 class DraftTree:

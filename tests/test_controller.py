@@ -472,3 +472,35 @@ def test_only_chain_drafters_get_the_profile_controller(tiny_target):
         assert type(engine.controller) is SpeculationController
     finally:
         SpeculationController.chain_profile = True
+
+
+def test_a_chain_ending_in_a_span_is_sized_by_the_spans_scores():
+    """LongSpec's span nodes (SPAN_SOURCE) enter the chain's sizing with their own conditionals: a long, confident
+    span is verified past the depth the drafted profile alone would pay for; spans that keep failing lose the
+    controller's trust (their calibration), and the same chain without span tags is sized by the profile alone."""
+    from spyglass.tree import SPAN_SOURCE
+
+    ctl = ChainDepthController(CostCurve.linear(1.0, 0.1))
+    seq = Sequence(_prompt(), SamplingParams(max_new_tokens=400))
+    seq.append(7)
+
+    def chain(spanned: bool) -> DraftTree:
+        scores = [1.0, 0.5] + [0.5 * 0.95**k for k in range(1, 7)]
+        sources = [0, 1] + [SPAN_SOURCE if spanned else 1] * 6
+        return DraftTree(
+            torch.tensor([seq.root, 11, 12, 13, 14, 15, 16, 17]), list(range(-1, 7)), None, scores, sources
+        )
+
+    assert ctl.wants_draft(seq)  # first step: no profile yet
+    ctl._state(seq).deepest = 7
+    assert ctl.size(seq, chain(spanned=False), batch=1).max_depth == 2  # the profile's prior (0.4) pays for 2
+    ctl._state(seq).verified = 0
+    assert ctl.size(seq, chain(spanned=True), batch=1).max_depth == 7
+    # spans that fail right after the drafted token: their calibration falls and the verified chain shortens
+    depths = []
+    for _ in range(30):
+        kept = ctl.size(seq, chain(spanned=True), batch=1)
+        depths.append(kept.max_depth)
+        ctl.observe(seq, kept, Accepted([0, 1], [11, 99]))
+    assert depths[0] == 7 and depths[-1] <= 2
+    assert ctl._state(seq).span[0] < 0.2 * ctl._state(seq).span[1]

@@ -56,7 +56,8 @@ def llama_target(tiny_dir):
 # (DFlash reads the target's hidden states, so one DFlash variant runs on both: the tree, whose runner-ups get
 # something accepted from the briefly trained draft on the Qwen2 model, where its top-1 chain never is.)
 FAMILY_INDEPENDENT = {
-    "ngram", "suffix", "longspec-beam", "longspec-cape", "longspec-span", "composite", "dflash", "dflash-dels", "composite-dflash",
+    "ngram", "suffix", "longspec-beam", "longspec-cape", "longspec-span", "composite", "dflash", "dflash-dels",
+    "composite-dflash",
 }  # fmt: skip
 
 

@@ -150,8 +150,9 @@ def test_a_span_follows_the_pointer_into_the_context(tiny_target):
     """Where the copy head's mass for the drafted token sits on one committed position, the context's continuation
     from there hangs below the node (as many tokens as there is room for), each scored as suffix lookup scores a
     match of that length; mass below `span_mass`, or on positions proposing another token, adds nothing."""
-    from spyglass.drafters.longspec import SPANNED, _Growing
+    from spyglass.drafters.longspec import _Growing
     from spyglass.sequence import Sequence
+    from spyglass.tree import SPAN_SOURCE
 
     drafter = LongSpecDrafter(layer_copy_draft(tiny_target, copy_head=True), gamma=3, span=4, span_mass=0.3)
     phrase = [11, 12, 13, 14, 15, 16, 17]
@@ -165,7 +166,7 @@ def test_a_span_follows_the_pointer_into_the_context(tiny_target):
     node = g.add(0, 13, 0.6)
     assert drafter._add_span(seq, g, node, mass, after, room=4)
     assert g.tokens[2:] == [14, 15, 16, 17] and g.parents[2:] == [1, 2, 3, 4]
-    assert g.sources == [0, 1, SPANNED, SPANNED, SPANNED, SPANNED]
+    assert g.sources == [0, 1, SPAN_SOURCE, SPAN_SOURCE, SPAN_SOURCE, SPAN_SOURCE]
     # "12" matched before 13 (the node itself makes the first match): 2 tokens, so 14 scores 0.6 * 2/3, then 3/4...
     expected = [0.6 * 2 / 3]
     for m in (3, 4, 5):

@@ -23,7 +23,7 @@ MAX_CONTEXT = 2048
 GATEWAY_MAX_QUEUED = 2
 MAX_BATCH = 4
 # the first is the default; every drafter family is served here (dflash differs from dflash-dels only in the head)
-SERVED_METHODS = ["ngram", "ar", "suffix", "longspec", "longspec-cape", "glide", "composite"]
+SERVED_METHODS = ["ngram", "ar", "suffix", "longspec", "longspec-span", "longspec-cape", "glide", "composite"]
 SERVED_METHODS += ["dflash-dels", "composite-dflash", "tokenswift", "streaming"]
 PROMPTS = [
     "List the days of the week, one per line.",

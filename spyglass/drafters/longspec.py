@@ -47,7 +47,7 @@ from spyglass.models.linear import set_linear_backend
 from spyglass.models.llama import Transformer
 from spyglass.sequence import Sequence
 from spyglass.training.draft_models import LongSpecDraft
-from spyglass.tree import DraftTree
+from spyglass.tree import SPAN_SOURCE, DraftTree
 from spyglass.verify import Accepted
 
 SHIPPED = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-longspec"
@@ -57,7 +57,7 @@ CAPE_BINS_CPU = (3, 3, 3, 2, 2, 2, 1, 1, 1, 0, 0)  # on CPU every node costs ver
 MODES = ("chain", "beam", "cape")
 SPAN = 8  # `longspec-span`'s longest copied continuation (the controller keeps what pays of it)
 MATCH_LOOKBACK = 32  # how far back a span's source is compared with the text before the node
-DRAFTED, SPANNED = 1, 2  # node sources: the controller calibrates the draft's and the spans' scores apart
+DRAFTED = 1  # the draft's nodes' source; spans' are SPAN_SOURCE (the chain controller scores them step by step)
 
 
 @dataclass
@@ -219,7 +219,8 @@ class LongSpecDrafter:
             for r, (i, node) in enumerate(rows):
                 kids = self._children(batch[i], trees[i], node, logits[r], states[i].generator)
                 if self.span:  # a node continued by its span is not drafted further
-                    room = requested_depth(batch[i], depth + 1 + self.span, self.cache.capacity) - depth - 1
+                    # spans cost no draft step: as long as `span` whatever depth the controller asked for
+                    room = min(self.span, self.cache.capacity - batch[i].num_tokens - depth - 1)
                     kids = [k for k in kids if not self._add_span(batch[i], trees[i], k, mass[r], after[i], room)]
                 if depth + 1 < depth_cap[i]:
                     frontier[i].extend(kids)
@@ -291,7 +292,7 @@ class LongSpecDrafter:
         n = min(len(source), len(before))
         match = 1 + next((m for m in range(n) if source[m] != before[m]), n)
         for t in continuation:
-            node = g.add(node, t, g.scores[node] * match / (match + 1), source=SPANNED)
+            node = g.add(node, t, g.scores[node] * match / (match + 1), source=SPAN_SOURCE)
             match += 1
         return bool(continuation)
 
@@ -367,5 +368,5 @@ class _Growing:
             chain = all(p == i - 1 for i, p in enumerate(self.parents))
             if chain:
                 probs = torch.stack([torch.zeros_like(self.dists[1]), *self.dists[1:]])
-        sources = self.sources if SPANNED in self.sources else None  # the draft's nodes alone need no tags
+        sources = self.sources if SPAN_SOURCE in self.sources else None  # the draft's nodes alone need no tags
         return DraftTree(torch.tensor(self.tokens), self.parents, probs, list(self.scores), sources)

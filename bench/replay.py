@@ -112,9 +112,10 @@ class RecordingDrafter:
 class ReplayedDrafter(StatelessDrafter):
     """Proposes the recorded tree of each position, cut to the depth the controller asks for (`max_depth` caps
     it for fixed-depth policies; `chain_only` drops the nodes off the first chain). Drafting costs `draft_s`
-    per drafted depth (`cost_by_depth`, a drafter that runs once per depth) or per step. A chain ending in a span
-    (LongSpec's, `SPAN_SOURCE` nodes) is cut where the drafter would stop drafting (the span follows whatever the
-    controller asked) and costs `draft_s` per drafted node: spans take no draft step."""
+    per drafted depth (`cost_by_depth`, a drafter that runs once per depth) or per step. A `spans` drafter's chain
+    (LongSpec's `span`: drafted tokens, then maybe a span of `SPAN_SOURCE` nodes) is cut after the drafted depth the
+    controller asked for (the span below follows whatever it asked) and costs `draft_s` per drafted token: spans
+    take no draft step."""
 
     def __init__(
         self,
@@ -124,14 +125,16 @@ class ReplayedDrafter(StatelessDrafter):
         cost_by_depth: bool = True,
         drafts_chain: bool = True,
         chain_only: bool = False,
+        spans: bool = False,
     ) -> None:
         self.trees, self.draft_s, self.max_depth, self.chain_only = trees, draft_s, max_depth, chain_only
+        self.spans = spans
         self.cost_by_depth, self.drafts_chain = cost_by_depth, drafts_chain
         self.spent = 0.0  # modelled drafting seconds of the trees proposed since the caller last reset it
 
     def seconds(self, tree: DraftTree) -> float:
-        if tree.sources is not None:
-            return self.draft_s * sum(1 for s in tree.sources[1:] if s != SPAN_SOURCE)
+        if self.spans:
+            return self.draft_s * sum(1 for s in (tree.sources or [0] * len(tree))[1:] if s != SPAN_SOURCE)
         return self.draft_s * (tree.max_depth if self.cost_by_depth else 1)
 
     def propose(self, batch: list[Sequence]) -> list[DraftTree]:
@@ -143,8 +146,8 @@ class ReplayedDrafter(StatelessDrafter):
                 n = next((i for i, p in enumerate(tree.parents[1:], start=1) if p != i - 1), len(tree))
                 tree = tree.subtree(list(range(n)))
             depth = min(d for d in (seq.draft_depth, self.max_depth, tree.max_depth) if d is not None)
-            spans = tree.sources is not None and self.max_depth is None
-            if spans:  # a chain: the drafted nodes up to the asked depth, and a span below the last of them
+            if self.spans and tree.sources is not None and self.max_depth is None:
+                # a chain: the drafted nodes up to the asked depth, and a span below the last of them
                 drafted = [i for i, s in enumerate(tree.sources) if s != SPAN_SOURCE]
                 last = drafted[min(depth, len(drafted) - 1)]
                 kept = {0}
@@ -226,12 +229,12 @@ def load_curve(results: str | None) -> CostCurve | None:
     return CostCurve(**json.loads(Path(results).read_text())["meta"]["cost_curves"][0])
 
 
-def load_recording(tag: str, curve_from: str | None) -> tuple[dict, CostCurve, bool, bool]:
-    """A `record-drafts` recording, the cost curve to replay it with, and whether its drafter costs per depth and
-    drafts chains."""
+def load_recording(tag: str, curve_from: str | None) -> tuple[dict, CostCurve, bool, bool, bool]:
+    """A `record-drafts` recording, the cost curve to replay it with, and whether its drafter costs per depth,
+    drafts chains and ends them in spans."""
     data = json.loads(drafts_path(tag).read_text())
     curve = load_curve(curve_from) or CostCurve(**data["curve"])
-    return data, curve, data.get("cost_by_depth", True), data.get("drafts_chain", True)
+    return data, curve, data.get("cost_by_depth", True), data.get("drafts_chain", True), data.get("spans", False)
 
 
 def record_drafts(method: str, tag: str, checkpoint: str | None, max_new_tokens: int, threads: int) -> None:
@@ -245,7 +248,8 @@ def record_drafts(method: str, tag: str, checkpoint: str | None, max_new_tokens:
     out = {"method": method, "checkpoint": checkpoint, "tasks": [],
            "curve": measured_curve(target, engine.cache).to_dict(),
            "cost_by_depth": getattr(drafter.inner, "cost_by_depth", False),
-           "drafts_chain": getattr(drafter.inner, "drafts_chain", False)}  # fmt: skip
+           "drafts_chain": getattr(drafter.inner, "drafts_chain", False),
+           "spans": bool(getattr(drafter.inner, "span", 0))}  # fmt: skip
     for t in tasks:
         drafter.trees = {}
         (seq,) = engine.run([t.prompt_ids], SamplingParams(max_new_tokens=max_new_tokens))
@@ -260,7 +264,7 @@ def policies(tag: str, curve_from: str | None, draft_ms: float, max_depth: int, 
     """Speculation policies over the recorded trees, by modelled decode speedup: the controller as the engine
     builds it, per-step sizing from the draft's scores, a tree drafter's first chain alone sized by its acceptance
     profile, and every fixed depth of the first chain."""
-    data, curve, by_depth, chain = load_recording(tag, curve_from)
+    data, curve, by_depth, chain, spans = load_recording(tag, curve_from)
     # name -> (controller, fixed depth, first chain only, SpeculationController rules changed from the defaults)
     per_step = {"chain_profile": False}
     variants = {
@@ -277,7 +281,9 @@ def policies(tag: str, curve_from: str | None, draft_ms: float, max_depth: int, 
         rows[t["name"]] = {}
         for name, (control, depth, chain_only, rules) in variants.items():
             with controller_rules(rules):
-                drafter = ReplayedDrafter(trees, draft_ms / 1e3, depth, by_depth, chain or chain_only, chain_only)
+                drafter = ReplayedDrafter(
+                    trees, draft_ms / 1e3, depth, by_depth, chain or chain_only, chain_only, spans
+                )
                 rows[t["name"]][name] = replay(drafter, t["prompt"], t["output"], curve, controller=control)
         _print_row(t["name"], rows[t["name"]])
     meta = {"what": f"speculation policies replayed over {tag}'s recorded trees (modelled, not timed)",
@@ -293,7 +299,7 @@ def composite_policies(tag: str, curve_from: str | None, draft_ms: float, out: s
     from spyglass.drafters.composite import CompositeDrafter
     from spyglass.drafters.suffix import SuffixDrafter
 
-    data, curve, by_depth, chain = load_recording(tag, curve_from)
+    data, curve, by_depth, chain, spans = load_recording(tag, curve_from)
     variants = {"suffix": {}, "composite": {}, "composite-sunk": {"marginal": False}}
     rows: dict = {}
     for t in data["tasks"]:
@@ -301,7 +307,7 @@ def composite_policies(tag: str, curve_from: str | None, draft_ms: float, out: s
         rows[t["name"]] = {}
         for name, rules in variants.items():
             with controller_rules(rules):
-                learned = ReplayedDrafter(trees, draft_ms / 1e3, None, by_depth, chain)
+                learned = ReplayedDrafter(trees, draft_ms / 1e3, None, by_depth, chain, spans=spans)
                 drafter = SuffixDrafter() if name == "suffix" else CompositeDrafter([SuffixDrafter(), learned])
                 rows[t["name"]][name] = replay(drafter, t["prompt"], t["output"], curve)
         _print_row(t["name"], rows[t["name"]])

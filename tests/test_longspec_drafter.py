@@ -196,3 +196,43 @@ def test_span_options_are_checked(tiny_target):
     drafter = LongSpecDrafter(layer_copy_draft(tiny_target, copy_head=True), span=4)
     assert drafter.name == "longspec-span" and drafter.drafts_chain and drafter.token_matched
     assert not drafter.cost_by_depth  # a span costs no draft step: the controller prices whole steps
+
+
+def test_the_pointer_stays_where_an_accepted_copy_ended(tiny_target):
+    """After a step that accepted copied tokens, the pointer sits after the last of them; while the target's next
+    token (the new root) is the context's token there, the next chain is the context's continuation, proposed
+    with no draft step. A step that accepted nothing copied, or a root that departs from the context, leaves it to
+    the draft."""
+    from spyglass.tree import SPAN_SOURCE
+    from spyglass.verify import Accepted
+
+    drafter = LongSpecDrafter(layer_copy_draft(tiny_target, copy_head=True), gamma=3, span=4)
+    engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=1, max_context=256, controller="off"))
+    phrase = [21, 22, 23, 24, 25, 26, 27]
+    seq = engine.add_request([5, 6, *phrase, 9, 8, 21, 22, 23], SamplingParams(max_new_tokens=16, ignore_eos=True))
+    engine.step()  # prefill: the root is the target's first token
+    w = seq.drafter_state
+    steps = []
+    step = drafter.draft.draft_step
+    drafter.draft.draft_step = lambda *a, **k: steps.append(1) or step(*a, **k)
+
+    # the last chain copied positions 2-4 ("21 22 23"); all three accepted: the pointer is position 5 ("24")
+    w.origins = [-1, 2, 3, 4]
+    drafter.commit(seq, Accepted([0, 1, 2, 3], [21, 22, 23, 24]))
+    assert w.pointer == 5
+    seq.tokens[seq.num_tokens - 1] = 24  # as if the target's next token were the context's "24"
+    (tree,) = drafter.propose([seq])
+    assert tree.tokens[1:].tolist() == [25, 26, 27, 9] and not steps
+    assert tree.sources[1:] == [SPAN_SOURCE] * 4 and tree.scores[1] > tree.scores[4] > 0
+    assert w.origins[1:] == [6, 7, 8, 9]
+    # the root departs from the context: the draft drafts
+    seq.tokens[seq.num_tokens - 1] = 99
+    drafter.propose([seq])
+    assert steps
+    # nothing copied accepted (a drafted token, or nothing at all): no pointer
+    w.origins = [-1, -1, 7]
+    drafter.commit(seq, Accepted([0, 1], [30, 31]))
+    assert w.pointer == -1
+    w.origins = [-1, 3]
+    drafter.commit(seq, Accepted([0], [30]))
+    assert w.pointer == -1

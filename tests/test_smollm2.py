@@ -89,3 +89,32 @@ def test_small_lm_draft_model_from_a_source(smollm2):
     draft = build_drafter("small-lm", model, max_batch=1, max_context=256, draft_model=source).draft
     assert draft is not model and draft.dtype == model.dtype
     assert torch.equal(draft.embed.weight, model.embed.weight)
+
+
+def test_longspec_spans_equal_plain_decoding_on_a_copying_prompt(smollm2, prompts):
+    """The shipped LongSpec draft with spans on a code-editing prompt, whose output copies its context: chains
+    ending in copies and chains that are a copy's continuation alone (no draft step) are proposed, verified, and
+    the output is plain decoding's, batch 1 and 4."""
+    from spyglass.drafters import build_drafter
+    from spyglass.tree import SPAN_SOURCE
+
+    model, _ = smollm2
+    params = SamplingParams(max_new_tokens=48)
+    reference = [plain_generate(model, p, params) for p in prompts]
+    for batch, chosen in ((1, prompts[:1]), (4, prompts)):
+        drafter = build_drafter("longspec-span", model, max_batch=batch, max_context=4096)
+        firsts = []
+        propose = drafter.propose
+
+        def watched(seqs, propose=propose, firsts=firsts):
+            trees = propose(seqs)
+            firsts += [t.sources[1] for t in trees if t.sources is not None]
+            return trees
+
+        drafter.propose = watched
+        engine = SpecEngine(model, drafter, EngineConfig(batch, 4096, controller=free_tokens_curve()))
+        seqs = engine.run(chosen, params)
+        for i, seq in enumerate(seqs):
+            assert seq.output_ids == reference[i], f"batch {batch} prompt {i} differs from plain decoding"
+        assert seqs[0].stats.summary(seqs[0].num_generated)["tau"] > 1.5
+        assert 1 in firsts and SPAN_SOURCE in firsts  # copies after a drafted token, and a copy's continuation

@@ -16,7 +16,9 @@ committed position propose the token after it (read from the sequence's own toke
 whose token the pointer read from one place (at least `span_mass` of the mass there) gets the tokens that followed
 that place as a chain of children, `span` long at most, for no further draft step: where the output copies its
 context, one draft step finds the source and the context supplies the rest (what n-gram lookup guesses from the
-last few tokens, the pointer reads from the target's keys).
+last few tokens, the pointer reads from the target's keys). The pointer then stays where the accepted copy ended:
+while the target's next token is the one after it in the context, the next chain is that place's continuation,
+with no draft step at all; otherwise the draft drafts.
 
 Drafting is incremental and batched: one `draft_step` per depth for every sequence of the step, each node's
 own K/V kept for its descendants (nothing is re-run). Tree shapes:
@@ -68,6 +70,8 @@ class _Window:
     synced: int  # committed tokens already pushed
     generator: torch.Generator | None
     hidden: torch.Tensor | None = None  # feed_hidden: the target's last hidden state of the newest committed token
+    origins: list[int] | None = None  # spans: per node of the last chain, its context position (-1: drafted)
+    pointer: int = -1  # spans: the context position whose token should be the root, where the last copy ended
 
     @property
     def filled(self) -> int:
@@ -134,6 +138,8 @@ class LongSpecDrafter:
             raise ValueError(f"span must be >= 0 and span_mass in (0, 1], got {span}, {span_mass}")
         if span and not draft.cfg.copy_head:
             raise ValueError("spans follow the copy head's pointer: this draft has no copy head")
+        if span and mode != "chain":
+            raise ValueError(f"spans continue a chain, not a {mode} tree")
         if cape_bins is None:  # the paper's bins on a GPU; on CPU each extra node costs verify time
             cape_bins = CAPE_BINS if draft.layers[0].wqkv.weight.is_cuda else CAPE_BINS_CPU
         self.draft, self.gamma, self.mode, self.width, self.cape_bins = draft, gamma, mode, width, cape_bins
@@ -203,6 +209,11 @@ class LongSpecDrafter:
             self._sync(seq, w, c, t)
         depth_cap = [requested_depth(s, self.gamma, self.cache.capacity) for s in batch]
         trees = [_Growing(int(s.root)) for s in batch]
+        if self.span:  # where the last copy goes on, its continuation instead of a draft step
+            for i, (s, w, c) in enumerate(zip(batch, states, committed, strict=True)):
+                p = w.pointer
+                if 0 < p < c and int(s.tokens[p]) == int(s.root) and self._extend(s, trees[i], 0, p, c):
+                    depth_cap[i] = 0
         before_root = [int(s.tokens[c - 1]) if c else -1 for s, c in zip(batch, committed, strict=True)]
         # a copy head's: the token after each committed one (views of the sequences' buffers, no copy)
         after = [
@@ -227,6 +238,9 @@ class LongSpecDrafter:
             if self.mode == "beam":  # keep the `width` best new nodes per sequence
                 for i, g in enumerate(trees):
                     frontier[i] = sorted(frontier[i], key=lambda n, g=g: -g.scores[n])[: self.width]
+        if self.span:
+            for w, g in zip(states, trees, strict=True):
+                w.origins = g.origins
         return [g.tree(s) for g, s in zip(trees, batch, strict=True)]
 
     def _step(
@@ -282,17 +296,22 @@ class LongSpecDrafter:
         j = int(at.argmax())
         if float(at[j]) < self.span_mass:
             return False
-        # position j proposed tokens[j + 1] == tok; what followed it, up to the root (tokens[len(after)])
-        continuation = seq.tokens[j + 2 : min(j + 2 + room, len(after) + 1)].tolist()
-        # Each span token is scored as suffix lookup scores a match of that length (m / (m + 1)): how far the text
-        # before the node agrees with the text before the source, plus the span tokens before it.
-        c = len(after)
-        before = (seq.tokens[max(0, c + 1 - MATCH_LOOKBACK) : c + 1].tolist() + g.tokens_to(node)[:-1])[::-1]
-        source = seq.tokens[max(0, j + 1 - MATCH_LOOKBACK) : j + 1].tolist()[::-1]
+        g.origins[node] = j + 1  # position j proposed tokens[j + 1] == tok
+        return self._extend(seq, g, node, j + 1, len(after), room)
+
+    def _extend(self, seq: Sequence, g: _Growing, node: int, at: int, c: int, room: int | None = None) -> bool:
+        """Below `node`, whose token is the context's at position `at`, what followed it there (up to the root,
+        position `c`; at most `room` tokens, default `span`). Each token is scored as suffix lookup scores a match
+        of that length (m / (m + 1)): how far the text up to the node agrees with the context up to `at`, plus the
+        span tokens before it. True if anything was added."""
+        room = self.span if room is None else room
+        continuation = seq.tokens[at + 1 : min(at + 1 + room, c + 1)].tolist()
+        before = (seq.tokens[max(0, c + 1 - MATCH_LOOKBACK) : c + 1].tolist() + g.tokens_to(node))[::-1]
+        source = seq.tokens[max(0, at + 1 - MATCH_LOOKBACK) : at + 1].tolist()[::-1]
         n = min(len(source), len(before))
-        match = 1 + next((m for m in range(n) if source[m] != before[m]), n)
-        for t in continuation:
-            node = g.add(node, t, g.scores[node] * match / (match + 1), source=SPAN_SOURCE)
+        match = next((m for m in range(n) if source[m] != before[m]), n)
+        for k, t in enumerate(continuation, start=1):
+            node = g.add(node, t, g.scores[node] * match / (match + 1), source=SPAN_SOURCE, origin=at + k)
             match += 1
         return bool(continuation)
 
@@ -319,7 +338,12 @@ class LongSpecDrafter:
         return kids[:1]
 
     def commit(self, seq: Sequence, accepted: Accepted) -> None:
-        """Nothing to undo: the ring only ever holds committed tokens; the next propose catches up."""
+        """Nothing to undo: the ring only ever holds committed tokens; the next propose catches up. With spans, the
+        pointer moves past the last accepted copied token (a chain: the verified tree's nodes keep their indices)."""
+        w: _Window | None = seq.drafter_state
+        if w is not None and w.origins is not None:
+            last = accepted.path[-1]
+            w.pointer = w.origins[last] + 1 if last and w.origins[last] >= 0 else -1
 
     def release(self, seq: Sequence) -> None:
         seq.drafter_state = None
@@ -338,13 +362,23 @@ class _Growing:
         self.tokens, self.parents, self.scores = [root], [-1], [1.0]
         self.dists: list[torch.Tensor | None] = [None]
         self.sources = [0]
+        self.origins = [-1]  # each node's context position, for a copied token (-1: drafted)
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
         self.out: dict[int, torch.Tensor] = {}
 
-    def add(self, parent: int, tok: int, score: float, dist: torch.Tensor | None = None, source: int = DRAFTED) -> int:
+    def add(
+        self,
+        parent: int,
+        tok: int,
+        score: float,
+        dist: torch.Tensor | None = None,
+        source: int = DRAFTED,
+        origin: int = -1,
+    ) -> int:
         self.tokens.append(tok)
         self.sources.append(source)
+        self.origins.append(origin)
         self.parents.append(parent)
         self.scores.append(score)
         self.dists.append(dist)

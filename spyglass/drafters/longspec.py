@@ -57,7 +57,7 @@ SHIPPED_GLIDE = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-g
 CAPE_BINS = (8, 8, 8, 6, 6, 6, 4, 4, 2, 2, 2)  # extra candidates by floor(10 * p_top1) (GPU default)
 CAPE_BINS_CPU = (3, 3, 3, 2, 2, 2, 1, 1, 1, 0, 0)  # on CPU every node costs verify time: fewer
 MODES = ("chain", "beam", "cape")
-SPAN = 8  # `longspec-span`'s longest copied continuation (the controller keeps what pays of it)
+SPAN = 16  # `longspec-span`'s longest copied continuation (the controller keeps what pays of it)
 MATCH_LOOKBACK = 32  # how far back a span's source is compared with the text before the node
 DRAFTED = 1  # the draft's nodes' source; spans' are SPAN_SOURCE (the chain controller scores them step by step)
 

@@ -211,8 +211,8 @@ class LongSpecDrafter:
         trees = [_Growing(int(s.root)) for s in batch]
         if self.span:  # where the last copy goes on, its continuation instead of a draft step
             for i, (s, w, c) in enumerate(zip(batch, states, committed, strict=True)):
-                p = w.pointer
-                if 0 < p < c and int(s.tokens[p]) == int(s.root) and self._extend(s, trees[i], 0, p, c):
+                p, room = w.pointer, min(self.span, self.cache.capacity - s.num_tokens)
+                if 0 < p < c and int(s.tokens[p]) == int(s.root) and self._extend(s, trees[i], 0, p, c, room):
                     depth_cap[i] = 0
         before_root = [int(s.tokens[c - 1]) if c else -1 for s, c in zip(batch, committed, strict=True)]
         # a copy head's: the token after each committed one (views of the sequences' buffers, no copy)
@@ -299,12 +299,11 @@ class LongSpecDrafter:
         g.origins[node] = j + 1  # position j proposed tokens[j + 1] == tok
         return self._extend(seq, g, node, j + 1, len(after), room)
 
-    def _extend(self, seq: Sequence, g: _Growing, node: int, at: int, c: int, room: int | None = None) -> bool:
+    def _extend(self, seq: Sequence, g: _Growing, node: int, at: int, c: int, room: int) -> bool:
         """Below `node`, whose token is the context's at position `at`, what followed it there (up to the root,
-        position `c`; at most `room` tokens, default `span`). Each token is scored as suffix lookup scores a match
-        of that length (m / (m + 1)): how far the text up to the node agrees with the context up to `at`, plus the
-        span tokens before it. True if anything was added."""
-        room = self.span if room is None else room
+        position `c`; at most `room` tokens). Each token is scored as suffix lookup scores a match of that length
+        (m / (m + 1)): how far the text up to the node agrees with the context up to `at`, plus the span tokens
+        before it. True if anything was added."""
         continuation = seq.tokens[at + 1 : min(at + 1 + room, c + 1)].tolist()
         before = (seq.tokens[max(0, c + 1 - MATCH_LOOKBACK) : c + 1].tolist() + g.tokens_to(node))[::-1]
         source = seq.tokens[max(0, at + 1 - MATCH_LOOKBACK) : at + 1].tolist()[::-1]

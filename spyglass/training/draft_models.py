@@ -608,7 +608,7 @@ class LongSpecDraft(nn.Module):
         hidden: torch.Tensor | None = None,
         own: torch.Tensor | None = None,
         prev: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor] | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor | None] | None]:
         """One incremental drafting step for M new tree nodes of several sequences at once: the matmuls run over
         all of them; attention runs per group. A self group `(rows, prefix_k, prefix_v)` is sibling nodes that
         see `prefix` (per layer: window + their ancestors' K/V, `[N, kvh, P, D]`) and each itself; a cross group
@@ -653,7 +653,7 @@ class LongSpecDraft(nn.Module):
         if not c.copy_head:
             return self.to_full_vocab(head), torch.stack(ks), torch.stack(vs), x, None
         logits = head.new_empty(m_rows, c.vocab_size)
-        mass: list[torch.Tensor] = [head] * m_rows  # every row is replaced below
+        mass: list[torch.Tensor | None] = [None] * m_rows  # every row is filled below
         for idx, tks, _, after in crosses:
             read = CopyMix(head[idx], *self.copy_read(x[idx], cos[idx], sin[idx], tks[-1], None))
             logits[idx] = self.mix(read, after)

@@ -193,6 +193,8 @@ def test_span_options_are_checked(tiny_target):
         LongSpecDrafter(layer_copy_draft(tiny_target), span=4)
     with pytest.raises(ValueError, match="span must be"):
         LongSpecDrafter(layer_copy_draft(tiny_target, copy_head=True), span=4, span_mass=0.0)
+    with pytest.raises(ValueError, match="not a cape tree"):
+        LongSpecDrafter(layer_copy_draft(tiny_target, copy_head=True), span=4, mode="cape")
     drafter = LongSpecDrafter(layer_copy_draft(tiny_target, copy_head=True), span=4)
     assert drafter.name == "longspec-span" and drafter.drafts_chain and drafter.token_matched
     assert not drafter.cost_by_depth  # a span costs no draft step: the controller prices whole steps

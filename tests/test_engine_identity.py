@@ -36,6 +36,8 @@ def drafters(target):
     yield "glide", LongSpecDrafter(layer_copy_draft(target, feed_hidden=True, n_layers=2), gamma=4)
     parts = [SuffixDrafter(max_depth=6), LongSpecDrafter(layer_copy_draft(target, feed_hidden=True), gamma=3)]
     yield "composite", CompositeDrafter(parts)
+    spans = LongSpecDrafter(layer_copy_draft(target, copy_head=True), gamma=3, span=6, span_mass=1e-6)
+    yield "composite-span", CompositeDrafter([SuffixDrafter(max_depth=6), spans])  # its pointer reads merged trees
     draft, head = trained_tiny(target)  # briefly trained tiny DFlash draft and DeLS head
     yield "dflash", DFlashDrafter(draft)  # a chain, sized by its acceptance profile
     yield "dflash-tree", DFlashDrafter(draft, max_alternatives=2)  # runner-ups too, sized step by step
@@ -56,8 +58,8 @@ def llama_target(tiny_dir):
 # (DFlash reads the target's hidden states, so one DFlash variant runs on both: the tree, whose runner-ups get
 # something accepted from the briefly trained draft on the Qwen2 model, where its top-1 chain never is.)
 FAMILY_INDEPENDENT = {
-    "ngram", "suffix", "longspec-beam", "longspec-cape", "longspec-span", "composite", "dflash", "dflash-dels",
-    "composite-dflash",
+    "ngram", "suffix", "longspec-beam", "longspec-cape", "longspec-span", "composite", "composite-span", "dflash",
+    "dflash-dels", "composite-dflash",
 }  # fmt: skip
 
 

@@ -218,8 +218,15 @@ def test_the_pointer_stays_where_an_accepted_copy_ended(tiny_target):
     step = drafter.draft.draft_step
     drafter.draft.draft_step = lambda *a, **k: steps.append(1) or step(*a, **k)
 
-    # the last chain copied positions 2-4 ("21 22 23"); all three accepted: the pointer is position 5 ("24")
-    w.origins = [-1, 2, 3, 4]
+    # the last chain copied positions 2-4 ("21 22 23"); all three accepted: the pointer is position 5 ("24"),
+    # whatever the verified tree's node numbers (a composite verifies a merged tree)
+    w.chain, w.origins = [7, 21, 22, 23], [-1, 2, 3, 4]
+    drafter.commit(seq, Accepted([0, 4, 9, 11], [21, 22, 23, 24]))
+    assert w.pointer == 5
+    drafter.commit(seq, Accepted([0, 1], [21, 30]))  # one accepted: the pointer after position 2
+    assert w.pointer == 3
+    drafter.commit(seq, Accepted([0, 1, 2], [21, 99, 30]))  # the accepted tokens left the chain: no pointer
+    assert w.pointer == -1
     drafter.commit(seq, Accepted([0, 1, 2, 3], [21, 22, 23, 24]))
     assert w.pointer == 5
     seq.tokens[seq.num_tokens - 1] = 24  # as if the target's next token were the context's "24"
@@ -232,9 +239,9 @@ def test_the_pointer_stays_where_an_accepted_copy_ended(tiny_target):
     drafter.propose([seq])
     assert steps
     # nothing copied accepted (a drafted token, or nothing at all): no pointer
-    w.origins = [-1, -1, 7]
+    w.chain, w.origins = [7, 30, 40], [-1, -1, 7]
     drafter.commit(seq, Accepted([0, 1], [30, 31]))
     assert w.pointer == -1
-    w.origins = [-1, 3]
+    w.chain, w.origins = [7, 30], [-1, 3]
     drafter.commit(seq, Accepted([0], [30]))
     assert w.pointer == -1

@@ -70,6 +70,7 @@ class _Window:
     synced: int  # committed tokens already pushed
     generator: torch.Generator | None
     hidden: torch.Tensor | None = None  # feed_hidden: the target's last hidden state of the newest committed token
+    chain: list[int] | None = None  # spans: the last chain's tokens, root first
     origins: list[int] | None = None  # spans: per node of the last chain, its context position (-1: drafted)
     pointer: int = -1  # spans: the context position whose token should be the root, where the last copy ended
 
@@ -240,7 +241,7 @@ class LongSpecDrafter:
                     frontier[i] = sorted(frontier[i], key=lambda n, g=g: -g.scores[n])[: self.width]
         if self.span:
             for w, g in zip(states, trees, strict=True):
-                w.origins = g.origins
+                w.chain, w.origins = g.tokens, g.origins
         return [g.tree(s) for g, s in zip(trees, batch, strict=True)]
 
     def _step(
@@ -338,11 +339,15 @@ class LongSpecDrafter:
 
     def commit(self, seq: Sequence, accepted: Accepted) -> None:
         """Nothing to undo: the ring only ever holds committed tokens; the next propose catches up. With spans, the
-        pointer moves past the last accepted copied token (a chain: the verified tree's nodes keep their indices)."""
+        pointer moves past the last accepted token if the accepted tokens are the start of the last chain and that
+        one was copied (compared by tokens: in a composite the verified tree is a merged one)."""
         w: _Window | None = seq.drafter_state
-        if w is not None and w.origins is not None:
-            last = accepted.path[-1]
-            w.pointer = w.origins[last] + 1 if last and w.origins[last] >= 0 else -1
+        if w is None or w.chain is None:
+            return
+        drafted = accepted.tokens[:-1]  # the last one is the target's own
+        n = len(drafted)
+        follows = 0 < n < len(w.chain) and w.chain[1 : n + 1] == drafted
+        w.pointer = w.origins[n] + 1 if follows and w.origins[n] >= 0 else -1
 
     def release(self, seq: Sequence) -> None:
         seq.drafter_state = None

@@ -137,7 +137,7 @@ def sample_joint(
 
 METHODS = [
     "ar", "ngram", "suffix", "small-lm", "longspec", "longspec-beam", "longspec-cape", "longspec-span", "composite",
-    "tokenswift", "streaming", "dflash", "dflash-dels", "composite-dflash",
+    "composite-span", "tokenswift", "streaming", "dflash", "dflash-dels", "composite-dflash",
 ]  # fmt: skip
 # Drafters whose trees run with the controller off, so every node (chain and alternatives) is verified: at batch
 # 500 the controller rightly prunes a tiny draft's unscored sampled chains (streaming) or low-scored blocks (DFlash)
@@ -176,6 +176,12 @@ def test_first_three_tokens_match_plain_sampling(sampling_model, model, prompt, 
             [
                 SuffixDrafter(max_depth=3, max_nodes=8),
                 LongSpecDrafter(layer_copy_draft(model, feed_hidden=True), gamma=3),
+            ]
+        ),
+        "composite-span": lambda: CompositeDrafter(
+            [
+                SuffixDrafter(max_depth=3, max_nodes=8),
+                LongSpecDrafter(layer_copy_draft(model, copy_head=True), gamma=3, span=3, span_mass=1e-6),
             ]
         ),
         # budgets below the prompt's length: the drafts come from a partial cache

@@ -16,6 +16,7 @@ METHODS = (
     "glide",
     "glide-cape",
     "composite",
+    "composite-span",
     "composite-dflash",
     "dflash",
     "dflash-dels",
@@ -24,7 +25,11 @@ METHODS = (
 )
 
 # A composite's parts, the model-free one first (the learned one drafts only where it is unsure).
-COMPOSITES = {"composite": ("suffix", "longspec"), "composite-dflash": ("suffix", "dflash-dels")}
+COMPOSITES = {
+    "composite": ("suffix", "longspec"),
+    "composite-span": ("suffix", "longspec-span"),
+    "composite-dflash": ("suffix", "dflash-dels"),
+}
 
 
 def build_drafter(method: str, target, *, max_batch: int = 4, max_context: int = 8192, **options) -> Drafter | None:

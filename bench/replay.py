@@ -147,14 +147,11 @@ class ReplayedDrafter(StatelessDrafter):
                 tree = tree.subtree(list(range(n)))
             depth = min(d for d in (seq.draft_depth, self.max_depth, tree.max_depth) if d is not None)
             if self.spans and tree.sources is not None and self.max_depth is None:
-                # a chain: the drafted nodes up to the asked depth, and a span below the last of them
+                # a chain of drafted nodes (root first), then maybe a span: the drafter stops drafting at the asked
+                # depth, and a span hangs only below its last drafted node, so cut before the first drafted node
+                # beyond that depth (if the chain has one)
                 drafted = [i for i, s in enumerate(tree.sources) if s != SPAN_SOURCE]
-                last = drafted[min(depth, len(drafted) - 1)]
-                kept = {0}
-                for i in range(1, len(tree)):
-                    if tree.parents[i] in kept and (i <= last or tree.sources[i] == SPAN_SOURCE):
-                        kept.add(i)
-                keep = sorted(kept)
+                keep = list(range(drafted[depth + 1] if depth + 1 < len(drafted) else len(tree)))
             else:
                 keep = [i for i, d in enumerate(tree.depths) if d <= depth]
             out.append(tree.subtree(keep))

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-# `DraftTree.sources` of a chain's nodes copied from the context after a drafted token (LongSpec's spans; the
-# drafted nodes are 1): the chain controller sizes them by their own scores
-SPAN_SOURCE = 2
+# `DraftTree.sources` of a LongSpec chain with spans: its drafted nodes, and the nodes copied from the context after
+# a drafted token, which the chain controller sizes by their own scores
+DRAFT_SOURCE, SPAN_SOURCE = 1, 2
 
 
 @dataclass

@@ -49,7 +49,7 @@ from spyglass.models.linear import set_linear_backend
 from spyglass.models.llama import Transformer
 from spyglass.sequence import Sequence
 from spyglass.training.draft_models import LongSpecDraft
-from spyglass.tree import SPAN_SOURCE, DraftTree
+from spyglass.tree import DRAFT_SOURCE, SPAN_SOURCE, DraftTree
 from spyglass.verify import Accepted
 
 SHIPPED = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-longspec"
@@ -59,7 +59,6 @@ CAPE_BINS_CPU = (3, 3, 3, 2, 2, 2, 1, 1, 1, 0, 0)  # on CPU every node costs ver
 MODES = ("chain", "beam", "cape")
 SPAN = 16  # `longspec-span`'s longest copied continuation (the controller keeps what pays of it)
 MATCH_LOOKBACK = 32  # how far back a span's source is compared with the text before the node
-DRAFTED = 1  # the draft's nodes' source; spans' are SPAN_SOURCE (the chain controller scores them step by step)
 
 
 @dataclass
@@ -377,7 +376,7 @@ class _Growing:
         tok: int,
         score: float,
         dist: torch.Tensor | None = None,
-        source: int = DRAFTED,
+        source: int = DRAFT_SOURCE,
         origin: int = -1,
     ) -> int:
         self.tokens.append(tok)

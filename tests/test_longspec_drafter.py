@@ -188,6 +188,27 @@ def test_a_span_follows_the_pointer_into_the_context(tiny_target):
     assert drafter._add_span(seq, g, g.add(0, 8, 0.6), mass, after, room=4) and g.tokens[2:] == [9, 12]
 
 
+def test_a_span_copies_from_the_place_whose_text_agrees_longest(tiny_target):
+    """A phrase the context repeats splits the pointer's mass between its places: together they reach `span_mass`,
+    and the span comes from the place whose preceding text agrees longest with the text before the node, not from
+    the one with the most mass."""
+    from spyglass.drafters.longspec import _Growing
+    from spyglass.sequence import Sequence
+
+    drafter = LongSpecDrafter(layer_copy_draft(tiny_target, copy_head=True), gamma=3, span=3, span_mass=0.3)
+    seq = Sequence([5, 6, 12, 13, 40, 41, 9, 8, 12, 13, 50, 51, 52, 7, 9, 8], SamplingParams(max_new_tokens=4))
+    seq.append(12)  # the root: "9 8 12" as at positions 6-8, which went on "13 50 51 52"; "6 12" went on "13 40"
+    c = seq.num_tokens - 1
+    mass = torch.zeros(c)
+    mass[2], mass[8] = 0.2, 0.15  # both propose 13 (positions 3 and 9); neither alone reaches 0.3
+    g = _Growing(int(seq.root))
+    node = g.add(0, 13, 0.6)
+    assert drafter._add_span(seq, g, node, mass, seq.tokens[1 : c + 1], room=3)
+    assert g.tokens[2:] == [50, 51, 52] and g.origins[node] == 9
+    # "13 12 8 9" agree, then 41 vs 7: 4 tokens, so the first copied token scores 0.6 * 4/5
+    assert g.scores[2] == pytest.approx(0.6 * 4 / 5)
+
+
 def test_span_options_are_checked(tiny_target):
     with pytest.raises(ValueError, match="no copy head"):
         LongSpecDrafter(layer_copy_draft(tiny_target), span=4)

@@ -13,8 +13,9 @@ handed over by the engine through `observe_hidden`): one vector per sequence, as
 `feed_own_hidden` draft's node also reads its parent's final draft hidden state (EAGLE's feature recursion). A
 `copy_head` draft's proposal mixes its LM head with copies: its pointer over the target's last-layer keys makes each
 committed position propose the token after it (read from the sequence's own tokens, a view). With `span`, a node
-whose token the pointer read from one place (at least `span_mass` of the mass there) gets the tokens that followed
-that place as a chain of children, `span` long at most, for no further draft step: where the output copies its
+whose token the pointer copied (at least `span_mass` of the mass on places proposing it) gets the tokens that
+followed the likeliest place (the one whose preceding text agrees longest) as a chain of children, `span` long at
+most, for no further draft step: where the output copies its
 context, one draft step finds the source and the context supplies the rest (what n-gram lookup guesses from the
 last few tokens, the pointer reads from the target's keys). The pointer then stays where the accepted copy ended:
 while the target's next token is the one after it in the context, the next chain is that place's continuation,
@@ -59,6 +60,7 @@ CAPE_BINS_CPU = (3, 3, 3, 2, 2, 2, 1, 1, 1, 0, 0)  # on CPU every node costs ver
 MODES = ("chain", "beam", "cape")
 SPAN = 16  # `longspec-span`'s longest copied continuation (the controller keeps what pays of it)
 MATCH_LOOKBACK = 32  # how far back a span's source is compared with the text before the node
+SPAN_CANDIDATES = 4  # the places a span's source is chosen from (the most copy mass)
 
 
 @dataclass
@@ -289,15 +291,27 @@ class LongSpecDrafter:
     def _add_span(
         self, seq: Sequence, g: _Growing, node: int, mass: torch.Tensor, after: torch.Tensor, room: int
     ) -> bool:
-        """Hang the context's continuation (at most `room` tokens) below `node` if its token came from one committed
-        position (the one proposing it with the most copy mass, at least `span_mass`); True if a span was added."""
+        """Hang the context's continuation (at most `room` tokens) below `node` if its token came from copying (at
+        least `span_mass` of copy mass on the positions proposing it); True if a span was added. The source: of the
+        `SPAN_CANDIDATES` positions with the most mass, the one whose preceding text agrees longest with the text
+        before the node (a phrase the context repeats splits the pointer's mass between its places)."""
         tok = g.tokens[node]
-        at = torch.where(after == tok, mass, 0.0)
-        j = int(at.argmax())
-        if float(at[j]) < self.span_mass:
+        if not len(after):
             return False
-        g.origins[node] = j + 1  # position j proposed tokens[j + 1] == tok
-        return self._extend(seq, g, node, j + 1, len(after), room)
+        at = torch.where(after == tok, mass, 0.0)
+        top = at.topk(min(SPAN_CANDIDATES, len(at)))
+        if float(top.values.sum()) < self.span_mass:
+            return False
+        c = len(after)
+        before = self._text_before(seq, g, node, c)
+        sources = [int(j) + 1 for v, j in zip(top.values, top.indices, strict=True) if float(v) > 0]
+        source = max(sources, key=lambda a: _agreement(before, seq, a))  # ties: the most mass
+        g.origins[node] = source
+        return self._extend(seq, g, node, source, c, room)
+
+    def _text_before(self, seq: Sequence, g: _Growing, node: int, c: int) -> list[int]:
+        """The last tokens up to and including `node` (the context to the root, then the tree's path), newest first."""
+        return (seq.tokens[max(0, c + 1 - MATCH_LOOKBACK) : c + 1].tolist() + g.tokens_to(node))[::-1]
 
     def _extend(self, seq: Sequence, g: _Growing, node: int, at: int, c: int, room: int) -> bool:
         """Below `node`, whose token is the context's at position `at`, what followed it there (up to the root,
@@ -305,10 +319,7 @@ class LongSpecDrafter:
         (m / (m + 1)): how far the text up to the node agrees with the context up to `at`, plus the span tokens
         before it. True if anything was added."""
         continuation = seq.tokens[at + 1 : min(at + 1 + room, c + 1)].tolist()
-        before = (seq.tokens[max(0, c + 1 - MATCH_LOOKBACK) : c + 1].tolist() + g.tokens_to(node))[::-1]
-        source = seq.tokens[max(0, at + 1 - MATCH_LOOKBACK) : at + 1].tolist()[::-1]
-        n = min(len(source), len(before))
-        match = next((m for m in range(n) if source[m] != before[m]), n)
+        match = _agreement(self._text_before(seq, g, node, c), seq, at)
         for k, t in enumerate(continuation, start=1):
             node = g.add(node, t, g.scores[node] * match / (match + 1), source=SPAN_SOURCE, origin=at + k)
             match += 1
@@ -355,6 +366,13 @@ class LongSpecDrafter:
     def state_bytes(self, seq: Sequence) -> int:
         w: _Window | None = seq.drafter_state
         return 0 if w is None else 2 * w.k.numel() * w.k.element_size() + w.pos.numel() * w.pos.element_size()
+
+
+def _agreement(before: list[int], seq: Sequence, at: int) -> int:
+    """How many tokens `before` (newest first) and the context up to position `at` agree on, going backwards."""
+    source = seq.tokens[max(0, at + 1 - MATCH_LOOKBACK) : at + 1].tolist()[::-1]
+    n = min(len(source), len(before))
+    return next((m for m in range(n) if source[m] != before[m]), n)
 
 
 class _Growing:

@@ -268,7 +268,7 @@ def write_results(
 
 def plot_panels(path: Path, panels: list[dict[str, Any]], title: str | None = None, ncols: int = 2) -> Path:
     """Line plots, one panel each: ``{"title", "xlabel", "ylabel", "series": {label: (xs, ys)}, "logx",
-    "logy", "hline"}`` (hline: a goal or parity line). Uses the non-interactive Agg backend."""
+    "logy", "hline", "xticklabels"}`` (hline: a goal or parity line). Uses the non-interactive Agg backend."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -277,6 +277,8 @@ def plot_panels(path: Path, panels: list[dict[str, Any]], title: str | None = No
     nrows = max(1, -(-len(panels) // ncols))
     fig, axes = plt.subplots(nrows, ncols, figsize=(6.2 * ncols, 4.2 * nrows), squeeze=False)
     for ax, panel in zip(axes.flat, panels, strict=False):
+        if len(panel["series"]) > 10:  # the default cycle repeats its 10 colours
+            ax.set_prop_cycle(color=plt.cm.tab20.colors)
         for label, (xs, ys) in panel["series"].items():
             ax.plot(xs, ys, marker="o", markersize=3, label=label)
         if panel.get("hline") is not None:
@@ -287,6 +289,8 @@ def plot_panels(path: Path, panels: list[dict[str, Any]], title: str | None = No
             ax.set_yscale("log")
         ax.set_title(panel.get("title", ""), fontsize=10)
         ax.set_xlabel(panel.get("xlabel", ""))
+        if panel.get("xticklabels"):
+            ax.set_xticks(range(len(panel["xticklabels"])), panel["xticklabels"], rotation=30, ha="right", fontsize=7)
         ax.set_ylabel(panel.get("ylabel", ""))
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)

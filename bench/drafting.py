@@ -126,7 +126,7 @@ def compare(
 def speed_panels(results: dict, tasks: list[HeldOutTask], methods: list[str], label: str) -> list[dict]:
     """Two plot panels: decode speedup and tau per prompt, one line per method."""
     xs = list(range(len(tasks)))
-    prompts = "prompt (" + ", ".join(t.name.split(":", 1)[1][:12] + f"/{t.kind[0]}" for t in tasks) + ")"
+    names = [f"{t.kind}:{t.name.split(':', 1)[1].rsplit('/', 1)[-1][:16]}" for t in tasks]
 
     def series(key: str) -> dict:
         return {m: (xs, [results[t.name][m][key] for t in tasks]) for m in methods}
@@ -134,12 +134,12 @@ def speed_panels(results: dict, tasks: list[HeldOutTask], methods: list[str], la
     return [
         {
             "title": f"decode speedup vs plain decoding, {label}",
-            "xlabel": prompts,
             "ylabel": "x",
             "hline": 1.0,
             "series": series("speedup"),
+            "xticklabels": names,
         },
-        {"title": f"tau (tokens per step), {label}", "xlabel": "prompt", "ylabel": "tau", "series": series("tau")},
+        {"title": f"tau (tokens per step), {label}", "ylabel": "tau", "series": series("tau"), "xticklabels": names},
     ]
 
 

@@ -15,9 +15,9 @@ handed over by the engine through `observe_hidden`): one vector per sequence, as
 committed position propose the token after it (read from the sequence's own tokens, a view). With `span`, a node
 whose token the pointer copied (at least `span_mass` of the mass on places proposing it) gets the tokens that
 followed the likeliest place (the one whose preceding text agrees longest) as a chain of children, `span` long at
-most, for no further draft step: where the output copies its
-context, one draft step finds the source and the context supplies the rest (what n-gram lookup guesses from the
-last few tokens, the pointer reads from the target's keys). The pointer then stays where the accepted copy ended:
+most, for no further draft step: where the output copies its context, one draft step finds the source and the
+context supplies the rest (what n-gram lookup guesses from the last few tokens, the pointer reads from the target's
+keys). The pointer then stays where the accepted copy ended:
 while the target's next token is the one after it in the context, the next chain is that place's continuation,
 with no draft step at all; otherwise the draft drafts.
 
@@ -303,15 +303,11 @@ class LongSpecDrafter:
         if float(top.values.sum()) < self.span_mass:
             return False
         c = len(after)
-        before = self._text_before(seq, g, node, c)
+        before = _text_before(seq, g, node, c)
         sources = [int(j) + 1 for v, j in zip(top.values, top.indices, strict=True) if float(v) > 0]
         source = max(sources, key=lambda a: _agreement(before, seq, a))  # ties: the most mass
         g.origins[node] = source
         return self._extend(seq, g, node, source, c, room)
-
-    def _text_before(self, seq: Sequence, g: _Growing, node: int, c: int) -> list[int]:
-        """The last tokens up to and including `node` (the context to the root, then the tree's path), newest first."""
-        return (seq.tokens[max(0, c + 1 - MATCH_LOOKBACK) : c + 1].tolist() + g.tokens_to(node))[::-1]
 
     def _extend(self, seq: Sequence, g: _Growing, node: int, at: int, c: int, room: int) -> bool:
         """Below `node`, whose token is the context's at position `at`, what followed it there (up to the root,
@@ -319,7 +315,7 @@ class LongSpecDrafter:
         (m / (m + 1)): how far the text up to the node agrees with the context up to `at`, plus the span tokens
         before it. True if anything was added."""
         continuation = seq.tokens[at + 1 : min(at + 1 + room, c + 1)].tolist()
-        match = _agreement(self._text_before(seq, g, node, c), seq, at)
+        match = _agreement(_text_before(seq, g, node, c), seq, at)
         for k, t in enumerate(continuation, start=1):
             node = g.add(node, t, g.scores[node] * match / (match + 1), source=SPAN_SOURCE, origin=at + k)
             match += 1
@@ -366,6 +362,11 @@ class LongSpecDrafter:
     def state_bytes(self, seq: Sequence) -> int:
         w: _Window | None = seq.drafter_state
         return 0 if w is None else 2 * w.k.numel() * w.k.element_size() + w.pos.numel() * w.pos.element_size()
+
+
+def _text_before(seq: Sequence, g: _Growing, node: int, c: int) -> list[int]:
+    """The last tokens up to and including `node` (the context to the root, then the tree's path), newest first."""
+    return (seq.tokens[max(0, c + 1 - MATCH_LOOKBACK) : c + 1].tolist() + g.tokens_to(node))[::-1]
 
 
 def _agreement(before: list[int], seq: Sequence, at: int) -> int:

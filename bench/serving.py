@@ -6,6 +6,10 @@ Figures (bench/results/serving.json):
 - concurrency4_vs_1 (and 2, 8): aggregate decode tokens/s of N concurrent streams vs 1. Goal >= 2.0.
 - cache_hit_ttft_speedup: client-side time to first token of a repeated 4K-token prompt, Redis context
   cache hit vs miss (each repeat uses a fresh prompt so its first request is a real miss). Goal >= 10.
+- served_speedup_ngram, served_speedup_longspec_span (and served_tau_*): one stream's decode tokens/s through
+  the gateway with that drafting method over plain decoding (`ar`) in the same replica, greedy, on a held-out
+  code-completion prompt (5.6K tokens, 128 new): the LongSpec draft runs colocated with the target, reading
+  its KV cache in the verifier; served_outputs_identical: every method's tokens equal plain decoding's.
 
 Decode rates are (N - 1) / (t(N new tokens) - t(1 new token)) so prefill cancels out; contenders are
 interleaved per repeat and the medians reported, with the machine load recorded.
@@ -26,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import RESULTS_DIR, median, plot_panels, wait_for_quiet, write_results  # noqa: E402
+from bench.tasks import code_completion  # noqa: E402
 
 CHAT_PROMPTS = [
     "Explain how a hash table handles collisions.",
@@ -37,6 +42,9 @@ CHAT_PROMPTS = [
     "Summarise the rules of chess in a paragraph.",
     "Why is the sky blue? Answer briefly.",
 ]
+
+
+SERVED_DRAFTERS = ["ngram", "longspec-span"]  # served side by side against plain decoding (`ar`)
 
 
 def rate(t1: float, tn: float, n: int, streams: int = 1) -> float:
@@ -65,6 +73,39 @@ def bench_grpc_vs_inprocess(client, engine_run, prompt: str, n: int, repeats: in
             samples[name].append(rate(t1 - t0, t2 - t1, n))
             print(f"  {name}: {samples[name][-1]:.2f} tok/s", flush=True)
     return {k: {"median_tok_s": median(v), "samples_tok_s": [round(x, 3) for x in v]} for k, v in samples.items()}
+
+
+def bench_methods(client, prompt_ids: list[int], methods: list[str], n: int, repeats: int) -> dict:
+    """Decode tok/s and tau of one stream per drafting method through the gateway (the drafts run colocated with
+    the target in the verifier replica), greedy, on a held-out code-completion prompt; `ar` is plain decoding."""
+
+    def call(method: str, k: int):
+        return client.generate_text(prompt_token_ids=prompt_ids, max_new_tokens=k, ignore_eos=True, method=method)
+
+    samples: dict[str, list[float]] = {m: [] for m in methods}
+    outs: dict[str, list] = {m: [] for m in methods}
+    for m in methods:
+        call(m, 2)  # the prompt's prefix into the context cache, the draft warmed
+    for _ in range(repeats):
+        for m in methods:  # interleaved, so drift hits every method alike
+            t0 = time.perf_counter()
+            call(m, 1)
+            t1 = time.perf_counter()
+            done = call(m, n)
+            samples[m].append(rate(t1 - t0, time.perf_counter() - t1, n))
+            outs[m].append(done)
+            print(f"  {m}: {samples[m][-1]:.2f} tok/s, tau {done.stats.get('tau', 1.0):.2f}", flush=True)
+    ref = outs[methods[0]][0].token_ids
+    return {
+        m: {
+            "median_tok_s": median(samples[m]),
+            "samples_tok_s": [round(x, 3) for x in samples[m]],
+            "tau": median([o.stats.get("tau", 1.0) for o in outs[m]]),
+            "method_served": outs[m][0].stats.get("method"),
+            "identical": all(o.token_ids == ref for o in outs[m]),
+        }
+        for m in methods
+    }
 
 
 def bench_concurrency(address: str, n: int, repeats: int, levels: list[int]) -> dict:
@@ -169,6 +210,12 @@ def compute_figures(raw: dict) -> dict:
         "single_stream_inprocess_tok_s": g["inprocess"]["median_tok_s"],
         "mean_batch_size_c4": c["c4"]["mean_batch_size"],
     }
+    served = raw["methods"]
+    for m in SERVED_DRAFTERS:
+        key = m.replace("-", "_")
+        figures[f"served_speedup_{key}"] = served[m]["median_tok_s"] / served["ar"]["median_tok_s"]
+        figures[f"served_tau_{key}"] = served[m]["tau"]
+    figures["served_outputs_identical"] = all(r["identical"] for r in served.values())
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}
 
 
@@ -199,7 +246,7 @@ def main() -> None:
     redis = LocalRedis()
     start_local_ray(4)
     verifier = {
-        "methods": ["ngram"],
+        "methods": ["ngram", "ar", *SERVED_DRAFTERS[1:]],
         "max_batch": 8,
         "max_context": 8192,
         "threads": args.threads,
@@ -230,6 +277,10 @@ def main() -> None:
             raw["concurrency"] = bench_concurrency(address, n, repeats, [1, 2, 4, 8])
             print("context cache:", flush=True)
             raw["cache"] = bench_cache(client, tok, 1024 if args.quick else 4096, repeats)
+            print("drafting methods through the gateway (held-out code completion):", flush=True)
+            task = code_completion(tok, "calendar.py")
+            methods = ["ar", *SERVED_DRAFTERS]
+            raw["methods"] = bench_methods(client, task.prompt_ids, methods, 32 if args.quick else 128, repeats)
             raw["health"] = client.health()
     finally:
         serve.shutdown()

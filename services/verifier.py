@@ -538,12 +538,15 @@ class Verifier:
         self.cfg = VerifierConfig.from_dict(config)
         # Ray sets OMP_NUM_THREADS to the replica's num_cpus; more threads than that would oversubscribe.
         self.cfg.threads = self.cfg.threads or int(os.environ.get("OMP_NUM_THREADS") or 1)
+        import torch
+
+        # The engine loop's thread count, set before the engines are built: each measures its cost curve (what a
+        # verify of k tokens costs) at construction, and a curve timed with Ray's OMP_NUM_THREADS (the replica's
+        # num_cpus, often 1) sized every tree for a machine it was not running on. The warm-up's shapes match too.
+        torch.set_num_threads(self.cfg.threads)
         engines, tokenizer, self._info = build_engines(self.cfg)
         self.name = name
         if self.cfg.warmup_prompt_tokens > 0:
-            import torch
-
-            torch.set_num_threads(self.cfg.threads)  # the engine loop's thread count, so warmed shapes match
             report = warm_up(engines, tokenizer, self.cfg, self.cfg.warmup_prompt_tokens)
             self._info["warmup_s"] = report["seconds"]
             # Serve's logger: the line lands in the replica's log file

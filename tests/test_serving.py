@@ -123,6 +123,29 @@ def test_engine_loop_graceful_shutdown_finishes_short_and_aborts_long_requests()
     assert asyncio.run(after())[0]["error"] == "unavailable"
 
 
+def test_the_replica_times_its_cost_curve_with_the_threads_it_decodes_with():
+    """Ray starts a replica with OMP_NUM_THREADS = its num_cpus (often 1) and the verifier decodes with `threads`:
+    the cost curve that sizes every tree is timed at construction, so it must be timed with `threads` too."""
+    import torch
+
+    from services.verifier import Verifier
+    from spyglass.controller import measured_curve
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # what Ray leaves a 1-CPU replica with
+    try:
+        config = {"methods": ["ngram"], "max_batch": 1, "max_context": 1024, "threads": 2, "warmup_prompt_tokens": 0}
+        verifier = Verifier.func_or_class(config)  # the deployment's class, built in process
+        try:
+            engine = verifier.loop.engines["ngram"]
+            assert torch.get_num_threads() == 2
+            assert engine.controller.curve is measured_curve(engine.target, engine.cache)  # the 2-thread curve
+        finally:
+            verifier.loop.stop(drain_timeout_s=1.0)
+    finally:
+        torch.set_num_threads(before)
+
+
 # --- the deployed stack ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def stack(ray_cluster, redis_server):

@@ -57,7 +57,7 @@ bench: setup
 bench-drafting: setup
 	$(PY) bench/drafting.py --max-new-tokens 256 --per-kind 3 --small-lm
 bench-longspec: setup
-	$(PY) bench/longspec.py --max-new-tokens 256 --per-kind 3
+	$(PY) bench/longspec.py --max-new-tokens 256 --per-kind 4
 bench-dflash: setup
 	$(PY) bench/dflash.py --per-kind 2 --max-new-tokens 128 --sampled
 # The controller's rules on and off: keep drafting after a step that did not pay while drafting pays on average

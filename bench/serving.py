@@ -75,9 +75,10 @@ def bench_grpc_vs_inprocess(client, engine_run, prompt: str, n: int, repeats: in
     return {k: {"median_tok_s": median(v), "samples_tok_s": [round(x, 3) for x in v]} for k, v in samples.items()}
 
 
-def bench_methods(client, prompt_ids: list[int], methods: list[str], n: int, repeats: int) -> dict:
-    """Decode tok/s and tau of one stream per drafting method through the gateway (the drafts run colocated with
-    the target in the verifier replica), greedy, on a held-out code-completion prompt; `ar` is plain decoding."""
+def bench_methods(client, prompt_ids: list[int], drafters: list[str], n: int, repeats: int) -> dict:
+    """Decode tok/s and tau of one stream per drafting method and of plain decoding (`ar`) through the gateway
+    (the drafts run colocated with the target in the verifier replica), greedy, on a held-out code prompt."""
+    methods = ["ar", *drafters]
 
     def call(method: str, k: int):
         return client.generate_text(prompt_token_ids=prompt_ids, max_new_tokens=k, ignore_eos=True, method=method)
@@ -95,7 +96,7 @@ def bench_methods(client, prompt_ids: list[int], methods: list[str], n: int, rep
             samples[m].append(rate(t1 - t0, time.perf_counter() - t1, n))
             outs[m].append(done)
             print(f"  {m}: {samples[m][-1]:.2f} tok/s, tau {done.stats.get('tau', 1.0):.2f}", flush=True)
-    ref = outs[methods[0]][0].token_ids
+    ref = outs["ar"][0].token_ids
     return {
         m: {
             "median_tok_s": median(samples[m]),
@@ -246,7 +247,7 @@ def main() -> None:
     redis = LocalRedis()
     start_local_ray(4)
     verifier = {
-        "methods": ["ngram", "ar", *SERVED_DRAFTERS[1:]],
+        "methods": list(dict.fromkeys(["ngram", "ar", *SERVED_DRAFTERS])),  # n-gram first: the other parts' default
         "max_batch": 8,
         "max_context": 8192,
         "threads": args.threads,
@@ -279,8 +280,7 @@ def main() -> None:
             raw["cache"] = bench_cache(client, tok, 1024 if args.quick else 4096, repeats)
             print("drafting methods through the gateway (held-out code completion):", flush=True)
             task = code_completion(tok, "calendar.py")
-            methods = ["ar", *SERVED_DRAFTERS]
-            raw["methods"] = bench_methods(client, task.prompt_ids, methods, 32 if args.quick else 128, repeats)
+            raw["methods"] = bench_methods(client, task.prompt_ids, SERVED_DRAFTERS, 32 if args.quick else 128, repeats)
             raw["health"] = client.health()
     finally:
         serve.shutdown()

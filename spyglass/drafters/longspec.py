@@ -214,8 +214,10 @@ class LongSpecDrafter:
         if self.span:  # where the last copy goes on, its continuation instead of a draft step
             for i, (s, w, c) in enumerate(zip(batch, states, committed, strict=True)):
                 p, room = w.pointer, min(self.span, self.cache.capacity - s.num_tokens)
-                if 0 < p < c and int(s.tokens[p]) == int(s.root) and self._extend(s, trees[i], 0, p, c, room):
-                    depth_cap[i] = 0
+                if 0 < p < c and int(s.tokens[p]) == int(s.root):
+                    match = _agreement(_text_before(s, trees[i], 0, c), s, p)
+                    if self._extend(s, trees[i], 0, p, c, room, match):
+                        depth_cap[i] = 0
         before_root = [int(s.tokens[c - 1]) if c else -1 for s, c in zip(batch, committed, strict=True)]
         # a copy head's: the token after each committed one (views of the sequences' buffers, no copy)
         after = [
@@ -304,18 +306,17 @@ class LongSpecDrafter:
             return False
         c = len(after)
         before = _text_before(seq, g, node, c)
-        sources = [int(j) + 1 for v, j in zip(top.values, top.indices, strict=True) if float(v) > 0]
-        source = max(sources, key=lambda a: _agreement(before, seq, a))  # ties: the most mass
+        agree = {a: _agreement(before, seq, a) for a in (top.indices[top.values > 0] + 1).tolist()}
+        source = max(agree, key=agree.__getitem__)  # ties: the most mass (`agree` keeps topk's order)
         g.origins[node] = source
-        return self._extend(seq, g, node, source, c, room)
+        return self._extend(seq, g, node, source, c, room, agree[source])
 
-    def _extend(self, seq: Sequence, g: _Growing, node: int, at: int, c: int, room: int) -> bool:
+    def _extend(self, seq: Sequence, g: _Growing, node: int, at: int, c: int, room: int, match: int) -> bool:
         """Below `node`, whose token is the context's at position `at`, what followed it there (up to the root,
         position `c`; at most `room` tokens). Each token is scored as suffix lookup scores a match of that length
-        (m / (m + 1)): how far the text up to the node agrees with the context up to `at`, plus the span tokens
-        before it. True if anything was added."""
+        (m / (m + 1)): `match`, how far the text up to the node agrees with the context up to `at`, plus the span
+        tokens before it. True if anything was added."""
         continuation = seq.tokens[at + 1 : min(at + 1 + room, c + 1)].tolist()
-        match = _agreement(_text_before(seq, g, node, c), seq, at)
         for k, t in enumerate(continuation, start=1):
             node = g.add(node, t, g.scores[node] * match / (match + 1), source=SPAN_SOURCE, origin=at + k)
             match += 1

@@ -178,6 +178,8 @@ FIRST_MARK = "(First request.)\n"
 # The warm-up check's method: one with no memory across requests (suffix drafting reuses earlier outputs, which
 # would make a repeat faster for a reason that is not a cold start).
 WARM_CHECK_METHOD = "ngram"
+# The trained draft the demo also shows, colocated with the target in the verifier replica (if served).
+LEARNED_DEMO_METHOD = "longspec-span"
 
 
 def first_vs_repeat(first: dict[str, Any], repeat: dict[str, Any]) -> dict[str, float]:
@@ -201,9 +203,11 @@ def run_demo(
     repeat: bool = True,
     tls: bool | bytes = False,
     warm_method: str = WARM_CHECK_METHOD,
+    learned_method: str = "",
 ) -> dict[str, Any]:
     """The long-context code-editing demo through the SDK: stream the text, then print the stats.
-    `warm_method`: the warm-up check's method ("" = the server's default, when it does not serve ngram)."""
+    `warm_method`: the warm-up check's method ("" = the server's default, when it does not serve ngram);
+    `learned_method`: a trained draft to run the demo through once more ("" = none)."""
     from spyglass.client import Client
     from spyglass.demo import code_edit_task
 
@@ -225,10 +229,12 @@ def run_demo(
         warm = first_vs_repeat(first.stats, fresh.stats)
     print(f"[spyglass] demo {task.name}: streaming from {address}", file=sys.stderr)
     stats: dict[str, Any] = {}
+    token_ids: list[int] = []
     with Client(address, tls=tls) as c:
         for chunk in c.generate(task.prompt, max_new_tokens=max_new_tokens, context_id=task.name):
             out.write(chunk.text)
             out.flush()
+            token_ids += chunk.token_ids
             if chunk.final:
                 stats = dict(chunk.stats or {}, finish_reason=chunk.finish_reason)
     print(file=out)
@@ -261,7 +267,28 @@ def run_demo(
             f"(first: {stats.get('ttft_s', 0):.2f} s), total {time.perf_counter() - t0:.2f} s",
             file=sys.stderr,
         )
+    if learned_method:
+        via = demo_via(address, task.prompt, learned_method, token_ids, max_new_tokens, task.name, tls)
+        stats["learned_check"] = via
+        print(
+            f"[spyglass] the demo via {learned_method} (its trained draft runs in the verifier, reading the target's "
+            f"KV cache): tau {via.get('tau', 0):.2f}, decode {via.get('tokens_per_s', 0):.1f} tok/s, "
+            f"tokens identical to {stats.get('method')}'s: {via['identical']}",
+            file=sys.stderr,
+        )
     return stats
+
+
+def demo_via(
+    address: str, prompt: str, method: str, reference: list[int], max_new_tokens: int, context_id: str, tls=False
+) -> dict[str, Any]:
+    """The demo request through another drafting method: its stats, and whether its tokens are the reference's
+    (greedy: every method gives plain decoding's tokens)."""
+    from spyglass.client import Client
+
+    with Client(address, tls=tls) as c:
+        done = c.generate_text(prompt, max_new_tokens=max_new_tokens, context_id=context_id, method=method)
+    return dict(done.stats, identical=done.token_ids == reference)
 
 
 def serve_main(
@@ -324,7 +351,8 @@ def serve_main(
         )
         if not no_demo:
             warm_method = WARM_CHECK_METHOD if WARM_CHECK_METHOD in info["methods"] else ""
-            run_demo(address, demo_tokens, tls=tls, warm_method=warm_method)
+            learned = LEARNED_DEMO_METHOD if LEARNED_DEMO_METHOD in info["methods"] else ""
+            run_demo(address, demo_tokens, tls=tls, warm_method=warm_method, learned_method=learned)
         if not once:
             print("[spyglass] serving; Ctrl-C to stop", file=sys.stderr)
             while True:

@@ -495,3 +495,14 @@ def test_cli_generate_server(grpc_address, client):
     assert doc["stats"]["generated_tokens"] == len(expected.token_ids)
     bad = subprocess.run([*cmd, "--method", "telepathy"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "INVALID_ARGUMENT" in bad.stderr and "unknown method" in bad.stderr
+
+
+def test_the_demo_through_the_learned_draft_equals_the_default_methods_tokens(client, grpc_address):
+    """`make run`'s last line: the demo request again through the trained LongSpec draft, which runs in the verifier
+    replica beside the target; its greedy tokens are the default method's."""
+    from services.app import LEARNED_DEMO_METHOD, demo_via
+
+    reference = client.generate_text(PROMPTS[0], max_new_tokens=24, context_id="demo-via").token_ids
+    via = demo_via(grpc_address, PROMPTS[0], LEARNED_DEMO_METHOD, reference, 24, "demo-via")
+    assert via["method"] == LEARNED_DEMO_METHOD and via["identical"]
+    assert not demo_via(grpc_address, PROMPTS[0], LEARNED_DEMO_METHOD, reference[:-1], 24, "demo-via")["identical"]

@@ -5,11 +5,13 @@ decoding and n-gram drafting, side by side in one run. Writes bench/results/dfla
 
 Two parts:
 1. End to end through the engine (speculation controller on, as served): per prompt, decode tokens/s of ar,
-   ngram, suffix, dflash, dflash-dels and composite-dflash (suffix lookups + DFlash + DeLS in one tree) (speedup =
-   ratio to ar on the same prompt), tau, greedy identity; `--sampled` adds T=1 runs (seeded) of all but ngram.
+   ngram, suffix, dflash, dflash-dels, composite-dflash (suffix lookups + DFlash + DeLS in one tree) and, for a
+   draft with a copy head, dflash-span and dflash-dels-span (speedup = ratio to ar on the same prompt), tau,
+   greedy identity; `--sampled` adds T=1 runs (seeded) of all but ngram.
 2. Acceptance along the greedy output (no controller, no timing): one target forward over prompt + ar's
    output gives the hidden states; at every output position the block is drafted exactly as served (context
-   stream = positions before the root) and its chain compared with the text that follows. This gives acceptance
+   stream = positions before the root; a copy head's mixture as served) and its chain compared with the text
+   that follows (no spans: the block's own positions). This gives acceptance
    by block position for DFlash and DeLS and the 3x3 grid of alpha, beta in {0.1, 0.3, 0.5} (chain tau =
    1 + mean accepted drafts per position).
 
@@ -42,9 +44,11 @@ from spyglass.drafters.dflash import (  # noqa: E402
     DFlashDrafter,
     fuse,
     load_dflash,
+    mix_copies,
     training_mask,
 )
 from spyglass.drafters.ngram import NgramDrafter  # noqa: E402
+from spyglass.drafters.spans import SPAN  # noqa: E402
 from spyglass.drafters.suffix import SuffixDrafter  # noqa: E402
 from spyglass.engine import EngineConfig, SpecEngine  # noqa: E402
 from spyglass.models.llama import Segment, load_transformer  # noqa: E402
@@ -105,8 +109,16 @@ def chain_acceptance(target, draft, head, task: HeldOutTask, output: list[int], 
         x = draft.block_input(tokens[anchors], b)
         pos = (anchors.unsqueeze(1) + torch.arange(b)).reshape(-1)
         mask = training_mask(anchors, tokens.shape[0], b)
-        hid = draft.blocks_hidden(x, pos, ctx, mask).view(anchors.shape[0], b, -1)[:, 1:]
-        long = draft.logits(hid.reshape(-1, hid.shape[-1])).view(anchors.shape[0], b - 1, -1)
+        hid = draft.blocks_hidden(x, pos, ctx, mask).view(anchors.shape[0], b, -1)[:, 1:].reshape(-1, x.shape[-1])
+        long = draft.logits(hid)
+        if draft.cfg.copy_head:  # the served rows: mixed with the pointer's copies of what precedes the root
+            n = tokens.shape[0]
+            keys = cache.layer(slot, target.args.n_layers - 1)[0][:, :n]
+            visible = torch.arange(n).unsqueeze(0) < anchors.repeat_interleave(b - 1).unsqueeze(1)
+            rows_pos = (anchors.unsqueeze(1) + torch.arange(1, b)).reshape(-1)
+            keep, mass = draft.copy_read(hid, rows_pos, keys, visible)
+            long = mix_copies(long, keep, mass, torch.cat([tokens[1:], tokens[-1:]]))
+        long = long.view(anchors.shape[0], b - 1, -1)
         for r, a in enumerate(anchors.tolist()):
             truth = tokens[a + 1 : a + b].tolist()
             chain = long[r].argmax(-1).tolist()
@@ -184,6 +196,9 @@ def main() -> None:
         "dflash-dels": lambda: DFlashDrafter(draft, head),
         "suffix": SuffixDrafter,
     }
+    if draft.cfg.copy_head:  # the first drafted token's copy brings the context's continuation
+        makers["dflash-span"] = lambda: DFlashDrafter(draft, span=SPAN)
+        makers["dflash-dels-span"] = lambda: DFlashDrafter(draft, head, span=SPAN)
     # as `--method composite-dflash` builds it, from this run's drafts
     parts = COMPOSITES["composite-dflash"]
     makers["composite-dflash"] = lambda: CompositeDrafter([makers[m]() for m in parts], "composite-dflash")
@@ -244,6 +259,10 @@ def main() -> None:
         "tau_suffix": med("suffix", "tau"),
         "speedup_composite": med("composite-dflash", "speedup"),
         "tau_composite": med("composite-dflash", "tau"),
+        "speedup_dflash_span": med("dflash-span", "speedup"),
+        "tau_dflash_span": med("dflash-span", "tau"),
+        "speedup_dels_span": med("dflash-dels-span", "speedup"),
+        "tau_dels_span": med("dflash-dels-span", "tau"),
         "identical_all_greedy": all(
             r["identical"] for row in results.values() for n, r in row.items() if not n.endswith("@T1")
         ),
@@ -275,6 +294,7 @@ def main() -> None:
                 "speedup_suffix_T1": med("suffix@T1", "speedup"),
                 "speedup_composite_T1": med("composite-dflash@T1", "speedup"),
                 "tau_composite_T1": med("composite-dflash@T1", "tau"),
+                "speedup_dels_span_T1": med("dflash-dels-span@T1", "speedup"),
             }
         )
     n_pos = {t.name: offline[t.name]["positions"] for t in tasks}
@@ -293,8 +313,8 @@ def main() -> None:
     # timings on a machine busier than its cores are not speed evidence (tau and acceptance still are)
     figures["machine_busy"] = load_before["loadavg_1m"] > load_before["nproc"]
     meta = {
-        "what": "DFlash / DFlash+DeLS / composite-dflash vs plain decoding, n-gram and suffix on held-out prompts "
-        "(eval split), SmolLM2 fp32",
+        "what": "DFlash / DFlash+DeLS (with spans, for a copy-head draft) / composite-dflash vs plain decoding, "
+        "n-gram and suffix on held-out prompts (eval split), SmolLM2 fp32",
         "run": {**vars(args), "dflash": repo_relative(args.dflash), "dels": repo_relative(args.dels)},
         "tasks": {t.name: len(t.prompt_ids) for t in tasks},
         "cost_curve": curve.to_dict(),
@@ -322,7 +342,7 @@ def main() -> None:
                 "ylabel": "x",
                 "series": {
                     m: (list(range(len(tasks))), [results[t.name][m]["speedup"] for t in tasks])
-                    for m in ("ngram", "suffix", "dflash", "dflash-dels", "composite-dflash")
+                    for m in ("ngram", "suffix", *(m for m in makers if m.startswith("dflash")), "composite-dflash")
                 },
                 "hline": 1.0,
             },

@@ -18,11 +18,19 @@ from spyglass.drafters.dels import (
     unigram_log_prior,
     window_weights,
 )
-from spyglass.drafters.dflash import DFlashDraft, DFlashDrafter, dflash_loss, fuse, load_dflash, save_dflash
+from spyglass.drafters.dflash import (
+    DFlashDraft,
+    DFlashDrafter,
+    dflash_loss,
+    fuse,
+    load_dflash,
+    mix_copies,
+    save_dflash,
+)
 from spyglass.engine import EngineConfig, SpecEngine, plain_generate
 from spyglass.models.llama import load_transformer
 from spyglass.sampling import SamplingParams
-from tests.tiny import fit_local_head, full_features, make_prompts, trained_tiny
+from tests.tiny import fit_local_head, full_features, make_prompts, trained_tiny, with_copy_head
 
 # Greedy identity (batch 1 and 4) and sampling fidelity: DFlash and DFlash + DeLS run in the shared suites,
 # tests/test_engine_identity.py and tests/test_sampling_fidelity.py.
@@ -375,6 +383,133 @@ def test_warm_start_from_a_checkpoint_with_another_block_size(tiny_dir, tmp_path
     other = DFlashDraft.from_target(target, target_layers=(1,), n_layers=1, block_size=4)
     with pytest.raises(ValueError, match="reading target layers"):
         warm_start(other, tmp_path / "d", target)
+
+
+def test_copy_mixture_by_hand():
+    """The head's probabilities weighted by exp(keep), plus each key position's mass on the token after it."""
+    logits = torch.tensor([[0.0, math.log(3.0), float("-inf"), 0.0]])  # head: 0.2, 0.6, 0, 0.2
+    keep = torch.tensor([math.log(0.5)])
+    mass = torch.tensor([[0.1, 0.3, 0.1]])  # positions 0, 1, 2 propose tokens 2, 3, 2
+    got = mix_copies(logits, keep, mass, torch.tensor([2, 3, 2])).exp()
+    torch.testing.assert_close(got, torch.tensor([[0.1, 0.3, 0.2, 0.4]]))
+
+
+def _keys(target, tokens: torch.Tensor) -> torch.Tensor:
+    """The target's last-layer keys `[kvh, L, D]` of `tokens` (what the training run hands the copy head)."""
+    cache = target.new_cache(tokens.shape[0] + 1, 1)
+    slot = cache.allocate()
+    target.prefill(cache, slot, tokens)
+    return cache.layer(slot, target.args.n_layers - 1)[0][:, : tokens.shape[0]].clone()
+
+
+def test_a_copy_head_loss_is_the_mixtures(tiny_dir):
+    """A copy head whose gate keeps everything on the LM head gives the plain loss; one that copies makes a target
+    outside the reduced vocabulary count where the context holds it, and learns to copy what the context repeats."""
+    target = load_transformer(tiny_dir["llama"])
+    plain = DFlashDraft.from_target(target, target_layers=(0, 1), n_layers=1, block_size=4).float()
+    copying = with_copy_head(plain).float()
+    text = torch.randint(3, target.args.vocab_size, (30,), generator=torch.Generator().manual_seed(4))
+    tokens = torch.cat([text, text])  # the second half repeats the first
+    feats, keys, anchors = full_features(target, tokens, (0, 1)), _keys(target, tokens), torch.arange(1, 55, 3)
+    with pytest.raises(ValueError, match="last-layer keys"):
+        dflash_loss(copying, feats, tokens, anchors)
+    with torch.no_grad():
+        copying.copy_gate.bias.copy_(torch.tensor([0.0] + [-1e4] * plain.cfg.n_kv_heads))
+        base, _ = dflash_loss(plain, feats, tokens, anchors)
+        same, _ = dflash_loss(copying, feats, tokens, anchors, keys=keys)
+        assert float(same) == pytest.approx(float(base), rel=1e-5)
+        copying.copy_gate.bias.copy_(torch.tensor([-1e4] + [0.0] * plain.cfg.n_kv_heads))  # all mass copied
+        ids = torch.arange(8)  # a vocabulary that holds no target: only copies can score
+        loss, _ = dflash_loss(copying, feats, tokens, anchors, vocab_ids=ids, keys=keys)
+        assert 0 < float(loss) < 1e3
+    fresh = with_copy_head(plain).float().train()
+    opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    anchors = torch.arange(31, 55)  # the repeated half: copyable
+    losses = []
+    for _ in range(40):
+        loss, _ = dflash_loss(fresh, feats, tokens, anchors, keys=keys)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def _after_prefill(drafter, target, prompt, max_new_tokens=8):
+    engine = SpecEngine(target, drafter, EngineConfig(max_batch=1, max_context=256, controller="off"))
+    seq = engine.add_request(prompt, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
+    engine.step()  # prefill: the root is the target's first token
+    return engine, seq
+
+
+def test_a_copied_first_token_brings_the_contexts_continuation(tiny_dir):
+    """Where the pointer's mass for the first drafted token sits on a context position, the chain goes on with what
+    followed that position (tagged as a span); the pointer then stays where an accepted copy ended and the next
+    chain is the context's continuation with no block forward. Less mass than `span_mass`: the block's chain."""
+    from spyglass.tree import DRAFT_SOURCE, SPAN_SOURCE
+    from spyglass.verify import Accepted
+
+    target = load_transformer(tiny_dir["llama"])
+    draft, _ = trained_tiny(target)
+    drafter = DFlashDrafter(with_copy_head(draft), span=4, span_mass=0.3)
+    prompt = [5, 6, 21, 22, 23, 24, 25, 26, 27, 9, 8]
+    engine, seq = _after_prefill(drafter, target, prompt)
+    c = seq.committed
+    rows = torch.zeros(drafter.block - 1, target.args.vocab_size)
+    rows[0, 23] = 5.0  # the block's first drafted token: 23
+    mass = torch.zeros(c)
+    mass[3] = 0.5  # position 3 (token 22) proposes 23, at position 4
+    tree = drafter._span_tree(seq, rows, mass, cap=256)
+    assert tree.tokens.tolist() == [seq.root, 23, 24, 25, 26, 27] and tree.is_chain
+    assert tree.sources == [0, DRAFT_SOURCE] + [SPAN_SOURCE] * 4
+    # the target accepts 23 24 and says 25: the pointer moves to position 6 (token 25), where the root now is
+    st = seq.drafter_state
+    drafter.commit(seq, Accepted([0, 1, 2], [23, 24, 25]))
+    assert st.pointer == 6 and st.chain is None
+    seq.append(23), seq.append(24), seq.append(25)  # (what the engine does; no KV needed for the pointer's chain)
+    forwards = []
+    run = drafter.draft.blocks_hidden
+    drafter.draft.blocks_hidden = lambda *a, **k: forwards.append(1) or run(*a, **k)
+    followed = drafter._follow_pointer(seq, cap=256)
+    assert followed.tokens.tolist() == [25, 26, 27, 9, 8] and followed.sources == [0] + [SPAN_SOURCE] * 4
+    assert not forwards
+    # a root that departs from the context, or too little mass: no span
+    drafter.commit(seq, Accepted([0], [99]))
+    assert st.pointer == -1 and drafter._follow_pointer(seq, cap=256) is None
+    engine2, seq2 = _after_prefill(DFlashDrafter(with_copy_head(draft), span=4, span_mass=0.3), target, prompt)
+    plain = engine2.drafter._span_tree(seq2, rows, mass * 0.5, cap=256)
+    assert plain.sources is None and len(plain) == drafter.block
+
+
+def test_span_options_are_checked(tiny_dir):
+    target = load_transformer(tiny_dir["llama"])
+    draft = DFlashDraft.from_target(target, target_layers=(0, 1), n_layers=1, block_size=4)
+    with pytest.raises(ValueError, match="no copy head"):
+        DFlashDrafter(draft, span=4)
+    with pytest.raises(ValueError, match="span must be"):
+        DFlashDrafter(with_copy_head(draft), span=4, span_mass=0.0)
+    with pytest.raises(ValueError, match="max_alternatives must be 0"):
+        DFlashDrafter(with_copy_head(draft), span=4, max_alternatives=2)
+    assert DFlashDrafter(with_copy_head(draft), span=4).name == "dflash-span"
+
+
+def test_a_copy_head_is_added_to_a_warm_started_draft_and_checkpointed(tiny_dir, tmp_path):
+    """`--copy-head --init-from` a draft trained without one: its weights carry over and the copy head starts
+    fresh; the checkpoint keeps the head. A copy-head checkpoint cannot warm-start a draft without one."""
+    from spyglass.training.dflash import warm_start
+
+    target = load_transformer(tiny_dir["llama"])
+    trained = DFlashDraft.from_target(target, target_layers=(0, 1), n_layers=1, block_size=4)
+    save_dflash(trained, tmp_path / "plain", dtype=torch.float32)
+    grown = DFlashDraft.from_target(target, target_layers=(0, 1), n_layers=1, block_size=4, copy_head=True)
+    warm_start(grown, tmp_path / "plain", target)
+    torch.testing.assert_close(grown.fc.weight, trained.fc.weight)
+    save_dflash(grown, tmp_path / "copy", dtype=torch.float32)
+    again = load_dflash(tmp_path / "copy", target)
+    assert again.cfg.copy_head
+    torch.testing.assert_close(again.copy_q.weight, grown.copy_q.weight)
+    with pytest.raises(ValueError, match="has a copy head"):
+        warm_start(DFlashDraft.from_target(target, target_layers=(0, 1), n_layers=1), tmp_path / "copy", target)
 
 
 def test_packaged_drafts_serve_the_default_model(smollm2):

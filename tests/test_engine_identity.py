@@ -15,7 +15,7 @@ from spyglass.drafters.tokenswift import build_tokenswift
 from spyglass.engine import EngineConfig, SpecEngine, plain_generate
 from spyglass.models.llama import load_transformer
 from spyglass.sampling import SamplingParams
-from tests.tiny import free_tokens_curve, layer_copy_draft, make_prompts, trained_tiny
+from tests.tiny import free_tokens_curve, layer_copy_draft, make_prompts, trained_tiny, with_copy_head
 
 N_PROMPTS = 12
 
@@ -42,6 +42,8 @@ def drafters(target):
     yield "dflash", DFlashDrafter(draft)  # a chain, sized by its acceptance profile
     yield "dflash-tree", DFlashDrafter(draft, max_alternatives=2)  # runner-ups too, sized step by step
     yield "dflash-dels", DFlashDrafter(draft, head)
+    # a random pointer's mass is thin: any mass at all makes a span; the rows mix in its copies
+    yield "dflash-dels-span", DFlashDrafter(with_copy_head(draft), head, span=6, span_mass=1e-6)
     yield "composite-dflash", CompositeDrafter([SuffixDrafter(max_depth=6), DFlashDrafter(draft, head)])
     # partial KV budgets below most prompts' lengths, so selection, replacement and rebuilds all happen
     yield "tokenswift", build_tokenswift(target, "untrained", budget=24, sinks=4)
@@ -59,7 +61,7 @@ def llama_target(tiny_dir):
 # something accepted from the briefly trained draft on the Qwen2 model, where its top-1 chain never is.)
 FAMILY_INDEPENDENT = {
     "ngram", "suffix", "longspec-beam", "longspec-cape", "longspec-span", "composite", "composite-span", "dflash",
-    "dflash-dels", "composite-dflash",
+    "dflash-dels", "dflash-dels-span", "composite-dflash",
 }  # fmt: skip
 
 

@@ -28,7 +28,7 @@ from spyglass.drafters.tokenswift import build_tokenswift
 from spyglass.engine import EngineConfig, SpecEngine, plain_generate
 from spyglass.models.llama import load_transformer
 from spyglass.sampling import SamplingParams
-from tests.tiny import free_tokens_curve, layer_copy_draft, make_tiny_model, trained_tiny
+from tests.tiny import free_tokens_curve, layer_copy_draft, make_tiny_model, trained_tiny, with_copy_head
 
 VOCAB = 24
 N_SAMPLES = int(os.environ.get("SPYGLASS_FIDELITY_SAMPLES", "3000"))
@@ -137,12 +137,12 @@ def sample_joint(
 
 METHODS = [
     "ar", "ngram", "suffix", "small-lm", "longspec", "longspec-beam", "longspec-cape", "longspec-span", "composite",
-    "composite-span", "tokenswift", "streaming", "dflash", "dflash-dels", "composite-dflash",
+    "composite-span", "tokenswift", "streaming", "dflash", "dflash-dels", "dflash-span", "composite-dflash",
 ]  # fmt: skip
 # Drafters whose trees run with the controller off, so every node (chain and alternatives) is verified: at batch
 # 500 the controller rightly prunes a tiny draft's unscored sampled chains (streaming) or low-scored blocks (DFlash)
 # to almost nothing, and the drafts-were-used check below could not hold.
-CONTROLLER_OFF = {"streaming", "dflash", "dflash-dels", "composite-dflash"}
+CONTROLLER_OFF = {"streaming", "dflash", "dflash-dels", "dflash-span", "composite-dflash"}
 SETTINGS = {"T1": (1.0, 1.0, None), "T0.8-topp0.9": (0.8, 0.9, None)}
 # The contextual penalty against HF's penalty over the last W tokens: plain sampling and TokenSwift (whose
 # feature it is). Drafters with random parts (LongSpec's cross-attention init) drew p-values down to 3e-4 here in
@@ -190,6 +190,10 @@ def test_first_three_tokens_match_plain_sampling(sampling_model, model, prompt, 
         # DFlash trained for a few seconds on this very prompt's continuations, so its blocks get accepted
         "dflash": lambda: DFlashDrafter(trained_tiny(model, block=4, steps=240, prefix=prompt)[0]),
         "dflash-dels": lambda: DFlashDrafter(*trained_tiny(model, block=4, steps=240, prefix=prompt)),
+        # sampled: the chain drawn from the mixture of head and copies, which is its proposal q
+        "dflash-span": lambda: DFlashDrafter(
+            with_copy_head(trained_tiny(model, block=4, steps=240, prefix=prompt)[0]), span=3, span_mass=1e-6
+        ),
         "composite-dflash": lambda: CompositeDrafter(
             [
                 SuffixDrafter(max_depth=3, max_nodes=8),

@@ -193,3 +193,17 @@ def fit_local_head(head, data: torch.Tensor, steps: int, window: int, batch: int
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+def with_copy_head(draft):
+    """A DFlash `draft` plus a fresh copy head (its pointer random, about a fifth of the mass copied)."""
+    from dataclasses import replace
+
+    from spyglass.drafters.dflash import DFlashDraft
+
+    torch.manual_seed(1)
+    out = DFlashDraft(replace(draft.cfg, copy_head=True), draft.embed, draft.lm_head, draft.inv_freq,
+                      draft.rope_scaling)  # fmt: skip
+    missing, _ = out.load_state_dict(draft.state_dict(), strict=False)
+    assert all(k.startswith("copy_") for k in missing)
+    return out.to(draft.dtype).eval()

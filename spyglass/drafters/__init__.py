@@ -20,6 +20,8 @@ METHODS = (
     "composite-dflash",
     "dflash",
     "dflash-dels",
+    "dflash-span",
+    "dflash-dels-span",
     "tokenswift",
     "streaming",
 )
@@ -60,7 +62,8 @@ def build_drafter(method: str, target, *, max_batch: int = 4, max_context: int =
         ]
         return CompositeDrafter(parts, name=method)
     if method in ("longspec", "longspec-beam", "longspec-cape", "longspec-span", "glide", "glide-cape"):
-        from spyglass.drafters.longspec import SHIPPED, SHIPPED_GLIDE, SPAN, LongSpecDrafter, load_longspec_draft
+        from spyglass.drafters.longspec import SHIPPED, SHIPPED_GLIDE, LongSpecDrafter, load_longspec_draft
+        from spyglass.drafters.spans import SPAN
 
         family, _, mode = method.partition("-")
         shipped = SHIPPED if family == "longspec" else SHIPPED_GLIDE  # used when no checkpoint is given
@@ -68,17 +71,19 @@ def build_drafter(method: str, target, *, max_batch: int = 4, max_context: int =
         span = SPAN if mode == "span" else 0  # a chain whose copied tokens bring their context's continuation
         mode = "chain" if mode in ("", "span") else mode
         return LongSpecDrafter(draft, gamma=options.get("gamma") or 5, mode=mode, span=span)
-    if method in ("dflash", "dflash-dels"):
+    if method in ("dflash", "dflash-dels", "dflash-span", "dflash-dels-span"):
         from spyglass.drafters.dflash import build_dflash_drafter
+        from spyglass.drafters.spans import SPAN
 
         return build_dflash_drafter(
             target,
             options.get("draft_checkpoint"),
             options.get("dels_checkpoint"),
-            dels=method == "dflash-dels",
+            dels=method.startswith("dflash-dels"),
             block_size=options.get("block_size"),
             alpha=options.get("alpha"),
             beta=options.get("beta"),
+            span=SPAN if method.endswith("-span") else None,  # the first drafted token's copy brings its context
         )
     if method == "tokenswift":
         from spyglass.drafters.tokenswift import build_tokenswift

@@ -35,10 +35,11 @@ from torch import nn
 
 from spyglass.attention import tree_attention
 from spyglass.drafters.base import ProposesSubset, VocabSubset, choose_draft_token, draft_generator
+from spyglass.drafters.spans import SPAN_MASS, agreement, continuation, copy_source, text_before
 from spyglass.models.linear import Linear, set_linear_backend
 from spyglass.models.llama import ModelArgs, RMSNorm, Transformer, apply_rope
 from spyglass.sequence import Sequence
-from spyglass.tree import DraftTree
+from spyglass.tree import DRAFT_SOURCE, SPAN_SOURCE, DraftTree
 from spyglass.verify import Accepted
 
 PACKAGED = Path(__file__).resolve().parents[1] / "drafts"
@@ -68,6 +69,10 @@ class DFlashConfig:
     rms_eps: float = 1e-6
     qkv_bias: bool = False
     init_std: float = 0.02
+    # A copy head (LongSpec's, `spyglass.training.draft_models`): per target KV head a query from a block
+    # position's final hidden state points over the target's last-layer keys, position j proposing the token after
+    # it; a gate mixes that with the LM head. It is what lets `dflash-span` hang the context's text below a block.
+    copy_head: bool = False
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -155,12 +160,20 @@ class DFlashDraft(ProposesSubset, nn.Module):
         self.mask_embed = nn.Parameter(torch.zeros(h))
         self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(h, cfg.rms_eps)
+        if cfg.copy_head:
+            self.copy_norm = RMSNorm(h, cfg.rms_eps)
+            self.copy_q = Linear(h, cfg.n_kv_heads * cfg.head_dim, bias=False)
+            self.copy_gate = Linear(h, 1 + cfg.n_kv_heads)  # log-weights: the LM head, then each copy head
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=cfg.init_std)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
         nn.init.normal_(self.mask_embed, std=cfg.init_std)
+        if cfg.copy_head:  # a fifth of the mass copied, spread evenly: the ranking barely moves at first
+            nn.init.zeros_(self.copy_gate.weight)
+            with torch.no_grad():
+                self.copy_gate.bias.copy_(torch.tensor([0.0] + [-2.5] * cfg.n_kv_heads))
         self._io = (embed, lm_head)  # a tuple: shared with the target, frozen, never checkpointed
         self.register_buffer("inv_freq", inv_freq.clone().float(), persistent=False)
         self.rope_scaling = rope_scaling
@@ -231,6 +244,33 @@ class DFlashDraft(ProposesSubset, nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head_logits(hidden, self.lm_head)
 
+    def copy_read(
+        self, hidden: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The copy head over final hidden states `[Q, H]` at `positions` and the target's last-layer post-RoPE keys
+        `[kvh, S, D]` (`visible` `[Q, S]` bool, None = all): the LM head's log-weight `[Q]` and the copy mass per key
+        position `[Q, S]` (rows sum to 1 - exp(log-weight)). A row that sees no key keeps all its mass on the head."""
+        c = self.cfg
+        h = self.copy_norm(hidden)
+        cos, sin = self.rope(positions)
+        q = apply_rope(self.copy_q(h).view(-1, c.n_kv_heads, c.head_dim), cos, sin).transpose(0, 1)
+        scores = q.float() @ keys.float().transpose(-1, -2) / c.head_dim**0.5  # [kvh, Q, S]
+        gate = torch.log_softmax(self.copy_gate(h).float(), dim=-1)  # [Q, 1 + kvh]
+        if visible is not None:
+            scores = scores.masked_fill(~visible, float("-inf"))
+            blind = ~visible.any(-1)
+            gate = torch.where(blind.unsqueeze(-1), gate.new_tensor([0.0] + [float("-inf")] * c.n_kv_heads), gate)
+            scores = scores.masked_fill(blind.unsqueeze(-1), 0.0)
+        per_head = torch.softmax(scores, dim=-1) * gate[:, 1:].exp().transpose(0, 1).unsqueeze(-1)
+        return gate[:, 0], per_head.sum(0)
+
+
+def mix_copies(logits: torch.Tensor, keep: torch.Tensor, mass: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """Log-probs `[Q, V]` of the copy-head proposal: the head's softmax (`logits` `[Q, V]`, -inf outside the draft's
+    rows) weighted by exp(`keep`) plus each key position's `mass` `[Q, S]` on the token after it, `after` `[S]`."""
+    p = torch.softmax(logits, -1) * keep.exp().unsqueeze(-1)
+    return p.scatter_add_(-1, after.expand(mass.shape), mass).log()
+
 
 def training_mask(anchors: torch.Tensor, ctx_len: int, block: int) -> torch.Tensor:
     """`[A*block, ctx_len + A*block]` bool: a block anchored at position a sees context positions < a (what the
@@ -251,13 +291,16 @@ def dflash_loss(
     gamma: float = 7.0,
     vocab_ids: torch.Tensor | None = None,
     labels: torch.Tensor | None = None,
+    keys: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """Block loss on one context: `feats [L, layers*H]` target hidden states, `tokens [L]`, `anchors [A]` with
     a + block <= L. Block position k >= 1 predicts tokens[a+k] with weight exp(-(k-1)/gamma) (DFlash's decay:
     early positions matter most, as acceptance stops at the first miss). `vocab_ids` (frequency-ranked token
-    ids) restricts the softmax to those rows of the shared head, a CPU saving: targets outside are skipped;
-    serving always uses the full head. `labels [L]` (the target's greedy next token at each position) replace
-    the text as targets: position k then learns the target's choice after the true prefix a+k-1 (distillation)."""
+    ids) restricts the softmax to those rows of the shared head, a CPU saving: targets outside are skipped (unless
+    the copy head can copy them); serving always uses the full head. `labels [L]` (the target's greedy next token
+    at each position) replace the text as targets: position k then learns the target's choice after the true
+    prefix a+k-1 (distillation). A copy-head draft needs `keys`, the target's last-layer keys `[kvh, L, D]`: the
+    loss is then the mixture's, its pointer seeing the positions before the anchor."""
     b = draft.cfg.block_size
     length = tokens.shape[0]
     ctx = draft.context_kv(feats, torch.arange(length))
@@ -274,14 +317,34 @@ def dflash_loss(
         logits = draft.logits(hid)
     else:
         logits = F.linear(hid.to(draft.lm_head.weight.dtype), draft.lm_head.weight[vocab_ids]).float()
-        remap = torch.full((draft.cfg.vocab_size,), -100, dtype=torch.long)
-        remap[vocab_ids] = torch.arange(vocab_ids.shape[0])
-        targets = remap[targets]
-    ce = F.cross_entropy(logits, targets, reduction="none", ignore_index=-100).view(anchors.shape[0], b - 1)
-    w = torch.exp(-torch.arange(b - 1, dtype=torch.float32) / gamma) * (targets != -100).view(ce.shape).float()
+    if draft.cfg.copy_head:
+        if keys is None:
+            raise ValueError("a copy-head draft's loss needs the target's last-layer keys")
+        row_anchor = anchors.repeat_interleave(b - 1)
+        visible = torch.arange(length).unsqueeze(0) < row_anchor.unsqueeze(1)
+        keep, mass = draft.copy_read(hid, (anchors.unsqueeze(1) + torch.arange(1, b)).reshape(-1), keys, visible)
+        head_p = torch.softmax(logits, -1) * keep.exp().unsqueeze(-1)
+        p = head_p.new_zeros(head_p.shape[0], draft.cfg.vocab_size)
+        p = p.index_copy(1, vocab_ids, head_p) if vocab_ids is not None else head_p
+        after = torch.cat([tokens[1:], tokens[-1:]])
+        p = p.scatter_add(-1, after.expand(mass.shape), mass)
+        picked = p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        ok = picked > 0
+        ce = -picked.clamp_min(1e-30).log() * ok
+        hit_rows = p.detach().argmax(-1) == targets
+    else:
+        if vocab_ids is not None:
+            remap = torch.full((draft.cfg.vocab_size,), -100, dtype=torch.long)
+            remap[vocab_ids] = torch.arange(vocab_ids.shape[0])
+            targets = remap[targets]
+        ok = targets != -100
+        ce = F.cross_entropy(logits, targets, reduction="none", ignore_index=-100)
+        hit_rows = logits.detach().argmax(-1) == targets
+    ce = ce.view(anchors.shape[0], b - 1)
+    w = torch.exp(-torch.arange(b - 1, dtype=torch.float32) / gamma) * ok.view(ce.shape).float()
     loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
     with torch.no_grad():
-        hit = (logits.argmax(-1) == targets).view(anchors.shape[0], b - 1).float()
+        hit = hit_rows.view(anchors.shape[0], b - 1).float()
         run = hit.cumprod(dim=1).sum(dim=1).mean()  # accepted drafted tokens if verified greedily as a chain
     return loss, {"acc_first": float(hit[:, 0].mean()), "accepted_chain": float(run)}
 
@@ -341,6 +404,9 @@ class _Context:
     pos: torch.Tensor  # [cap] int64
     generator: torch.Generator | None  # the drafter's random stream for a sampled sequence
     n: int = 0
+    pointer: int = -1  # spans: the context position whose token should be the root, where the last copy ended
+    chain: list[int] | None = None  # spans: the last chain proposed (root first) and each node's context position
+    origins: list[int] | None = None
 
     def crop(self, start: int) -> None:
         """Drop rows at positions >= start (a verify pass re-commits from `start`)."""
@@ -389,12 +455,16 @@ class DFlashDrafter:
         alt_threshold: float = 0.6,
         max_alternatives: int = 0,
         max_alt_positions: int = 4,
+        span: int = 0,
+        span_mass: float = SPAN_MASS,
     ) -> None:
         """`max_alternatives` > 0 adds up to that many runner-up tokens at block positions whose top token has
         less than `alt_threshold` probability, making a tree the controller sizes step by step from its scores.
         The default, a chain, is sized by its acceptance profile instead: replayed over v6's drafts on the dev
         prompts (bench/replay.py policies) the two make the same mean, but the per-step sizing stalls where the
-        first drafts miss (median 1.18x vs 1.26x, worst prompt 1.03x vs 1.09x)."""
+        first drafts miss (median 1.18x vs 1.26x, worst prompt 1.03x vs 1.09x).
+        `span` > 0 (a copy-head draft, greedy requests): where the first drafted token is a copy, the chain goes on
+        with up to `span` tokens of the context that followed its source instead of the block's later positions."""
         self.draft = draft.eval()
         self.local = local_head.eval() if local_head is not None else None
         self.alpha, self.beta = alpha, beta
@@ -404,9 +474,18 @@ class DFlashDrafter:
         self.alt_threshold = alt_threshold
         self.max_alternatives = max_alternatives
         self.max_alt_positions = max_alt_positions
-        self.name = "dflash-dels" if local_head is not None else "dflash"
+        if span < 0 or not 0 < span_mass <= 1:
+            raise ValueError(f"span must be >= 0 and span_mass in (0, 1], got {span}, {span_mass}")
+        if span and not draft.cfg.copy_head:
+            raise ValueError("spans follow the copy head's pointer: this DFlash draft has no copy head")
+        if span and max_alternatives:
+            raise ValueError("spans continue a chain: max_alternatives must be 0")
+        self.span, self.span_mass = span, span_mass
+        self.name = ("dflash-dels" if local_head is not None else "dflash") + ("-span" if span else "")
         self.hidden_layers = tuple(draft.cfg.target_layers)
         self.capacity: int | None = None
+        self.cache = None
+        self.keys_layer = -1
 
     @property
     def drafts_chain(self) -> bool:
@@ -414,7 +493,8 @@ class DFlashDrafter:
         return self.max_alternatives == 0
 
     def bind(self, target: Transformer, cache) -> None:
-        self.capacity = cache.capacity
+        self.capacity, self.cache = cache.capacity, cache
+        self.keys_layer = target.args.n_layers - 1  # a copy head points over the target's last-layer keys
         set_linear_backend(self.draft, target.linear_backend)  # the kernel measured faster for the target
 
     def _state(self, seq: Sequence) -> _Context:
@@ -442,26 +522,84 @@ class DFlashDrafter:
     @torch.inference_mode()
     def propose(self, batch: list[Sequence]) -> list[DraftTree]:
         cap = self.capacity or 1 << 30
-        sizes, hiddens = [], []
-        for seq in batch:
+        trees: list[DraftTree | None] = [None] * len(batch)
+        drafted, hiddens = [], []  # (index, block size) of the sequences the block runs for
+        for i, seq in enumerate(batch):
             b = max(1, min(self.block, cap - seq.num_tokens + 1))
-            sizes.append(b)
             if b < 2:
+                trees[i] = DraftTree.root_only(seq.root)
+                continue
+            if self.span and seq.params.greedy and (tree := self._follow_pointer(seq, cap)) is not None:
+                trees[i] = tree  # the last accepted copy goes on: its continuation, no draft step
                 continue
             p = seq.committed
             x = self.draft.block_input(torch.tensor([seq.root]), b)
-            hid = self.draft.blocks_hidden(x, torch.arange(p, p + b), self._state(seq).view())
-            hiddens.append(hid[1:])
-        long_logits = self.draft.logits(torch.cat(hiddens)) if hiddens else None
-        trees, offset = [], 0
-        for seq, b in zip(batch, sizes, strict=True):
-            if b < 2:
-                trees.append(DraftTree.root_only(seq.root))
-                continue
-            rows = long_logits[offset : offset + b - 1]
-            trees.append(self._tree(seq.root, rows) if seq.params.greedy else self._sampled_chain(seq, rows))
+            hiddens.append(self.draft.blocks_hidden(x, torch.arange(p, p + b), self._state(seq).view())[1:])
+            drafted.append((i, b))
+        if not drafted:
+            return trees
+        hidden = torch.cat(hiddens)
+        long_logits = self.draft.logits(hidden)
+        offset = 0
+        for i, b in drafted:
+            seq, rows, mass = batch[i], long_logits[offset : offset + b - 1], None
+            if self.draft.cfg.copy_head:
+                rows, mass = self._with_copies(seq, hidden[offset : offset + b - 1], rows)
+            if not seq.params.greedy:
+                trees[i] = self._sampled_chain(seq, rows)
+            elif self.span:
+                trees[i] = self._span_tree(seq, rows, mass[0], cap)
+            else:
+                trees[i] = self._tree(seq.root, rows)
             offset += b - 1
         return trees
+
+    def _with_copies(self, seq: Sequence, hidden: torch.Tensor, logits: torch.Tensor):
+        """A copy-head draft's rows: log-probs of the mixture of its LM head and its pointer over the target's
+        committed last-layer keys (position j proposing the token after it), and the pointer's mass `[b-1, c]`."""
+        keys = self.cache.prefix(seq.slot, self.keys_layer)[0]
+        c = keys.shape[1]
+        if c == 0:  # nothing to copy from
+            return logits, logits.new_zeros(logits.shape[0], 0)
+        keep, mass = self.draft.copy_read(hidden, torch.arange(c + 1, c + 1 + hidden.shape[0]), keys)
+        return mix_copies(logits, keep, mass, seq.tokens[1 : c + 1]), mass
+
+    def _span_tree(self, seq: Sequence, rows: torch.Tensor, mass: torch.Tensor, cap: int) -> DraftTree:
+        """The first drafted token and, if the pointer copied it, the context's continuation from its source
+        (`spans.copy_source`); otherwise the block's chain."""
+        c, st = seq.committed, self._state(seq)
+        p = torch.softmax(rows[0], -1)
+        first = int(p.argmax())
+        found = copy_source(seq, text_before(seq, [first], c), first, mass, seq.tokens[1 : c + 1], self.span_mass)
+        if found is None:
+            st.chain = None
+            return self._tree(seq.root, rows)
+        at, match = found
+        span = continuation(seq, at, c, min(self.span, cap - seq.num_tokens - 1), float(p[first]), match)
+        tokens = [seq.root, first, *(t for t, _ in span)]
+        scores = [1.0, float(p[first]), *(sc for _, sc in span)]
+        st.chain, st.origins = tokens, [-1, *range(at, at + len(span) + 1)]
+        sources = [0, DRAFT_SOURCE, *[SPAN_SOURCE] * len(span)]
+        return DraftTree(torch.tensor(tokens), list(range(-1, len(tokens) - 1)), None, scores, sources)
+
+    def _follow_pointer(self, seq: Sequence, cap: int) -> DraftTree | None:
+        """Where the root is the context's token at the pointer (the last accepted copy goes on), the chain of what
+        followed it there; None otherwise."""
+        st, c = self._state(seq), seq.committed
+        at = st.pointer
+        if not (0 < at < c and int(seq.tokens[at]) == int(seq.root)):
+            return None
+        span = continuation(
+            seq, at, c, min(self.span, cap - seq.num_tokens), 1.0, agreement(text_before(seq, [], c), seq, at)
+        )
+        if not span:
+            return None
+        tokens = [seq.root, *(t for t, _ in span)]
+        st.chain, st.origins = tokens, [at, *range(at + 1, at + 1 + len(span))]
+        sources = [0, *[SPAN_SOURCE] * len(span)]
+        return DraftTree(
+            torch.tensor(tokens), list(range(-1, len(span))), None, [1.0, *(sc for _, sc in span)], sources
+        )
 
     def _position_logits(self, long_logits: torch.Tensor, chain: list[int], h):
         """Block position len(chain)'s logits: DFlash's alone first, then fused with the local head stepped on
@@ -517,7 +655,17 @@ class DFlashDrafter:
         return DraftTree(torch.tensor(tokens), parents, None, scores)
 
     def commit(self, seq: Sequence, accepted: Accepted) -> None:
-        """Nothing to do: `observe_hidden` already appended the accepted rows (and cropped before them)."""
+        """`observe_hidden` already appended the accepted rows (and cropped before them). With spans, the pointer
+        moves past the last accepted token if the accepted tokens start the last chain and that one was copied
+        (compared by tokens: in a composite the verified tree is a merged one)."""
+        st: _Context | None = seq.drafter_state
+        if st is None:
+            return
+        drafted = accepted.tokens[:-1]  # the last one is the target's own
+        n = len(drafted)
+        follows = st.chain is not None and 0 < n < len(st.chain) and st.chain[1 : n + 1] == drafted
+        st.pointer = st.origins[n] + 1 if follows and st.origins[n] >= 0 else -1
+        st.chain = None
 
     def release(self, seq: Sequence) -> None:
         seq.drafter_state = None

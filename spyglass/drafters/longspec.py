@@ -45,6 +45,7 @@ import torch
 from safetensors.torch import load_file
 
 from spyglass.drafters.base import choose_draft_token, draft_generator, requested_depth
+from spyglass.drafters.spans import SPAN_MASS, agreement, continuation, copy_source, text_before
 from spyglass.kv_cache import KVCache
 from spyglass.models.linear import set_linear_backend
 from spyglass.models.llama import Transformer
@@ -58,9 +59,6 @@ SHIPPED_GLIDE = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-g
 CAPE_BINS = (8, 8, 8, 6, 6, 6, 4, 4, 2, 2, 2)  # extra candidates by floor(10 * p_top1) (GPU default)
 CAPE_BINS_CPU = (3, 3, 3, 2, 2, 2, 1, 1, 1, 0, 0)  # on CPU every node costs verify time: fewer
 MODES = ("chain", "beam", "cape")
-SPAN = 16  # `longspec-span`'s longest copied continuation (the controller keeps what pays of it)
-MATCH_LOOKBACK = 32  # how far back a span's source is compared with the text before the node
-SPAN_CANDIDATES = 4  # the places a span's source is chosen from (the most copy mass)
 
 
 @dataclass
@@ -128,7 +126,7 @@ class LongSpecDrafter:
         width: int = 3,
         cape_bins: tuple[int, ...] | None = None,
         span: int = 0,
-        span_mass: float = 0.1,
+        span_mass: float = SPAN_MASS,
     ) -> None:
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
@@ -215,8 +213,8 @@ class LongSpecDrafter:
             for i, (s, w, c) in enumerate(zip(batch, states, committed, strict=True)):
                 p, room = w.pointer, min(self.span, self.cache.capacity - s.num_tokens)
                 if 0 < p < c and int(s.tokens[p]) == int(s.root):
-                    match = _agreement(_text_before(s, trees[i], 0, c), s, p)
-                    if self._extend(s, trees[i], 0, p, c, room, match):
+                    match = agreement(text_before(s, [], c), s, p)
+                    if self._extend(s, trees[i], 0, p, match, c, room):
                         depth_cap[i] = 0
         before_root = [int(s.tokens[c - 1]) if c else -1 for s, c in zip(batch, committed, strict=True)]
         # a copy head's: the token after each committed one (views of the sequences' buffers, no copy)
@@ -293,34 +291,22 @@ class LongSpecDrafter:
     def _add_span(
         self, seq: Sequence, g: _Growing, node: int, mass: torch.Tensor, after: torch.Tensor, room: int
     ) -> bool:
-        """Hang the context's continuation (at most `room` tokens) below `node` if its token came from copying (at
-        least `span_mass` of copy mass on the positions proposing it); True if a span was added. The source: of the
-        `SPAN_CANDIDATES` positions with the most mass, the one whose preceding text agrees longest with the text
-        before the node (a phrase the context repeats splits the pointer's mass between its places)."""
-        tok = g.tokens[node]
-        if not len(after):
-            return False
-        at = torch.where(after == tok, mass, 0.0)
-        top = at.topk(min(SPAN_CANDIDATES, len(at)))
-        if float(top.values.sum()) < self.span_mass:
-            return False
+        """Hang the context's continuation (at most `room` tokens) below `node` if its token came from copying
+        (`spans.copy_source`); True if a span was added."""
         c = len(after)
-        before = _text_before(seq, g, node, c)
-        agree = {a: _agreement(before, seq, a) for a in (top.indices[top.values > 0] + 1).tolist()}
-        source = max(agree, key=agree.__getitem__)  # ties: the most mass (`agree` keeps topk's order)
-        g.origins[node] = source
-        return self._extend(seq, g, node, source, c, room, agree[source])
+        found = copy_source(seq, text_before(seq, g.tokens_to(node), c), g.tokens[node], mass, after, self.span_mass)
+        if found is None:
+            return False
+        g.origins[node] = found[0]
+        return self._extend(seq, g, node, *found, c, room)
 
-    def _extend(self, seq: Sequence, g: _Growing, node: int, at: int, c: int, room: int, match: int) -> bool:
-        """Below `node`, whose token is the context's at position `at`, what followed it there (up to the root,
-        position `c`; at most `room` tokens). Each token is scored as suffix lookup scores a match of that length
-        (m / (m + 1)): `match`, how far the text up to the node agrees with the context up to `at`, plus the span
-        tokens before it. True if anything was added."""
-        continuation = seq.tokens[at + 1 : min(at + 1 + room, c + 1)].tolist()
-        for k, t in enumerate(continuation, start=1):
-            node = g.add(node, t, g.scores[node] * match / (match + 1), source=SPAN_SOURCE, origin=at + k)
-            match += 1
-        return bool(continuation)
+    def _extend(self, seq: Sequence, g: _Growing, node: int, at: int, match: int, c: int, room: int) -> bool:
+        """Below `node`, whose token is the context's at position `at`, what followed it there (`spans.continuation`).
+        True if anything was added."""
+        span = continuation(seq, at, c, room, g.scores[node], match)
+        for k, (t, score) in enumerate(span, start=1):
+            node = g.add(node, t, score, source=SPAN_SOURCE, origin=at + k)
+        return bool(span)
 
     def _children(self, seq: Sequence, g: _Growing, node: int, logits: torch.Tensor, gen) -> list[int]:
         """Add the node's children to the tree; returns those to expand further."""
@@ -363,18 +349,6 @@ class LongSpecDrafter:
     def state_bytes(self, seq: Sequence) -> int:
         w: _Window | None = seq.drafter_state
         return 0 if w is None else 2 * w.k.numel() * w.k.element_size() + w.pos.numel() * w.pos.element_size()
-
-
-def _text_before(seq: Sequence, g: _Growing, node: int, c: int) -> list[int]:
-    """The last tokens up to and including `node` (the context to the root, then the tree's path), newest first."""
-    return (seq.tokens[max(0, c + 1 - MATCH_LOOKBACK) : c + 1].tolist() + g.tokens_to(node))[::-1]
-
-
-def _agreement(before: list[int], seq: Sequence, at: int) -> int:
-    """How many tokens `before` (newest first) and the context up to position `at` agree on, going backwards."""
-    source = seq.tokens[max(0, at + 1 - MATCH_LOOKBACK) : at + 1].tolist()[::-1]
-    n = min(len(source), len(before))
-    return next((m for m in range(n) if source[m] != before[m]), n)
 
 
 class _Growing:

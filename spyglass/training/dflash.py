@@ -98,7 +98,12 @@ def warm_start(draft, checkpoint: str | Path, target) -> None:
             f"init_from {checkpoint}: {theirs.n_layers} layers reading target layers {list(theirs.target_layers)}, "
             f"this run {mine.n_layers} reading {list(mine.target_layers)}"
         )
-    draft.load_state_dict(warm.state_dict())
+    if theirs.copy_head and not mine.copy_head:
+        raise ValueError(f"init_from {checkpoint} has a copy head; this run has none (pass --copy-head)")
+    # a copy head added to a draft trained without one starts fresh (its initialisation barely moves the ranking)
+    missing, _ = draft.load_state_dict(warm.state_dict(), strict=False)
+    if any(not k.startswith("copy_") for k in missing):
+        raise ValueError(f"init_from {checkpoint}: missing {missing}")
 
 
 def _save_state(path: Path, **state) -> None:
@@ -109,15 +114,19 @@ def _save_state(path: Path, **state) -> None:
 
 def target_features(
     stack, cache, slot: int, tokens: torch.Tensor, layers: tuple[int, ...], greedy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Concatenated hidden states `[L, len(layers)*H]` of `tokens` (one forward, nothing committed) and, with
-    `greedy` (`stack` must then be the whole target), the target's argmax next token at every position."""
+    `greedy` (`stack` must then be the whole target), the target's argmax next token at every position and its
+    last layer's keys `[kvh, L, D]` (a copy head's pointer reads them)."""
     from spyglass.models.llama import Segment
 
     stack.capture_layers = layers
-    out = stack([Segment(slot, 0, tokens, torch.arange(tokens.shape[0]), None, "all" if greedy else "none")], cache)
+    n = tokens.shape[0]
+    out = stack([Segment(slot, 0, tokens, torch.arange(n), None, "all" if greedy else "none")], cache)
     feats = torch.cat([stack.captured[0][i] for i in layers], dim=-1).clone()
-    return feats, (out[0].argmax(-1) if greedy else None)
+    if not greedy:
+        return feats, None, None
+    return feats, out[0].argmax(-1), cache.layer(slot, stack.args.n_layers - 1)[0][:, :n].clone()
 
 
 def write_model_card(out: Path, title: str, what: str, summary: dict) -> None:
@@ -154,6 +163,10 @@ def train_dflash(args) -> dict:
     train, evals, manifest = _corpus(work, model_path, args.train_contexts, args.seq_len)
     target = load_transformer(model_path)
     overrides = {"n_layers": args.layers, "block_size": args.block, "intermediate_size": args.intermediate}
+    if args.copy_head:
+        if not args.distill:
+            raise ValueError("--copy-head reads the target's last-layer keys: it needs --distill (the whole target)")
+        overrides["copy_head"] = True
     if args.target_layers:
         overrides["target_layers"] = tuple(int(x) for x in args.target_layers.split(","))
     draft = DFlashDraft.from_target(target, init_from_target=args.init_from_target, **overrides).float().train()
@@ -190,13 +203,13 @@ def train_dflash(args) -> dict:
     while step < total and _spent(t0, t0_cpu, args.budget) < args.minutes * 60:
         tokens = train[order[(step // args.inner) % train.shape[0]]]
         with torch.no_grad():  # (the forward runs in inference mode; the concatenation makes a normal tensor)
-            feats, labels = target_features(stack, cache, slot, tokens, layers, args.distill)
+            feats, labels, keys = target_features(stack, cache, slot, tokens, layers, args.distill)
         seen_tokens += tokens.shape[0]
         for _ in range(args.inner):
             anchors = torch.randperm(tokens.shape[0] - b - 1, generator=gen)[: args.anchors].sort().values + 1
             for g in opt.param_groups:
                 g["lr"] = _lr(step, total, args.lr)
-            loss, m = dflash_loss(draft, feats, tokens, anchors, args.gamma, vocab_ids, labels)
+            loss, m = dflash_loss(draft, feats, tokens, anchors, args.gamma, vocab_ids, labels, keys)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -235,9 +248,9 @@ def train_dflash(args) -> dict:
     with torch.inference_mode():
         for i in range(min(args.eval_contexts, evals.shape[0])):
             tokens = evals[i]
-            feats, labels = target_features(stack, cache, slot, tokens, layers, args.distill)
+            feats, labels, keys = target_features(stack, cache, slot, tokens, layers, args.distill)
             anchors = torch.arange(1, tokens.shape[0] - b - 1, 7)
-            loss, m = dflash_loss(draft, feats, tokens, anchors, args.gamma, labels=labels)
+            loss, m = dflash_loss(draft, feats, tokens, anchors, args.gamma, labels=labels, keys=keys)
             ev_loss.append(float(loss))
             ev_acc1.append(m["acc_first"])
             ev_chain.append(m["accepted_chain"])
@@ -399,6 +412,12 @@ def main(argv: list[str] | None = None, return_summary: bool = False):
     d.add_argument("--max-steps", type=int, default=600)
     d.add_argument("--train-vocab", type=int, default=0, help="softmax over the N most frequent tokens (0 = all)")
     d.add_argument("--eval-contexts", type=int, default=8)
+    d.add_argument(
+        "--copy-head",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="a pointer over the target's last-layer keys",
+    )
     d.add_argument(
         "--distill",
         action=argparse.BooleanOptionalAction,

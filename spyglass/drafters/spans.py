@@ -1,0 +1,59 @@
+"""Context spans: where a copy head's pointer says the next token comes from the context, the text that followed
+that place becomes a chain of draft nodes for no further draft step (`longspec-span`, `dflash-span`).
+
+A recurring phrase splits the pointer's mass between its places, so a span's source is chosen among the few
+places with the most mass by how far the text before each agrees with the text before the node.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spyglass.sequence import Sequence
+
+SPAN = 16  # the longest copied continuation (the controller keeps what pays of it)
+SPAN_MASS = 0.1  # the copy mass on a token's places that makes it a copy
+SPAN_CANDIDATES = 4  # the places a span's source is chosen from (the most copy mass)
+MATCH_LOOKBACK = 32  # how far back a span's source is compared with the text before the node
+
+
+def text_before(seq: Sequence, drafted: list[int], c: int) -> list[int]:
+    """The last tokens up to a node (the context to the root at position `c`, then the node's `drafted` path),
+    newest first."""
+    return (seq.tokens[max(0, c + 1 - MATCH_LOOKBACK) : c + 1].tolist() + drafted)[::-1]
+
+
+def agreement(before: list[int], seq: Sequence, at: int) -> int:
+    """How many tokens `before` (newest first) and the context up to position `at` agree on, going backwards."""
+    source = seq.tokens[max(0, at + 1 - MATCH_LOOKBACK) : at + 1].tolist()[::-1]
+    n = min(len(source), len(before))
+    return next((m for m in range(n) if source[m] != before[m]), n)
+
+
+def copy_source(
+    seq: Sequence, before: list[int], tok: int, mass: torch.Tensor, after: torch.Tensor, span_mass: float
+) -> tuple[int, int] | None:
+    """The context position a copied `tok` comes from and how far its preceding text agrees with `before`, or None
+    if `tok` is not a copy (less than `span_mass` of the pointer's `mass` `[S]` on the positions proposing it;
+    position j proposes `after[j]`, the token after it). Ties go to the most mass."""
+    if not len(after):
+        return None
+    at = torch.where(after == tok, mass, 0.0)
+    top = at.topk(min(SPAN_CANDIDATES, len(at)))
+    if float(top.values.sum()) < span_mass:
+        return None
+    agree = {a: agreement(before, seq, a) for a in (top.indices[top.values > 0] + 1).tolist()}
+    source = max(agree, key=agree.__getitem__)  # `agree` keeps topk's order
+    return source, agree[source]
+
+
+def continuation(seq: Sequence, at: int, c: int, room: int, score: float, match: int) -> list[tuple[int, float]]:
+    """What followed context position `at` (up to the root, position `c`; at most `room` tokens), each with its
+    score: `score` times m / (m + 1) per token, as suffix lookup scores a match of length m, where m starts at
+    `match` (how far the text up to the node agrees with the context up to `at`) and grows with each token."""
+    out = []
+    for t in seq.tokens[at + 1 : min(at + 1 + room, c + 1)].tolist():
+        score *= match / (match + 1)
+        out.append((t, score))
+        match += 1
+    return out

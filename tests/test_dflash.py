@@ -459,7 +459,7 @@ def test_a_copied_first_token_brings_the_contexts_continuation(tiny_dir):
     rows[0, 23] = 5.0  # the block's first drafted token: 23
     mass = torch.zeros(c)
     mass[3] = 0.5  # position 3 (token 22) proposes 23, at position 4
-    tree = drafter._span_tree(seq, rows, mass, cap=256)
+    tree = drafter._span_tree(seq, rows, mass.expand(drafter.block - 1, -1), cap=256)
     assert tree.tokens.tolist() == [seq.root, 23, 24, 25, 26, 27] and tree.is_chain
     assert tree.sources == [0, DRAFT_SOURCE] + [SPAN_SOURCE] * 4
     # the target accepts 23 24 and says 25: the pointer moves to position 6 (token 25), where the root now is
@@ -477,7 +477,7 @@ def test_a_copied_first_token_brings_the_contexts_continuation(tiny_dir):
     drafter.commit(seq, Accepted([0], [99]))
     assert st.pointer == -1 and drafter._follow_pointer(seq, cap=256) is None
     engine2, seq2 = _after_prefill(DFlashDrafter(with_copy_head(draft), span=4, span_mass=0.3), target, prompt)
-    plain = engine2.drafter._span_tree(seq2, rows, mass * 0.5, cap=256)
+    plain = engine2.drafter._span_tree(seq2, rows, (mass * 0.5).expand(drafter.block - 1, -1), cap=256)
     assert plain.sources is None and len(plain) == drafter.block
 
 
@@ -513,7 +513,8 @@ def test_a_copy_head_is_added_to_a_warm_started_draft_and_checkpointed(tiny_dir,
 
 
 def test_packaged_drafts_serve_the_default_model(smollm2):
-    """`dflash` / `dflash-dels` with no checkpoint argument load the drafts shipped in the package."""
+    """`dflash` / `dflash-dels` / `dflash-span` with no checkpoint argument load the drafts shipped in the package
+    (the DFlash draft with its copy head)."""
     from spyglass.drafters import METHODS, build_drafter
 
     target, tok = smollm2
@@ -521,10 +522,12 @@ def test_packaged_drafts_serve_the_default_model(smollm2):
     ids = tok.encode("def fibonacci(n):\n    if n < 2:\n        return n\n", add_special_tokens=False)
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     ref = plain_generate(target, ids, params)
-    for method in ("dflash", "dflash-dels"):
+    assert {"dflash-span", "dflash-dels-span"} <= set(METHODS)
+    for method in ("dflash", "dflash-dels", "dflash-span"):
         drafter = build_drafter(method, target)
         assert drafter.name == method and drafter.hidden_layers == (1, 14, 27)
         assert drafter.draft.vocab_ids.numel() == 8192  # served over the rows it was trained on
+        assert drafter.draft.cfg.copy_head and bool(drafter.span) == method.endswith("-span")
         assert (drafter.local is not None) == (method == "dflash-dels")
         engine = SpecEngine(target, drafter, EngineConfig(max_batch=1, max_context=256, controller="off"))
         (seq,) = engine.run([ids], params)

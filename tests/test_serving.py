@@ -22,9 +22,10 @@ from spyglass.client import AsyncClient, Client, SpyglassError
 MAX_CONTEXT = 2048
 GATEWAY_MAX_QUEUED = 2
 MAX_BATCH = 4
-# the first is the default; every drafter family is served here (dflash differs from dflash-dels only in the head)
+# the first is the default; every drafter family is served here (dflash-dels-span is dflash-dels plus the spans of
+# its copy head)
 SERVED_METHODS = ["ngram", "ar", "suffix", "longspec", "longspec-span", "longspec-cape", "glide", "composite"]
-SERVED_METHODS += ["dflash-dels", "composite-dflash", "tokenswift", "streaming"]
+SERVED_METHODS += ["dflash-dels-span", "composite-dflash", "tokenswift", "streaming"]
 PROMPTS = [
     "List the days of the week, one per line.",
     "Count from one to twenty in words, separated by commas.",

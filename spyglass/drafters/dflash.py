@@ -14,6 +14,13 @@ from the Redis context cache) have no hidden states: the stream then covers only
 costs acceptance, never correctness. Rows are kept by position and cropped to `start` before new rows are
 appended, so the cache always equals what recomputing it from scratch over the committed tokens would give.
 
+A draft with a copy head (`DFlashConfig.copy_head`) mixes every block row with copies: a pointer from the row's
+final hidden state over the target's committed last-layer keys (read in place from the engine's KV cache), each
+position proposing the token after it. `dflash-span` (greedy requests) uses it as LongSpec's `longspec-span` does
+(`spyglass.drafters.spans`): if the block's first drafted token is a copy, the chain goes on with the context's
+text after its source instead of the block's later positions, and while the target keeps accepting that text the
+next chain continues it with no block forward at all.
+
 Greedy requests get the block's top-1 chain plus, at low-confidence positions, a few alternative leaves; every
 node carries P(accepted) as the product of the draft's probabilities along its path (`DraftTree.scores`), and
 the engine's speculation controller prunes it by the measured verify-cost curve. Sampled requests get a chain
@@ -548,7 +555,7 @@ class DFlashDrafter:
             if not seq.params.greedy:
                 trees[i] = self._sampled_chain(seq, rows)
             elif self.span:
-                trees[i] = self._span_tree(seq, rows, mass[0], cap)
+                trees[i] = self._span_tree(seq, rows, mass, cap)
             else:
                 trees[i] = self._tree(seq.root, rows)
             offset += b - 1
@@ -565,22 +572,29 @@ class DFlashDrafter:
         return mix_copies(logits, keep, mass, seq.tokens[1 : c + 1]), mass
 
     def _span_tree(self, seq: Sequence, rows: torch.Tensor, mass: torch.Tensor, cap: int) -> DraftTree:
-        """The first drafted token and, if the pointer copied it, the context's continuation from its source
-        (`spans.copy_source`); otherwise the block's chain."""
-        c, st = seq.committed, self._state(seq)
-        p = torch.softmax(rows[0], -1)
-        first = int(p.argmax())
-        found = copy_source(seq, text_before(seq, [first], c), first, mass, seq.tokens[1 : c + 1], self.span_mass)
+        """The block's chain up to its first copied token (`spans.copy_source` on that position's pointer), then the
+        context's continuation from that token's source; the whole chain if no position copies."""
+        c, st, after = seq.committed, self._state(seq), seq.tokens[1 : seq.committed + 1]
+        chain, scores, h, found = [], [1.0], None, None
+        for k in range(rows.shape[0]):
+            logits, h = self._position_logits(rows, chain, h)
+            p = torch.softmax(logits, -1)
+            chain.append(int(p.argmax()))
+            scores.append(scores[-1] * float(p[chain[-1]]))
+            found = copy_source(seq, text_before(seq, chain, c), chain[-1], mass[k], after, self.span_mass)
+            if found is not None:
+                break
+        st.chain = None
         if found is None:
-            st.chain = None
-            return self._tree(seq.root, rows)
+            return DraftTree.chain(seq.root, chain, scores=scores)
         at, match = found
-        span = continuation(seq, at, c, min(self.span, cap - seq.num_tokens - 1), float(p[first]), match)
-        tokens = [seq.root, first, *(t for t, _ in span)]
-        scores = [1.0, float(p[first]), *(sc for _, sc in span)]
-        st.chain, st.origins = tokens, [-1, *range(at, at + len(span) + 1)]
-        sources = [0, DRAFT_SOURCE, *[SPAN_SOURCE] * len(span)]
-        return DraftTree(torch.tensor(tokens), list(range(-1, len(tokens) - 1)), None, scores, sources)
+        span = continuation(seq, at, c, min(self.span, cap - seq.num_tokens - len(chain)), scores[-1], match)
+        tokens = [seq.root, *chain, *(t for t, _ in span)]
+        st.chain, st.origins = tokens, [-1] * len(chain) + list(range(at, at + len(span) + 1))
+        sources = [0] + [DRAFT_SOURCE] * len(chain) + [SPAN_SOURCE] * len(span)
+        return DraftTree(
+            torch.tensor(tokens), list(range(-1, len(tokens) - 1)), None, scores + [sc for _, sc in span], sources
+        )
 
     def _follow_pointer(self, seq: Sequence, cap: int) -> DraftTree | None:
         """Where the root is the context's token at the pointer (the last accepted copy goes on), the chain of what

@@ -59,7 +59,7 @@ bench-drafting: setup
 bench-longspec: setup
 	$(PY) bench/longspec.py --max-new-tokens 256 --per-kind 4
 bench-dflash: setup
-	$(PY) bench/dflash.py --per-kind 2 --max-new-tokens 128 --sampled
+	$(PY) bench/dflash.py --per-kind 4 --kinds code,summary --max-new-tokens 256 --sampled
 # The controller's rules on and off: keep drafting after a step that did not pay while drafting pays on average
 # (persist, off by default), and calibrating a composite's sources each on its own (per_source, on by default).
 bench-controller: setup

@@ -109,14 +109,14 @@ def chain_acceptance(target, draft, head, task: HeldOutTask, output: list[int], 
         x = draft.block_input(tokens[anchors], b)
         pos = (anchors.unsqueeze(1) + torch.arange(b)).reshape(-1)
         mask = training_mask(anchors, tokens.shape[0], b)
-        hid = draft.blocks_hidden(x, pos, ctx, mask).view(anchors.shape[0], b, -1)[:, 1:].reshape(-1, x.shape[-1])
-        long = draft.logits(hid)
+        out = draft.blocks_hidden(x, pos, ctx, mask).view(anchors.shape[0], b, -1)
+        long = draft.logits(out[:, 1:].reshape(-1, x.shape[-1]))
         if draft.cfg.copy_head:  # the served rows: mixed with the pointer's copies of what precedes the root
             n = tokens.shape[0]
             keys = cache.layer(slot, target.args.n_layers - 1)[0][:, :n]
             visible = torch.arange(n).unsqueeze(0) < anchors.repeat_interleave(b - 1).unsqueeze(1)
-            rows_pos = (anchors.unsqueeze(1) + torch.arange(1, b)).reshape(-1)
-            keep, mass = draft.copy_read(hid, rows_pos, keys, visible)
+            query_pos = (anchors.unsqueeze(1) + torch.arange(b - 1)).reshape(-1)
+            keep, mass = draft.copy_read(out[:, :-1].reshape(-1, x.shape[-1]), query_pos, keys, visible)
             long = mix_copies(long, keep, mass, torch.cat([tokens[1:], tokens[-1:]]))
         long = long.view(anchors.shape[0], b - 1, -1)
         for r, a in enumerate(anchors.tolist()):

@@ -14,12 +14,12 @@ from the Redis context cache) have no hidden states: the stream then covers only
 costs acceptance, never correctness. Rows are kept by position and cropped to `start` before new rows are
 appended, so the cache always equals what recomputing it from scratch over the committed tokens would give.
 
-A draft with a copy head (`DFlashConfig.copy_head`) mixes every block row with copies: a pointer from the row's
-final hidden state over the target's committed last-layer keys (read in place from the engine's KV cache), each
-position proposing the token after it. `dflash-span` (greedy requests) uses it as LongSpec's `longspec-span` does
-(`spyglass.drafters.spans`): if the block's first drafted token is a copy, the chain goes on with the context's
-text after its source instead of the block's later positions, and while the target keeps accepting that text the
-next chain continues it with no block forward at all.
+A draft with a copy head (`DFlashConfig.copy_head`) mixes every block row with copies: a pointer from the final
+hidden state of the position before the row's (the root's, for the first) over the target's committed last-layer
+keys (read in place from the engine's KV cache), each position proposing the token after it. `dflash-span` (greedy
+requests) uses it as `longspec-span` does (`spyglass.drafters.spans`): the chain ends at its first copied token and
+goes on with the context's text after that token's source, and while the target keeps accepting that text the next
+chain continues it with no block forward at all.
 
 Greedy requests get the block's top-1 chain plus, at low-confidence positions, a few alternative leaves; every
 node carries P(accepted) as the product of the draft's probabilities along its path (`DraftTree.scores`), and
@@ -76,9 +76,10 @@ class DFlashConfig:
     rms_eps: float = 1e-6
     qkv_bias: bool = False
     init_std: float = 0.02
-    # A copy head (LongSpec's, `spyglass.training.draft_models`): per target KV head a query from a block
-    # position's final hidden state points over the target's last-layer keys, position j proposing the token after
-    # it; a gate mixes that with the LM head. It is what lets `dflash-span` hang the context's text below a block.
+    # A copy head (LongSpec's, `spyglass.training.draft_models`): per target KV head a query from the final hidden
+    # state of the block position before a drafted token (the root's, for the first: it holds the token to be found
+    # in the context, as a LongSpec node does) points over the target's last-layer keys, position j proposing the
+    # token after it; a gate mixes that with the LM head. It lets `dflash-span` hang the context's text below a block.
     copy_head: bool = False
     extra: dict = field(default_factory=dict)
 
@@ -314,8 +315,8 @@ def dflash_loss(
     x = draft.block_input(tokens[anchors], b)
     pos = (anchors.unsqueeze(1) + torch.arange(b)).reshape(-1)
     mask = training_mask(anchors, length, b)
-    hid = draft.blocks_hidden(x, pos, ctx, mask).view(anchors.shape[0], b, -1)[:, 1:]
-    hid = hid.reshape(-1, hid.shape[-1])
+    out = draft.blocks_hidden(x, pos, ctx, mask).view(anchors.shape[0], b, -1)
+    hid = out[:, 1:].reshape(-1, out.shape[-1])
     if labels is None:
         targets = tokens[(anchors.unsqueeze(1) + torch.arange(1, b)).reshape(-1)]
     else:
@@ -329,7 +330,8 @@ def dflash_loss(
             raise ValueError("a copy-head draft's loss needs the target's last-layer keys")
         row_anchor = anchors.repeat_interleave(b - 1)
         visible = torch.arange(length).unsqueeze(0) < row_anchor.unsqueeze(1)
-        keep, mass = draft.copy_read(hid, (anchors.unsqueeze(1) + torch.arange(1, b)).reshape(-1), keys, visible)
+        queries = out[:, :-1].reshape(-1, out.shape[-1])  # each token's copy is pointed from the position before it
+        keep, mass = draft.copy_read(queries, (anchors.unsqueeze(1) + torch.arange(b - 1)).reshape(-1), keys, visible)
         head_p = torch.softmax(logits, -1) * keep.exp().unsqueeze(-1)
         p = head_p.new_zeros(head_p.shape[0], draft.cfg.vocab_size)
         p = p.index_copy(1, vocab_ids, head_p) if vocab_ids is not None else head_p
@@ -541,17 +543,16 @@ class DFlashDrafter:
                 continue
             p = seq.committed
             x = self.draft.block_input(torch.tensor([seq.root]), b)
-            hiddens.append(self.draft.blocks_hidden(x, torch.arange(p, p + b), self._state(seq).view())[1:])
+            hiddens.append(self.draft.blocks_hidden(x, torch.arange(p, p + b), self._state(seq).view()))
             drafted.append((i, b))
         if not drafted:
             return trees
-        hidden = torch.cat(hiddens)
-        long_logits = self.draft.logits(hidden)
+        long_logits = self.draft.logits(torch.cat([h[1:] for h in hiddens]))
         offset = 0
-        for i, b in drafted:
+        for (i, b), hidden in zip(drafted, hiddens, strict=True):
             seq, rows, mass = batch[i], long_logits[offset : offset + b - 1], None
             if self.draft.cfg.copy_head:
-                rows, mass = self._with_copies(seq, hidden[offset : offset + b - 1], rows)
+                rows, mass = self._with_copies(seq, hidden[:-1], rows)
             if not seq.params.greedy:
                 trees[i] = self._sampled_chain(seq, rows)
             elif self.span:
@@ -562,13 +563,14 @@ class DFlashDrafter:
         return trees
 
     def _with_copies(self, seq: Sequence, hidden: torch.Tensor, logits: torch.Tensor):
-        """A copy-head draft's rows: log-probs of the mixture of its LM head and its pointer over the target's
-        committed last-layer keys (position j proposing the token after it), and the pointer's mass `[b-1, c]`."""
+        """A copy-head draft's rows: log-probs of the mixture of its LM head and its pointer (queried from the block
+        positions before the drafted ones, `hidden`) over the target's committed last-layer keys (position j
+        proposing the token after it), and the pointer's mass `[b-1, c]`."""
         keys = self.cache.prefix(seq.slot, self.keys_layer)[0]
         c = keys.shape[1]
         if c == 0:  # nothing to copy from
             return logits, logits.new_zeros(logits.shape[0], 0)
-        keep, mass = self.draft.copy_read(hidden, torch.arange(c + 1, c + 1 + hidden.shape[0]), keys)
+        keep, mass = self.draft.copy_read(hidden, torch.arange(c, c + hidden.shape[0]), keys)
         return mix_copies(logits, keep, mass, seq.tokens[1 : c + 1]), mass
 
     def _span_tree(self, seq: Sequence, rows: torch.Tensor, mass: torch.Tensor, cap: int) -> DraftTree:

@@ -83,7 +83,7 @@ def build_drafter(method: str, target, *, max_batch: int = 4, max_context: int =
             block_size=options.get("block_size"),
             alpha=options.get("alpha"),
             beta=options.get("beta"),
-            span=SPAN if method.endswith("-span") else None,  # the first drafted token's copy brings its context
+            span=SPAN if method.endswith("-span") else None,  # a copied token brings its context's continuation
         )
     if method == "tokenswift":
         from spyglass.drafters.tokenswift import build_tokenswift

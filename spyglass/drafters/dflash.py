@@ -472,8 +472,8 @@ class DFlashDrafter:
         The default, a chain, is sized by its acceptance profile instead: replayed over v6's drafts on the dev
         prompts (bench/replay.py policies) the two make the same mean, but the per-step sizing stalls where the
         first drafts miss (median 1.18x vs 1.26x, worst prompt 1.03x vs 1.09x).
-        `span` > 0 (a copy-head draft, greedy requests): where the first drafted token is a copy, the chain goes on
-        with up to `span` tokens of the context that followed its source instead of the block's later positions."""
+        `span` > 0 (a copy-head draft, greedy requests): the chain ends at its first copied token and goes on with
+        up to `span` tokens of the context that followed that token's source."""
         self.draft = draft.eval()
         self.local = local_head.eval() if local_head is not None else None
         self.alpha, self.beta = alpha, beta

@@ -213,7 +213,7 @@ def train_dflash(args) -> dict:
         for _ in range(args.inner):
             anchors = torch.randperm(tokens.shape[0] - b - 1, generator=gen)[: args.anchors].sort().values + 1
             for g in opt.param_groups:
-                g["lr"] = _lr(step, total, args.lr) * g["scale"]
+                g["lr"] = _lr(step, total, args.lr) * g.get("scale", 1.0)  # (states saved before scales: 1)
             loss, m = dflash_loss(draft, feats, tokens, anchors, args.gamma, vocab_ids, labels, keys)
             opt.zero_grad(set_to_none=True)
             loss.backward()

@@ -1,0 +1,87 @@
+"""How sharply a copy head points, along greedy outputs of the dev prompts (eval split, never benchmark prompts).
+
+    python bench/copy_probe.py [--prompts 1] [--max-new-tokens 64]
+
+For the shipped DFlash draft (every block's first drafted position) and the shipped LongSpec draft (every drafted
+node of `longspec-span`), controller off: the share of mass the gate keeps on the LM head, the largest single copy
+weight, the copy mass on the drafted token's places, and how often that reaches `span_mass` (a span starts). Writes
+bench/results/copy_probe.json. Not timed: no speed figure comes from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.common import write_results  # noqa: E402
+from bench.replay import dev_setup  # noqa: E402
+from spyglass.drafters import build_drafter  # noqa: E402
+from spyglass.drafters.spans import SPAN_MASS  # noqa: E402
+from spyglass.engine import EngineConfig, SpecEngine  # noqa: E402
+from spyglass.sampling import SamplingParams  # noqa: E402
+
+
+def probe(target, method: str, prompt: list[int], max_new_tokens: int) -> list[tuple[float, float, float]]:
+    """(head weight, largest copy weight, copy mass on the drafted token's places) per drafted position probed."""
+    drafter = build_drafter(method, target)
+    rows: list[tuple[float, float, float]] = []
+    if method.startswith("dflash"):
+        read = drafter.draft.copy_read
+
+        def copy_read(hidden, positions, keys, visible=None):
+            keep, mass = read(hidden, positions, keys, visible)
+            rows.append((float(keep[0].exp()), float(mass[0].max()), -1.0))  # the drafted token: filled below
+            return keep, mass
+
+        drafter.draft.copy_read = copy_read
+        span_tree = drafter._span_tree
+
+        def first_copy_mass(seq, logits, mass, cap):
+            first = int(logits[0].argmax())
+            rows[-1] = (*rows[-1][:2], float(mass[0][seq.tokens[1 : seq.committed + 1] == first].sum()))
+            return span_tree(seq, logits, mass, cap)
+
+        drafter._span_tree = first_copy_mass
+    else:
+        add_span = drafter._add_span
+
+        def recording(seq, g, node, mass, after, room):
+            copied = float(mass.sum())
+            rows.append((1 - copied, float(mass.max()), float(torch.where(after == g.tokens[node], mass, 0.0).sum())))
+            return add_span(seq, g, node, mass, after, room)
+
+        drafter._add_span = recording
+    engine = SpecEngine(target, drafter, EngineConfig(max_batch=1, max_context=8192, controller="off"))
+    engine.run([prompt], SamplingParams(max_new_tokens=max_new_tokens))
+    return [r for r in rows if r[2] >= 0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=1, help="the first N dev prompts")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    args = ap.parse_args()
+    target, tasks = dev_setup(2)
+    figures, raw = {}, {}
+    for method in ("dflash-span", "longspec-span"):
+        rows = [r for t in tasks[: args.prompts] for r in probe(target, method, t.prompt_ids, args.max_new_tokens)]
+        raw[method] = rows
+        figures[method] = {
+            "positions": len(rows),
+            "head_weight_median": statistics.median(r[0] for r in rows),
+            "largest_copy_weight_median": statistics.median(r[1] for r in rows),
+            "copy_mass_on_drafted_token_median": statistics.median(r[2] for r in rows),
+            "span_rate": sum(r[2] >= SPAN_MASS for r in rows) / max(1, len(rows)),
+        }
+        print(method, figures[method], flush=True)
+    print(write_results("copy_probe", figures, raw, {"prompts": [t.name for t in tasks[: args.prompts]], **vars(args)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -22,9 +22,9 @@ import torch  # noqa: E402
 from bench.common import write_results  # noqa: E402
 from bench.replay import dev_setup  # noqa: E402
 from spyglass.drafters import build_drafter  # noqa: E402
-from spyglass.drafters.spans import SPAN_MASS  # noqa: E402
 from spyglass.engine import EngineConfig, SpecEngine  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
+from spyglass.spans import SPAN_MASS  # noqa: E402
 
 
 def probe(target, method: str, prompt: list[int], max_new_tokens: int) -> list[tuple[float, float, float]]:

@@ -48,12 +48,12 @@ from spyglass.drafters.dflash import (  # noqa: E402
     training_mask,
 )
 from spyglass.drafters.ngram import NgramDrafter  # noqa: E402
-from spyglass.drafters.spans import SPAN  # noqa: E402
 from spyglass.drafters.suffix import SuffixDrafter  # noqa: E402
 from spyglass.engine import EngineConfig, SpecEngine  # noqa: E402
 from spyglass.models.llama import Segment, load_transformer  # noqa: E402
 from spyglass.models.loader import load_tokenizer, resolve_model  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
+from spyglass.spans import SPAN  # noqa: E402
 from spyglass.training import repo_relative  # noqa: E402
 
 GRID = (0.1, 0.3, 0.5)
@@ -196,7 +196,7 @@ def main() -> None:
         "dflash-dels": lambda: DFlashDrafter(draft, head),
         "suffix": SuffixDrafter,
     }
-    if draft.cfg.copy_head:  # the first drafted token's copy brings the context's continuation
+    if draft.cfg.copy_head:  # a copied drafted token brings its context's continuation
         makers["dflash-span"] = lambda: DFlashDrafter(draft, span=SPAN)
         makers["dflash-dels-span"] = lambda: DFlashDrafter(draft, head, span=SPAN)
     # as `--method composite-dflash` builds it, from this run's drafts

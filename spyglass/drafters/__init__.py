@@ -63,7 +63,7 @@ def build_drafter(method: str, target, *, max_batch: int = 4, max_context: int =
         return CompositeDrafter(parts, name=method)
     if method in ("longspec", "longspec-beam", "longspec-cape", "longspec-span", "glide", "glide-cape"):
         from spyglass.drafters.longspec import SHIPPED, SHIPPED_GLIDE, LongSpecDrafter, load_longspec_draft
-        from spyglass.drafters.spans import SPAN
+        from spyglass.spans import SPAN
 
         family, _, mode = method.partition("-")
         shipped = SHIPPED if family == "longspec" else SHIPPED_GLIDE  # used when no checkpoint is given
@@ -73,7 +73,7 @@ def build_drafter(method: str, target, *, max_batch: int = 4, max_context: int =
         return LongSpecDrafter(draft, gamma=options.get("gamma") or 5, mode=mode, span=span)
     if method in ("dflash", "dflash-dels", "dflash-span", "dflash-dels-span"):
         from spyglass.drafters.dflash import build_dflash_drafter
-        from spyglass.drafters.spans import SPAN
+        from spyglass.spans import SPAN
 
         return build_dflash_drafter(
             target,

@@ -17,7 +17,7 @@ appended, so the cache always equals what recomputing it from scratch over the c
 A draft with a copy head (`DFlashConfig.copy_head`) mixes every block row with copies: a pointer from the final
 hidden state of the position before the row's (the root's, for the first) over the target's committed last-layer
 keys (read in place from the engine's KV cache), each position proposing the token after it. `dflash-span` (greedy
-requests) uses it as `longspec-span` does (`spyglass.drafters.spans`): the chain ends at its first copied token and
+requests) uses it as `longspec-span` does (`spyglass.spans`): the chain ends at its first copied token and
 goes on with the context's text after that token's source, and while the target keeps accepting that text the next
 chain continues it with no block forward at all.
 
@@ -42,10 +42,11 @@ from torch import nn
 
 from spyglass.attention import tree_attention
 from spyglass.drafters.base import ProposesSubset, VocabSubset, choose_draft_token, draft_generator
-from spyglass.drafters.spans import SPAN_MASS, agreement, continuation, copy_source, text_before
 from spyglass.models.linear import Linear, set_linear_backend
 from spyglass.models.llama import ModelArgs, RMSNorm, Transformer, apply_rope
 from spyglass.sequence import Sequence
+from spyglass.spans import SPAN_MASS, agreement, continuation, copy_source, text_before
+from spyglass.training.draft_models import init_copy_gate, read_copies
 from spyglass.tree import DRAFT_SOURCE, SPAN_SOURCE, DraftTree
 from spyglass.verify import Accepted
 
@@ -178,10 +179,8 @@ class DFlashDraft(ProposesSubset, nn.Module):
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
         nn.init.normal_(self.mask_embed, std=cfg.init_std)
-        if cfg.copy_head:  # a fifth of the mass copied, spread evenly: the ranking barely moves at first
-            nn.init.zeros_(self.copy_gate.weight)
-            with torch.no_grad():
-                self.copy_gate.bias.copy_(torch.tensor([0.0] + [-2.5] * cfg.n_kv_heads))
+        if cfg.copy_head:
+            init_copy_gate(self.copy_gate)
         self._io = (embed, lm_head)  # a tuple: shared with the target, frozen, never checkpointed
         self.register_buffer("inv_freq", inv_freq.clone().float(), persistent=False)
         self.rope_scaling = rope_scaling
@@ -255,22 +254,9 @@ class DFlashDraft(ProposesSubset, nn.Module):
     def copy_read(
         self, hidden: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The copy head over final hidden states `[Q, H]` at `positions` and the target's last-layer post-RoPE keys
-        `[kvh, S, D]` (`visible` `[Q, S]` bool, None = all): the LM head's log-weight `[Q]` and the copy mass per key
-        position `[Q, S]` (rows sum to 1 - exp(log-weight)). A row that sees no key keeps all its mass on the head."""
-        c = self.cfg
-        h = self.copy_norm(hidden)
-        cos, sin = self.rope(positions)
-        q = apply_rope(self.copy_q(h).view(-1, c.n_kv_heads, c.head_dim), cos, sin).transpose(0, 1)
-        scores = q.float() @ keys.float().transpose(-1, -2) / c.head_dim**0.5  # [kvh, Q, S]
-        gate = torch.log_softmax(self.copy_gate(h).float(), dim=-1)  # [Q, 1 + kvh]
-        if visible is not None:
-            scores = scores.masked_fill(~visible, float("-inf"))
-            blind = ~visible.any(-1)
-            gate = torch.where(blind.unsqueeze(-1), gate.new_tensor([0.0] + [float("-inf")] * c.n_kv_heads), gate)
-            scores = scores.masked_fill(blind.unsqueeze(-1), 0.0)
-        per_head = torch.softmax(scores, dim=-1) * gate[:, 1:].exp().transpose(0, 1).unsqueeze(-1)
-        return gate[:, 0], per_head.sum(0)
+        """The copy head (`read_copies`) over final hidden states `[Q, H]` queried at `positions` and the target's
+        last-layer keys `[kvh, S, D]`: the LM head's log-weight `[Q]` and the copy mass per key position `[Q, S]`."""
+        return read_copies(self, hidden, *self.rope(positions), keys, visible)
 
 
 def mix_copies(logits: torch.Tensor, keep: torch.Tensor, mass: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
@@ -576,7 +562,7 @@ class DFlashDrafter:
     def _span_tree(self, seq: Sequence, rows: torch.Tensor, mass: torch.Tensor, cap: int) -> DraftTree:
         """The block's chain up to its first copied token (`spans.copy_source` on that position's pointer), then the
         context's continuation from that token's source; the whole chain if no position copies."""
-        c, st, after = seq.committed, self._state(seq), seq.tokens[1 : seq.committed + 1]
+        c, after = seq.committed, seq.tokens[1 : seq.committed + 1]
         chain, scores, h, found = [], [1.0], None, None
         for k in range(rows.shape[0]):
             logits, h = self._position_logits(rows, chain, h)
@@ -586,36 +572,34 @@ class DFlashDrafter:
             found = copy_source(seq, text_before(seq, chain, c), chain[-1], mass[k], after, self.span_mass)
             if found is not None:
                 break
-        st.chain = None
         if found is None:
+            self._state(seq).chain = None
             return DraftTree.chain(seq.root, chain, scores=scores)
         at, match = found
         span = continuation(seq, at, c, min(self.span, cap - seq.num_tokens - len(chain)), scores[-1], match)
-        tokens = [seq.root, *chain, *(t for t, _ in span)]
-        st.chain, st.origins = tokens, [-1] * len(chain) + list(range(at, at + len(span) + 1))
-        sources = [0] + [DRAFT_SOURCE] * len(chain) + [SPAN_SOURCE] * len(span)
-        return DraftTree(
-            torch.tensor(tokens), list(range(-1, len(tokens) - 1)), None, scores + [sc for _, sc in span], sources
-        )
+        return self._spanned(seq, chain, scores, at, span)
 
     def _follow_pointer(self, seq: Sequence, cap: int) -> DraftTree | None:
         """Where the root is the context's token at the pointer (the last accepted copy goes on), the chain of what
         followed it there; None otherwise."""
-        st, c = self._state(seq), seq.committed
-        at = st.pointer
+        at, c = self._state(seq).pointer, seq.committed
         if not (0 < at < c and int(seq.tokens[at]) == int(seq.root)):
             return None
         span = continuation(
             seq, at, c, min(self.span, cap - seq.num_tokens), 1.0, agreement(text_before(seq, [], c), seq, at)
         )
-        if not span:
-            return None
-        tokens = [seq.root, *(t for t, _ in span)]
-        st.chain, st.origins = tokens, [at, *range(at + 1, at + 1 + len(span))]
-        sources = [0, *[SPAN_SOURCE] * len(span)]
-        return DraftTree(
-            torch.tensor(tokens), list(range(-1, len(span))), None, [1.0, *(sc for _, sc in span)], sources
-        )
+        return self._spanned(seq, [], [1.0], at, span) if span else None
+
+    def _spanned(self, seq: Sequence, chain: list[int], scores: list[float], at: int, span: list) -> DraftTree:
+        """The chain root, `chain` (drafted; `scores` from the root's on), then `span`, the context's text after
+        position `at`, which holds the chain's last token (the root's, for an empty chain); remembered for
+        `commit`'s pointer."""
+        st = self._state(seq)
+        st.chain = [seq.root, *chain, *(t for t, _ in span)]
+        st.origins = [-1] * len(chain) + list(range(at, at + len(span) + 1))
+        sources = [0] + [DRAFT_SOURCE] * len(chain) + [SPAN_SOURCE] * len(span)
+        n = len(st.chain)
+        return DraftTree(torch.tensor(st.chain), list(range(-1, n - 1)), None, scores + [sc for _, sc in span], sources)
 
     def _position_logits(self, long_logits: torch.Tensor, chain: list[int], h):
         """Block position len(chain)'s logits: DFlash's alone first, then fused with the local head stepped on

@@ -45,11 +45,11 @@ import torch
 from safetensors.torch import load_file
 
 from spyglass.drafters.base import choose_draft_token, draft_generator, requested_depth
-from spyglass.drafters.spans import SPAN_MASS, agreement, continuation, copy_source, text_before
 from spyglass.kv_cache import KVCache
 from spyglass.models.linear import set_linear_backend
 from spyglass.models.llama import Transformer
 from spyglass.sequence import Sequence
+from spyglass.spans import SPAN_MASS, agreement, continuation, copy_source, text_before
 from spyglass.training.draft_models import LongSpecDraft
 from spyglass.tree import DRAFT_SOURCE, SPAN_SOURCE, DraftTree
 from spyglass.verify import Accepted

@@ -181,9 +181,10 @@ def train_dflash(args) -> dict:
     params = [p for p in draft.parameters() if p.requires_grad]
     # a copy head added to a trained draft learns at `copy_lr_scale` times the rate (at the base rate its gate
     # barely moves: the first run kept ~0.9 of the mass on the LM head, spread its copies thin, and rarely copied)
-    fresh = [p for n, p in draft.named_parameters() if n.startswith("copy_")]
-    groups = [{"params": [p for p in params if all(p is not f for f in fresh)], "scale": 1.0}]
-    groups += [{"params": fresh, "scale": args.copy_lr_scale}] if fresh else []
+    copy_ids = {id(p) for n, p in draft.named_parameters() if n.startswith("copy_")}
+    groups = [{"params": [p for p in params if id(p) not in copy_ids], "scale": 1.0}]
+    if copy_ids:
+        groups.append({"params": [p for p in params if id(p) in copy_ids], "scale": args.copy_lr_scale})
     opt = torch.optim.AdamW(groups, lr=args.lr, weight_decay=0.0)
     vocab_ids = None
     if args.train_vocab:  # the most frequent train-split tokens: the head's softmax is most of a CPU step

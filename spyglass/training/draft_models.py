@@ -109,6 +109,34 @@ def lagged_cross_mask(q_len: int, kv_len: int, lag: int, dtype: torch.dtype) -> 
     return torch.zeros(q_len, kv_len, dtype=dtype).masked_fill(~ok, float("-inf")), empty
 
 
+def init_copy_gate(gate: nn.Linear) -> None:
+    """A fifth of the mass copied, spread evenly over the copy heads: the ranking barely moves at first."""
+    nn.init.zeros_(gate.weight)
+    with torch.no_grad():
+        gate.bias.copy_(torch.tensor([0.0] + [-2.5] * (gate.out_features - 1)))
+
+
+def read_copies(
+    head: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, visible
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A copy head (`head.copy_norm`, `copy_q`, `copy_gate`: LongSpec's and DFlash's) over final hidden states `x`
+    `[..., L, H]` at RoPE `cos`/`sin` and the target's last-layer post-RoPE keys `[..., kvh, S, D]` (`visible`
+    `[L, S]` bool, None = all): the LM head's log-weight `[..., L]` and the copy mass per key position `[..., L, S]`
+    (rows sum to 1 - exp(log-weight)). A row that sees no key keeps all its mass on the LM head."""
+    kvh, dim = keys.shape[-3], keys.shape[-1]
+    h = head.copy_norm(x)
+    q = apply_rope(head.copy_q(h).view(*h.shape[:-1], kvh, dim), cos, sin).transpose(-3, -2)
+    scores = q.float() @ keys.float().transpose(-1, -2) / math.sqrt(dim)  # [..., kvh, L, S]
+    gate = torch.log_softmax(head.copy_gate(h).float(), dim=-1)  # [..., L, 1 + kvh]
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+        blind = ~visible.any(-1)  # [L]
+        gate = torch.where(blind.unsqueeze(-1), gate.new_tensor([0.0] + [float("-inf")] * kvh), gate)
+        scores = scores.masked_fill(blind.unsqueeze(-1), 0.0)
+    per_head = torch.softmax(scores, dim=-1) * gate[..., 1:].exp().transpose(-1, -2).unsqueeze(-1)
+    return gate[..., 0], per_head.sum(-3)
+
+
 @dataclass
 class CopyMix:
     """A `copy_head` draft's output: its LM head's logits `[..., Vd]`, the log-weight `keep` `[...]` the gate gives
@@ -243,10 +271,8 @@ class LongSpecDraft(nn.Module):
             nn.init.zeros_(self.own_proj.weight)
         if cfg.prev_token:
             nn.init.zeros_(self.prev_proj.weight)
-        if cfg.copy_head:  # a fifth of the mass copied, spread evenly: the ranking barely moves at first
-            nn.init.zeros_(self.copy_gate.weight)
-            with torch.no_grad():
-                self.copy_gate.bias.copy_(torch.tensor([0.0] + [-2.5] * cfg.n_kv_heads))
+        if cfg.copy_head:
+            init_copy_gate(self.copy_gate)
         # Frozen, shared with the target (not part of checkpoints).
         self.embed = embed
         self.full_head = lm_head
@@ -358,21 +384,8 @@ class LongSpecDraft(nn.Module):
     def copy_read(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The copy head over final hidden states `x` `[..., L, H]` and the target's last-layer post-RoPE keys
-        `[..., kvh, S, D]` (`visible` `[L, S]` bool, None = all): the head's log-weight `[..., L]` and the copy mass
-        per key position `[..., L, S]`. A row that sees no key keeps all its mass on the head."""
-        c = self.cfg
-        h = self.copy_norm(x)
-        q = apply_rope(self.copy_q(h).view(*h.shape[:-1], c.n_kv_heads, c.head_dim), cos, sin).transpose(-3, -2)
-        scores = q.float() @ keys.float().transpose(-1, -2) / math.sqrt(c.head_dim)  # [..., kvh, L, S]
-        gate = torch.log_softmax(self.copy_gate(h).float(), dim=-1)  # [..., L, 1 + kvh]
-        if visible is not None:
-            scores = scores.masked_fill(~visible, float("-inf"))
-            blind = ~visible.any(-1)  # [L]
-            gate = torch.where(blind.unsqueeze(-1), gate.new_tensor([0.0] + [float("-inf")] * c.n_kv_heads), gate)
-            scores = scores.masked_fill(blind.unsqueeze(-1), 0.0)
-        per_head = torch.softmax(scores, dim=-1) * gate[..., 1:].exp().transpose(-1, -2).unsqueeze(-1)
-        return gate[..., 0], per_head.sum(-3)
+        """The copy head over final hidden states `x` `[..., L, H]` (`read_copies`)."""
+        return read_copies(self, x, cos, sin, keys, visible)
 
     def mix(self, out: CopyMix | torch.Tensor, next_tokens: torch.Tensor | None) -> torch.Tensor:
         """Target-vocab log-probs (`copy_head`) or logits (otherwise) `[..., V]` of the draft's proposal;

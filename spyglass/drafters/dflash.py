@@ -319,6 +319,12 @@ def mix_copies(logits: torch.Tensor, keep: torch.Tensor, mass: torch.Tensor, aft
     return p.scatter_add_(-1, after.expand(mass.shape), mass).log()
 
 
+def mix_pointer(p: torch.Tensor, keep: torch.Tensor, mass: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """Probabilities `p` `[..., V]` weighted by `keep` `[...]` plus a pointer's `mass` `[..., S]` on the tokens
+    after its positions, `after` `[S]`."""
+    return (p * keep.unsqueeze(-1)).scatter_add(-1, after.expand(mass.shape), mass)
+
+
 def training_mask(anchors: torch.Tensor, ctx_len: int, block: int) -> torch.Tensor:
     """`[A*block, ctx_len + A*block]` bool: a block anchored at position a sees context positions < a (what the
     target's hidden states cover when the root at a is drafted from) and every token of its own block."""
@@ -381,7 +387,7 @@ def dflash_loss(
             keep_lex, lex = draft.lexical_read(
                 queries, recent.reshape(-1, recent.shape[-1]), draft.lexical_keys(tokens), visible
             )
-            p = (p * keep_lex.unsqueeze(-1)).scatter_add(-1, after.expand(lex.shape), lex)
+            p = mix_pointer(p, keep_lex, lex, after)
         picked = p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         ok = picked > 0
         ce = -picked.clamp_min(1e-30).log() * ok
@@ -780,8 +786,7 @@ class LexicalRows:
         recent = torch.tensor(recent + [-1] * (n - len(recent)))
         keep, lex = self.draft.lexical_read(self.hidden[k : k + 1], recent[None], self.keys)
         self.parts[k] = keep[0], lex[0]
-        p = row.float().exp() * keep[0]
-        return p.scatter_add_(-1, self.after, lex[0]).log().to(row.dtype)
+        return mix_pointer(row.float().exp(), keep[0], lex[0], self.after).log().to(row.dtype)
 
     def mass(self, k: int, copies: torch.Tensor) -> torch.Tensor:
         """Row k's copy mass per context position: the copy head's `copies` `[S]` and the pointer's, mixed."""
@@ -815,6 +820,7 @@ __all__ = [
     "dflash_loss",
     "fuse",
     "load_dflash",
+    "mix_pointer",
     "recent_tokens",
     "save_dflash",
     "training_mask",

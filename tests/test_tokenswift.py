@@ -182,9 +182,12 @@ def test_between_probes_only_the_ngram_table_drafts_from_the_root(tiny_target):
     assert tree.sources[0] == 0 and set(tree.sources[1:]) == {4}
     assert all(tree.scores[i] <= tree.scores[p] for i, p in enumerate(tree.parents) if p >= 0)
 
-    ctl_engine = SpecEngine(tiny_target, build_tokenswift(tiny_target, "untrained", budget=20, sinks=4))
-    assert ctl_engine.controller.free_part
+    # token matching everywhere (`sampled_chain=False`) emits plain sampling's own seeded samples; the default's
+    # rejection-sampled chains keep its distribution instead (tests/test_sampling_fidelity.py)
     for params in (SamplingParams(max_new_tokens=40), SamplingParams(max_new_tokens=40, temperature=1.0, seed=3)):
+        drafter = build_tokenswift(tiny_target, "untrained", budget=20, sinks=4, sampled_chain=False)
+        ctl_engine = SpecEngine(tiny_target, drafter)
+        assert ctl_engine.controller.free_part
         prompt = [5, 6, 7, 8] * 6
         (out,) = ctl_engine.run([prompt], params)
         assert out.output_ids == plain_generate(tiny_target, prompt, params)
@@ -406,3 +409,21 @@ def test_heads_model_card_reports_the_sampling_it_was_trained_for(tmp_path):
     assert "only these 16 tokens" in card
     plain = write_card({**report, "heldout_sampled": None, "train_vocab": None}, tmp_path).read_text()
     assert "0.420" not in plain and "only these" not in plain and "| head 2 (token t+3) |" in plain
+
+
+def test_sampled_requests_get_a_chain_with_its_proposal(tiny_target):
+    """A sampled request's draft is a chain, one token per distribution p_0..p_3, each drawn where its proposal row
+    (handed to the verifier's rejection step) has mass; `sampled_chain=False` gives the token-matched tree."""
+    prompt = [5, 6, 7, 8] * 6
+    for chained in (True, False):
+        drafter = build_tokenswift(tiny_target, "untrained", budget=20, sinks=4, sampled_chain=chained)
+        engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=1, max_context=256, controller="off"))
+        seq = engine.add_request(prompt, SamplingParams(max_new_tokens=8, temperature=1.0, seed=1))
+        engine.step()
+        tree = drafter.propose([seq])[0]
+        if not chained:
+            assert tree.probs is None and not tree.is_chain
+            continue
+        assert tree.is_chain and len(tree) == 5 and tree.probs is not None
+        torch.testing.assert_close(tree.probs[1:].sum(-1), torch.ones(4))
+        assert all(float(tree.probs[i, int(tree.tokens[i])]) > 0 for i in range(1, 5))

@@ -3,10 +3,9 @@
     python bench/copy_probe.py [--prompts 1] [--max-new-tokens 64]
 
 For the shipped DFlash draft (every block's first drafted position) and the shipped LongSpec draft (every drafted
-node of `longspec-span`), controller off: the share of mass the gate keeps on the LM head (for DFlash: with its
-lexical pointer's sentinel), the largest single copy weight, the copy mass on the drafted token's places, and how
-often that reaches `span_mass` (a span starts). Writes bench/results/copy_probe.json. Not timed: no speed figure
-comes from here.
+node of `longspec-span`), controller off: the share of mass the gate keeps on the LM head, the largest single copy
+weight, the copy mass on the drafted token's places, and how often that reaches `span_mass` (a span starts). Writes
+bench/results/copy_probe.json. Not timed: no speed figure comes from here.
 """
 
 from __future__ import annotations
@@ -33,17 +32,22 @@ def probe(target, method: str, prompt: list[int], max_new_tokens: int) -> list[t
     drafter = build_drafter(method, target)
     rows: list[tuple[float, float, float]] = []
     if method.startswith("dflash"):
+        read = drafter.draft.copy_read
+
+        def copy_read(hidden, positions, keys, visible=None):
+            keep, mass = read(hidden, positions, keys, visible)
+            rows.append((float(keep[0].exp()), float(mass[0].max()), -1.0))  # the drafted token: filled below
+            return keep, mass
+
+        drafter.draft.copy_read = copy_read
         span_tree = drafter._span_tree
 
-        def first_position(seq, logits, mass, cap, lex=None):
-            tree = span_tree(seq, logits, mass, cap, lex)
-            copies = mass[0] if lex is None else lex.mass(0, mass[0])  # the copy head's and the lexical pointer's
-            after = seq.tokens[1 : seq.committed + 1]
-            first = int(tree.tokens[1])  # the block's first drafted token
-            rows.append((1 - float(copies.sum()), float(copies.max()), float(copies[after == first].sum())))
-            return tree
+        def first_copy_mass(seq, logits, mass, cap):
+            first = int(logits[0].argmax())
+            rows[-1] = (*rows[-1][:2], float(mass[0][seq.tokens[1 : seq.committed + 1] == first].sum()))
+            return span_tree(seq, logits, mass, cap)
 
-        drafter._span_tree = first_position
+        drafter._span_tree = first_copy_mass
     else:
         add_span = drafter._add_span
 
@@ -55,7 +59,7 @@ def probe(target, method: str, prompt: list[int], max_new_tokens: int) -> list[t
         drafter._add_span = recording
     engine = SpecEngine(target, drafter, EngineConfig(max_batch=1, max_context=8192, controller="off"))
     engine.run([prompt], SamplingParams(max_new_tokens=max_new_tokens))
-    return rows
+    return [r for r in rows if r[2] >= 0]
 
 
 def main() -> None:

@@ -45,8 +45,6 @@ from spyglass.drafters.dflash import (  # noqa: E402
     fuse,
     load_dflash,
     mix_copies,
-    mix_pointer,
-    recent_tokens,
     training_mask,
 )
 from spyglass.drafters.ngram import NgramDrafter  # noqa: E402
@@ -101,7 +99,6 @@ def chain_acceptance(target, draft, head, task: HeldOutTask, output: list[int], 
     finally:
         target.capture_layers = ()
     ctx = [(torch.cat(ks, dim=1), torch.cat(vs, dim=1)) for ks, vs in ctx]
-    lex_keys = draft.lexical_keys(tokens) if draft.cfg.lexical_copy else None
     b = draft.cfg.block_size
     # roots at every output position with a full block of text after it
     roots = torch.arange(n_prompt, tokens.shape[0] - b)
@@ -120,12 +117,7 @@ def chain_acceptance(target, draft, head, task: HeldOutTask, output: list[int], 
             visible = torch.arange(n).unsqueeze(0) < anchors.repeat_interleave(b - 1).unsqueeze(1)
             query_pos = (anchors.unsqueeze(1) + torch.arange(b - 1)).reshape(-1)
             keep, mass = draft.copy_read(out[:, :-1].reshape(-1, x.shape[-1]), query_pos, keys, visible)
-            after = torch.cat([tokens[1:], tokens[-1:]])
-            long = mix_copies(long, keep, mass, after)
-            if draft.cfg.lexical_copy:  # the tokens before each row are the greedy output's: exact for a chain's run
-                recent = recent_tokens(tokens, draft.cfg.lexical_copy)[query_pos]
-                keep, lex = draft.lexical_read(out[:, :-1].reshape(-1, x.shape[-1]), recent, lex_keys, visible)
-                long = mix_pointer(long.exp(), keep, lex, after).log()
+            long = mix_copies(long, keep, mass, torch.cat([tokens[1:], tokens[-1:]]))
         long = long.view(anchors.shape[0], b - 1, -1)
         for r, a in enumerate(anchors.tolist()):
             truth = tokens[a + 1 : a + b].tolist()

@@ -21,12 +21,10 @@ from spyglass.drafters.dels import (
 from spyglass.drafters.dflash import (
     DFlashDraft,
     DFlashDrafter,
-    LexicalRows,
     dflash_loss,
     fuse,
     load_dflash,
     mix_copies,
-    recent_tokens,
     save_dflash,
 )
 from spyglass.engine import EngineConfig, SpecEngine, plain_generate
@@ -483,89 +481,6 @@ def test_a_copied_first_token_brings_the_contexts_continuation(tiny_dir):
     assert plain.sources is None and len(plain) == drafter.block
 
 
-def test_the_lexical_pointer_by_hand(tiny_dir):
-    """Each position's recent tokens (newest first), a pointer whose weights sum to one with its sentinel and that
-    never points past what a row sees, and one that points at the place whose tokens match the query's; a serving
-    row mixes its copies into the head's log-probs as the training loss does."""
-    assert recent_tokens(torch.tensor([5, 6, 7]), 3).tolist() == [[5, -1, -1], [6, 5, -1], [7, 6, 5]]
-    target = load_transformer(tiny_dir["llama"])
-    plain = DFlashDraft.from_target(target, target_layers=(0, 1), n_layers=1, block_size=4).float()
-    with pytest.raises(ValueError, match="needs copy_head"):
-        DFlashDraft.from_target(target, target_layers=(0, 1), n_layers=1, lexical_copy=2)
-    lexical = with_copy_head(plain, lexical=2).float()
-    with torch.no_grad():
-        lexical.lex_q.weight.mul_(30.0)  # queries and keys start alike: sharpen the match
-        lexical.lex_k.weight.copy_(lexical.lex_q.weight)
-    tokens = torch.randint(3, target.args.vocab_size, (40,), generator=torch.Generator().manual_seed(5))
-    keys = lexical.lexical_keys(tokens)
-    recent = torch.stack([tokens[[20, 19]], tokens[[30, 29]]])  # the tokens at positions 20 and 30, newest first
-    visible = torch.arange(40).unsqueeze(0) < torch.tensor([[40], [25]])  # the second row sees positions < 25
-    hidden = torch.randn(2, plain.cfg.hidden_size)
-    with torch.no_grad():
-        keep, mass = lexical.lexical_read(hidden, recent, keys, visible)
-    torch.testing.assert_close(keep + mass.sum(-1), torch.ones(2))
-    assert int(mass[0].argmax()) == 20 and float(mass[0, 20]) > 0.5 * float(1 - keep[0])
-    assert float(mass[1, 25:].sum()) == 0.0
-    # serving: row 0 of a block whose root is tokens[20] reads tokens 20 and 19, as the row above
-    with torch.no_grad():
-        rows = LexicalRows(lexical, hidden[:1], keys[:20], tokens[1:21], tokens[19:21].tolist())
-        head = torch.log_softmax(torch.randn(plain.cfg.vocab_size), -1)
-        mixed = rows.mix([], head)
-        k_, m_ = lexical.lexical_read(hidden[:1], recent[:1], keys[:20])
-    want = (head.exp() * k_[0]).scatter_add(-1, tokens[1:21], m_[0])
-    torch.testing.assert_close(mixed.exp(), want)
-    torch.testing.assert_close(rows.mass(0, torch.zeros(20)), m_[0])
-
-
-def test_a_lexical_pointer_learns_to_copy_alone(tiny_dir):
-    """With its sentinel taking all the weight the loss is the copy-head draft's; trained alone (the rest frozen, as
-    `--train-only lex_` does) it learns to copy a repeated text."""
-    target = load_transformer(tiny_dir["llama"])
-    plain = DFlashDraft.from_target(target, target_layers=(0, 1), n_layers=1, block_size=4).float()
-    copying = with_copy_head(plain).float()
-    lexical = with_copy_head(plain, lexical=3).float()
-    text = torch.randint(3, target.args.vocab_size, (30,), generator=torch.Generator().manual_seed(4))
-    tokens = torch.cat([text, text])
-    feats, keys, anchors = full_features(target, tokens, (0, 1)), _keys(target, tokens), torch.arange(31, 55)
-    copying.load_state_dict(lexical.state_dict(), strict=False)  # the same copy head
-    with torch.no_grad():
-        lexical.lex_sentinel.bias.fill_(1e4)
-        base, _ = dflash_loss(copying, feats, tokens, anchors, keys=keys)
-        same, _ = dflash_loss(lexical, feats, tokens, anchors, keys=keys)
-    assert float(same) == pytest.approx(float(base), rel=1e-5)
-    lexical = with_copy_head(plain, lexical=3).float().train()
-    for n, p in lexical.named_parameters():
-        p.requires_grad_(n.startswith("lex_"))
-    opt = torch.optim.AdamW([p for p in lexical.parameters() if p.requires_grad], lr=3e-2)
-    losses = []
-    for _ in range(40):
-        loss, _ = dflash_loss(lexical, feats, tokens, anchors, keys=keys)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    assert losses[-1] < 0.5 * losses[0]
-    torch.testing.assert_close(lexical.fc.weight, plain.fc.weight)  # frozen
-
-
-def test_served_lexical_keys_equal_a_recomputation(tiny_dir):
-    """The keys the drafter extends step by step (sums of per-token table rows) equal `lexical_keys` over the
-    committed tokens."""
-    target = load_transformer(tiny_dir["llama"])
-    draft, _ = trained_tiny(target)
-    drafter = DFlashDrafter(with_copy_head(draft, lexical=3), span=4, span_mass=1e-6)
-    engine = SpecEngine(target, drafter, EngineConfig(max_batch=1, max_context=256, controller="off"))
-    prompt = make_prompts(target.args.vocab_size, 1, seed=3)[0]
-    seq = engine.add_request(prompt, SamplingParams(max_new_tokens=64, ignore_eos=True))
-    for _ in range(6):  # prefill, then drafting steps (the state goes when the sequence finishes)
-        engine.step()
-    st = seq.drafter_state
-    assert not seq.finished and st.lex_n > len(prompt)
-    with torch.no_grad():
-        want = drafter.draft.lexical_keys(seq.tokens[: st.lex_n])
-    torch.testing.assert_close(st.lex_keys[: st.lex_n], want, rtol=1e-4, atol=1e-5)
-
-
 def test_span_options_are_checked(tiny_dir):
     target = load_transformer(tiny_dir["llama"])
     draft = DFlashDraft.from_target(target, target_layers=(0, 1), n_layers=1, block_size=4)
@@ -595,14 +510,6 @@ def test_a_copy_head_is_added_to_a_warm_started_draft_and_checkpointed(tiny_dir,
     torch.testing.assert_close(again.copy_q.weight, grown.copy_q.weight)
     with pytest.raises(ValueError, match="has a copy head"):
         warm_start(DFlashDraft.from_target(target, target_layers=(0, 1), n_layers=1), tmp_path / "copy", target)
-    # a lexical pointer added to it (`--lexical-copy`) starts fresh too, and is checkpointed
-    lexical = DFlashDraft.from_target(
-        target, target_layers=(0, 1), n_layers=1, block_size=4, copy_head=True, lexical_copy=3
-    )
-    warm_start(lexical, tmp_path / "copy", target)
-    torch.testing.assert_close(lexical.copy_q.weight, grown.copy_q.weight)
-    save_dflash(lexical, tmp_path / "lexical", dtype=torch.float32)
-    torch.testing.assert_close(load_dflash(tmp_path / "lexical", target).lex_k.weight, lexical.lex_k.weight)
 
 
 def test_packaged_drafts_serve_the_default_model(smollm2):

@@ -42,9 +42,8 @@ def drafters(target):
     yield "dflash", DFlashDrafter(draft)  # a chain, sized by its acceptance profile
     yield "dflash-tree", DFlashDrafter(draft, max_alternatives=2)  # runner-ups too, sized step by step
     yield "dflash-dels", DFlashDrafter(draft, head)
-    # a random pointer's mass is thin: any mass at all makes a span; the rows mix in its copies and a lexical
-    # pointer's, which reads the chain drafted so far
-    yield "dflash-dels-span", DFlashDrafter(with_copy_head(draft, lexical=2), head, span=6, span_mass=1e-6)
+    # a random pointer's mass is thin: any mass at all makes a span; the rows mix in its copies
+    yield "dflash-dels-span", DFlashDrafter(with_copy_head(draft), head, span=6, span_mass=1e-6)
     yield "composite-dflash", CompositeDrafter([SuffixDrafter(max_depth=6), DFlashDrafter(draft, head)])
     # partial KV budgets below most prompts' lengths, so selection, replacement and rebuilds all happen
     yield "tokenswift", build_tokenswift(target, "untrained", budget=24, sinks=4)

@@ -190,12 +190,9 @@ def test_first_three_tokens_match_plain_sampling(sampling_model, model, prompt, 
         # DFlash trained for a few seconds on this very prompt's continuations, so its blocks get accepted
         "dflash": lambda: DFlashDrafter(trained_tiny(model, block=4, steps=240, prefix=prompt)[0]),
         "dflash-dels": lambda: DFlashDrafter(*trained_tiny(model, block=4, steps=240, prefix=prompt)),
-        # sampled: the chain drawn from the mixture of head and copies (the lexical pointer's read the chain drawn
-        # so far), which is its proposal q
+        # sampled: the chain drawn from the mixture of head and copies, which is its proposal q
         "dflash-span": lambda: DFlashDrafter(
-            with_copy_head(trained_tiny(model, block=4, steps=240, prefix=prompt)[0], lexical=2),
-            span=3,
-            span_mass=1e-6,
+            with_copy_head(trained_tiny(model, block=4, steps=240, prefix=prompt)[0]), span=3, span_mass=1e-6
         ),
         "composite-dflash": lambda: CompositeDrafter(
             [

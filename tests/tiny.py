@@ -195,16 +195,15 @@ def fit_local_head(head, data: torch.Tensor, steps: int, window: int, batch: int
     return losses
 
 
-def with_copy_head(draft, lexical: int = 0):
-    """A DFlash `draft` plus a fresh copy head (its pointer random, about a fifth of the mass copied) and, with
-    `lexical`, a fresh lexical pointer matching that many tokens."""
+def with_copy_head(draft):
+    """A DFlash `draft` plus a fresh copy head (its pointer random, about a fifth of the mass copied)."""
     from dataclasses import replace
 
     from spyglass.drafters.dflash import DFlashDraft
 
     torch.manual_seed(1)
-    cfg = replace(draft.cfg, copy_head=True, lexical_copy=lexical)
-    out = DFlashDraft(cfg, draft.embed, draft.lm_head, draft.inv_freq, draft.rope_scaling)
+    out = DFlashDraft(replace(draft.cfg, copy_head=True), draft.embed, draft.lm_head, draft.inv_freq,
+                      draft.rope_scaling)  # fmt: skip
     missing, _ = out.load_state_dict(draft.state_dict(), strict=False)
-    assert all(k.startswith(("copy_", "lex_")) for k in missing)
+    assert all(k.startswith("copy_") for k in missing)
     return out.to(draft.dtype).eval()

@@ -82,13 +82,6 @@ class DFlashConfig:
     # in the context, as a LongSpec node does) points over the target's last-layer keys, position j proposing the
     # token after it; a gate mixes that with the LM head. It lets `dflash-span` hang the context's text below a block.
     copy_head: bool = False
-    # A lexical pointer (with a copy head): the embeddings of the `lexical_copy` tokens before a drafted token
-    # (drafted or committed) form a query, those of each context position and the tokens before it a key; a
-    # position whose tokens match proposes the token after it. A sentinel scored from the row's hidden state
-    # competes with the positions, so a row that matches nothing keeps the rest of the mixture (a pointer-sentinel
-    # mixture). The copy head alone reads the target's keys, which say little about which token sits where.
-    lexical_copy: int = 0
-    lexical_dim: int = 64
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -180,13 +173,6 @@ class DFlashDraft(ProposesSubset, nn.Module):
             self.copy_norm = RMSNorm(h, cfg.rms_eps)
             self.copy_q = Linear(h, cfg.n_kv_heads * cfg.head_dim, bias=False)
             self.copy_gate = Linear(h, 1 + cfg.n_kv_heads)  # log-weights: the LM head, then each copy head
-        if cfg.lexical_copy:
-            if not cfg.copy_head:
-                raise ValueError("a lexical pointer is mixed in after the copy head: it needs copy_head")
-            self.lex_norm = RMSNorm(h, cfg.rms_eps)
-            self.lex_q = Linear(cfg.lexical_copy * h, cfg.lexical_dim, bias=False)
-            self.lex_k = Linear(cfg.lexical_copy * h, cfg.lexical_dim, bias=False)
-            self.lex_sentinel = Linear(h, 1)
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=cfg.init_std)
@@ -195,10 +181,6 @@ class DFlashDraft(ProposesSubset, nn.Module):
         nn.init.normal_(self.mask_embed, std=cfg.init_std)
         if cfg.copy_head:
             init_copy_gate(self.copy_gate)
-        if cfg.lexical_copy:  # queries and keys start alike: a match of the same tokens scores ~5, the sentinel 6
-            with torch.no_grad():
-                self.lex_k.weight.copy_(self.lex_q.weight)
-                self.lex_sentinel.bias.fill_(6.0)
         self._io = (embed, lm_head)  # a tuple: shared with the target, frozen, never checkpointed
         self.register_buffer("inv_freq", inv_freq.clone().float(), persistent=False)
         self.rope_scaling = rope_scaling
@@ -276,53 +258,12 @@ class DFlashDraft(ProposesSubset, nn.Module):
         last-layer keys `[kvh, S, D]`: the LM head's log-weight `[Q]` and the copy mass per key position `[Q, S]`."""
         return read_copies(self, hidden, *self.rope(positions), keys, visible)
 
-    def lexical_embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """`[..., n]` token ids (newest first; -1 = before the text) -> `[..., n*H]` normed embeddings (zeros
-        for -1)."""
-        e = self.lex_norm(self.embed(ids.clamp_min(0)).to(self.dtype)) * (ids >= 0).unsqueeze(-1)
-        return e.flatten(-2)
-
-    def lexical_keys(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The lexical pointer's key `[L, dim]` of every position of `tokens [L]`: its token and those before."""
-        return self.lex_k(self.lexical_embed(recent_tokens(tokens, self.cfg.lexical_copy)))
-
-    def lexical_tables(self) -> torch.Tensor:
-        """`[n, V, dim]`: the key's part from the i-th token back, for every token of the vocabulary (serving sums
-        n rows per position instead of running `lex_k`)."""
-        e = self.lex_norm(self.embed.weight.to(self.dtype))
-        return torch.stack([F.linear(e, w) for w in self.lex_k.weight.chunk(self.cfg.lexical_copy, dim=1)])
-
-    def lexical_read(
-        self, hidden: torch.Tensor, recent: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The lexical pointer for rows with final hidden states `[Q, H]` and the tokens before each drafted token
-        `recent [Q, n]` (newest first) over context keys `[S, dim]`: the sentinel's weight `[Q]` (what the rest of
-        the mixture keeps) and the mass per context position `[Q, S]`."""
-        q = self.lex_q(self.lexical_embed(recent)).float()
-        scores = q @ keys.float().T / self.cfg.lexical_dim**0.5
-        if visible is not None:
-            scores = scores.masked_fill(~visible, float("-inf"))
-        w = torch.softmax(torch.cat([self.lex_sentinel(hidden).float(), scores], -1), -1)
-        return w[:, 0], w[:, 1:]
-
-
-def recent_tokens(tokens: torch.Tensor, n: int) -> torch.Tensor:
-    """`[L, n]`: each position's token and the n-1 before it, newest first (-1 before the start)."""
-    padded = torch.cat([tokens.new_full((n - 1,), -1), tokens])
-    return torch.stack([padded[n - 1 - i : n - 1 - i + tokens.shape[0]] for i in range(n)], dim=-1)
-
 
 def mix_copies(logits: torch.Tensor, keep: torch.Tensor, mass: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     """Log-probs `[Q, V]` of the copy-head proposal: the head's softmax (`logits` `[Q, V]`, -inf outside the draft's
     rows) weighted by exp(`keep`) plus each key position's `mass` `[Q, S]` on the token after it, `after` `[S]`."""
     p = torch.softmax(logits, -1) * keep.exp().unsqueeze(-1)
     return p.scatter_add_(-1, after.expand(mass.shape), mass).log()
-
-
-def mix_pointer(p: torch.Tensor, keep: torch.Tensor, mass: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-    """Probabilities `p` `[..., V]` weighted by `keep` `[...]` plus a pointer's `mass` `[..., S]` on the tokens
-    after its positions, `after` `[S]`."""
-    return (p * keep.unsqueeze(-1)).scatter_add(-1, after.expand(mass.shape), mass)
 
 
 def training_mask(anchors: torch.Tensor, ctx_len: int, block: int) -> torch.Tensor:
@@ -382,12 +323,6 @@ def dflash_loss(
         p = p.index_copy(1, vocab_ids, head_p) if vocab_ids is not None else head_p
         after = torch.cat([tokens[1:], tokens[-1:]])
         p = p.scatter_add(-1, after.expand(mass.shape), mass)
-        if draft.cfg.lexical_copy:  # the tokens before each drafted one are the text's (teacher forcing)
-            recent = recent_tokens(tokens, draft.cfg.lexical_copy)[(anchors.unsqueeze(1) + torch.arange(b - 1))]
-            keep_lex, lex = draft.lexical_read(
-                queries, recent.reshape(-1, recent.shape[-1]), draft.lexical_keys(tokens), visible
-            )
-            p = mix_pointer(p, keep_lex, lex, after)
         picked = p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         ok = picked > 0
         ce = -picked.clamp_min(1e-30).log() * ok
@@ -467,13 +402,10 @@ class _Context:
     pointer: int = -1  # spans: the context position whose token should be the root, where the last copy ended
     chain: list[int] | None = None  # spans: the last chain proposed (root first) and each node's context position
     origins: list[int] | None = None
-    lex_keys: torch.Tensor | None = None  # a lexical pointer's keys of the committed positions [lex_n, dim]
-    lex_n: int = 0
 
     def crop(self, start: int) -> None:
         """Drop rows at positions >= start (a verify pass re-commits from `start`)."""
         self.n = int(torch.searchsorted(self.pos[: self.n], start))
-        self.lex_n = min(self.lex_n, start)
 
     def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor) -> None:
         m = positions.shape[0]
@@ -549,7 +481,6 @@ class DFlashDrafter:
         self.capacity: int | None = None
         self.cache = None
         self.keys_layer = -1
-        self.lex_tables = draft.lexical_tables().detach() if draft.cfg.lexical_copy else None
 
     @property
     def drafts_chain(self) -> bool:
@@ -605,15 +536,15 @@ class DFlashDrafter:
         long_logits = self.draft.logits(torch.cat([h[1:] for h in hiddens]))
         offset = 0
         for (i, b), hidden in zip(drafted, hiddens, strict=True):
-            seq, rows, mass, lex = batch[i], long_logits[offset : offset + b - 1], None, None
+            seq, rows, mass = batch[i], long_logits[offset : offset + b - 1], None
             if self.draft.cfg.copy_head:
-                rows, mass, lex = self._with_copies(seq, hidden[:-1], rows)
+                rows, mass = self._with_copies(seq, hidden[:-1], rows)
             if not seq.params.greedy:
-                trees[i] = self._sampled_chain(seq, rows, lex)
+                trees[i] = self._sampled_chain(seq, rows)
             elif self.span:
-                trees[i] = self._span_tree(seq, rows, mass, cap, lex)
+                trees[i] = self._span_tree(seq, rows, mass, cap)
             else:
-                trees[i] = self._tree(seq.root, rows, lex)
+                trees[i] = self._tree(seq.root, rows)
             offset += b - 1
         return trees
 
@@ -624,46 +555,21 @@ class DFlashDrafter:
         keys = self.cache.prefix(seq.slot, self.keys_layer)[0]
         c = keys.shape[1]
         if c == 0:  # nothing to copy from
-            return logits, logits.new_zeros(logits.shape[0], 0), None
+            return logits, logits.new_zeros(logits.shape[0], 0)
         keep, mass = self.draft.copy_read(hidden, torch.arange(c, c + hidden.shape[0]), keys)
-        after = seq.tokens[1 : c + 1]
-        lex = None
-        if self.lex_tables is not None:
-            n = self.draft.cfg.lexical_copy
-            lex = LexicalRows(
-                self.draft, hidden, self._lexical_keys(seq, c), after, seq.tokens[max(0, c + 1 - n) : c + 1].tolist()
-            )
-        return mix_copies(logits, keep, mass, after), mass, lex
+        return mix_copies(logits, keep, mass, seq.tokens[1 : c + 1]), mass
 
-    def _lexical_keys(self, seq: Sequence, c: int) -> torch.Tensor:
-        """The lexical pointer's keys of committed positions < c, extended incrementally (a sum of table rows)."""
-        st = self._state(seq)
-        if st.lex_keys is None or st.lex_keys.shape[0] < c:
-            grown = torch.empty(max(2 * c, 256), self.draft.cfg.lexical_dim, dtype=self.lex_tables.dtype)
-            if st.lex_keys is not None:
-                grown[: st.lex_n] = st.lex_keys[: st.lex_n]
-            st.lex_keys = grown
-        if st.lex_n < c:
-            n = self.draft.cfg.lexical_copy
-            lo = max(0, st.lex_n - n + 1)
-            recent = recent_tokens(seq.tokens[lo:c], n)[st.lex_n - lo :]
-            rows = sum(self.lex_tables[i][recent[:, i].clamp_min(0)] * (recent[:, i : i + 1] >= 0) for i in range(n))
-            st.lex_keys[st.lex_n : c] = rows
-            st.lex_n = c
-        return st.lex_keys[:c]
-
-    def _span_tree(self, seq: Sequence, rows: torch.Tensor, mass: torch.Tensor, cap: int, lex=None) -> DraftTree:
+    def _span_tree(self, seq: Sequence, rows: torch.Tensor, mass: torch.Tensor, cap: int) -> DraftTree:
         """The block's chain up to its first copied token (`spans.copy_source` on that position's pointer), then the
         context's continuation from that token's source; the whole chain if no position copies."""
         c, after = seq.committed, seq.tokens[1 : seq.committed + 1]
         chain, scores, h, found = [], [1.0], None, None
         for k in range(rows.shape[0]):
-            logits, h = self._position_logits(rows, chain, h, lex)
+            logits, h = self._position_logits(rows, chain, h)
             p = torch.softmax(logits, -1)
             chain.append(int(p.argmax()))
             scores.append(scores[-1] * float(p[chain[-1]]))
-            copies = mass[k] if lex is None else lex.mass(k, mass[k])
-            found = copy_source(seq, text_before(seq, chain, c), chain[-1], copies, after, self.span_mass)
+            found = copy_source(seq, text_before(seq, chain, c), chain[-1], mass[k], after, self.span_mass)
             if found is not None:
                 break
         if found is None:
@@ -695,11 +601,10 @@ class DFlashDrafter:
         n = len(st.chain)
         return DraftTree(torch.tensor(st.chain), list(range(-1, n - 1)), None, scores + [sc for _, sc in span], sources)
 
-    def _position_logits(self, long_logits: torch.Tensor, chain: list[int], h, lex=None):
-        """Block position len(chain)'s logits (with a lexical pointer's copies of what follows the chain so far):
-        DFlash's alone first, then fused with the local head stepped on the chain so far. Returns the logits and
-        the local head's new state."""
-        logits = long_logits[len(chain)] if lex is None else lex.mix(chain, long_logits[len(chain)])
+    def _position_logits(self, long_logits: torch.Tensor, chain: list[int], h):
+        """Block position len(chain)'s logits: DFlash's alone first, then fused with the local head stepped on
+        the chain so far. Returns the logits and the local head's new state."""
+        logits = long_logits[len(chain)]
         if self.local is None or not chain:
             return logits, h
         h = self.local.step(chain[-1], h)
@@ -710,13 +615,13 @@ class DFlashDrafter:
         fused[ids] = fuse(logits[ids], self.local.logits(h, ids), self.local.log_unigram[ids], self.alpha, self.beta)
         return fused, h
 
-    def _sampled_chain(self, seq: Sequence, long_logits: torch.Tensor, lex=None) -> DraftTree:
+    def _sampled_chain(self, seq: Sequence, long_logits: torch.Tensor) -> DraftTree:
         """A chain sampled from the processed (fused) draft rows, which are the verifier's proposal q (their
         argmaxes when `token_matched`)."""
         chain, rows, h = [], [], None
         gen = self._state(seq).generator
         for _ in range(long_logits.shape[0]):
-            logits, h = self._position_logits(long_logits, chain, h, lex)
+            logits, h = self._position_logits(long_logits, chain, h)
             tok, row = choose_draft_token(seq, chain, logits[None], gen, top=self.token_matched)
             chain.append(tok)
             rows.append(row)
@@ -724,11 +629,11 @@ class DFlashDrafter:
         # (its own sampled tokens' probabilities would bias which of them get verified)
         return DraftTree.chain(seq.root, chain, torch.stack([torch.zeros_like(rows[0]), *rows]))
 
-    def _tree(self, root: int, long_logits: torch.Tensor, lex=None) -> DraftTree:
+    def _tree(self, root: int, long_logits: torch.Tensor) -> DraftTree:
         """Chain of argmaxes (fused with the local head after the first position) + alternative leaves."""
         chain, probs, h = [], [], None
         for _ in range(long_logits.shape[0]):
-            logits, h = self._position_logits(long_logits, chain, h, lex)
+            logits, h = self._position_logits(long_logits, chain, h)
             p = torch.softmax(logits, dim=-1)
             chain.append(int(p.argmax()))
             probs.append(p)
@@ -770,30 +675,6 @@ class DFlashDrafter:
         return 0 if st is None else st.nbytes()
 
 
-class LexicalRows:
-    """One block's lexical pointer in serving: row k reads the tokens before its drafted token, the chain drafted
-    so far included, so the rows are mixed in one at a time as the chain grows."""
-
-    def __init__(self, draft: DFlashDraft, hidden: torch.Tensor, keys: torch.Tensor, after: torch.Tensor, text):
-        self.draft, self.hidden, self.keys, self.after, self.text = draft, hidden, keys, after, text
-        self.parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def mix(self, chain: list[int], row: torch.Tensor) -> torch.Tensor:
-        """Row len(chain)'s log-probs `[V]` with the pointer's copies mixed in (the pointer's parts are kept for
-        `mass`)."""
-        k, n = len(chain), self.draft.cfg.lexical_copy
-        recent = (self.text + chain)[-n:][::-1]
-        recent = torch.tensor(recent + [-1] * (n - len(recent)))
-        keep, lex = self.draft.lexical_read(self.hidden[k : k + 1], recent[None], self.keys)
-        self.parts[k] = keep[0], lex[0]
-        return mix_pointer(row.float().exp(), keep[0], lex[0], self.after).log().to(row.dtype)
-
-    def mass(self, k: int, copies: torch.Tensor) -> torch.Tensor:
-        """Row k's copy mass per context position: the copy head's `copies` `[S]` and the pointer's, mixed."""
-        keep, lex = self.parts[k]
-        return copies * keep + lex
-
-
 def fuse(long_logits, short_logits, log_prior, alpha: float = 0.3, beta: float = 0.3) -> torch.Tensor:
     """DeLS-Spec's product of experts in logit space: l = l_L + alpha * l_S - beta * log p_unigram."""
     return long_logits + alpha * short_logits.to(long_logits.dtype) - beta * log_prior.to(long_logits.dtype)
@@ -814,14 +695,11 @@ __all__ = [
     "DFlashConfig",
     "DFlashDraft",
     "DFlashDrafter",
-    "LexicalRows",
     "build_dflash_drafter",
     "default_target_layers",
     "dflash_loss",
     "fuse",
     "load_dflash",
-    "mix_pointer",
-    "recent_tokens",
     "save_dflash",
     "training_mask",
 ]

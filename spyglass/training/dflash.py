@@ -100,10 +100,9 @@ def warm_start(draft, checkpoint: str | Path, target) -> None:
         )
     if theirs.copy_head and not mine.copy_head:
         raise ValueError(f"init_from {checkpoint} has a copy head; this run has none (pass --copy-head)")
-    # a copy head or lexical pointer added to a draft trained without one starts fresh (its initialisation barely
-    # moves the ranking)
+    # a copy head added to a draft trained without one starts fresh (its initialisation barely moves the ranking)
     missing, _ = draft.load_state_dict(warm.state_dict(), strict=False)
-    if any(not k.startswith(("copy_", "lex_")) for k in missing):
+    if any(not k.startswith("copy_") for k in missing):
         raise ValueError(f"init_from {checkpoint}: missing {missing}")
 
 
@@ -168,8 +167,6 @@ def train_dflash(args) -> dict:
         if not args.distill:
             raise ValueError("--copy-head reads the target's last-layer keys: it needs --distill (the whole target)")
         overrides["copy_head"] = True
-    if args.lexical_copy:
-        overrides["lexical_copy"] = args.lexical_copy
     if args.target_layers:
         overrides["target_layers"] = tuple(int(x) for x in args.target_layers.split(","))
     draft = DFlashDraft.from_target(target, init_from_target=args.init_from_target, **overrides).float().train()
@@ -181,20 +178,14 @@ def train_dflash(args) -> dict:
     stack = target if args.distill else truncated_draft(target, max(layers) + 1)
     cache = stack.new_cache(train.shape[1], 1)
     slot = cache.allocate()
-    if args.train_only:  # the rest stays as the warm start left it (a part added to a trained draft)
-        prefixes = tuple(args.train_only.split(","))
-        for n, p in draft.named_parameters():
-            p.requires_grad_(n.startswith(prefixes))
     params = [p for p in draft.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError(f"--train-only {args.train_only!r} matches no parameter of the draft")
     # a copy head added to a trained draft learns at `copy_lr_scale` times the rate (at the base rate its gate
     # barely moves: the first run kept ~0.9 of the mass on the LM head, spread its copies thin, and rarely copied)
-    copy_ids = {id(p) for n, p in draft.named_parameters() if n.startswith("copy_") and p.requires_grad}
+    copy_ids = {id(p) for n, p in draft.named_parameters() if n.startswith("copy_")}
     groups = [{"params": [p for p in params if id(p) not in copy_ids], "scale": 1.0}]
     if copy_ids:
         groups.append({"params": [p for p in params if id(p) in copy_ids], "scale": args.copy_lr_scale})
-    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(groups, lr=args.lr, weight_decay=0.0)
     vocab_ids = None
     if args.train_vocab:  # the most frequent train-split tokens: the head's softmax is most of a CPU step
         counts = torch.bincount(train.reshape(-1), minlength=draft.cfg.vocab_size)
@@ -427,8 +418,6 @@ def main(argv: list[str] | None = None, return_summary: bool = False):
     d.add_argument("--max-steps", type=int, default=600)
     d.add_argument("--train-vocab", type=int, default=0, help="softmax over the N most frequent tokens (0 = all)")
     d.add_argument("--eval-contexts", type=int, default=8)
-    d.add_argument("--lexical-copy", type=int, default=0, help="a lexical pointer matching N tokens (0 = none)")
-    d.add_argument("--train-only", default=None, help="comma-separated parameter name prefixes to train")
     d.add_argument("--copy-lr-scale", type=float, default=1.0, help="the copy head's learning rate over --lr")
     d.add_argument(
         "--copy-head",

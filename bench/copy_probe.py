@@ -4,8 +4,8 @@
 
 For the shipped DFlash draft (every block's first drafted position) and the shipped LongSpec draft (every drafted
 node of `longspec-span`), controller off: the share of mass the gate keeps on the LM head, the largest single copy
-weight, the copy mass on the drafted token's places, and how often that reaches `span_mass` (a span starts). Writes
-bench/results/copy_probe.json. Not timed: no speed figure comes from here.
+weight, the copy mass on the drafted token's places, and how often that reaches the drafter's `span_mass` (a span
+starts). Writes bench/results/copy_probe.json. Not timed: no speed figure comes from here.
 """
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ from bench.replay import dev_setup  # noqa: E402
 from spyglass.drafters import build_drafter  # noqa: E402
 from spyglass.engine import EngineConfig, SpecEngine  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
-from spyglass.spans import SPAN_MASS  # noqa: E402
 
 
-def probe(target, method: str, prompt: list[int], max_new_tokens: int) -> list[tuple[float, float, float]]:
-    """(head weight, largest copy weight, copy mass on the drafted token's places) per drafted position probed."""
+def probe(
+    target, method: str, prompt: list[int], max_new_tokens: int
+) -> tuple[list[tuple[float, float, float]], float]:
+    """(head weight, largest copy weight, copy mass on the drafted token's places) per drafted position probed, and
+    the drafter's `span_mass`."""
     drafter = build_drafter(method, target)
     rows: list[tuple[float, float, float]] = []
     if method.startswith("dflash"):
@@ -59,7 +61,7 @@ def probe(target, method: str, prompt: list[int], max_new_tokens: int) -> list[t
         drafter._add_span = recording
     engine = SpecEngine(target, drafter, EngineConfig(max_batch=1, max_context=8192, controller="off"))
     engine.run([prompt], SamplingParams(max_new_tokens=max_new_tokens))
-    return [r for r in rows if r[2] >= 0]
+    return [r for r in rows if r[2] >= 0], drafter.span_mass
 
 
 def main() -> None:
@@ -70,14 +72,18 @@ def main() -> None:
     target, tasks = dev_setup(2)
     figures, raw = {}, {}
     for method in ("dflash-span", "longspec-span"):
-        rows = [r for t in tasks[: args.prompts] for r in probe(target, method, t.prompt_ids, args.max_new_tokens)]
+        rows, span_mass = [], 0.0
+        for t in tasks[: args.prompts]:
+            probed, span_mass = probe(target, method, t.prompt_ids, args.max_new_tokens)
+            rows += probed
         raw[method] = rows
         figures[method] = {
             "positions": len(rows),
             "head_weight_median": statistics.median(r[0] for r in rows),
             "largest_copy_weight_median": statistics.median(r[1] for r in rows),
             "copy_mass_on_drafted_token_median": statistics.median(r[2] for r in rows),
-            "span_rate": sum(r[2] >= SPAN_MASS for r in rows) / max(1, len(rows)),
+            "span_mass": span_mass,
+            "span_rate": sum(r[2] >= span_mass for r in rows) / max(1, len(rows)),
         }
         print(method, figures[method], flush=True)
     print(write_results("copy_probe", figures, raw, {"prompts": [t.name for t in tasks[: args.prompts]], **vars(args)}))

@@ -4,6 +4,7 @@ One run, every contender on the same prompt, sampling parameters and seed (T=1, 
 W=1024 tokens, min-p 0.1), generation to a fixed length (EOS ignored, as the paper does):
 - `ar`: plain decoding through the same engine (the reference);
 - `tokenswift`: partial KV (importance updates + rebuilds) + trained heads + [1,3,3,3] tree + n-gram reuse;
+- `sampled-chain`: the same drafter drawing a chain from p_0..p_3, verified by rejection sampling (`sampled_chain`);
 - ablations: `no-ngram` (k=0), `static-kv` (no dynamic KV updates), `heads-only` (no partial-cache pass: the heads
   read the verify pass's exact hidden state, Medusa-style, so drafting costs no target forward), and the
   `streaming` baseline (StreamingLLM/MagicDec self-speculation, sinks + recent window);
@@ -11,8 +12,9 @@ W=1024 tokens, min-p 0.1), generation to a fixed length (EOS ignored, as the pap
 - `ar-no-penalty`: plain decoding without the penalty, only for Distinct-4;
 - `ar-again`: plain decoding with the penalty once more, last: the machine's drift over the run
   (`baseline_drift`); every speedup is taken against plain decoding's time interpolated to when the variant ran.
-Token matching draws one target sample per emitted token, so with one seed every lossless contender emits the
-same text as `ar` (up to floating-point differences between batched verification and single steps).
+Token matching draws one target sample per emitted token, so with one seed the token-matching contenders emit the
+same text as `ar` (up to floating-point differences between batched verification and single steps); rejection
+sampling (`sampled-chain`, `streaming`) draws differently: same distribution, other text.
 
 Figures (bench/results/tokenswift.json): speedup_long_t1 (decode time of ar / of tokenswift, prefill excluded),
 acceptance_rate (the paper's alpha: accepted drafted tokens / (4 x steps)), tau, speedup by generated length
@@ -43,7 +45,8 @@ from spyglass.models.loader import load_tokenizer, resolve_model  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
 
 VARIANTS = (
-    "ar", "tokenswift", "no-ngram", "static-kv", "heads-only", "streaming", "ngram", "ar-no-penalty", "ar-again"
+    "ar", "tokenswift", "sampled-chain", "no-ngram", "static-kv", "heads-only", "streaming", "ngram", "ar-no-penalty",
+    "ar-again",
 )  # fmt: skip
 PLAIN = ("ar", "ar-no-penalty", "ar-again")
 
@@ -76,6 +79,7 @@ def drafter_for(variant: str, target, budget: int):
         return NgramDrafter()
     options = {
         "tokenswift": {},
+        "sampled-chain": {"sampled_chain": True},
         "no-ngram": {"ngram_k": 0},
         "static-kv": {"policy": "static"},
         "heads-only": {"draft_pass": False},

@@ -137,12 +137,13 @@ def sample_joint(
 
 METHODS = [
     "ar", "ngram", "suffix", "small-lm", "longspec", "longspec-beam", "longspec-cape", "longspec-span", "composite",
-    "composite-span", "tokenswift", "streaming", "dflash", "dflash-dels", "dflash-span", "composite-dflash",
+    "composite-span", "tokenswift", "tokenswift-chain", "streaming", "dflash", "dflash-dels", "dflash-span",
+    "composite-dflash",
 ]  # fmt: skip
 # Drafters whose trees run with the controller off, so every node (chain and alternatives) is verified: at batch
-# 500 the controller rightly prunes a tiny draft's unscored sampled chains (streaming) or low-scored blocks (DFlash)
-# to almost nothing, and the drafts-were-used check below could not hold.
-CONTROLLER_OFF = {"streaming", "dflash", "dflash-dels", "dflash-span", "composite-dflash"}
+# 500 the controller rightly prunes a tiny draft's unscored sampled chains (streaming, TokenSwift's) or low-scored
+# blocks (DFlash) to almost nothing, and the drafts-were-used check below could not hold.
+CONTROLLER_OFF = {"streaming", "tokenswift-chain", "dflash", "dflash-dels", "dflash-span", "composite-dflash"}
 SETTINGS = {"T1": (1.0, 1.0, None), "T0.8-topp0.9": (0.8, 0.9, None)}
 # The contextual penalty against HF's penalty over the last W tokens: plain sampling and TokenSwift (whose
 # feature it is). Drafters with random parts (LongSpec's cross-attention init) drew p-values down to 3e-4 here in
@@ -186,6 +187,10 @@ def test_first_three_tokens_match_plain_sampling(sampling_model, model, prompt, 
         ),
         # budgets below the prompt's length: the drafts come from a partial cache
         "tokenswift": lambda: build_tokenswift(model, "untrained", budget=8, sinks=2, ngram_k=4),
+        # sampled chains from p_0..p_3, verified by rejection sampling against their rows
+        "tokenswift-chain": lambda: build_tokenswift(
+            model, "untrained", budget=8, sinks=2, ngram_k=4, sampled_chain=True
+        ),
         "streaming": lambda: StreamingDrafter(budget=10, sinks=4, gamma=3),
         # DFlash trained for a few seconds on this very prompt's continuations, so its blocks get accepted
         "dflash": lambda: DFlashDrafter(trained_tiny(model, block=4, steps=240, prefix=prompt)[0]),

@@ -182,12 +182,9 @@ def test_between_probes_only_the_ngram_table_drafts_from_the_root(tiny_target):
     assert tree.sources[0] == 0 and set(tree.sources[1:]) == {4}
     assert all(tree.scores[i] <= tree.scores[p] for i, p in enumerate(tree.parents) if p >= 0)
 
-    # token matching everywhere (`sampled_chain=False`) emits plain sampling's own seeded samples; the default's
-    # rejection-sampled chains keep its distribution instead (tests/test_sampling_fidelity.py)
+    ctl_engine = SpecEngine(tiny_target, build_tokenswift(tiny_target, "untrained", budget=20, sinks=4))
+    assert ctl_engine.controller.free_part
     for params in (SamplingParams(max_new_tokens=40), SamplingParams(max_new_tokens=40, temperature=1.0, seed=3)):
-        drafter = build_tokenswift(tiny_target, "untrained", budget=20, sinks=4, sampled_chain=False)
-        ctl_engine = SpecEngine(tiny_target, drafter)
-        assert ctl_engine.controller.free_part
         prompt = [5, 6, 7, 8] * 6
         (out,) = ctl_engine.run([prompt], params)
         assert out.output_ids == plain_generate(tiny_target, prompt, params)
@@ -413,7 +410,7 @@ def test_heads_model_card_reports_the_sampling_it_was_trained_for(tmp_path):
 
 def test_sampled_requests_get_a_chain_with_its_proposal(tiny_target):
     """A sampled request's draft is a chain, one token per distribution p_0..p_3, each drawn where its proposal row
-    (handed to the verifier's rejection step) has mass; `sampled_chain=False` gives the token-matched tree."""
+    (handed to the verifier's rejection step) has mass, with `sampled_chain`; by default the token-matched tree."""
     prompt = [5, 6, 7, 8] * 6
     for chained in (True, False):
         drafter = build_tokenswift(tiny_target, "untrained", budget=20, sinks=4, sampled_chain=chained)

@@ -15,15 +15,17 @@ Per step and sequence:
 Between the controller's probes (`seq.draft_free_only`: the partial-cache pass costs about a decode step on a CPU,
 where the weights, not the KV cache, dominate a step) only the n-gram table proposes: the most frequent n-grams
 that start at the root itself, at no cost.
-Sampled requests get a chain instead (`sampled_chain`, on by default): one token per depth drawn from p_0..p_3
-under the request's sampling parameters (the penalty seeing the tokens drawn before), handed to the verifier with
-those distributions as its proposal q (rejection sampling). p_0 is the target's own distribution from the partial
-cache, so the first drafted token is accepted about as often as the two distributions overlap, where matching a
-top-k draft against one target sample accepts it only as often as the target samples that token (~0.35 at T=1
-with min-p 0.1 in the benchmark).
-Verification is the engine's and strict: greedy trees and the n-gram trees by token matching (one target sample per
-visited node), sampled chains by rejection sampling, so the output is plain decoding's, greedy or sampled, with or
-without the contextual penalty.
+With `sampled_chain`, sampled requests get a chain instead: one token per depth drawn from p_0..p_3 under the
+request's sampling parameters (the penalty seeing the tokens drawn before), handed to the verifier with those
+distributions as its proposal q (rejection sampling). p_0 is the target's own distribution over the partial cache,
+so the first drafted token is accepted about as often as the two distributions overlap (0.73 of the probes in a
+384-token run at the benchmark's T=1, min-p 0.1, penalty 1.2) where a top-k token matched against one target sample
+is accepted only as often as the target samples it (0.18). It is off by default: on this CPU the partial-cache pass
+costs about a decode step, so neither pays (1,024 tokens, `bench/results/tokenswift_s29_chain.json`: 1.00x with it,
+0.95x without; BENCHMARKS.md, "TokenSwift").
+Verification is the engine's and strict: trees by token matching (one target sample per visited node), sampled
+chains by rejection sampling, so the output is plain decoding's, greedy or sampled, with or without the contextual
+penalty.
 
 Variants (ablations): `policy="static"` (no dynamic KV updates), `policy="window"` (StreamingLLM-style partial
 cache), `ngram_k=0` (no n-gram reuse), `draft_pass=False` (no partial-cache pass: the heads read the exact
@@ -118,10 +120,10 @@ class TokenSwiftDrafter:
         ngram_lag: int = 0,
         rebuild_every: int | None = None,
         draft_pass: bool = True,
-        sampled_chain: bool = True,
+        sampled_chain: bool = False,
     ) -> None:
         """`sampled_chain`: sampled requests get a chain drawn from p_0..p_3 and verified by rejection sampling
-        (False: the greedy tree, verified by token matching, as the paper's tree is)."""
+        instead of the tree verified by token matching."""
         if widths is None:  # the paper's [1,3,3,3]; without the pass, depth 1 comes from head 1 (no p_0 to take)
             widths = (1, 3, 3, 3) if draft_pass else (3, 3, 3)
         if len(widths) > heads.gamma + (1 if draft_pass else 0) or not widths or min(widths) < 1:

@@ -34,22 +34,15 @@ def probe(
     drafter = build_drafter(method, target)
     rows: list[tuple[float, float, float]] = []
     if method.startswith("dflash"):
-        read = drafter.draft.copy_read
-
-        def copy_read(hidden, positions, keys, visible=None):
-            keep, mass = read(hidden, positions, keys, visible)
-            rows.append((float(keep[0].exp()), float(mass[0].max()), -1.0))  # the drafted token: filled below
-            return keep, mass
-
-        drafter.draft.copy_read = copy_read
         span_tree = drafter._span_tree
 
-        def first_copy_mass(seq, logits, mass, cap):
-            first = int(logits[0].argmax())
-            rows[-1] = (*rows[-1][:2], float(mass[0][seq.tokens[1 : seq.committed + 1] == first].sum()))
+        def first_position(seq, logits, mass, cap):  # the block's first drafted token (its row's argmax)
+            copies, first = mass[0], int(logits[0].argmax())  # (the LM head keeps what the copies do not take)
+            on_first = float(copies[seq.tokens[1 : seq.committed + 1] == first].sum())
+            rows.append((1 - float(copies.sum()), float(copies.max()), on_first))
             return span_tree(seq, logits, mass, cap)
 
-        drafter._span_tree = first_copy_mass
+        drafter._span_tree = first_position
     else:
         add_span = drafter._add_span
 
@@ -61,7 +54,7 @@ def probe(
         drafter._add_span = recording
     engine = SpecEngine(target, drafter, EngineConfig(max_batch=1, max_context=8192, controller="off"))
     engine.run([prompt], SamplingParams(max_new_tokens=max_new_tokens))
-    return [r for r in rows if r[2] >= 0], drafter.span_mass
+    return rows, drafter.span_mass
 
 
 def main() -> None:

@@ -50,6 +50,11 @@ class DraftTree:
     ) -> DraftTree:
         return cls(torch.tensor([root, *tokens]), list(range(-1, len(tokens))), probs, scores)
 
+    @classmethod
+    def sampled_chain(cls, root: int, tokens: list[int], rows: list[torch.Tensor]) -> DraftTree:
+        """A chain whose i-th token was drawn from `rows[i]`, the verifier's proposal q (the root's row is zeros)."""
+        return cls.chain(root, tokens, torch.stack([torch.zeros_like(rows[0]), *rows]))
+
     def subtree(self, keep: list[int]) -> DraftTree:
         """The nodes `keep` (ascending, root first, each one's parent kept too), re-indexed."""
         if keep == list(range(len(self.parents))):

@@ -633,7 +633,7 @@ class DFlashDrafter:
             rows.append(row)
         # no per-node scores: the controller sizes a rejection-sampled chain from its shape and history only
         # (its own sampled tokens' probabilities would bias which of them get verified)
-        return DraftTree.chain(seq.root, chain, torch.stack([torch.zeros_like(rows[0]), *rows]))
+        return DraftTree.sampled_chain(seq.root, chain, rows)
 
     def _tree(self, root: int, long_logits: torch.Tensor) -> DraftTree:
         """Chain of argmaxes (fused with the local head after the first position) + alternative leaves."""

@@ -73,10 +73,8 @@ class SmallLMDrafter:
                 feeds[i] = torch.tensor([tok])
         trees = []
         for seq, toks, ds in zip(batch, drafted, dists, strict=True):
-            probs = None
-            if not seq.params.greedy and ds:
-                probs = torch.stack([torch.zeros_like(ds[0]), *ds])
-            trees.append(DraftTree.chain(seq.root, toks, probs))
+            sampled = bool(ds) and not seq.params.greedy
+            trees.append(DraftTree.sampled_chain(seq.root, toks, ds) if sampled else DraftTree.chain(seq.root, toks))
         return trees
 
     def commit(self, seq: Sequence, accepted: Accepted) -> None:

@@ -72,18 +72,18 @@ class StreamingDrafter:
         trees = []
         for seq, st, chain, ds in zip(batch, states, chains, dists, strict=True):
             self.pkv.cache.lengths[st.partial.slot] = st.partial.filled  # drop the drafted tokens' scratch
-            probs = torch.stack([torch.zeros_like(ds[0]), *ds]) if ds and not seq.params.greedy else None
             # P(accepted) estimate per node for the engine's controller (the draft's probability of the path), greedy
             # only: with rejection sampling, pruning by the sampled tokens' own probabilities would condition the
             # proposal on its outcome and bias the output (measured: chi-square p = 3e-10), so sampled chains get
             # no scores and the controller sizes them by its token-independent prior
-            scores = None
-            if seq.params.greedy:
-                scores, s = [1.0], 1.0
-                for tok, row in zip(chain[1:], ds, strict=True):
-                    s *= float(torch.softmax(row, -1)[tok])
-                    scores.append(s)
-            trees.append(DraftTree.chain(chain[0], chain[1:], probs, scores))
+            if not seq.params.greedy:
+                trees.append(DraftTree.sampled_chain(chain[0], chain[1:], ds) if ds else DraftTree.root_only(chain[0]))
+                continue
+            scores, s = [1.0], 1.0
+            for tok, row in zip(chain[1:], ds, strict=True):
+                s *= float(torch.softmax(row, -1)[tok])
+                scores.append(s)
+            trees.append(DraftTree.chain(chain[0], chain[1:], None, scores))
         return trees
 
     def commit(self, seq: Sequence, accepted: Accepted) -> None:

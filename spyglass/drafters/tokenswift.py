@@ -212,7 +212,7 @@ class TokenSwiftDrafter:
             chain.append(tok)
             rows.append(row)
         seq.drafter_state.stats["tree_nodes"] += len(chain)
-        return DraftTree.chain(seq.root, chain, torch.stack([torch.zeros_like(rows[0]), *rows]))
+        return DraftTree.sampled_chain(seq.root, chain, rows)
 
     def _ngram_tree(self, seq: Sequence) -> DraftTree:
         """The table's most frequent continuations of the root, each node scored by the best relative frequency

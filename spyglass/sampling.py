@@ -160,4 +160,9 @@ def process_in_context(
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """A token drawn from `probs` `[V]` (non-negative, any positive total) by inverting its CDF: one uniform draw
+    and a binary search, ~20x faster on a CPU than `torch.multinomial` over a 49K vocabulary (whose exponential
+    draws cost ~0.7 ms a token). A zero-probability token is never drawn: its CDF step is empty."""
+    cdf = probs.double().cumsum(0)
+    i = int(torch.searchsorted(cdf, torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1], right=True))
+    return i if i < cdf.shape[0] else int(probs.nonzero()[-1])  # u * total rounded up to the total

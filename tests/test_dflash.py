@@ -386,12 +386,14 @@ def test_warm_start_from_a_checkpoint_with_another_block_size(tiny_dir, tmp_path
 
 
 def test_copy_mixture_by_hand():
-    """The head's probabilities weighted by exp(keep), plus each key position's mass on the token after it."""
-    logits = torch.tensor([[0.0, math.log(3.0), float("-inf"), 0.0]])  # head: 0.2, 0.6, 0, 0.2
+    """The head's probabilities weighted by exp(keep), plus each key position's mass on the token after it; a
+    token neither proposes has log-probability -inf."""
+    logits = torch.tensor([[0.0, math.log(3.0), float("-inf"), 0.0, float("-inf")]])  # head: 0.2, 0.6, 0, 0.2, 0
     keep = torch.tensor([math.log(0.5)])
     mass = torch.tensor([[0.1, 0.3, 0.1]])  # positions 0, 1, 2 propose tokens 2, 3, 2
-    got = mix_copies(logits, keep, mass, torch.tensor([2, 3, 2])).exp()
-    torch.testing.assert_close(got, torch.tensor([[0.1, 0.3, 0.2, 0.4]]))
+    got = mix_copies(logits, keep, mass, torch.tensor([2, 3, 2]))
+    torch.testing.assert_close(got.exp(), torch.tensor([[0.1, 0.3, 0.2, 0.4, 0.0]]))
+    assert got[0, 4] == float("-inf")
 
 
 def _keys(target, tokens: torch.Tensor) -> torch.Tensor:

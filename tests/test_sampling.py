@@ -17,7 +17,15 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from spyglass.sampling import SamplingParams, apply_repetition_penalty, needs_presence, presence_rows, process, warp
+from spyglass.sampling import (
+    SamplingParams,
+    apply_repetition_penalty,
+    needs_presence,
+    presence_rows,
+    process,
+    sample,
+    warp,
+)
 from spyglass.tree import DraftTree
 
 V = 50
@@ -228,3 +236,21 @@ def test_params_valid_edges() -> None:
     assert p.greedy
     assert not SamplingParams(temperature=1e-3).greedy
     assert needs_presence(SamplingParams(repetition_penalty=1.1))
+
+
+def test_sample_draws_each_token_by_its_probability() -> None:
+    """Inverse-CDF sampling: frequencies match the (unnormalised) weights within 4 standard errors, a
+    zero-weight token is never drawn, and a seeded generator repeats its draws."""
+    weights = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 0.25, 0.25])
+    g = torch.Generator().manual_seed(0)
+    n = 20_000
+    counts = torch.bincount(torch.tensor([sample(weights, g) for _ in range(n)]), minlength=len(weights))
+    expected = weights / weights.sum()
+    assert int(counts[weights == 0].sum()) == 0
+    se = (expected * (1 - expected) / n).sqrt()
+    assert torch.all((counts / n - expected).abs() <= 4 * se + 1e-9), counts
+    first, second = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    assert [sample(weights, first) for _ in range(20)] == [sample(weights, second) for _ in range(20)]
+    one_hot = torch.zeros(5)
+    one_hot[4] = 1e-30  # a single tiny weight, last: the only token there is to draw
+    assert {sample(one_hot, g) for _ in range(50)} == {4}

@@ -46,7 +46,7 @@ from spyglass.models.linear import Linear, set_linear_backend
 from spyglass.models.llama import ModelArgs, RMSNorm, Transformer, apply_rope
 from spyglass.sequence import Sequence
 from spyglass.spans import agreement, continuation, copy_source, text_before
-from spyglass.training.draft_models import init_copy_gate, read_copies
+from spyglass.training.draft_models import add_copies_log, init_copy_gate, read_copies
 from spyglass.tree import DRAFT_SOURCE, SPAN_SOURCE, DraftTree
 from spyglass.verify import Accepted
 
@@ -268,8 +268,7 @@ class DFlashDraft(ProposesSubset, nn.Module):
 def mix_copies(logits: torch.Tensor, keep: torch.Tensor, mass: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     """Log-probs `[Q, V]` of the copy-head proposal: the head's softmax (`logits` `[Q, V]`, -inf outside the draft's
     rows) weighted by exp(`keep`) plus each key position's `mass` `[Q, S]` on the token after it, `after` `[S]`."""
-    p = torch.softmax(logits, -1) * keep.exp().unsqueeze(-1)
-    return p.scatter_add_(-1, after.expand(mass.shape), mass).log()
+    return add_copies_log(torch.softmax(logits, -1) * keep.exp().unsqueeze(-1), mass, after)
 
 
 def training_mask(anchors: torch.Tensor, ctx_len: int, block: int) -> torch.Tensor:

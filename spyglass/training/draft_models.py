@@ -137,6 +137,14 @@ def read_copies(
     return gate[..., 0], per_head.sum(-3)
 
 
+def add_copies_log(p: torch.Tensor, mass: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+    """Log of the head's probabilities `p` `[..., V]` (weighted already) plus each context position's copy `mass`
+    `[..., S]` on the token after it, `next_tokens` `[S]`; in place on `p`. Most of a row stays 0 (outside the
+    draft's rows and the copies), and log(0) costs ~10x log(x > 0) on a CPU: those entries are set to -inf."""
+    p = p.scatter_add_(-1, next_tokens.expand(mass.shape), mass)
+    return torch.where(p > 0, p.clamp_min(torch.finfo(p.dtype).tiny).log(), float("-inf"))
+
+
 @dataclass
 class CopyMix:
     """A `copy_head` draft's output: its LM head's logits `[..., Vd]`, the log-weight `keep` `[...]` the gate gives
@@ -396,7 +404,7 @@ class LongSpecDraft(nn.Module):
             raise ValueError("a copy-head draft proposes context tokens: pass next_tokens")
         p = out.logits.new_zeros(*out.logits.shape[:-1], self.cfg.vocab_size)
         p[..., self.vocab_ids] = torch.softmax(out.logits, -1) * out.keep.exp().unsqueeze(-1)  # the head's rows only
-        return p.scatter_add_(-1, next_tokens.expand(out.attn.shape), out.attn).log()
+        return add_copies_log(p, out.attn, next_tokens)
 
     def inputs(self, tokens: torch.Tensor, prev: torch.Tensor | None) -> torch.Tensor:
         """The first layer's input: each token's embedding, plus (`prev_token`) the projected embedding of the

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import RESULTS_DIR, machine_load, median, plot_panels, wait_for_quiet, write_results  # noqa: E402
+from bench.drafting import median_run  # noqa: E402
 from bench.tasks import HeldOutTask, heldout_tasks  # noqa: E402
 from spyglass.controller import measured_curve  # noqa: E402
 from spyglass.drafters import COMPOSITES  # noqa: E402
@@ -172,6 +173,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sampled", action="store_true", help="also T=1 runs of every method but ngram")
     ap.add_argument("--no-grid", action="store_true")
+    ap.add_argument("--repeats", type=int, default=1, help="greedy runs per method and prompt (the median is kept)")
     ap.add_argument("--shortest", type=int, default=0, help="keep only the N shortest prompts (0 = all)")
     ap.add_argument("--dflash", default=str(DEFAULT_DFLASH))
     ap.add_argument("--dels", default=str(DEFAULT_DELS))
@@ -210,9 +212,12 @@ def main() -> None:
     if (0.3, 0.3) not in grid:
         grid.append((0.3, 0.3))
     for task in tasks:
-        row = {"ar": run_task(SpecEngine(target, None, EngineConfig(max_batch=1, max_context=8192)), task, greedy)}
-        for name, make in makers.items():
-            row[name] = run_task(SpecEngine(target, make(), EngineConfig(max_batch=1, max_context=8192)), task, greedy)
+        runs: dict[str, list[dict]] = {}
+        for _ in range(args.repeats):  # interleaved, so a change in the machine's speed hits every method alike
+            for name, make in {"ar": lambda: None, **makers}.items():
+                engine = SpecEngine(target, make(), EngineConfig(max_batch=1, max_context=8192))
+                runs.setdefault(name, []).append(run_task(engine, task, greedy))
+        row = {name: median_run(rs, runs["ar"][0]["tokens"]) for name, rs in runs.items()}
         if args.sampled:
             for name in ("ar", *(m for m in makers if m != "ngram")):
                 sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, seed=1234)
@@ -223,7 +228,8 @@ def main() -> None:
         for name, r in row.items():
             ref = base_t1 if name.endswith("@T1") else base
             r["speedup"] = r["tok_s"] / ref if ref else None
-            r["identical"] = r["tokens"] == (row["ar@T1"] if name.endswith("@T1") else row["ar"])["tokens"]
+            if name.endswith("@T1"):  # one seeded run each (the greedy rows' `identical` covers every repeat)
+                r["identical"] = r["tokens"] == row["ar@T1"]["tokens"]
         offline[task.name] = chain_acceptance(target, draft, head, task, row["ar"]["tokens"], grid)
         print(
             f"{task.name} ({len(task.prompt_ids)} tok): "
@@ -323,7 +329,8 @@ def main() -> None:
         "load_before": load_before,
         "load_after": machine_load(),
         "pid": os.getpid(),
-        "note": "speedups are medians over prompts of decode tok/s ratios to ar on the same prompt, one run each",
+        "note": "speedups are medians over prompts of decode tok/s ratios to ar on the same prompt; per prompt the "
+        "greedy run with the median tok/s of --repeats (tok_s_runs), one seeded run at T=1",
     }
     out = write_results(args.name, figures, {"per_task": results, "chain_acceptance": offline}, meta)
     xs = list(range(1, draft.cfg.block_size))

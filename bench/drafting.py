@@ -76,6 +76,13 @@ def run_task(engine: SpecEngine, task: HeldOutTask, params: SamplingParams) -> d
     }
 
 
+def median_run(runs: list[dict], reference: list[int]) -> dict:
+    """The run with the median decode speed, every run's speed, and whether every run's output is `reference`."""
+    rs = sorted(runs, key=lambda r: r["tok_s"])
+    identical = all(r["tokens"] == reference for r in rs)
+    return {**rs[len(rs) // 2], "tok_s_runs": [round(r["tok_s"], 3) for r in rs], "identical": identical}
+
+
 def compare(
     target,
     tasks: list[HeldOutTask],
@@ -103,11 +110,7 @@ def compare(
                 runs.setdefault(name, []).append(
                     run_task(SpecEngine(target, make(), conf, context_cache=cache), task, params)
                 )
-        row = {}
-        for name, rs in runs.items():  # the run with the median decode speed, and every run's speed
-            rs = sorted(rs, key=lambda r: r["tok_s"])
-            identical = all(r["tokens"] == runs["ar"][0]["tokens"] for r in rs)
-            row[name] = {**rs[len(rs) // 2], "tok_s_runs": [round(r["tok_s"], 3) for r in rs], "identical": identical}
+        row = {name: median_run(rs, runs["ar"][0]["tokens"]) for name, rs in runs.items()}
         base = row["ar"]["tok_s"]
         for r in row.values():
             r["speedup"] = r["tok_s"] / base if base else None

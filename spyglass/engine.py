@@ -202,7 +202,12 @@ class SpecEngine:
         if ctl is not None and drafting:
             share = (time.perf_counter() - t0) / len(drafting)
             for seq in drafting:
-                ctl.note_draft_time(seq, share, proposed[id(seq)].max_depth)
+                # A sequence's first drafting step also pays one-off costs (its drafter state's buffers, kernels
+                # set up for new shapes, lazily built matrices): counted, they read as the cost of every step and
+                # kept the controller on plain decoding until probes had decayed them (~30 steps for DeLS).
+                if seq.drafted_before:
+                    ctl.note_draft_time(seq, share, proposed[id(seq)].max_depth)
+                seq.drafted_before = True
         trees = []
         for seq in batch:
             tree = proposed.get(id(seq))

@@ -164,5 +164,6 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     and a binary search, ~20x faster on a CPU than `torch.multinomial` over a 49K vocabulary (whose exponential
     draws cost ~0.7 ms a token). A zero-probability token is never drawn: its CDF step is empty."""
     cdf = probs.double().cumsum(0)
-    i = int(torch.searchsorted(cdf, torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1], right=True))
+    u = torch.rand((), generator=generator, dtype=torch.float64, device=generator.device if generator else cdf.device)
+    i = int(torch.searchsorted(cdf, u.to(cdf.device) * cdf[-1], right=True))
     return i if i < cdf.shape[0] else int(probs.nonzero()[-1])  # u * total rounded up to the total

@@ -113,6 +113,7 @@ class Sequence:
         self.draft_depth: int | None = None
         # Set by the controller between probes: propose only from model-free parts (a composite's suffix lookup).
         self.draft_free_only = False
+        self.drafted_before = False  # the engine does not time a sequence's first drafting step (one-off costs)
 
     @property
     def tokens(self) -> torch.Tensor:

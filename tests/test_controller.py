@@ -504,3 +504,18 @@ def test_a_chain_ending_in_a_span_is_sized_by_the_spans_scores():
         ctl.observe(seq, kept, Accepted([0, 1], [11, 99]))
     assert depths[0] == 7 and depths[-1] <= 2
     assert ctl._state(seq).span[0] < 0.2 * ctl._state(seq).span[1]
+
+
+def test_a_sequences_first_drafting_step_is_not_timed(tiny_target):
+    """Its one-off costs (the drafter's buffers, lazily built matrices: ~45 ms for the DeLS head against a ~5 ms
+    step) would read as the price of every drafting step and keep the controller on plain decoding."""
+    prompt = _prompt()
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    ref = plain_generate(tiny_target, prompt, params)
+    engine = _engine(tiny_target, OracleDrafter(ref, len(prompt), 2, right=True), CostCurve.linear(1.0, 0.05))
+    seq = engine.add_request(prompt, params)
+    while seq.control is None:  # prefill, then the first drafting step
+        engine.step()
+    assert seq.drafted_before and seq.control.draft_s == 0.0
+    engine.step()
+    assert seq.control.draft_s > 0.0

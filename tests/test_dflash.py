@@ -538,3 +538,13 @@ def test_packaged_drafts_serve_the_default_model(smollm2):
     assert composite.name == "composite-dflash" and [p.name for p in composite.parts] == ["suffix", "dflash-dels"]
     engine = SpecEngine(target, composite, EngineConfig(max_batch=1, max_context=256, controller="off"))
     assert engine.run([ids], params)[0].output_ids == ref
+
+
+def test_the_local_head_is_prepared_when_the_drafter_binds(tiny_dir):
+    """The fused matrix the DeLS head multiplies is built when the engine binds the drafter, not in a request."""
+    target = load_transformer(tiny_dir["llama"])
+    draft, head = trained_tiny(target)
+    drafter = DFlashDrafter(draft, head)  # eval() drops a matrix built from earlier weights
+    assert head._fused is None
+    SpecEngine(target, drafter, EngineConfig(max_batch=1, max_context=64))
+    assert head._fused is not None

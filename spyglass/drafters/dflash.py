@@ -496,6 +496,8 @@ class DFlashDrafter:
         self.capacity, self.cache = cache.capacity, cache
         self.keys_layer = target.args.n_layers - 1  # a copy head points over the target's last-layer keys
         set_linear_backend(self.draft, target.linear_backend)  # the kernel measured faster for the target
+        if self.local is not None:
+            self.local.prepare(self.draft.vocab_ids)
 
     def _state(self, seq: Sequence) -> _Context:
         if seq.drafter_state is None:

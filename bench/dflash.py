@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import RESULTS_DIR, machine_load, median, plot_panels, wait_for_quiet, write_results  # noqa: E402
-from bench.drafting import median_run  # noqa: E402
+from bench.drafting import median_runs  # noqa: E402
 from bench.tasks import HeldOutTask, heldout_tasks  # noqa: E402
 from spyglass.controller import measured_curve  # noqa: E402
 from spyglass.drafters import COMPOSITES  # noqa: E402
@@ -212,12 +212,7 @@ def main() -> None:
     if (0.3, 0.3) not in grid:
         grid.append((0.3, 0.3))
     for task in tasks:
-        runs: dict[str, list[dict]] = {}
-        for _ in range(args.repeats):  # interleaved, so a change in the machine's speed hits every method alike
-            for name, make in {"ar": lambda: None, **makers}.items():
-                engine = SpecEngine(target, make(), EngineConfig(max_batch=1, max_context=8192))
-                runs.setdefault(name, []).append(run_task(engine, task, greedy))
-        row = {name: median_run(rs, runs["ar"][0]["tokens"]) for name, rs in runs.items()}
+        row = median_runs(target, task, makers, greedy, args.repeats, run=run_task)
         if args.sampled:
             for name in ("ar", *(m for m in makers if m != "ngram")):
                 sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, seed=1234)

@@ -76,11 +76,31 @@ def run_task(engine: SpecEngine, task: HeldOutTask, params: SamplingParams) -> d
     }
 
 
-def median_run(runs: list[dict], reference: list[int]) -> dict:
-    """The run with the median decode speed, every run's speed, and whether every run's output is `reference`."""
-    rs = sorted(runs, key=lambda r: r["tok_s"])
-    identical = all(r["tokens"] == reference for r in rs)
-    return {**rs[len(rs) // 2], "tok_s_runs": [round(r["tok_s"], 3) for r in rs], "identical": identical}
+def median_runs(
+    target,
+    task: HeldOutTask,
+    drafters: dict[str, Callable[[], object]],
+    params: SamplingParams,
+    repeats: int,
+    cache: ContextCache | None = None,
+    controller_off: tuple[str, ...] = (),
+    run: Callable[[SpecEngine, HeldOutTask, SamplingParams], dict] = run_task,
+) -> dict[str, dict]:
+    """`task` through plain decoding (`ar`) and each drafter, `repeats` times, interleaved so that a change in the
+    machine's speed hits every method alike. Per method: the run with the median decode speed (tokens kept), every
+    run's speed (`tok_s_runs`) and `identical` (every run's output equal to ar's first)."""
+    runs: dict[str, list[dict]] = {}
+    for _ in range(repeats):
+        for name, make in {"ar": lambda: None, **drafters}.items():
+            controller = "off" if name in controller_off else "measure"
+            conf = EngineConfig(max_batch=1, max_context=8192, controller=controller)
+            runs.setdefault(name, []).append(run(SpecEngine(target, make(), conf, context_cache=cache), task, params))
+    row = {}
+    for name, rs in runs.items():
+        rs = sorted(rs, key=lambda r: r["tok_s"])
+        identical = all(r["tokens"] == runs["ar"][0]["tokens"] for r in rs)
+        row[name] = {**rs[len(rs) // 2], "tok_s_runs": [round(r["tok_s"], 3) for r in rs], "identical": identical}
+    return row
 
 
 def compare(
@@ -96,21 +116,9 @@ def compare(
     """Every task through plain decoding (`ar`) and each drafter, side by side, `repeats` times; returns
     results[task][method] (the median run) with `speedup` (median decode tok/s over ar's on the same prompt) and
     `identical` (greedy output equal to plain decoding's in every run)."""
-    capacity = 8192
     results: dict[str, dict[str, dict]] = {}
     for task in tasks:
-        runs: dict[str, list[dict]] = {}
-        for _ in range(repeats):  # interleaved, so a change in the machine's speed hits every method alike
-            ar = SpecEngine(target, None, EngineConfig(max_batch=1, max_context=capacity), context_cache=cache)
-            runs.setdefault("ar", []).append(run_task(ar, task, params))
-            for name, make in drafters.items():
-                conf = EngineConfig(
-                    max_batch=1, max_context=capacity, controller="off" if name in controller_off else "measure"
-                )
-                runs.setdefault(name, []).append(
-                    run_task(SpecEngine(target, make(), conf, context_cache=cache), task, params)
-                )
-        row = {name: median_run(rs, runs["ar"][0]["tokens"]) for name, rs in runs.items()}
+        row = median_runs(target, task, drafters, params, repeats, cache, controller_off)
         base = row["ar"]["tok_s"]
         for r in row.values():
             r["speedup"] = r["tok_s"] / base if base else None

@@ -7,13 +7,16 @@ Two parts:
 1. End to end through the engine (speculation controller on, as served): per prompt, decode tokens/s of ar,
    ngram, suffix, dflash, dflash-dels, composite-dflash (suffix lookups + DFlash + DeLS in one tree) and, for a
    draft with a copy head, dflash-span and dflash-dels-span (speedup = ratio to ar on the same prompt), tau,
-   greedy identity; `--sampled` adds T=1 runs (seeded) of all but ngram.
+   greedy identity; `--sampled` adds T=1 runs (seeded) of all but ngram, and of DFlash and DeLS with the
+   controller off (every block verified: the drafts' own tau, not the controller's choices).
 2. Acceptance along the greedy output (no controller, no timing): one target forward over prompt + ar's
    output gives the hidden states; at every output position the block is drafted exactly as served (context
    stream = positions before the root; a copy head's mixture as served) and its chain compared with the text
    that follows (no spans: the block's own positions). This gives acceptance
    by block position for DFlash and DeLS and the 3x3 grid of alpha, beta in {0.1, 0.3, 0.5} (chain tau =
-   1 + mean accepted drafts per position).
+   1 + mean accepted drafts per position). At T=1: per block position, sum_x min(p, q), how often rejection
+   sampling accepts a token drawn from the draft's row q where the target's is p (DeLS's local head stepped on
+   the text, what it has seen whenever the chain before that position was accepted).
 
 No Redis context cache here: a cached prefix has no target hidden states, and DFlash's context stream would
 then miss it. Decode speed is measured after the first token, so prefill does not enter the ratios.
@@ -84,10 +87,12 @@ def chain_acceptance(target, draft, head, task: HeldOutTask, output: list[int], 
     cache = target.new_cache(tokens.shape[0] + 1, 1)
     slot = cache.allocate()
     target.capture_layers = tuple(layers)
+    target_logits = []  # the target's rows from the last prompt token on: row i predicts token n_prompt + i
     try:
         for s in range(0, tokens.shape[0], 512):
             part = tokens[s : s + 512]
-            target([Segment(slot, s, part, torch.arange(s, s + part.shape[0]), None, "none")], cache)
+            (rows,) = target([Segment(slot, s, part, torch.arange(s, s + part.shape[0]), None, "all")], cache)
+            target_logits.append(rows[max(0, n_prompt - 1 - s) :])
             cache.commit(slot, s, list(range(part.shape[0])))
             feats_part = torch.cat([target.captured[0][i] for i in layers], dim=-1)
             ctx_part = draft.context_kv(feats_part, torch.arange(s, s + part.shape[0]))
@@ -105,6 +110,8 @@ def chain_acceptance(target, draft, head, task: HeldOutTask, output: list[int], 
     roots = torch.arange(n_prompt, tokens.shape[0] - b)
     runs = {"dflash": [], **{f"{a},{bt}": [] for a, bt in grid}}
     by_pos = {"dflash": torch.zeros(b - 1), "dels": torch.zeros(b - 1)}
+    p_t1 = torch.softmax(torch.cat(target_logits), -1)
+    t1_by_pos = {"dflash": torch.zeros(b - 1), "dels": torch.zeros(b - 1)}
     for c in range(0, roots.shape[0], chunk):
         anchors = roots[c : c + chunk]
         x = draft.block_input(tokens[anchors], b)
@@ -132,6 +139,9 @@ def chain_acceptance(target, draft, head, task: HeldOutTask, output: list[int], 
                 runs[f"{alpha},{beta}"].append(k)
                 if (alpha, beta) == (0.3, 0.3):
                     by_pos["dels"][:k] += 1
+            p = p_t1[a + 1 - n_prompt : a + b - n_prompt]
+            t1_by_pos["dflash"] += _overlap(p, long[r])
+            t1_by_pos["dels"] += _overlap(p, _fused_rows(long[r], truth, head, 0.3, 0.3))
     # the local head on its own, teacher-forced on the text after each root (what it sees when the chain is right)
     head_hits = head_total = 0
     for c in range(0, roots.shape[0], 64):
@@ -146,6 +156,7 @@ def chain_acceptance(target, draft, head, task: HeldOutTask, output: list[int], 
         "positions": int(roots.shape[0]),
         "tau": {k: 1 + sum(v) / n for k, v in runs.items()},
         "acceptance_by_position": {k: (v / n).tolist() for k, v in by_pos.items()},
+        "t1_acceptance_by_position": {k: (v / n).tolist() for k, v in t1_by_pos.items()},
     }
 
 
@@ -154,6 +165,22 @@ def _run(chain: list[int], truth: list[int]) -> int:
     while k < len(chain) and chain[k] == truth[k]:
         k += 1
     return k
+
+
+def _overlap(p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """sum_x min(p, q) per row, q = softmax(logits): how often rejection sampling accepts a token drawn from q
+    where the target samples from p (T=1)."""
+    return torch.minimum(p, torch.softmax(logits, -1)).sum(-1)
+
+
+def _fused_rows(long: torch.Tensor, truth: list[int], head, alpha: float, beta: float) -> torch.Tensor:
+    """DeLS's rows as served at T=1 along `truth` (the local head stepped on the text, which is what it has seen
+    whenever the chain before a position was accepted); first position DFlash alone."""
+    rows, h = [long[0]], None
+    for j in range(1, long.shape[0]):
+        h = head.step(truth[j - 1], h)
+        rows.append(fuse(long[j], head.logits(h), head.log_unigram, alpha, beta))
+    return torch.stack(rows)
 
 
 def _fused_chain(long: torch.Tensor, head, alpha: float, beta: float) -> list[int]:
@@ -213,17 +240,19 @@ def main() -> None:
         grid.append((0.3, 0.3))
     for task in tasks:
         row = median_runs(target, task, makers, greedy, args.repeats, run=run_task)
-        if args.sampled:
-            for name in ("ar", *(m for m in makers if m != "ngram")):
-                sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, seed=1234)
+        if args.sampled:  # + DFlash and DeLS with the controller off: every block verified, so tau is the drafts'
+            sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, seed=1234)
+            sampled = [(m, "measure") for m in ("ar", *makers) if m != "ngram"]
+            for name, controller in sampled + [("dflash", "off"), ("dflash-dels", "off")]:
                 drafter = makers[name]() if name != "ar" else None
-                row[f"{name}@T1"] = run_task(SpecEngine(target, drafter, EngineConfig(max_batch=1, max_context=8192)),
-                                             task, sp)  # fmt: skip
+                conf = EngineConfig(max_batch=1, max_context=8192, controller=controller)
+                key = f"{name}@T1" + ("-controller-off" if controller == "off" else "")
+                row[key] = run_task(SpecEngine(target, drafter, conf), task, sp)
         base, base_t1 = row["ar"]["tok_s"], row.get("ar@T1", {}).get("tok_s")
         for name, r in row.items():
-            ref = base_t1 if name.endswith("@T1") else base
+            ref = base_t1 if "@T1" in name else base
             r["speedup"] = r["tok_s"] / ref if ref else None
-            if name.endswith("@T1"):  # one seeded run each (the greedy rows' `identical` covers every repeat)
+            if "@T1" in name:  # one seeded run each (the greedy rows' `identical` covers every repeat)
                 r["identical"] = r["tokens"] == row["ar@T1"]["tokens"]
         offline[task.name] = chain_acceptance(target, draft, head, task, row["ar"]["tokens"], grid)
         print(
@@ -265,7 +294,7 @@ def main() -> None:
         "speedup_dels_span": med("dflash-dels-span", "speedup"),
         "tau_dels_span": med("dflash-dels-span", "tau"),
         "identical_all_greedy": all(
-            r["identical"] for row in results.values() for n, r in row.items() if not n.endswith("@T1")
+            r["identical"] for row in results.values() for n, r in row.items() if "@T1" not in n
         ),
         "chain_tau_dflash": pooled_tau("dflash"),
         "chain_tau_dels": pooled_tau("0.3,0.3"),
@@ -296,18 +325,25 @@ def main() -> None:
                 "speedup_composite_T1": med("composite-dflash@T1", "speedup"),
                 "tau_composite_T1": med("composite-dflash@T1", "tau"),
                 "speedup_dels_span_T1": med("dflash-dels-span@T1", "speedup"),
+                "tau_dflash_T1_controller_off": med("dflash@T1-controller-off", "tau"),
+                "tau_dels_T1_controller_off": med("dflash-dels@T1-controller-off", "tau"),
             }
         )
     n_pos = {t.name: offline[t.name]["positions"] for t in tasks}
-    acc_pos = {
-        k: [
-            sum(offline[t.name]["acceptance_by_position"][k][i] * n_pos[t.name] for t in tasks)
-            / max(1, sum(n_pos.values()))
-            for i in range(draft.cfg.block_size - 1)
-        ]
-        for k in ("dflash", "dels")
-    }
-    figures["acceptance_by_block_position"] = {k: [round(x, 4) for x in v] for k, v in acc_pos.items()}
+
+    def pooled_by_position(field: str) -> dict[str, list[float]]:
+        total = max(1, sum(n_pos.values()))
+        return {
+            k: [
+                round(sum(offline[t.name][field][k][i] * n_pos[t.name] for t in tasks) / total, 4)
+                for i in range(draft.cfg.block_size - 1)
+            ]
+            for k in ("dflash", "dels")
+        }
+
+    figures["acceptance_by_block_position"] = pooled_by_position("acceptance_by_position")
+    # T=1: how often rejection sampling accepts each block position's draw along the greedy text (offline)
+    figures["t1_acceptance_by_block_position"] = pooled_by_position("t1_acceptance_by_position")
     figures["local_head_top1_teacher_forced"] = median(
         [offline[t.name]["local_head_top1_teacher_forced"] for t in tasks]
     )
@@ -336,7 +372,10 @@ def main() -> None:
                 "title": "P(block position accepted) along the greedy output",
                 "xlabel": "block position",
                 "ylabel": "P(accepted)",
-                "series": {k: (xs, v) for k, v in acc_pos.items()},
+                "series": {
+                    **{f"{k}, T=0": (xs, v) for k, v in figures["acceptance_by_block_position"].items()},
+                    **{f"{k}, T=1 draw": (xs, v) for k, v in figures["t1_acceptance_by_block_position"].items()},
+                },
             },
             {
                 "title": "decode speedup vs plain decoding (T=0)",

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -269,6 +270,13 @@ def main() -> None:
         vals = [results[t.name][method][key] for t in tasks if method in results[t.name]]
         return median(vals) if vals else None
 
+    def over_ngram(method: str) -> float | None:
+        """Geometric mean over prompts of `method`'s speedup / n-gram's: the prompt-by-prompt comparison (a
+        median over prompts can favour either method by which prompt lands in the middle)."""
+        ratios = [results[t.name][method]["speedup"] / results[t.name]["ngram"]["speedup"] for t in tasks
+                  if method in results[t.name]]  # fmt: skip
+        return math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None
+
     def pooled_tau(key: str) -> float:
         pos = sum(offline[t.name]["positions"] for t in tasks)
         return sum((offline[t.name]["tau"][key] - 1) * offline[t.name]["positions"] for t in tasks) / max(1, pos) + 1
@@ -293,6 +301,9 @@ def main() -> None:
         "tau_dflash_span": med("dflash-span", "tau"),
         "speedup_dels_span": med("dflash-dels-span", "speedup"),
         "tau_dels_span": med("dflash-dels-span", "tau"),
+        "dels_span_over_ngram_per_prompt_geomean": over_ngram("dflash-dels-span"),
+        "dflash_span_over_ngram_per_prompt_geomean": over_ngram("dflash-span"),
+        "dels_over_ngram_per_prompt_geomean": over_ngram("dflash-dels"),
         "identical_all_greedy": all(
             r["identical"] for row in results.values() for n, r in row.items() if "@T1" not in n
         ),

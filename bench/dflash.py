@@ -54,7 +54,7 @@ from spyglass.drafters.dflash import (  # noqa: E402
 )
 from spyglass.drafters.ngram import NgramDrafter  # noqa: E402
 from spyglass.drafters.suffix import SuffixDrafter  # noqa: E402
-from spyglass.engine import EngineConfig, SpecEngine  # noqa: E402
+from spyglass.engine import SpecEngine  # noqa: E402
 from spyglass.models.llama import Segment, load_transformer  # noqa: E402
 from spyglass.models.loader import load_tokenizer, resolve_model  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
@@ -135,14 +135,14 @@ def chain_acceptance(target, draft, head, task: HeldOutTask, output: list[int], 
             runs["dflash"].append(k)
             by_pos["dflash"][:k] += 1
             for alpha, beta in grid:
-                chain = _fused_chain(long[r], head, alpha, beta)
+                chain = _fused_rows(long[r], head, alpha, beta).argmax(-1).tolist()
                 k = _run(chain, truth)
                 runs[f"{alpha},{beta}"].append(k)
                 if (alpha, beta) == (0.3, 0.3):
                     by_pos["dels"][:k] += 1
             p = p_t1[a + 1 - n_prompt : a + b - n_prompt]
             t1_by_pos["dflash"] += _overlap(p, long[r])
-            t1_by_pos["dels"] += _overlap(p, _fused_rows(long[r], truth, head, 0.3, 0.3))
+            t1_by_pos["dels"] += _overlap(p, _fused_rows(long[r], head, 0.3, 0.3, truth))
     # the local head on its own, teacher-forced on the text after each root (what it sees when the chain is right)
     head_hits = head_total = 0
     for c in range(0, roots.shape[0], 64):
@@ -174,23 +174,15 @@ def _overlap(p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     return torch.minimum(p, torch.softmax(logits, -1)).sum(-1)
 
 
-def _fused_rows(long: torch.Tensor, truth: list[int], head, alpha: float, beta: float) -> torch.Tensor:
-    """DeLS's rows as served at T=1 along `truth` (the local head stepped on the text, which is what it has seen
-    whenever the chain before a position was accepted); first position DFlash alone."""
+def _fused_rows(long: torch.Tensor, head, alpha: float, beta: float, text: list[int] | None = None) -> torch.Tensor:
+    """DeLS's rows as served (`DFlashDrafter._position_logits`): the first position DFlash alone, then fused with the
+    local head stepped on `text` (what it has seen whenever the chain before a position was accepted) or, without
+    it, on the chain's own argmaxes (the served greedy chain)."""
     rows, h = [long[0]], None
     for j in range(1, long.shape[0]):
-        h = head.step(truth[j - 1], h)
+        h = head.step(text[j - 1] if text is not None else int(rows[-1].argmax()), h)
         rows.append(fuse(long[j], head.logits(h), head.log_unigram, alpha, beta))
     return torch.stack(rows)
-
-
-def _fused_chain(long: torch.Tensor, head, alpha: float, beta: float) -> list[int]:
-    """The served DeLS chain (`DFlashDrafter._tree`'s argmaxes): first position DFlash alone."""
-    chain, h = [int(long[0].argmax())], None
-    for j in range(1, long.shape[0]):
-        h = head.step(chain[-1], h)
-        chain.append(int(fuse(long[j], head.logits(h), head.log_unigram, alpha, beta).argmax()))
-    return chain
 
 
 def main() -> None:
@@ -241,20 +233,16 @@ def main() -> None:
         grid.append((0.3, 0.3))
     for task in tasks:
         row = median_runs(target, task, makers, greedy, args.repeats, run=run_task)
-        if args.sampled:  # + DFlash and DeLS with the controller off: every block verified, so tau is the drafts'
+        if args.sampled:  # one seeded run each; DFlash and DeLS also with the controller off (the drafts' own tau)
             sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, seed=1234)
-            sampled = [(m, "measure") for m in ("ar", *makers) if m != "ngram"]
-            for name, controller in sampled + [("dflash", "off"), ("dflash-dels", "off")]:
-                drafter = makers[name]() if name != "ar" else None
-                conf = EngineConfig(max_batch=1, max_context=8192, controller=controller)
-                key = f"{name}@T1" + ("-controller-off" if controller == "off" else "")
-                row[key] = run_task(SpecEngine(target, drafter, conf), task, sp)
+            off = {f"{m}-controller-off": makers[m] for m in ("dflash", "dflash-dels")}
+            t1 = {m: make for m, make in makers.items() if m != "ngram"} | off
+            t1_row = median_runs(target, task, t1, sp, 1, controller_off=tuple(off), run=run_task)
+            row |= {f"{n}@T1": r for n, r in t1_row.items()}
         base, base_t1 = row["ar"]["tok_s"], row.get("ar@T1", {}).get("tok_s")
         for name, r in row.items():
-            ref = base_t1 if "@T1" in name else base
+            ref = base_t1 if name.endswith("@T1") else base
             r["speedup"] = r["tok_s"] / ref if ref else None
-            if "@T1" in name:  # one seeded run each (the greedy rows' `identical` covers every repeat)
-                r["identical"] = r["tokens"] == row["ar@T1"]["tokens"]
         offline[task.name] = chain_acceptance(target, draft, head, task, row["ar"]["tokens"], grid)
         print(
             f"{task.name} ({len(task.prompt_ids)} tok): "
@@ -305,7 +293,7 @@ def main() -> None:
         "dflash_span_over_ngram_per_prompt_geomean": over_ngram("dflash-span"),
         "dels_over_ngram_per_prompt_geomean": over_ngram("dflash-dels"),
         "identical_all_greedy": all(
-            r["identical"] for row in results.values() for n, r in row.items() if "@T1" not in n
+            r["identical"] for row in results.values() for n, r in row.items() if not n.endswith("@T1")
         ),
         "chain_tau_dflash": pooled_tau("dflash"),
         "chain_tau_dels": pooled_tau("0.3,0.3"),
@@ -336,8 +324,8 @@ def main() -> None:
                 "speedup_composite_T1": med("composite-dflash@T1", "speedup"),
                 "tau_composite_T1": med("composite-dflash@T1", "tau"),
                 "speedup_dels_span_T1": med("dflash-dels-span@T1", "speedup"),
-                "tau_dflash_T1_controller_off": med("dflash@T1-controller-off", "tau"),
-                "tau_dels_T1_controller_off": med("dflash-dels@T1-controller-off", "tau"),
+                "tau_dflash_T1_controller_off": med("dflash-controller-off@T1", "tau"),
+                "tau_dels_T1_controller_off": med("dflash-dels-controller-off@T1", "tau"),
             }
         )
     n_pos = {t.name: offline[t.name]["positions"] for t in tasks}

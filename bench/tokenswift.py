@@ -18,14 +18,19 @@ sampling (`sampled-chain`, `streaming`) draws differently: same distribution, ot
 
 Figures (bench/results/tokenswift.json): speedup_long_t1 (decode time of ar / of tokenswift, prefill excluded),
 acceptance_rate (the paper's alpha: accepted drafted tokens / (4 x steps)), tau, speedup by generated length
-(plotted), distinct4_with_penalty / distinct4_without_penalty, ablation speedups.
+(plotted), distinct4_with_penalty / distinct4_without_penalty, ablation speedups; with `--model qwen2.5-coder-0.5b`
+and 12K+ generated tokens, `speedup_12k_t1` (the issue's long-context figure; `make bench-tokenswift-qwen`).
 
-    python bench/tokenswift.py [--prefix 2048] [--gen 6144] [--budget 1024] [--variants ...] [--dtype float32]
+Each finished variant is kept in .cache/bench/<name>/ (with the machine's CPU model and the run's arguments): a rerun
+with the same --name resumes after the last finished variant on the same CPU instead of starting over.
+
+    python bench/tokenswift.py [--model M] [--prefix 2048] [--gen 6144] [--budget 1024] [--variants ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -34,8 +39,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import RESULTS_DIR, machine_load, plot_panels, wait_for_quiet, write_results  # noqa: E402
-from spyglass.controller import CostCurve  # noqa: E402
+from bench.common import (  # noqa: E402
+    RESULTS_DIR,
+    CpuWatch,
+    machine_load,
+    plot_panels,
+    wait_for_quiet,
+    write_results,
+)
+from spyglass.controller import CostCurve, cpu_model  # noqa: E402
 from spyglass.drafters.ngram import NgramDrafter  # noqa: E402
 from spyglass.drafters.streaming import StreamingDrafter  # noqa: E402
 from spyglass.drafters.tokenswift import build_tokenswift  # noqa: E402
@@ -92,10 +104,11 @@ def run_one(target, tokenizer, variant: str, prompt: list[int], params: Sampling
     t0 = time.perf_counter()
     seq = engine.add_request(prompt, params)
     marks = []  # (seconds since the first token, tokens generated)
-    while not seq.finished:
-        for ev in engine.step():
-            if ev.seq is seq and ev.new_tokens:
-                marks.append((time.perf_counter(), seq.num_generated))
+    with CpuWatch() as watch:
+        while not seq.finished:
+            for ev in engine.step():
+                if ev.seq is seq and ev.new_tokens:
+                    marks.append((time.perf_counter(), seq.num_generated))
     t_first = seq.stats.t_first_token
     stats = seq.stats.summary(seq.num_generated)
     accepted = sum(seq.stats.new_tokens_per_step) - seq.stats.steps
@@ -115,6 +128,7 @@ def run_one(target, tokenizer, variant: str, prompt: list[int], params: Sampling
         "prefill_s": stats["prefill_time_s"],
         "controller": stats["controller"],
         "distinct4": distinct_n(seq.output_ids),
+        "other_cores_busy": watch.other_cores,  # other processes' CPU use during the run (the machine's load)
     }
     drafter = engine.drafter
     if hasattr(drafter, "pkv") and drafter.pkv is not None:
@@ -138,11 +152,14 @@ def time_at(run: dict, n: int) -> float | None:
 def main() -> None:
     global ARGS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="model source (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--prefix", type=int, default=2048)
     ap.add_argument("--gen", type=int, default=6144)
     ap.add_argument("--budget", type=int, default=1024, help="partial KV budget |B| (the paper: the prefix length)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--heads", default=None, help="heads checkpoint (default: the shipped ones; 'untrained' = zero)")
+    ap.add_argument(
+        "--heads", default=None, help="heads checkpoint (default: the ones shipped for the model; 'untrained' = zero)"
+    )
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -150,7 +167,7 @@ def main() -> None:
     ap.add_argument("--note", default="", help="recorded in the results (what was run and why)")
     ARGS = ap.parse_args()
     torch.set_num_threads(ARGS.threads)
-    resolved = resolve_model(None, dtype=ARGS.dtype)
+    resolved = resolve_model(ARGS.model, dtype=ARGS.dtype)
     target = load_transformer(resolved.path, dtype=getattr(torch, ARGS.dtype))
     tokenizer = load_tokenizer(resolved.path)
     prompt, source = eval_prose_prompt(tokenizer, ARGS.prefix)
@@ -166,9 +183,18 @@ def main() -> None:
     for variant in ARGS.variants.split(","):  # warm-up (one-time costs: oneDNN primitives, page faults)
         warm = SamplingParams(**{**base, "max_new_tokens": 16}, contextual_penalty=1.2, penalty_window=1024)
         run_one(target, tokenizer, variant, prompt, warm, curve, capacity)
+    kept = Path(".cache/bench") / ARGS.name
+    kept.mkdir(parents=True, exist_ok=True)
+    same_run = {"cpu": cpu_model(), "args": {k: v for k, v in vars(ARGS).items() if k not in ("note", "variants")}}
     for variant in ARGS.variants.split(","):
+        done = kept / f"{variant}.json"
+        if done.is_file() and (saved := json.loads(done.read_text()))["same_run"] == same_run:
+            runs[variant] = saved["run"]
+            print(f"{variant:14s} kept from an earlier run ({done})", flush=True)
+            continue
         params = SamplingParams(**base) if variant == "ar-no-penalty" else penalised
         runs[variant] = run_one(target, tokenizer, variant, prompt, params, curve, capacity)
+        done.write_text(json.dumps({"same_run": same_run, "run": runs[variant]}))
     ar = runs["ar"]
     order = list(runs)
 
@@ -208,7 +234,8 @@ def main() -> None:
         "ablation_tau": {k: r["tau"] for k, r in runs.items() if k not in PLAIN},
         "speedup_by_generated_length": {k: [[n, round(s, 3)] for n, s in v] for k, v in by_length.items()},
         "ar_decode_tokens_per_s": (ARGS.gen - 1) / ar["decode_s"],
-        "speedup_12k_t1": None,  # Qwen2.5-Coder-0.5B is not installed in this run
+        # the issue's long-context figure: Qwen2.5-Coder-0.5B (32K context), 2K prefix, 12K+ generated tokens
+        "speedup_12k_t1": speedup("tokenswift") if ARGS.model and ARGS.gen >= 12_000 else None,
     }
     meta = {
         "what_was_run": {
@@ -219,7 +246,7 @@ def main() -> None:
             "generated_tokens": ARGS.gen,
             "prompt_source": source,
             "partial_budget": ARGS.budget,
-            "heads": ARGS.heads or "shipped (spyglass/drafts/smollm2-135m-tokenswift)",
+            "heads": ARGS.heads or "shipped for the model (spyglass/drafts/*-tokenswift)",
             "sampling": {"temperature": 1.0, "min_p": 0.1, "contextual_penalty": 1.2, "penalty_window": 1024},
             "seed": ARGS.seed,
             "variants": list(runs),

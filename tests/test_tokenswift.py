@@ -4,6 +4,8 @@ shared suites (test_engine_identity.py, test_sampling_fidelity.py)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -403,8 +405,14 @@ def test_heads_model_card_reports_the_sampling_it_was_trained_for(tmp_path):
         "heldout_sampled": sampled,
         "config": {**DEFAULTS, "distill": 0.7, "sampling": {"min_p": 0.1, "contextual_penalty": 1.2}},
     }  # fmt: skip
+    (tmp_path / "heads_config.json").write_text(json.dumps({"target": {"hidden_size": 24, "vocab_size": 1000}}))
     card = write_card(report, tmp_path).read_text()
     assert "| head 2 | 0.320 | 0.420 |" in card and "contextual_penalty 1.2" in card
+    assert "W_i 24x24" in card and "full 1,000-token vocabulary" in card and "SmolLM2" in card  # the default model
+    assert (
+        "# TokenSwift heads for qwen"
+        in write_card({**report, "config": {**report["config"], "model": "qwen"}}, tmp_path).read_text()
+    )
     assert "only these 16 tokens" in card
     plain = write_card({**report, "heldout_sampled": None, "train_vocab": None}, tmp_path).read_text()
     assert "0.420" not in plain and "only these" not in plain and "| head 2 (token t+3) |" in plain

@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from spyglass.sampling import SamplingParams
 from spyglass.training.data import CorpusConfig, build_corpus, load_contexts
-from spyglass.training.tokenswift_heads import TokenSwiftHeads, heads_loss, load_heads
+from spyglass.training.tokenswift_heads import CONFIG_FILE, TokenSwiftHeads, heads_loss, load_heads
 
 DEFAULTS = {
     "model": None,
@@ -328,13 +328,15 @@ penalised top token (its acceptance in serving at these parameters).
         if report.get("train_vocab")
         else ""
     )
-    text = f"""# TokenSwift heads for SmolLM2-135M-Instruct
+    target = json.loads((Path(out_dir) / CONFIG_FILE).read_text())["target"]  # written with the heads
+    name, d = cfg.get("model") or "SmolLM2-135M-Instruct (the embedded default)", target["hidden_size"]
+    text = f"""# TokenSwift heads for {name}
 
-Three residual linear heads (h_i = h_(i-1) + W_i rmsnorm_i(h_(i-1)), W_i 576x576, no bias) on the target's last
+Three residual linear heads (h_i = h_(i-1) + W_i rmsnorm_i(h_(i-1)), W_i {d}x{d}, no bias) on the target's last
 hidden state; their logits go through the target's own frozen final norm and LM head. Used by
-`--method tokenswift` (`spyglass/drafters/tokenswift.py`) when no `--draft-checkpoint` is given.
+`--method tokenswift` (`spyglass/drafters/tokenswift.py`) on this model when no `--draft-checkpoint` is given.
 
-- Target: `{report["model"]}` (fp32 conversion of the embedded GGUF); the checkpoint records a signature of the
+- Target: {name}, `{report["model"]}` (the GGUF's fp32 conversion); the checkpoint records a signature of the
   target's final norm and LM head and refuses to load on another model.
 - Data: the offline corpus's **train split** only (`spyglass/training/data.py`: Python documentation prose and
   installed packages' source, split by package/document; the eval split's groups are held out for benchmarks):
@@ -348,8 +350,8 @@ hidden state; their logits go through the target's own frozen final norm and LM 
   token is outside are skipped); {report["train_seconds"]:.0f} s of training steps on
   {cfg["threads"]} CPU thread(s). Final training loss (reduced vocabulary): {report["final_train_loss"]:.3f}.
 {sampling_note}{vocab_note}- Held-out: {held_what}, every {cfg.get("eval_stride", 4)}th position
-  ({held["positions"]:,} positions), **full 49,152-token vocabulary**. Base next-token top-1 (the target itself):
-  {held["base_top1"]:.3f}.
+  ({held["positions"]:,} positions), **full {target["vocab_size"]:,}-token vocabulary**. Base next-token top-1
+  (the target itself): {held["base_top1"]:.3f}.
 
 "top-1 = target" is greedy acceptance (the head's top token is the target's); "P_target(top-1)" is the chance
 the target samples the head's top token at T=1 (its acceptance there, before min-p and penalties).

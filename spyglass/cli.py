@@ -23,7 +23,11 @@ def _add_generate(sub) -> None:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this file")
     src.add_argument("--demo", action="store_true", help="the built-in long-context code-editing task")
-    p.add_argument("--model", default=None, help="local HF directory or .gguf file (default: embedded SmolLM2)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="local HF directory, .gguf file or qwen2.5-coder-0.5b (`make model-qwen`; default: embedded SmolLM2)",
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     from spyglass.drafters import METHODS
 

@@ -239,7 +239,7 @@ def main() -> None:
     }
     meta = {
         "what_was_run": {
-            "model": resolved.path.name,
+            "model": resolved.model_id,
             "dtype": ARGS.dtype,
             "threads": ARGS.threads,
             "prefix_tokens": ARGS.prefix,
@@ -274,7 +274,7 @@ def main() -> None:
             "series": {k: (r["curve_s"], r["curve_n"]) for k, r in runs.items()},
         },
     ]
-    plot_panels(RESULTS_DIR / f"{ARGS.name}.png", panels, title=f"TokenSwift on {resolved.path.name}")
+    plot_panels(RESULTS_DIR / f"{ARGS.name}.png", panels, title=f"TokenSwift on {resolved.model_id}")
     print(path)
 
 

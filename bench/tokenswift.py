@@ -5,7 +5,8 @@ W=1024 tokens, min-p 0.1), generation to a fixed length (EOS ignored, as the pap
 - `ar`: plain decoding through the same engine (the reference);
 - `tokenswift`: partial KV (importance updates + rebuilds) + trained heads + [1,3,3,3] tree + n-gram reuse;
 - `sampled-chain`: the same drafter drawing a chain from p_0..p_3, verified by rejection sampling (`sampled_chain`);
-- ablations: `no-ngram` (k=0), `static-kv` (no dynamic KV updates), `heads-only` (no partial-cache pass: the heads
+- ablations: `short-ngrams` (the paper's n-grams, not chained on past n tokens), `no-ngram` (k=0), `static-kv`
+  (no dynamic KV updates), `heads-only` (no partial-cache pass: the heads
   read the verify pass's exact hidden state, Medusa-style, so drafting costs no target forward), and the
   `streaming` baseline (StreamingLLM/MagicDec self-speculation, sinks + recent window);
 - `ngram`: model-free n-gram drafting on the same prompt, the bar every drafter must clear;
@@ -57,8 +58,8 @@ from spyglass.models.loader import load_tokenizer, resolve_model  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
 
 VARIANTS = (
-    "ar", "tokenswift", "sampled-chain", "no-ngram", "static-kv", "heads-only", "streaming", "ngram", "ar-no-penalty",
-    "ar-again",
+    "ar", "tokenswift", "sampled-chain", "short-ngrams", "no-ngram", "static-kv", "heads-only", "streaming", "ngram",
+    "ar-no-penalty", "ar-again",
 )  # fmt: skip
 PLAIN = ("ar", "ar-no-penalty", "ar-again")
 
@@ -92,6 +93,7 @@ def drafter_for(variant: str, target, budget: int):
     options = {
         "tokenswift": {},
         "sampled-chain": {"sampled_chain": True},
+        "short-ngrams": {"ngram_depth": 0},
         "no-ngram": {"ngram_k": 0},
         "static-kv": {"policy": "static"},
         "heads-only": {"draft_pass": False},

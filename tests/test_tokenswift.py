@@ -135,6 +135,32 @@ def test_ngram_table_incremental_and_top_k():
     assert inc.top(42, 5) == [] and inc.top(1, 0) == []
 
 
+def test_ngram_chains_follow_each_tokens_most_frequent_ngram():
+    table = NgramTable(3)
+    table.update(torch.tensor([1, 2, 3, 4, 5] * 3), 15)
+    pieces = table.extend(2, 7)
+    assert [t for cont, _ in pieces for t in cont] == [3, 4, 5, 1, 2, 3, 4]  # the last piece cut to the depth
+    assert [len(c) for c, _ in pieces] == [2, 2, 2, 1] and all(0 < f < 1 for _, f in pieces)
+    assert table.extend(42, 5) == [] and table.extend(2, 0) == []
+
+
+def test_free_ngram_tree_reaches_ngram_depth_on_a_repeating_passage(tiny_target):
+    """Between probes a repeating passage is drafted as deep as `ngram_depth`; 0 keeps the paper's n-grams."""
+    vocab = tiny_target.args.vocab_size
+    prompt = list(range(vocab)) * 2  # every token, each with one continuation: whatever the root, it repeats
+    for depth, expected in ((12, 12), (0, 3)):
+        drafter = build_tokenswift(tiny_target, "untrained", budget=20, sinks=4, ngram_depth=depth)
+        engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=1, max_context=3 * vocab, controller="off"))
+        seq = engine.add_request(prompt, SamplingParams(max_new_tokens=50, ignore_eos=True))
+        engine.step()
+        seq.draft_free_only = True
+        tree = drafter.propose([seq])[0]
+        assert tree.max_depth == expected
+        assert all(tree.scores[i] <= tree.scores[p] for i, p in enumerate(tree.parents) if p >= 0)
+        (out,) = engine.run([prompt], SamplingParams(max_new_tokens=30))
+        assert out.output_ids == plain_generate(tiny_target, prompt, SamplingParams(max_new_tokens=30))
+
+
 def test_tree_is_1_3_3_3_plus_ngrams_with_scores(tiny_target):
     drafter = build_tokenswift(tiny_target, "untrained", budget=20, sinks=4, ngram_k=0)
     engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=1, max_context=128, controller="off"))

@@ -104,6 +104,18 @@ class NgramTable:
         best = heapq.nlargest(k, conts.items(), key=lambda kv: (kv[1][0], kv[1][1]))
         return [(cont, c / (total + 1)) for cont, (c, _) in best]
 
+    def extend(self, last: int, depth: int) -> list[tuple[tuple[int, ...], float]]:
+        """Up to `depth` more tokens after `last`, chaining each token's most frequent n-gram: the (continuation,
+        relative frequency) pieces, so a repeating passage is drafted as far as it has repeated."""
+        pieces, length = [], 0
+        while length < depth and (top := self.top(last, 1)):
+            cont, freq = top[0]
+            cont = cont[: depth - length]
+            pieces.append((cont, freq))
+            length += len(cont)
+            last = cont[-1]
+        return pieces
+
 
 @dataclass
 class _State:
@@ -115,6 +127,7 @@ class _State:
 
 
 NGRAM_SOURCE, FREE_SOURCE = 2, 4  # node sources besides the heads' tree (1): n-grams after p_0, n-grams at the root
+EXTENDED = 2  # n-gram candidates chained on past their n tokens (as many as n-gram drafting's candidates)
 
 
 class TokenSwiftDrafter:
@@ -130,13 +143,16 @@ class TokenSwiftDrafter:
         widths: tuple[int, ...] | None = None,
         ngram_k: int = 20,
         ngram_n: int = 4,
+        ngram_depth: int = 12,
         ngram_lag: int = 0,
         rebuild_every: int | None = None,
         draft_pass: bool = True,
         sampled_chain: bool = False,
     ) -> None:
         """`sampled_chain`: sampled requests get a chain drawn from p_0..p_3 and verified by rejection sampling
-        instead of the tree verified by token matching."""
+        instead of the tree verified by token matching. `ngram_depth`: the top `EXTENDED` n-gram candidates are
+        chained on (each token's most frequent n-gram) up to this depth (0: the paper's n-grams alone, n - 1
+        tokens after the root or p_0's argmax)."""
         if widths is None:  # the paper's [1,3,3,3]; without the pass, depth 1 comes from head 1 (no p_0 to take)
             widths = (1, 3, 3, 3) if draft_pass else (3, 3, 3)
         if len(widths) > heads.gamma + (1 if draft_pass else 0) or not widths or min(widths) < 1:
@@ -144,6 +160,7 @@ class TokenSwiftDrafter:
         self.heads = heads
         self.budget, self.sinks, self.policy, self.rebuild_every = budget, sinks, policy, rebuild_every
         self.widths, self.ngram_k, self.ngram_n, self.ngram_lag = tuple(widths), ngram_k, ngram_n, ngram_lag
+        self.ngram_depth = ngram_depth
         self.draft_pass = draft_pass
         self.sampled_chain = sampled_chain
         self.has_free_part = ngram_k > 0  # the n-gram table drafts between probes, for free
@@ -231,11 +248,22 @@ class TokenSwiftDrafter:
         """The table's most frequent continuations of the root, each node scored by the best relative frequency
         of an n-gram through it."""
         trie = TrieBuilder(seq.root)
-        for cont, freq in seq.drafter_state.ngrams.top(seq.root, self.ngram_k):
+        table = seq.drafter_state.ngrams
+        for i, (cont, freq) in enumerate(table.top(seq.root, self.ngram_k)):
             node = 0
             for tok in cont:
                 node = trie.add(node, tok, freq, FREE_SOURCE)
+            if i < EXTENDED:
+                self._extend(trie, table, node, len(cont), FREE_SOURCE)
         return trie.tree()
+
+    def _extend(self, trie: TrieBuilder, table: NgramTable, node: int, depth: int, source: int) -> None:
+        """Chain the n-gram ending at `node` (at `depth`) on to `ngram_depth`, each piece's nodes scored by the
+        path's score times the piece's relative frequency."""
+        for cont, freq in table.extend(trie.tokens[node], self.ngram_depth - depth):
+            score = trie.scores[node] * freq
+            for tok in cont:
+                node = trie.add(node, tok, score, source)
 
     def _tree(self, seq: Sequence, probs: torch.Tensor) -> DraftTree:
         """Nodes are tagged by source (1: the heads' tree, 2: an n-gram, 3: both) so that the controller calibrates
@@ -255,11 +283,13 @@ class TokenSwiftDrafter:
         if self.ngram_k > 0 and len(scores) > 1:
             first = trie.tokens[1]  # argmax of p_0: the first node added
             depth = len(self.widths)
-            for cont, freq in st.ngrams.top(first, self.ngram_k):
+            for i, (cont, freq) in enumerate(st.ngrams.top(first, self.ngram_k)):
                 node = 1
                 for d, tok in enumerate(cont, start=1):
                     q = float(probs[d, tok]) if d < depth else 0.0
                     node = trie.add(node, tok, scores[node] * max(q, freq), NGRAM_SOURCE)
+                if i < EXTENDED:
+                    self._extend(trie, st.ngrams, node, 1 + len(cont), NGRAM_SOURCE)
         st.stats["tree_nodes"] += len(scores) - 1
         return trie.tree()
 

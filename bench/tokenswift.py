@@ -187,11 +187,16 @@ def main() -> None:
         run_one(target, tokenizer, variant, prompt, warm, curve, capacity)
     kept = Path(".cache/bench") / ARGS.name
     kept.mkdir(parents=True, exist_ok=True)
-    same_run = {"cpu": cpu_model(), "args": {k: v for k, v in vars(ARGS).items() if k not in ("note", "variants")}}
+    same_run = {
+        "cpu": cpu_model(),
+        "args": {k: v for k, v in vars(ARGS).items() if k not in ("note", "variants", "name")},
+    }
+    kept_runs = []  # variants measured by an earlier, interrupted run with the same arguments on this CPU
     for variant in ARGS.variants.split(","):
         done = kept / f"{variant}.json"
         if done.is_file() and (saved := json.loads(done.read_text()))["same_run"] == same_run:
             runs[variant] = saved["run"]
+            kept_runs.append(variant)
             print(f"{variant:14s} kept from an earlier run ({done})", flush=True)
             continue
         params = SamplingParams(**base) if variant == "ar-no-penalty" else penalised
@@ -252,6 +257,7 @@ def main() -> None:
             "sampling": {"temperature": 1.0, "min_p": 0.1, "contextual_penalty": 1.2, "penalty_window": 1024},
             "seed": ARGS.seed,
             "variants": list(runs),
+            "kept_from_earlier_run": kept_runs,
             "note": ARGS.note,
         },
         "cost_curve": curve.to_dict(),

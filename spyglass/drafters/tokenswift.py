@@ -8,8 +8,10 @@ Per step and sequence:
    (`training.tokenswift_heads`) turn it into 4 next-token distributions p_0..p_3 through the target's final
    norm and LM head, processed with the request's sampling parameters (penalties included);
 3. the static tree [1,3,3,3] (top-1 of p_0, top-3 of p_1..p_3, a Cartesian product) plus the top-k most
-   frequent n-grams that start with argmax p_0, taken from an incrementally maintained n-gram table, are
-   merged into one trie; every node is scored with an estimate of P(accepted) (product of the draft
+   frequent n-grams that start with argmax p_0, taken from an incrementally maintained n-gram table (the top two
+   chained on past n tokens, each token's most frequent n-gram after the last, to `ngram_depth`: a passage that
+   repeats is drafted as far as it repeated; the paper stops at n), are merged into one trie; every node is
+   scored with an estimate of P(accepted) (product of the draft
    probabilities along the path, or the n-gram's relative frequency when larger), and the engine's speculation
    controller prunes the tree by the measured verify cost.
 Between the controller's probes (`seq.draft_free_only`: the partial-cache pass costs about a decode step on a CPU,

@@ -54,13 +54,12 @@ from spyglass.tree import DraftTree, TrieBuilder
 from spyglass.verify import Accepted
 
 DEFAULT_HEADS = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-tokenswift"
-# Heads shipped per target; with no checkpoint argument the drafter takes the ones trained for the model it runs on.
-SHIPPED_HEADS = (DEFAULT_HEADS, DEFAULT_HEADS.parent / "qwen2.5-coder-0.5b-tokenswift")
 
 
 def shipped_heads_for(target: Transformer) -> Path:
-    """The shipped heads whose recorded target signature matches `target`; ValueError names the shipped ones."""
-    shipped = [p for p in SHIPPED_HEADS if (p / CONFIG_FILE).is_file()]
+    """Of the heads shipped per model (`spyglass/drafts/*-tokenswift`), the ones whose recorded target signature
+    matches `target`; ValueError names the shipped ones."""
+    shipped = [p for p in sorted(DEFAULT_HEADS.parent.glob("*-tokenswift")) if (p / CONFIG_FILE).is_file()]
     for path in shipped:
         if not signature_mismatch(json.loads((path / CONFIG_FILE).read_text()).get("target", {}), target):
             return path

@@ -3,13 +3,16 @@
 One run, every contender on the same prompt, sampling parameters and seed (T=1, contextual penalty theta=1.2 over
 W=1024 tokens, min-p 0.1), generation to a fixed length (EOS ignored, as the paper does):
 - `ar`: plain decoding through the same engine (the reference);
-- `tokenswift`: partial KV (importance updates + rebuilds) + trained heads + [1,3,3,3] tree + n-gram reuse;
+- `tokenswift`: partial KV (importance updates + rebuilds) + trained heads + [1,3,3,3] tree + n-gram reuse (the
+  table's n-grams chained, and the context lookup: what followed the text's longest repeated suffix);
 - `sampled-chain`: the same drafter drawing a chain from p_0..p_3, verified by rejection sampling (`sampled_chain`);
-- ablations: `short-ngrams` (the paper's n-grams, not chained on past n tokens), `no-ngram` (k=0), `static-kv`
+- ablations: `table-ngrams` (no context lookup: the n-gram table alone), `short-ngrams` (the paper's n-grams: the
+  table alone, not chained on past n tokens), `no-ngram` (neither), `static-kv`
   (no dynamic KV updates), `heads-only` (no partial-cache pass: the heads
   read the verify pass's exact hidden state, Medusa-style, so drafting costs no target forward), and the
   `streaming` baseline (StreamingLLM/MagicDec self-speculation, sinks + recent window);
-- `ngram`: model-free n-gram drafting on the same prompt, the bar every drafter must clear;
+- `ngram`: model-free n-gram drafting on the same prompt, the bar every drafter must clear; `suffix`: suffix drafting
+  alone (TokenSwift's context lookup without the heads: what the heads add);
 - `ar-no-penalty`: plain decoding without the penalty, only for Distinct-4;
 - `ar-again`: plain decoding with the penalty once more, last: the machine's drift over the run
   (`baseline_drift`); every speedup is taken against plain decoding's time interpolated to when the variant ran.
@@ -51,6 +54,7 @@ from bench.common import (  # noqa: E402
 from spyglass.controller import CostCurve, cpu_model  # noqa: E402
 from spyglass.drafters.ngram import NgramDrafter  # noqa: E402
 from spyglass.drafters.streaming import StreamingDrafter  # noqa: E402
+from spyglass.drafters.suffix import SuffixDrafter  # noqa: E402
 from spyglass.drafters.tokenswift import build_tokenswift  # noqa: E402
 from spyglass.engine import EngineConfig, SpecEngine  # noqa: E402
 from spyglass.models.llama import load_transformer  # noqa: E402
@@ -58,8 +62,8 @@ from spyglass.models.loader import load_tokenizer, resolve_model  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
 
 VARIANTS = (
-    "ar", "tokenswift", "sampled-chain", "short-ngrams", "no-ngram", "static-kv", "heads-only", "streaming", "ngram",
-    "ar-no-penalty", "ar-again",
+    "ar", "tokenswift", "sampled-chain", "table-ngrams", "short-ngrams", "no-ngram", "static-kv", "heads-only",
+    "streaming", "ngram", "suffix", "ar-no-penalty", "ar-again",
 )  # fmt: skip
 PLAIN = ("ar", "ar-no-penalty", "ar-again")
 
@@ -90,11 +94,14 @@ def drafter_for(variant: str, target, budget: int):
         return StreamingDrafter(budget=budget, sinks=4, gamma=4)
     if variant == "ngram":
         return NgramDrafter()
+    if variant == "suffix":
+        return SuffixDrafter()
     options = {
         "tokenswift": {},
         "sampled-chain": {"sampled_chain": True},
-        "short-ngrams": {"ngram_depth": 0},
-        "no-ngram": {"ngram_k": 0},
+        "table-ngrams": {"context_lookup": False},
+        "short-ngrams": {"ngram_depth": 0, "context_lookup": False},
+        "no-ngram": {"ngram_k": 0, "context_lookup": False},
         "static-kv": {"policy": "static"},
         "heads-only": {"draft_pass": False},
     }[variant]

@@ -165,5 +165,14 @@ class TrieBuilder:
             self.sources[node] |= source
         return node
 
+    def graft(self, tree: DraftTree, source: int) -> None:
+        """Every path of `tree` (same root) under this root, with its scores (unscored: 0.5 per depth)."""
+        if int(tree.tokens[0]) != self.tokens[0]:
+            raise ValueError("trees to merge must share their root")
+        scores = tree.scores or [1.0] + [0.5**d for d in tree.depths[1:]]
+        mapped = [0]
+        for i in range(1, len(tree)):
+            mapped.append(self.add(mapped[tree.parents[i]], int(tree.tokens[i]), scores[i], source))
+
     def tree(self) -> DraftTree:
         return DraftTree(torch.tensor(self.tokens), self.parents, scores=self.scores, sources=self.sources)

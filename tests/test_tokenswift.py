@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from spyglass.drafters.streaming import StreamingDrafter
-from spyglass.drafters.tokenswift import NgramTable, TokenSwiftDrafter, build_tokenswift
+from spyglass.drafters.tokenswift import CONTEXT_SOURCE, NgramTable, TokenSwiftDrafter, build_tokenswift
 from spyglass.engine import EngineConfig, SpecEngine, plain_generate
 from spyglass.partial_kv import PartialKV
 from spyglass.sampling import SamplingParams
@@ -144,7 +144,7 @@ def test_ngram_chains_follow_each_tokens_most_frequent_ngram():
     assert table.extend(42, 5) == [] and table.extend(2, 0) == []
 
 
-def test_free_ngram_tree_reaches_ngram_depth_on_a_repeating_passage(tiny_target):
+def test_free_tree_reaches_ngram_depth_on_a_repeating_passage(tiny_target):
     """Between probes a repeating passage is drafted as deep as `ngram_depth`; 0 keeps the paper's n-grams."""
     vocab = tiny_target.args.vocab_size
     prompt = list(range(vocab)) * 2  # every token, each with one continuation: whatever the root, it repeats
@@ -170,7 +170,7 @@ def test_tree_is_1_3_3_3_plus_ngrams_with_scores(tiny_target):
     assert len(tree) == 41 and tree.max_depth == 4
     assert [tree.depths.count(d) for d in range(5)] == [1, 1, 3, 9, 27]
     assert all(tree.scores[i] <= tree.scores[p] + 1e-9 for i, p in enumerate(tree.parents) if p >= 0)
-    with_ngrams = build_tokenswift(tiny_target, "untrained", budget=20, sinks=4, ngram_k=20)
+    with_ngrams = build_tokenswift(tiny_target, "untrained", budget=20, sinks=4, ngram_k=20, context_lookup=False)
     engine = SpecEngine(tiny_target, with_ngrams, EngineConfig(max_batch=1, max_context=128, controller="off"))
     seq = engine.add_request([5, 6, 7, 8] * 6, SamplingParams(max_new_tokens=50, ignore_eos=True))
     engine.step()
@@ -191,8 +191,9 @@ def test_tree_is_1_3_3_3_plus_ngrams_with_scores(tiny_target):
 def test_between_probes_only_the_ngram_table_drafts_from_the_root(tiny_target):
     """With `seq.draft_free_only` (the controller between probes) the tree is the table's most frequent
     continuations of the root, with no partial-cache pass; greedy and sampled output stay plain decoding's."""
-    drafter = build_tokenswift(tiny_target, "untrained", budget=20, sinks=4, ngram_k=3)
-    assert drafter.has_free_part and not build_tokenswift(tiny_target, "untrained", budget=20, ngram_k=0).has_free_part
+    drafter = build_tokenswift(tiny_target, "untrained", budget=20, sinks=4, ngram_k=3, context_lookup=False)
+    no_lookups = build_tokenswift(tiny_target, "untrained", budget=20, ngram_k=0, context_lookup=False)
+    assert drafter.has_free_part and not no_lookups.has_free_part
     vocab = tiny_target.args.vocab_size  # a prompt with every token: the root has continuations in the table
     engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=1, max_context=3 * vocab, controller="off"))
     seq = engine.add_request(list(range(vocab)) * 2, SamplingParams(max_new_tokens=50, ignore_eos=True))
@@ -215,6 +216,38 @@ def test_between_probes_only_the_ngram_table_drafts_from_the_root(tiny_target):
     for params in (SamplingParams(max_new_tokens=40), SamplingParams(max_new_tokens=40, temperature=1.0, seed=3)):
         prompt = [5, 6, 7, 8] * 6
         (out,) = ctl_engine.run([prompt], params)
+        assert out.output_ids == plain_generate(tiny_target, prompt, params)
+
+
+def test_context_lookup_drafts_what_followed_the_repeated_suffix(tiny_target):
+    """The lookup proposes the continuation of the text's last repeated stretch (between probes, and instead of the
+    partial-cache pass where it is likely right); the pass runs where it is not; output stays plain decoding's."""
+    vocab = tiny_target.args.vocab_size
+    prompt = list(range(vocab)) * 2  # every token once followed by its successor: whatever the root, t -> t + 1
+    cfg = EngineConfig(max_batch=1, max_context=3 * vocab, controller="off")
+
+    def path(tree, node: int) -> list[int]:
+        return path(tree, tree.parents[node]) + [int(tree.tokens[node])] if node > 0 else []
+
+    for free_only, confident in ((True, 0.25), (False, 0.25), (False, 1.01)):  # 1.01: the lookup is never sure
+        drafter = build_tokenswift(tiny_target, "untrained", budget=20, sinks=4, ngram_k=0, confident=confident)
+        engine = SpecEngine(tiny_target, drafter, cfg)
+        seq = engine.add_request(prompt, SamplingParams(max_new_tokens=50, ignore_eos=True))
+        engine.step()
+        seq.draft_free_only = free_only
+        synced = seq.drafter_state.partial.synced
+        tree = drafter.propose([seq])[0]
+        assert (seq.drafter_state.partial.synced == synced) == (confident < 1)  # the pass ran only where unsure
+        assert any(s & 1 for s in tree.sources) == (confident > 1)
+        looked_up = [i for i in range(len(tree)) if tree.sources[i] & CONTEXT_SOURCE]
+        deepest = max(looked_up, key=lambda i: tree.depths[i])
+        depth = tree.depths[deepest]
+        assert depth >= 2 and path(tree, deepest) == [(seq.root + d) % vocab for d in range(1, depth + 1)]
+        assert drafter.state_bytes(seq) > drafter.partial_bytes(seq)  # the lookup's automaton counts
+
+    engine = SpecEngine(tiny_target, build_tokenswift(tiny_target, "untrained", budget=20, sinks=4))
+    for params in (SamplingParams(max_new_tokens=40), SamplingParams(max_new_tokens=40, temperature=1.0, seed=3)):
+        (out,) = engine.run([prompt], params)
         assert out.output_ids == plain_generate(tiny_target, prompt, params)
 
 
@@ -406,7 +439,7 @@ def test_heads_on_a_reduced_vocabulary_score_only_it_and_ship_it(tiny_target, tm
     heads.save(tmp_path / "h", tiny_target)
     loaded = load_heads(tmp_path / "h", tiny_target)
     assert torch.equal(loaded.vocab_ids, heads.vocab_ids) and torch.equal(loaded.proj, heads.proj)
-    drafter = TokenSwiftDrafter(loaded, budget=20, sinks=4, ngram_k=0)
+    drafter = TokenSwiftDrafter(loaded, budget=20, sinks=4, ngram_k=0, context_lookup=False)
     engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=1, max_context=128, controller="off"))
     prompt, params = [5, 6, 7, 8] * 6, SamplingParams(max_new_tokens=12, ignore_eos=True)
     seq = engine.add_request(prompt, params)

@@ -23,16 +23,9 @@ def merge_trees(trees: list[DraftTree], parts: list[int] | None = None) -> Draft
     """One trie of every tree's paths under the common root; a node's score is the best any tree gave it
     (a tree without scores: 0.5 per depth), its source the set of drafters that proposed it (bit `parts[t]` for
     `trees[t]`; default t)."""
-    root = int(trees[0].tokens[0])
-    trie = TrieBuilder(root)
+    trie = TrieBuilder(int(trees[0].tokens[0]))
     for t, tree in enumerate(trees):
-        if int(tree.tokens[0]) != root:
-            raise ValueError("trees to merge must share their root")
-        tree_scores = tree.scores or [1.0] + [0.5**d for d in tree.depths[1:]]
-        bit = 1 << (parts[t] if parts is not None else t)
-        mapped = [0]
-        for i in range(1, len(tree)):
-            mapped.append(trie.add(mapped[tree.parents[i]], int(tree.tokens[i]), tree_scores[i], bit))
+        trie.graft(tree, 1 << (parts[t] if parts is not None else t))
     scores = trie.scores
     for i in range(1, len(scores)):  # a child never above its parent
         scores[i] = min(scores[i], scores[trie.parents[i]])

@@ -44,6 +44,8 @@ from pathlib import Path
 import torch
 
 from spyglass.drafters.base import choose_draft_token, draft_generator
+from spyglass.drafters.composite import best_first
+from spyglass.drafters.suffix import SuffixDrafter
 from spyglass.kv_cache import KVCache
 from spyglass.models.llama import Segment, Transformer
 from spyglass.partial_kv import PartialKV, PartialState
@@ -124,10 +126,12 @@ class _State:
     ngrams: NgramTable
     h_last: torch.Tensor | None = None  # exact hidden state of the last committed token (draft_pass=False)
     generator: torch.Generator | None = None  # a sampled chain's own random stream (plain sampling's is kept)
+    lookup: object | None = None  # the context lookup's own state (`context_lookup`)
     stats: dict = field(default_factory=lambda: {"ngram_nodes": 0, "tree_nodes": 0})
 
 
-NGRAM_SOURCE, FREE_SOURCE = 2, 4  # node sources besides the heads' tree (1): n-grams after p_0, n-grams at the root
+# node sources besides the heads' tree (1): n-grams after p_0, n-grams at the root, the context lookup
+NGRAM_SOURCE, FREE_SOURCE, CONTEXT_SOURCE = 2, 4, 8
 EXTENDED = 2  # n-gram candidates chained on past their n tokens (as many as n-gram drafting's candidates)
 
 
@@ -149,11 +153,16 @@ class TokenSwiftDrafter:
         rebuild_every: int | None = None,
         draft_pass: bool = True,
         sampled_chain: bool = False,
+        context_lookup: bool = True,
+        confident: float = 0.25,
     ) -> None:
         """`sampled_chain`: sampled requests get a chain drawn from p_0..p_3 and verified by rejection sampling
         instead of the tree verified by token matching. `ngram_depth`: the top `EXTENDED` n-gram candidates are
         chained on (each token's most frequent n-gram) up to this depth (0: the paper's n-grams alone, n - 1
-        tokens after the root or p_0's argmax)."""
+        tokens after the root or p_0's argmax). `context_lookup`: the n-gram reuse also matches the text's
+        longest repeated suffix (suffix drafting's automaton) and proposes what followed it; where that lookup's
+        best first token scores at least `confident`, the step skips the partial-cache pass (as the composite
+        skips its learned part)."""
         if widths is None:  # the paper's [1,3,3,3]; without the pass, depth 1 comes from head 1 (no p_0 to take)
             widths = (1, 3, 3, 3) if draft_pass else (3, 3, 3)
         if len(widths) > heads.gamma + (1 if draft_pass else 0) or not widths or min(widths) < 1:
@@ -164,7 +173,9 @@ class TokenSwiftDrafter:
         self.ngram_depth = ngram_depth
         self.draft_pass = draft_pass
         self.sampled_chain = sampled_chain
-        self.has_free_part = ngram_k > 0  # the n-gram table drafts between probes, for free
+        self.lookup = SuffixDrafter() if context_lookup else None
+        self.confident = confident
+        self.has_free_part = ngram_k > 0 or context_lookup  # the lookups draft between probes, for free
         self.pkv: PartialKV | None = None
         self.target: Transformer | None = None
         self._pending: dict[str, torch.Tensor] = {}
@@ -195,6 +206,18 @@ class TokenSwiftDrafter:
         seq.drafter_state = _State(partial, table, self._pending.pop(seq.seq_id, None), gen)
         if self.ngram_k > 0:
             table.update(seq.tokens, seq.num_tokens - self.ngram_lag)
+        self._in_lookup(seq, "start")
+
+    def _in_lookup(self, seq: Sequence, method: str, *args):
+        """The context lookup's `method(seq, *args)` with its own state swapped in (None without the lookup)."""
+        st: _State = seq.drafter_state
+        if self.lookup is None:
+            return None
+        seq.drafter_state = st.lookup
+        try:
+            return getattr(self.lookup, method)(seq, *args)
+        finally:
+            st.lookup, seq.drafter_state = seq.drafter_state, st
 
     @torch.inference_mode()
     def _distributions(self, batch: list[Sequence]) -> torch.Tensor:
@@ -222,7 +245,10 @@ class TokenSwiftDrafter:
     def propose(self, batch: list[Sequence]) -> list[DraftTree]:
         if self.target is None:
             raise RuntimeError("TokenSwiftDrafter is not bound to an engine")
-        trees = {id(s): self._ngram_tree(s) for s in batch if s.draft_free_only}
+        lookups = {id(s): self._in_lookup(s, "propose_one") for s in batch}
+        trees = {
+            id(s): self._free_tree(s, lookups[id(s)]) for s in batch if s.draft_free_only or self._sure(lookups[id(s)])
+        }
         drafted = [s for s in batch if id(s) not in trees]
         if drafted:
             logits = self._distributions(drafted)
@@ -232,8 +258,12 @@ class TokenSwiftDrafter:
                     continue
                 rows = process_in_context(logits[:, j], seq.params, seq.tokens)  # start-of-step context, as the paper
                 probs = torch.softmax(rows, -1) if seq.params.greedy else rows
-                trees[id(seq)] = self._tree(seq, probs)
+                trees[id(seq)] = self._tree(seq, probs, lookups[id(seq)])
         return [trees[id(s)] for s in batch]
+
+    def _sure(self, lookup: DraftTree | None) -> bool:
+        """The context lookup's best next token is likely enough that the heads' few candidates would not pay."""
+        return lookup is not None and best_first(lookup)[1] >= self.confident
 
     def _chain(self, seq: Sequence, logits: torch.Tensor) -> DraftTree:
         """One token per depth drawn from the processed `logits` `[depths, V]`, which are its proposal q."""
@@ -245,10 +275,12 @@ class TokenSwiftDrafter:
         seq.drafter_state.stats["tree_nodes"] += len(chain)
         return DraftTree.sampled_chain(seq.root, chain, rows)
 
-    def _ngram_tree(self, seq: Sequence) -> DraftTree:
-        """The table's most frequent continuations of the root, each node scored by the best relative frequency
-        of an n-gram through it."""
+    def _free_tree(self, seq: Sequence, lookup: DraftTree | None) -> DraftTree:
+        """The context lookup's tree and the table's most frequent continuations of the root, each of those nodes
+        scored by the best relative frequency of an n-gram through it."""
         trie = TrieBuilder(seq.root)
+        if lookup is not None:
+            trie.graft(lookup, CONTEXT_SOURCE)
         table = seq.drafter_state.ngrams
         for i, (cont, freq) in enumerate(table.top(seq.root, self.ngram_k)):
             node = 0
@@ -266,9 +298,9 @@ class TokenSwiftDrafter:
             for tok in cont:
                 node = trie.add(node, tok, score, source)
 
-    def _tree(self, seq: Sequence, probs: torch.Tensor) -> DraftTree:
-        """Nodes are tagged by source (1: the heads' tree, 2: an n-gram, 3: both) so that the controller calibrates
-        each kind of score on its own acceptance."""
+    def _tree(self, seq: Sequence, probs: torch.Tensor, lookup: DraftTree | None) -> DraftTree:
+        """Nodes are tagged by source bits (1: the heads' tree, 2: an n-gram, 8: the context lookup) so that the
+        controller calibrates each kind of score on its own acceptance."""
         trie = TrieBuilder(seq.root)
         scores = trie.scores
         level = [0]
@@ -291,6 +323,8 @@ class TokenSwiftDrafter:
                     node = trie.add(node, tok, scores[node] * max(q, freq), NGRAM_SOURCE)
                 if i < EXTENDED:
                     self._extend(trie, st.ngrams, node, 1 + len(cont), NGRAM_SOURCE)
+        if lookup is not None:
+            trie.graft(lookup, CONTEXT_SOURCE)
         st.stats["tree_nodes"] += len(scores) - 1
         return trie.tree()
 
@@ -298,12 +332,15 @@ class TokenSwiftDrafter:
         st: _State = seq.drafter_state
         if self.ngram_k > 0:
             st.ngrams.update(seq.tokens, seq.num_tokens - self.ngram_lag)
+        self._in_lookup(seq, "commit", accepted)
 
     def release(self, seq: Sequence) -> None:
         self._pending.pop(seq.seq_id, None)
         st: _State | None = seq.drafter_state
-        if st is not None and self.pkv is not None:
-            self.pkv.release(st.partial)
+        if st is not None:
+            self._in_lookup(seq, "release")
+            if self.pkv is not None:
+                self.pkv.release(st.partial)
         seq.drafter_state = None
 
     def partial_bytes(self, seq: Sequence) -> int:
@@ -314,7 +351,8 @@ class TokenSwiftDrafter:
         st: _State | None = seq.drafter_state
         if st is None:
             return 0
-        return self.partial_bytes(seq) + 96 * st.ngrams.entries  # n-gram entries: a small tuple and a counter
+        lookup = self._in_lookup(seq, "state_bytes") or 0
+        return self.partial_bytes(seq) + 96 * st.ngrams.entries + lookup  # n-gram entries: a tuple and a counter
 
 
 def build_tokenswift(target: Transformer, checkpoint: str | Path | None = None, **options) -> TokenSwiftDrafter:

@@ -71,14 +71,15 @@ bench-dflash: setup
 bench-controller: setup
 	$(PY) bench/controller_rules.py --rule persist
 	$(PY) bench/controller_rules.py --rule per_source --methods composite --baselines suffix --kinds code,edit,summary
-# The issue's full run (2K prefix, 6K generated, 7 variants one after another) takes over an hour on 2 CPU cores.
+# The issue's full run (2K prefix, 6K generated, 13 variants one after another) takes about an hour on 2 CPU cores.
 bench-tokenswift: setup
 	$(PY) bench/tokenswift.py --prefix 2048 --gen 6144
-# The issue's 12K figure on Qwen2.5-Coder-0.5B (speedup_12k_t1): plain, TokenSwift, n-gram, plain again; ~70 min.
+# The issue's 12K figure on Qwen2.5-Coder-0.5B (speedup_12k_t1): plain, TokenSwift, suffix drafting alone (what
+# TokenSwift's heads add to its context lookup), n-gram, plain again; ~50 min.
 .PHONY: bench-tokenswift-qwen
 bench-tokenswift-qwen: setup model-qwen
 	$(PY) bench/tokenswift.py --model qwen2.5-coder-0.5b --prefix 2048 --gen 12288 --name tokenswift_qwen \
-	  --variants ar,tokenswift,ngram,ar-again
+	  --variants ar,tokenswift,suffix,ngram,ar-again
 
 # The shipped LongSpec and GLIDE drafts: extraction + training (resumable: rerun to continue), then copied into the
 # package. Each run warm-starts from the one before (v3 from v2's step 200, v4 from v3, v5 from v4, v6 from v5,

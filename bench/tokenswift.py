@@ -21,9 +21,10 @@ same text as `ar` (up to floating-point differences between batched verification
 sampling (`sampled-chain`, `streaming`) draws differently: same distribution, other text.
 
 Figures (bench/results/tokenswift.json): speedup_long_t1 (decode time of ar / of tokenswift, prefill excluded),
-acceptance_rate (the paper's alpha: accepted drafted tokens / (4 x steps)), tau, speedup by generated length
-(plotted), distinct4_with_penalty / distinct4_without_penalty, ablation speedups; with `--model qwen2.5-coder-0.5b`
-and 12K+ generated tokens, `speedup_12k_t1` (the issue's long-context figure; `make bench-tokenswift-qwen`).
+acceptance_rate (the paper's alpha: accepted drafted tokens / (4 x steps); above 1 where lookups draft deeper
+than 4), tau, speedup by generated length (plotted), distinct4_with_penalty / distinct4_without_penalty, ablation
+speedups; with `--model qwen2.5-coder-0.5b` and 12K+ generated tokens, `speedup_12k_t1` (the issue's long-context
+figure; `make bench-tokenswift-qwen`).
 
 Each finished variant is kept in .cache/bench/<name>/ (with the machine's CPU model and the run's arguments): a rerun
 with the same --name resumes after the last finished variant on the same CPU instead of starting over.

@@ -26,8 +26,9 @@ than 4), tau, speedup by generated length (plotted), distinct4_with_penalty / di
 speedups; with `--model qwen2.5-coder-0.5b` and 12K+ generated tokens, `speedup_12k_t1` (the issue's long-context
 figure; `make bench-tokenswift-qwen`).
 
-Each finished variant is kept in .cache/bench/<name>/ (with the machine's CPU model and the run's arguments): a rerun
-with the same --name resumes after the last finished variant on the same CPU instead of starting over.
+Each finished variant is kept in .cache/bench/<name>/ (with the machine's CPU model, the run's arguments and a hash of
+the code and shipped weights): a rerun with the same --name resumes after the last finished variant on the same CPU
+with the same code instead of starting over.
 
     python bench/tokenswift.py [--model M] [--prefix 2048] [--gen 6144] [--budget 1024] [--variants ...]
 """
@@ -47,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import (  # noqa: E402
     RESULTS_DIR,
     CpuWatch,
+    code_fingerprint,
     machine_load,
     plot_panels,
     wait_for_quiet,
@@ -197,6 +199,7 @@ def main() -> None:
     kept.mkdir(parents=True, exist_ok=True)
     same_run = {
         "cpu": cpu_model(),
+        "code": code_fingerprint(),
         "args": {k: v for k, v in vars(ARGS).items() if k not in ("note", "variants", "name")},
     }
     kept_runs = []  # variants measured by an earlier, interrupted run with the same arguments on this CPU

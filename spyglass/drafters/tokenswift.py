@@ -215,9 +215,9 @@ class TokenSwiftDrafter:
 
     def _in_lookup(self, seq: Sequence, method: str, *args):
         """The context lookup's `method(seq, *args)` with its own state swapped in (None without the lookup)."""
-        st: _State = seq.drafter_state
         if self.lookup is None:
             return None
+        st: _State = seq.drafter_state
         seq.drafter_state = st.lookup
         try:
             return getattr(self.lookup, method)(seq, *args)

@@ -145,6 +145,8 @@ def run_one(target, tokenizer, variant: str, prompt: list[int], params: Sampling
     drafter = engine.drafter
     if hasattr(drafter, "pkv") and drafter.pkv is not None:
         out["partial_kv_bytes"] = drafter.pkv.slot_bytes()
+    if hasattr(drafter, "drafted"):
+        out["heads_steps"] = drafter.drafted  # steps that ran TokenSwift's heads (the rest: lookups alone)
     print(
         f"{variant:14s} decode {out['decode_s']:.1f}s tau {out['tau']:.2f} alpha {out['acceptance_rate']:.2f} "
         f"distinct4 {out['distinct4']:.3f}",

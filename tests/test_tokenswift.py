@@ -235,9 +235,10 @@ def test_context_lookup_drafts_what_followed_the_repeated_suffix(tiny_target):
         seq = engine.add_request(prompt, SamplingParams(max_new_tokens=50, ignore_eos=True))
         engine.step()
         seq.draft_free_only = free_only
-        synced = seq.drafter_state.partial.synced
+        synced, drafted = seq.drafter_state.partial.synced, drafter.drafted
         tree = drafter.propose([seq])[0]
         assert (seq.drafter_state.partial.synced == synced) == (confident < 1)  # the pass ran only where unsure
+        assert drafter.drafted - drafted == (confident > 1)
         assert any(s & 1 for s in tree.sources) == (confident > 1)
         looked_up = [i for i in range(len(tree)) if tree.sources[i] & CONTEXT_SOURCE]
         deepest = max(looked_up, key=lambda i: tree.depths[i])

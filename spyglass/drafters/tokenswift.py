@@ -182,6 +182,7 @@ class TokenSwiftDrafter:
         self.confident = confident
         self.has_free_part = ngram_k > 0 or context_lookup  # the lookups draft between probes, for free
         self.pkv: PartialKV | None = None
+        self.drafted = 0  # sequence-steps that ran the heads (and the partial-cache pass): what the lookups spared
         self.target: Transformer | None = None
         self._pending: dict[str, torch.Tensor] = {}
 
@@ -229,6 +230,7 @@ class TokenSwiftDrafter:
         """`[depths, batch, V]` raw logits for the tree's depths 1..len(widths)."""
         t = self.target
         last = t.args.n_layers - 1
+        self.drafted += len(batch)
         if not self.draft_pass:
             h = torch.stack([s.drafter_state.h_last for s in batch])
             return self.heads.logits(t, h, slice(1, 1 + len(self.widths)))

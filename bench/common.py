@@ -179,14 +179,14 @@ def run_clean(
     }
 
 
-def code_fingerprint(*paths: Path) -> str:
-    """A hash of every file under `paths` (default: the package, shipped drafts included, and bench/): results kept
+def code_fingerprint() -> str:
+    """A hash of every file of the package (shipped drafts included) and of bench/ (not its results): results kept
     for resuming an interrupted run are reused only by the same code and weights."""
     import hashlib
 
     root = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256()
-    for base in paths or (root / "spyglass", root / "bench"):
+    for base in (root / "spyglass", root / "bench"):
         for f in sorted(p for p in base.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
             if f.suffix in (".json", ".png") and "results" in f.parts:
                 continue  # results written by benchmarks are outputs, not code

@@ -149,7 +149,9 @@ def test_free_tree_reaches_ngram_depth_on_a_repeating_passage(tiny_target):
     vocab = tiny_target.args.vocab_size
     prompt = list(range(vocab)) * 2  # every token, each with one continuation: whatever the root, it repeats
     for depth, expected in ((12, 12), (0, 3)):
-        drafter = build_tokenswift(tiny_target, "untrained", budget=20, sinks=4, ngram_depth=depth)
+        drafter = build_tokenswift(
+            tiny_target, "untrained", budget=20, sinks=4, ngram_depth=depth, context_lookup=False
+        )
         engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=1, max_context=3 * vocab, controller="off"))
         seq = engine.add_request(prompt, SamplingParams(max_new_tokens=50, ignore_eos=True))
         engine.step()

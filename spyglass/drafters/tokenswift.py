@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import heapq
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -132,7 +132,6 @@ class _State:
     h_last: torch.Tensor | None = None  # exact hidden state of the last committed token (draft_pass=False)
     generator: torch.Generator | None = None  # a sampled chain's own random stream (plain sampling's is kept)
     lookup: object | None = None  # the context lookup's own state (`context_lookup`)
-    stats: dict = field(default_factory=lambda: {"ngram_nodes": 0, "tree_nodes": 0})
 
 
 # node sources besides the heads' tree (1): n-grams after p_0, n-grams at the root, the context lookup
@@ -279,7 +278,6 @@ class TokenSwiftDrafter:
             tok, row = choose_draft_token(seq, chain, logits[d : d + 1], seq.drafter_state.generator)
             chain.append(tok)
             rows.append(row)
-        seq.drafter_state.stats["tree_nodes"] += len(chain)
         return DraftTree.sampled_chain(seq.root, chain, rows)
 
     def _free_tree(self, seq: Sequence, lookup: DraftTree | None) -> DraftTree:
@@ -332,7 +330,6 @@ class TokenSwiftDrafter:
                     self._extend(trie, st.ngrams, node, 1 + len(cont), NGRAM_SOURCE)
         if lookup is not None:
             trie.graft(lookup, CONTEXT_SOURCE)
-        st.stats["tree_nodes"] += len(scores) - 1
         return trie.tree()
 
     def commit(self, seq: Sequence, accepted: Accepted) -> None:

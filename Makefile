@@ -80,6 +80,12 @@ bench-tokenswift: setup
 bench-tokenswift-qwen: setup model-qwen
 	$(PY) bench/tokenswift.py --model qwen2.5-coder-0.5b --prefix 2048 --gen 12288 --name tokenswift_qwen \
 	  --variants ar,tokenswift,suffix,ngram,ar-again
+# What TokenSwift's heads could make on this machine if every drafted token were accepted (its partial-cache pass
+# and verify costs measured over each run's contexts); ~2 min for SmolLM2, ~6 min for Qwen.
+.PHONY: bench-tokenswift-bound
+bench-tokenswift-bound: setup model-qwen
+	$(PY) bench/tokenswift_bound.py --name tokenswift_bound_smollm2
+	$(PY) bench/tokenswift_bound.py --model qwen2.5-coder-0.5b --gen 12288 --points 5 --name tokenswift_bound_qwen
 
 # The shipped LongSpec and GLIDE drafts: extraction + training (resumable: rerun to continue), then copied into the
 # package. Each run warm-starts from the one before (v3 from v2's step 200, v4 from v3, v5 from v4, v6 from v5,

@@ -91,10 +91,13 @@ def main() -> None:
         t1 = curve.time(1, c)
         bounds = {d: (d + 1) * t1 / (p + curve.time(d + 1, c)) for d in range(1, max_d + 1)}
         p0_only = (1 + args.p0_acceptance) * t1 / (p + curve.time(2, c))
-        rows.append({"context": c, "step_s": t1, "pass_s": p, "pass_over_step": p / t1, "bound_by_depth": bounds,
-                     "bound_p0_only": p0_only})  # fmt: skip
-        print(f"context {c:6d}: step {t1 * 1e3:.1f} ms, pass {p * 1e3:.1f} ms ({p / t1:.2f} steps); bound by depth "
-              + " ".join(f"{d}:{b:.2f}x" for d, b in bounds.items()) + f"; p0 only {p0_only:.2f}x", flush=True)  # fmt: skip
+        rows.append(
+            {"context": c, "step_s": t1, "pass_s": p, "pass_over_step": p / t1, "bound_by_depth": bounds,
+             "bound_p0_only": p0_only}
+        )  # fmt: skip
+        shown = " ".join(f"{d}:{b:.2f}x" for d, b in bounds.items())
+        print(f"context {c:6d}: step {t1 * 1e3:.1f} ms, pass {p * 1e3:.1f} ms ({p / t1:.2f} steps); "
+              f"bound by depth {shown}; p0 only {p0_only:.2f}x", flush=True)  # fmt: skip
 
     def over_run(per_context: list[float]) -> float:  # the whole generation: summed times, so a harmonic mean
         return len(per_context) / sum(1 / x for x in per_context)

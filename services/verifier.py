@@ -109,17 +109,27 @@ class _Live:
 
 
 class EngineLoop:
-    """One thread that owns the engines (one per drafting method, each with its own KV pool)."""
+    """One thread that owns the engines (one per drafting method, each with its own KV pool).
+
+    With `setup` (engines and tokenizer None), that thread also builds them: `setup()` returns (engines, tokenizer)
+    and runs there before the loop starts; the constructor waits for it and raises what it raised. Every torch
+    computation of a replica then runs on one thread: OpenMP gives each thread that runs parallel work its own team,
+    and with two teams in a process (load and measure on the actor's thread, decode on this one) libgomp stops its
+    idle workers from spinning once it manages more threads than there are cores, so every decode step paid their
+    wake-ups: 10-15% slower steps on 2 cores (BENCHMARKS.md, "Serving", session 34)."""
 
     def __init__(
         self,
-        engines: dict[str, Any],
+        engines: dict[str, Any] | None,
         tokenizer,
         cfg: VerifierConfig,
         name: str = "verifier",
         on_metrics: Callable[[str, float, dict[str, str] | None], None] | None = None,
+        setup: Callable[[], tuple[dict[str, Any], Any]] | None = None,
     ) -> None:
-        self.engines = engines
+        if (setup is None) == (engines is None):
+            raise ValueError("EngineLoop needs either engines or a setup that builds them")
+        self.engines = engines or {}
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.name = name
@@ -131,8 +141,13 @@ class EngineLoop:
         self.finished = 0
         self.aborted = 0
         self._stop = threading.Event()
+        self._setup, self._setup_error, self._ready = setup, None, threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-engine-loop", daemon=True)
         self._thread.start()
+        self._ready.wait()
+        if self._setup_error is not None:
+            self._thread.join(timeout=30)
+            raise self._setup_error
 
     # --- called from the asyncio side -----------------------------------------------------------
     @property
@@ -218,6 +233,14 @@ class EngineLoop:
 
         if self.cfg.threads:
             torch.set_num_threads(self.cfg.threads)
+        try:
+            if self._setup is not None:
+                self.engines, self.tokenizer = self._setup()
+        except BaseException as e:  # noqa: BLE001 - handed to the constructor, which raises it
+            self._setup_error = e
+            return
+        finally:
+            self._ready.set()
         while True:
             busy = any(e.has_work for e in self.engines.values())
             self._apply_commands(block=not busy)
@@ -472,6 +495,8 @@ def build_engines(cfg: VerifierConfig) -> tuple[dict[str, Any], Any, dict[str, A
         "cache_block_size": cfg.cache_block_size if cache is not None else 0,
         "max_queued": cfg.max_queued,
         "dtype": cfg.dtype,
+        "linear_backend": target.linear_backend,  # the matmul kernel per row count measured at load
+        "threads": torch.get_num_threads(),
     }
     return engines, tokenizer, info
 
@@ -538,21 +563,22 @@ class Verifier:
         self.cfg = VerifierConfig.from_dict(config)
         # Ray sets OMP_NUM_THREADS to the replica's num_cpus; more threads than that would oversubscribe.
         self.cfg.threads = self.cfg.threads or int(os.environ.get("OMP_NUM_THREADS") or 1)
-        import torch
-
-        # The engine loop's thread count, set before the engines are built: each measures its cost curve (what a
-        # verify of k tokens costs) at construction, and a curve timed with Ray's OMP_NUM_THREADS (the replica's
-        # num_cpus, often 1) sized every tree for a machine it was not running on. The warm-up's shapes match too.
-        torch.set_num_threads(self.cfg.threads)
-        engines, tokenizer, self._info = build_engines(self.cfg)
         self.name = name
-        if self.cfg.warmup_prompt_tokens > 0:
-            report = warm_up(engines, tokenizer, self.cfg, self.cfg.warmup_prompt_tokens)
-            self._info["warmup_s"] = report["seconds"]
-            # Serve's logger: the line lands in the replica's log file
-            serve_log = logging.getLogger("ray.serve")
-            serve_log.info("%s warmed up in %.1f s: %s", name, report["seconds"], report["methods"])
-        self.loop = EngineLoop(engines, tokenizer, self.cfg, name=name, on_metrics=_make_metrics(name))
+
+        def setup() -> tuple[dict[str, Any], Any]:
+            # On the engine loop's thread, at its thread count (EngineLoop sets it first): each engine measures its
+            # cost curve (what a verify of k tokens costs) at construction, and a curve timed with Ray's
+            # OMP_NUM_THREADS (the replica's num_cpus, often 1) sized every tree for a machine it was not running on.
+            engines, tokenizer, self._info = build_engines(self.cfg)
+            if self.cfg.warmup_prompt_tokens > 0:
+                report = warm_up(engines, tokenizer, self.cfg, self.cfg.warmup_prompt_tokens)
+                self._info["warmup_s"] = report["seconds"]
+                # Serve's logger: the line lands in the replica's log file
+                serve_log = logging.getLogger("ray.serve")
+                serve_log.info("%s warmed up in %.1f s: %s", name, report["seconds"], report["methods"])
+            return engines, tokenizer
+
+        self.loop = EngineLoop(None, None, self.cfg, name=name, on_metrics=_make_metrics(name), setup=setup)
 
     async def generate(self, req: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         async for item in self.loop.generate(req):

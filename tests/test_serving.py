@@ -139,12 +139,49 @@ def test_the_replica_times_its_cost_curve_with_the_threads_it_decodes_with():
         verifier = Verifier.func_or_class(config)  # the deployment's class, built in process
         try:
             engine = verifier.loop.engines["ngram"]
-            assert torch.get_num_threads() == 2
-            assert engine.controller.curve is measured_curve(engine.target, engine.cache)  # the 2-thread curve
+            assert torch.get_num_threads() == 1  # the engines were built on the loop's thread, at its count
+            torch.set_num_threads(2)  # so the curve they use is the one measured with 2 threads
+            assert engine.controller.curve is measured_curve(engine.target, engine.cache)
         finally:
             verifier.loop.stop(drain_timeout_s=1.0)
     finally:
         torch.set_num_threads(before)
+
+
+def test_engine_loop_builds_its_engines_on_its_own_thread_and_raises_what_setup_raised():
+    """Every torch computation of a replica runs on the loop's thread (a second OpenMP team in the process slowed
+    each decode step by 10-15%); a setup that fails fails the constructor with its own error."""
+    import threading
+
+    from services.verifier import EngineLoop, VerifierConfig, build_engines
+
+    cfg = VerifierConfig(methods=["ngram"], max_batch=1, max_context=1024, threads=1)
+    ran_on = []
+
+    def setup():
+        ran_on.append(threading.current_thread())
+        engines, tok, _ = build_engines(cfg)
+        return engines, tok
+
+    loop = EngineLoop(None, None, cfg, name="t", setup=setup)
+    try:
+        assert ran_on == [loop._thread] and list(loop.engines) == ["ngram"] and loop.health()["alive"]
+        items = asyncio.run(_collect(loop, {"prompt": PROMPTS[0], "max_new_tokens": 3}))
+        assert items[-1]["final"] and items[-1]["finish_reason"] == "length"
+    finally:
+        loop.stop(drain_timeout_s=1.0)
+
+    def broken():
+        raise ValueError("no such model: nowhere")
+
+    with pytest.raises(ValueError, match="no such model"):
+        EngineLoop(None, None, cfg, name="broken", setup=broken)
+    with pytest.raises(ValueError, match="either engines or a setup"):
+        EngineLoop(None, None, cfg)
+
+
+async def _collect(loop, req: dict) -> list[dict]:
+    return [item async for item in loop.generate(req)]
 
 
 # --- the deployed stack ----------------------------------------------------------------------------------------

@@ -416,8 +416,9 @@ class Gateway:
         check_sampling(r.sampling)
         return request_to_dict(r, rid)
 
-    async def _stream(self, r: pb.GenerateRequest) -> AsyncIterator[dict[str, Any]]:
-        """The verifier's items for one request, with admission, routing, deadline and cleanup."""
+    async def _stream(self, r: pb.GenerateRequest, final_only: bool = False) -> AsyncIterator[dict[str, Any]]:
+        """The verifier's items for one request, with admission, routing, deadline and cleanup (`final_only`: the
+        verifier sends the final item alone, for a unary reply)."""
         t0 = time.perf_counter()
         if r.request_id.startswith(MALFORMED):
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, r.request_id[len(MALFORMED) :])
@@ -453,6 +454,7 @@ class Gateway:
             self._depth.set(adm.queue_depth)
         queue_time = time.perf_counter() - t0
         self.live[rid] = i
+        req["final_only"] = final_only
         gen = self.verifiers[i].options(stream=True).generate.remote(req)
         deadline = t0 + r.timeout_s if r.timeout_s > 0 else None
         method = req["method"] or self._info["default_method"]
@@ -480,6 +482,8 @@ class Gateway:
                     self._ttft.observe(time.perf_counter() - t0, tags={"method": method})
                     first = False
                 if item.get("final"):
+                    if first and item["stats"].get("ttft_s") is not None:  # final only: the verifier timed it
+                        self._ttft.observe(queue_time + item["stats"]["ttft_s"], tags={"method": method})
                     item["stats"].update(latency_s=time.perf_counter() - t0, queue_time_s=queue_time)
                     finished = True
                     yield item
@@ -555,7 +559,7 @@ class Gateway:
         self._check_auth(grpc_context)
         final: dict[str, Any] = {}
         try:
-            async for item in self._stream(request):
+            async for item in self._stream(request, final_only=True):
                 if item.get("final"):
                     final = item
         except GatewayError as e:

@@ -98,6 +98,7 @@ class _Live:
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
     seq: Any = None
+    final_only: bool = False  # a unary request: only the final item (full text and ids), no per-step chunks
     sent_text: str = ""
     prev_hits: list[int] = field(default_factory=list)
     prev_steps: int = 0
@@ -180,6 +181,7 @@ class EngineLoop:
             yield {"error": ERR_INVALID, "message": str(e)}
             return
         live = _Live(rid, method, prompt_ids, params, asyncio.get_running_loop(), asyncio.Queue())
+        live.final_only = bool(req.get("final_only"))
         self.live[rid] = live
         self.commands.put(("add", live))
         done = False
@@ -319,6 +321,10 @@ class EngineLoop:
             self._count("batched_sequence_steps_total", 1)
             self._count("batch_size_sum", st.batch_sizes[-1])
         live.prev_hits, live.prev_drafted, live.prev_steps = hits, st.drafted_nodes, st.steps
+        if live.final_only:  # each chunk costs the replica (and the gateway) CPU that the decode steps share
+            if seq.finished:
+                self._finish(live)
+            return
         text = engine.text(seq)
         delta = ""
         if text.startswith(live.sent_text) and (seq.finished or not text.endswith("\ufffd")):
@@ -498,6 +504,9 @@ def build_engines(cfg: VerifierConfig) -> tuple[dict[str, Any], Any, dict[str, A
         "linear_backend": target.linear_backend,  # the matmul kernel per row count measured at load
         "threads": torch.get_num_threads(),
     }
+    curves = [e.controller.curve for e in engines.values() if e.controller is not None]
+    if curves:  # what verifying k tokens cost at start-up: every tree is sized by it
+        info["cost_curve"] = curves[0].to_dict()
     return engines, tokenizer, info
 
 

@@ -150,7 +150,8 @@ def test_the_replica_times_its_cost_curve_with_the_threads_it_decodes_with():
 
 def test_engine_loop_builds_its_engines_on_its_own_thread_and_raises_what_setup_raised():
     """Every torch computation of a replica runs on the loop's thread (a second OpenMP team in the process slowed
-    each decode step by 10-15%); a setup that fails fails the constructor with its own error."""
+    each decode step by 10-15%); a setup that fails fails the constructor with its own error; a final-only request
+    gets one item with the whole output."""
     import threading
 
     from services.verifier import EngineLoop, VerifierConfig, build_engines
@@ -166,8 +167,12 @@ def test_engine_loop_builds_its_engines_on_its_own_thread_and_raises_what_setup_
     loop = EngineLoop(None, None, cfg, name="t", setup=setup)
     try:
         assert ran_on == [loop._thread] and list(loop.engines) == ["ngram"] and loop.health()["alive"]
-        items = asyncio.run(_collect(loop, {"prompt": PROMPTS[0], "max_new_tokens": 3}))
-        assert items[-1]["final"] and items[-1]["finish_reason"] == "length"
+        streamed = asyncio.run(_collect(loop, {"prompt": PROMPTS[0], "max_new_tokens": 6}))
+        assert streamed[-1]["final"] and streamed[-1]["finish_reason"] == "length" and len(streamed) > 2
+        # a unary request (GenerateOnce) gets the final item alone, carrying the whole output
+        (only,) = asyncio.run(_collect(loop, {"prompt": PROMPTS[0], "max_new_tokens": 6, "final_only": True}))
+        assert only["final"] and only["output_ids"] == [t for item in streamed for t in item["token_ids"]]
+        assert only["full_text"] == streamed[-1]["full_text"] and only["text"] == only["full_text"]
     finally:
         loop.stop(drain_timeout_s=1.0)
 

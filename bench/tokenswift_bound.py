@@ -1,4 +1,4 @@
-"""How fast TokenSwift's learned drafting could be on this machine, whatever its heads: a measured upper bound.
+"""How fast TokenSwift's learned drafting could be on this machine with perfect heads: a measured upper bound.
 
 TokenSwift drafts with one target forward over the partial KV cache per step (the "pass"), which gives
 p_0..p_gamma, so at most gamma + 1 drafted tokens a step. If every drafted token were accepted, a step would emit
@@ -12,8 +12,11 @@ Measured here at several contexts c on the benchmark's model and budget (the ver
 benchmark's eval-split prose), and averaged over a generation from `--prefix` to `--prefix + --gen` tokens (the
 harmonic mean over contexts: a speedup is a ratio of summed times). Also the same bound where only p_0's token is
 drafted and accepted as often as it was under rejection sampling at the benchmark's T=1 (`--p0-acceptance`,
-session 29's sampled-chain measurement), the heads adding nothing. Lookups (n-grams, the context lookup) are not
-covered: they draft without the pass and are bounded only by how much the text repeats.
+session 29's sampled-chain measurement), the heads adding nothing. And the bound of the variant without the pass
+(`draft_pass=False`, Medusa-style: the heads read the verify pass's hidden state of the last accepted token, so
+the step's own sample is the root and the heads draft gamma tokens after it, the first two tokens ahead):
+(gamma + 1) t(1, c) / t(gamma + 1, c). Lookups (n-grams, the context lookup) are not covered: they draft without
+the pass and are bounded only by how much the text repeats.
 
     python bench/tokenswift_bound.py [--model M] [--prefix 2048] [--gen 6144] [--budget 1024]
 """
@@ -91,13 +94,14 @@ def main() -> None:
         t1 = curve.time(1, c)
         bounds = {d: (d + 1) * t1 / (p + curve.time(d + 1, c)) for d in range(1, max_d + 1)}
         p0_only = (1 + args.p0_acceptance) * t1 / (p + curve.time(2, c))
+        no_pass = (args.gamma + 1) * t1 / curve.time(args.gamma + 1, c)
         rows.append(
             {"context": c, "step_s": t1, "pass_s": p, "pass_over_step": p / t1, "bound_by_depth": bounds,
-             "bound_p0_only": p0_only}
+             "bound_p0_only": p0_only, "bound_heads_only": no_pass}
         )  # fmt: skip
         shown = " ".join(f"{d}:{b:.2f}x" for d, b in bounds.items())
         print(f"context {c:6d}: step {t1 * 1e3:.1f} ms, pass {p * 1e3:.1f} ms ({p / t1:.2f} steps); "
-              f"bound by depth {shown}; p0 only {p0_only:.2f}x", flush=True)  # fmt: skip
+              f"bound by depth {shown}; p0 only {p0_only:.2f}x; no pass {no_pass:.2f}x", flush=True)  # fmt: skip
 
     def over_run(per_context: list[float]) -> float:  # the whole generation: summed times, so a harmonic mean
         return len(per_context) / sum(1 / x for x in per_context)
@@ -107,6 +111,7 @@ def main() -> None:
         "bound_perfect_heads": max(by_depth.values()),
         "bound_perfect_heads_by_depth": by_depth,
         "bound_p0_only": over_run([r["bound_p0_only"] for r in rows]),
+        "bound_heads_only": over_run([r["bound_heads_only"] for r in rows]),
         "pass_over_step": statistics.mean(r["pass_over_step"] for r in rows),
         "goal": 2.5,
     }
@@ -125,7 +130,8 @@ def main() -> None:
             "xlabel": "context (tokens)",
             "ylabel": "speedup over plain decoding",
             "series": {f"{d} drafted": (contexts, [r["bound_by_depth"][d] for r in rows]) for d in range(1, max_d + 1)}
-            | {"p0 only, measured acceptance": (contexts, [r["bound_p0_only"] for r in rows])},
+            | {"p0 only, measured acceptance": (contexts, [r["bound_p0_only"] for r in rows]),
+               "no pass (heads on the verify pass), all accepted": (contexts, [r["bound_heads_only"] for r in rows])},
             "hline": 2.5,
         }],
         ncols=1,

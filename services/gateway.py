@@ -629,7 +629,7 @@ class Gateway:
             return _openai_error(GatewayError(grpc.StatusCode.INVALID_ARGUMENT, f"bad request body: {e}"))
         created = int(time.time())
         model = (await self.info())["model"]
-        stream = self._stream(req)
+        stream = self._stream(req, final_only=not body.get("stream"))  # a non-streaming reply: the final item
         try:  # the first item surfaces validation and admission errors as HTTP statuses
             first = await stream.__anext__()
         except GatewayError as e:

@@ -3,6 +3,8 @@ with RoPE scaling variants, in one pass, chunked prefill and a tree verify pass.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -85,3 +87,34 @@ def test_tree_verify_rows_equal_per_path_forward(tiny_target):
         cache.lengths[other] = 0
         ref = tiny_target([Segment(other, 0, ids, torch.arange(len(ids)), None, "last")], cache)[0][0]
         torch.testing.assert_close(rows[node], ref, atol=2e-5, rtol=1e-4)
+
+
+def _mappings() -> list[tuple[int, int, str, set[str]]]:
+    """This process's memory mappings: (start, end, backing file or "", VmFlags)."""
+    maps, cur = [], None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if "-" in parts[0] and len(parts) >= 5 and not parts[0].endswith(":"):
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                cur = [lo, hi, parts[5] if len(parts) > 5 and parts[5].startswith("/") else "", set()]
+                maps.append(cur)
+            elif parts[0] == "VmFlags:" and cur is not None:
+                cur[3] = set(parts[1:])
+    return [tuple(m) for m in maps]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps (Linux)")
+def test_loaded_weights_live_in_anonymous_huge_page_memory_not_in_the_file(smollm2):
+    """A 1-token step streams every weight: from the safetensors file's page-cache pages it ran 16% slower on SmolLM2
+    (27% on Qwen2.5-Coder-0.5B) than from huge pages. Every large weight sits in memory advised for huge pages."""
+    model, _ = smollm2
+    maps = _mappings()
+    large = [p for p in model.parameters() if p.numel() * p.element_size() >= 1 << 20]
+    assert len(large) >= model.args.n_layers  # the projections of every layer, the embedding
+    for p in large:
+        mid = p.data_ptr() + p.numel() * p.element_size() // 2
+        (region,) = [m for m in maps if m[0] <= mid < m[1]]
+        assert region[2] == "" and "hg" in region[3], (region[2], sorted(region[3]))
+    if model.args.tie_embeddings:
+        assert model.lm_head.weight is model.embed.weight

@@ -315,8 +315,46 @@ def load_transformer(
     model.rope_scaling = scaling
     model.model_id = path.name
     model = model.to(device=device, dtype=dtype).eval()
+    if model.embed.weight.device.type == "cpu":
+        into_huge_pages(model)
     set_linear_backend(model, linear_backend)
     return model
+
+
+MADV_HUGEPAGE = 14  # Linux <sys/mman.h>
+
+
+def into_huge_pages(model: nn.Module) -> None:
+    """Move every CPU parameter and buffer into one anonymous buffer marked for transparent huge pages (Linux).
+
+    Why: `load_file` maps the safetensors file, so the weights not fused at load (the embedding / LM head, the
+    output and down projections) stayed file-backed in the page cache's pages: a 1-token step streams every weight
+    once, and with Qwen2.5-Coder-0.5B on a 2-core Zen 4 VM it took 60 ms from there against 49 ms from huge pages
+    (SmolLM2-135M: 26.5 vs 25.6 ms), and it moved between processes with the page cache's state. Values are copied
+    unchanged; tied weights stay one tensor."""
+    import ctypes
+    import sys
+
+    tensors: dict[int, torch.Tensor] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.device.type == "cpu" and t.numel():
+            tensors.setdefault(id(t), t)
+    align = 64
+    sizes = [-(-t.numel() * t.element_size() // align) * align for t in tensors.values()]
+    buf = torch.empty(sum(sizes), dtype=torch.uint8)  # fresh, untouched pages: the advice applies as they fault in
+    if sys.platform == "linux":
+        page = 4096
+        start = -(-buf.data_ptr() // page) * page
+        length = (buf.data_ptr() + buf.numel() - start) // page * page
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), MADV_HUGEPAGE)  # best effort: 0 or EINVAL
+    offset = 0
+    with torch.no_grad():
+        for t, size in zip(tensors.values(), sizes, strict=True):
+            view = buf[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            view.copy_(t)
+            t.data = view
+            offset += size
 
 
 def convert_hf_state_dict(raw: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:

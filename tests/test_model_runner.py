@@ -106,8 +106,8 @@ def _mappings() -> list[tuple[int, int, str, set[str]]]:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps (Linux)")
 def test_loaded_weights_live_in_anonymous_huge_page_memory_not_in_the_file(smollm2):
-    """A 1-token step streams every weight: from the safetensors file's page-cache pages it ran 16% slower on SmolLM2
-    (27% on Qwen2.5-Coder-0.5B) than from huge pages. Every large weight sits in memory advised for huge pages."""
+    """A 1-token step streams every weight: from the safetensors file's page-cache pages it ran 4-6% slower than from
+    huge pages. Every large weight sits in anonymous memory advised for huge pages."""
     model, _ = smollm2
     maps = _mappings()
     large = [p for p in model.parameters() if p.numel() * p.element_size() >= 1 << 20]

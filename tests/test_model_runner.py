@@ -3,8 +3,6 @@ with RoPE scaling variants, in one pass, chunked prefill and a tree verify pass.
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -104,7 +102,16 @@ def _mappings() -> list[tuple[int, int, str, set[str]]]:
     return [tuple(m) for m in maps]
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps (Linux)")
+def _thp_available() -> bool:
+    """The kernel offers transparent huge pages to madvise (its mode is not [never], or it has none)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _thp_available(), reason="needs Linux with transparent huge pages (reads /proc/self/smaps)")
 def test_loaded_weights_live_in_anonymous_huge_page_memory_not_in_the_file(smollm2):
     """A 1-token step streams every weight: from the safetensors file's page-cache pages it ran 4-6% slower than from
     huge pages. Every large weight sits in anonymous memory advised for huge pages."""

@@ -45,11 +45,10 @@ from spyglass.sampling import SamplingParams  # noqa: E402
 SIZES = (1, 2, 3, 4, 5, 6, 8)
 
 
-def pass_seconds(target, text: list[int], context: int, budget: int, capacity: int, repeats: int) -> float:
+def pass_seconds(engine: SpecEngine, text: list[int], context: int, repeats: int) -> float:
     """Median time of TokenSwift's pass (partial-cache forward + the heads' logits) at `context` tokens of `text`
-    (repeated as needed: the time does not depend on the tokens)."""
-    drafter = build_tokenswift(target, None, budget=budget, ngram_k=0, context_lookup=False)
-    engine = SpecEngine(target, drafter, EngineConfig(1, capacity, controller="off"))
+    (repeated as needed: the time does not depend on the tokens), on `engine`'s TokenSwift drafter."""
+    drafter = engine.drafter
     prompt = (text * (context // len(text) + 1))[:context]
     params = SamplingParams(temperature=1.0, min_p=0.1, seed=0, max_new_tokens=64, ignore_eos=True)
     seq = engine.add_request(prompt, params)
@@ -71,7 +70,6 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=1024)
     ap.add_argument("--points", type=int, default=4, help="contexts measured between prefix and prefix + gen")
     ap.add_argument("--repeats", type=int, default=9)
-    ap.add_argument("--gamma", type=int, default=3, help="TokenSwift's heads (the paper: 3)")
     ap.add_argument("--p0-acceptance", type=float, default=0.73)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--name", default="tokenswift_bound")
@@ -87,14 +85,17 @@ def main() -> None:
     quiet = wait_for_quiet(max_load=1.0, timeout_s=120)
     load_before = machine_load()
     curve = CostCurve.measure(target, target.new_cache(capacity, 1), contexts=tuple(contexts), sizes=SIZES)
-    passes = [pass_seconds(target, text, c, args.budget, capacity, args.repeats) for c in contexts]
-    max_d = args.gamma + 1
+    drafter = build_tokenswift(target, None, budget=args.budget, ngram_k=0, context_lookup=False)  # shipped heads
+    engine = SpecEngine(target, drafter, EngineConfig(1, capacity, controller="off"))
+    passes = [pass_seconds(engine, text, c, args.repeats) for c in contexts]
+    gamma = drafter.heads.gamma
+    max_d = gamma + 1
     rows = []
     for c, p in zip(contexts, passes, strict=True):
         t1 = curve.time(1, c)
         bounds = {d: (d + 1) * t1 / (p + curve.time(d + 1, c)) for d in range(1, max_d + 1)}
         p0_only = (1 + args.p0_acceptance) * t1 / (p + curve.time(2, c))
-        no_pass = (args.gamma + 1) * t1 / curve.time(args.gamma + 1, c)
+        no_pass = (gamma + 1) * t1 / curve.time(gamma + 1, c)
         rows.append(
             {"context": c, "step_s": t1, "pass_s": p, "pass_over_step": p / t1, "bound_by_depth": bounds,
              "bound_p0_only": p0_only, "bound_heads_only": no_pass}
@@ -117,7 +118,13 @@ def main() -> None:
     }
     print({k: v for k, v in figures.items() if k != "bound_perfect_heads_by_depth"}, flush=True)
     meta = {
-        "what_was_run": {**vars(args), "model": resolved.path.name, "dtype": "float32", "contexts": contexts},
+        "what_was_run": {
+            **vars(args),
+            "model": resolved.path.name,
+            "dtype": "float32",
+            "contexts": contexts,
+            "gamma": gamma,
+        },
         "cost_curve": curve.to_dict(),
         "quiet_before": quiet,
         "load_before": load_before,

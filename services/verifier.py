@@ -180,8 +180,8 @@ class EngineLoop:
         except ValueError as e:
             yield {"error": ERR_INVALID, "message": str(e)}
             return
-        live = _Live(rid, method, prompt_ids, params, asyncio.get_running_loop(), asyncio.Queue())
-        live.final_only = bool(req.get("final_only"))
+        loop = asyncio.get_running_loop()
+        live = _Live(rid, method, prompt_ids, params, loop, asyncio.Queue(), final_only=bool(req.get("final_only")))
         self.live[rid] = live
         self.commands.put(("add", live))
         done = False

@@ -315,8 +315,7 @@ def load_transformer(
     model.rope_scaling = scaling
     model.model_id = path.name
     model = model.to(device=device, dtype=dtype).eval()
-    if model.embed.weight.device.type == "cpu":
-        into_huge_pages(model)
+    into_huge_pages(model)
     set_linear_backend(model, linear_backend)
     return model
 
@@ -335,12 +334,11 @@ def into_huge_pages(model: nn.Module) -> None:
     import ctypes
     import sys
 
-    tensors: dict[int, torch.Tensor] = {}
-    for t in [*model.parameters(), *model.buffers()]:
-        if t.device.type == "cpu" and t.numel():
-            tensors.setdefault(id(t), t)
+    tensors = [t for t in [*model.parameters(), *model.buffers()] if t.device.type == "cpu" and t.numel()]
+    if not tensors:  # a model on an accelerator
+        return
     align = 64
-    sizes = [-(-t.numel() * t.element_size() // align) * align for t in tensors.values()]
+    sizes = [-(-t.numel() * t.element_size() // align) * align for t in tensors]
     buf = torch.empty(sum(sizes), dtype=torch.uint8)  # fresh, untouched pages: the advice applies as they fault in
     if sys.platform == "linux":
         page = 4096
@@ -350,7 +348,7 @@ def into_huge_pages(model: nn.Module) -> None:
         libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), MADV_HUGEPAGE)  # best effort: 0 or EINVAL
     offset = 0
     with torch.no_grad():
-        for t, size in zip(tensors.values(), sizes, strict=True):
+        for t, size in zip(tensors, sizes, strict=True):
             view = buf[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
             view.copy_(t)
             t.data = view

@@ -385,6 +385,22 @@ def test_warm_start_from_a_checkpoint_with_another_block_size(tiny_dir, tmp_path
         warm_start(other, tmp_path / "d", target)
 
 
+def test_warm_start_onto_other_target_layers_keeps_fc(tiny_dir, tmp_path):
+    """A draft tapping as many target layers but other ones starts from the checkpoint's weights, `fc` included
+    (each new layer takes the old one's columns); it keeps its own layers."""
+    from spyglass.training.dflash import warm_start
+
+    target = load_transformer(tiny_dir["qwen2"])
+    torch.manual_seed(0)
+    trained = DFlashDraft.from_target(target, target_layers=(0,), n_layers=1)
+    save_dflash(trained, tmp_path / "d", dtype=torch.float32)
+    moved = DFlashDraft.from_target(target, target_layers=(1,), n_layers=1)
+    warm_start(moved, tmp_path / "d", target)
+    assert moved.cfg.target_layers == (1,)
+    for (n, a), (_, b) in zip(moved.state_dict().items(), trained.state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b, msg=n)
+
+
 def test_copy_mixture_by_hand():
     """The head's probabilities weighted by exp(keep), plus each key position's mass on the token after it; a
     token neither proposes has log-probability -inf."""

@@ -88,12 +88,14 @@ def _recipe(args) -> dict:
 
 def warm_start(draft, checkpoint: str | Path, target) -> None:
     """Load a trained DFlash draft's weights into `draft`: the block size is not in them, so a new recipe (another
-    block size or loss weighting) starts from what an earlier run learned. ValueError if the layers differ."""
+    block size or loss weighting) starts from what an earlier run learned. Tapping as many target layers but other
+    ones keeps `fc` as it is, each new layer taking the columns of the old one in its place (the residual stream of
+    nearby layers is alike). ValueError if the draft's layers or the number of tapped layers differ."""
     from spyglass.drafters.dflash import load_dflash
 
     warm = load_dflash(checkpoint, target)
     mine, theirs = draft.cfg, warm.cfg
-    if (theirs.n_layers, theirs.target_layers) != (mine.n_layers, mine.target_layers):
+    if (theirs.n_layers, len(theirs.target_layers)) != (mine.n_layers, len(mine.target_layers)):
         raise ValueError(
             f"init_from {checkpoint}: {theirs.n_layers} layers reading target layers {list(theirs.target_layers)}, "
             f"this run {mine.n_layers} reading {list(mine.target_layers)}"

@@ -321,13 +321,16 @@ class EngineLoop:
             self._count("batched_sequence_steps_total", 1)
             self._count("batch_size_sum", st.batch_sizes[-1])
         live.prev_hits, live.prev_drafted, live.prev_steps = hits, st.drafted_nodes, st.steps
-        if live.final_only:  # each chunk costs the replica (and the gateway) CPU that the decode steps share
-            if seq.finished:
-                self._finish(live)
-            return
-        text = engine.text(seq)
+        if not live.final_only:  # (a chunk costs the replica and the gateway CPU that the decode steps share)
+            self._send_chunk(engine, live, ev, accepted, st.batch_sizes[-1] if stepped else 0)
+        if seq.finished:
+            self._finish(live)
+
+    def _send_chunk(self, engine, live: _Live, ev, accepted: int, batch_size: int) -> None:
+        """The step's new tokens and the text they completed (held back while it ends inside a character)."""
+        text = engine.text(ev.seq)
         delta = ""
-        if text.startswith(live.sent_text) and (seq.finished or not text.endswith("\ufffd")):
+        if text.startswith(live.sent_text) and (ev.seq.finished or not text.endswith("\ufffd")):
             delta = text[len(live.sent_text) :]
             live.sent_text = text
         if ev.new_tokens or delta:
@@ -337,11 +340,9 @@ class EngineLoop:
                     "token_ids": list(ev.new_tokens),
                     "text": delta,
                     "accepted_tokens": accepted,
-                    "batch_size": st.batch_sizes[-1] if stepped else 0,
+                    "batch_size": batch_size,
                 }
             )
-        if seq.finished:
-            self._finish(live)
 
     def _finish(self, live: _Live) -> None:
         seq = live.seq
@@ -504,9 +505,9 @@ def build_engines(cfg: VerifierConfig) -> tuple[dict[str, Any], Any, dict[str, A
         "linear_backend": target.linear_backend,  # the matmul kernel per row count measured at load
         "threads": torch.get_num_threads(),
     }
-    curves = [e.controller.curve for e in engines.values() if e.controller is not None]
-    if curves:  # what verifying k tokens cost at start-up: every tree is sized by it
-        info["cost_curve"] = curves[0].to_dict()
+    curve = next((e.controller.curve for e in engines.values() if e.controller is not None), None)
+    if curve is not None:  # what verifying k tokens cost at start-up (one per process): every tree is sized by it
+        info["cost_curve"] = curve.to_dict()
     return engines, tokenizer, info
 
 

@@ -66,6 +66,11 @@ bench-longspec: setup
 	$(PY) bench/longspec.py --max-new-tokens 256 --per-kind 4
 bench-dflash: setup
 	$(PY) bench/dflash.py --per-kind 4 --kinds code,summary --max-new-tokens 256 --sampled
+# How often a block drafter's tokens would have to be right to pass n-gram drafting, from a bench-dflash results
+# file (its measured verify-cost curve, block time and n-gram speedups; no model run, seconds).
+.PHONY: bench-dflash-bound
+bench-dflash-bound: setup
+	$(PY) bench/dflash_bound.py
 # The controller's rules on and off: keep drafting after a step that did not pay while drafting pays on average
 # (persist, off by default), and calibrating a composite's sources each on its own (per_source, on by default).
 bench-controller: setup

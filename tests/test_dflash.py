@@ -543,7 +543,7 @@ def test_packaged_drafts_serve_the_default_model(smollm2):
     assert {"dflash-span", "dflash-dels-span"} <= set(METHODS)
     for method in ("dflash", "dflash-dels", "dflash-span"):
         drafter = build_drafter(method, target)
-        assert drafter.name == method and drafter.hidden_layers == (1, 14, 27)
+        assert drafter.name == method and drafter.hidden_layers == (1, 14, 29)
         assert drafter.draft.vocab_ids.numel() == 8192  # served over the rows it was trained on
         assert drafter.draft.cfg.copy_head and bool(drafter.span) == method.endswith("-span")
         assert (drafter.local is not None) == (method == "dflash-dels")

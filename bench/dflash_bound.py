@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -85,8 +86,9 @@ def main() -> None:
         }
 
     def med(key: str) -> float | None:
-        values = [r[key] for r in rows.values() if r[key] is not None]
-        return median(values) if len(values) == len(rows) else None  # None: unreachable on some prompt
+        """Median over prompts, an unreachable q (None) counting as above every reachable one."""
+        m = median([math.inf if r[key] is None else r[key] for r in rows.values()])
+        return None if m == math.inf else m
 
     conditional = [profile[0]] + [b / a for a, b in zip(profile, profile[1:], strict=False) if a > 0]
     figures = {

@@ -11,7 +11,8 @@ Per prompt of a `bench/dflash.py` results file (c = its prompt plus half its out
 (every drafted token right) for the shipped block of 4 and for a block of 16, the per-position acceptance q
 (a_i = q^i) needed to equal n-gram drafting's measured speedup on the same prompt in the same run, and S for
 the acceptance profile the run measured along the greedy output. The model leaves out the engine's own per-step
-work, so it flatters the drafter: the q it reports is the least that could do.
+work and prices a block of 16 as the served block of 4, so it flatters the drafter: the q it reports is the least
+that could do.
 
     python bench/dflash_bound.py [--results bench/results/dflash.json] [--name dflash_bound]
 """
@@ -72,7 +73,9 @@ def main() -> None:
         context = prompt_tokens + new_tokens // 2
         t1 = curve.time(1, context)
         dflash = runs["dflash"]
-        block_s = dflash["draft_s"] / (new_tokens / dflash["tau"])  # the drafter's time per step, as served
+        control = dflash["controller"]  # plain steps do not run the block; probes (counted as plain) do
+        drafting_steps = new_tokens / dflash["tau"] - control["plain_steps"] + control["probe_steps"]
+        block_s = dflash["draft_s"] / drafting_steps  # the block's time per step that runs it, as served
         goal = runs["ngram"]["speedup"]
         rows[name] = {
             "context": context,

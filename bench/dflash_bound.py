@@ -33,19 +33,25 @@ from spyglass.controller import CostCurve  # noqa: E402
 BLOCKS = (4, 16)
 
 
-def modeled_speedup(reach: list[float], t1: float, block_s: float, curve: CostCurve, context: int) -> float:
+def modeled_speedup(reach: list[float], block_s: float, curve: CostCurve, context: int) -> float:
     """Best S over chain depths d <= len(reach): `reach[i]` = chance the first i + 1 drafted tokens are right."""
+    t1 = curve.time(1, context)
     best = 1.0  # d = 0: plain decoding, no block
     for d in range(1, len(reach) + 1):
         best = max(best, (1 + sum(reach[:d])) * t1 / (block_s + curve.time(d + 1, context)))
     return best
 
 
-def needed_q(goal: float, block: int, t1: float, block_s: float, curve: CostCurve, context: int) -> float | None:
+def geometric(q: float, block: int) -> list[float]:
+    """The reach of a block whose every drafted token is right with chance q given the ones before."""
+    return [q ** (i + 1) for i in range(block - 1)]
+
+
+def needed_q(goal: float, block: int, block_s: float, curve: CostCurve, context: int) -> float | None:
     """Least per-position acceptance q with modeled speedup >= `goal` (None: not even with every token right)."""
 
     def speed(q: float) -> float:
-        return modeled_speedup([q ** (i + 1) for i in range(block - 1)], t1, block_s, curve, context)
+        return modeled_speedup(geometric(q, block), block_s, curve, context)
 
     if speed(1.0) < goal:
         return None
@@ -64,28 +70,27 @@ def main() -> None:
     doc = json.loads(Path(args.results).read_text())
     meta, per_task = doc["meta"], doc["raw"]["per_task"]
     curve_doc = meta["cost_curve"]
-    curve = CostCurve(curve_doc["contexts"], curve_doc["sizes"], curve_doc["seconds"], curve_doc["cpu"])
+    curve = CostCurve(**curve_doc)
     new_tokens = meta["run"]["max_new_tokens"]
     profile = doc["figures"]["acceptance_by_block_position"]["dflash"]  # unconditional: first i + 1 all right
-    rows = {}
+    rows, block_s_of = {}, {}
     for name, prompt_tokens in meta["tasks"].items():
         runs = per_task[name]
         context = prompt_tokens + new_tokens // 2
-        t1 = curve.time(1, context)
         dflash = runs["dflash"]
         control = dflash["controller"]  # plain steps do not run the block; probes (counted as plain) do
         drafting_steps = new_tokens / dflash["tau"] - control["plain_steps"] + control["probe_steps"]
-        block_s = dflash["draft_s"] / drafting_steps  # the block's time per step that runs it, as served
+        block_s = block_s_of[name] = dflash["draft_s"] / drafting_steps  # per step that runs it, as served
         goal = runs["ngram"]["speedup"]
         rows[name] = {
             "context": context,
-            "t1_ms": 1e3 * t1,
+            "t1_ms": 1e3 * curve.time(1, context),
             "block_ms": 1e3 * block_s,
             "ngram_speedup": goal,
             "dflash_speedup": dflash["speedup"],
-            "dflash_modeled": modeled_speedup(profile, t1, block_s, curve, context),
-            **{f"ceiling_block{b}": modeled_speedup([1.0] * (b - 1), t1, block_s, curve, context) for b in BLOCKS},
-            **{f"q_needed_block{b}": needed_q(goal, b, t1, block_s, curve, context) for b in BLOCKS},
+            "dflash_modeled": modeled_speedup(profile, block_s, curve, context),
+            **{f"ceiling_block{b}": modeled_speedup(geometric(1.0, b), block_s, curve, context) for b in BLOCKS},
+            **{f"q_needed_block{b}": needed_q(goal, b, block_s, curve, context) for b in BLOCKS},
         }
 
     def med(key: str) -> float | None:
@@ -105,22 +110,20 @@ def main() -> None:
     }
     names = list(rows)
     ceilings = [f"ceiling_block{b}" for b in BLOCKS]
-    short = [n.split(":")[0] + ":" + Path(n.split(":", 1)[1]).name.split(".")[0] for n in names]
     mid = sorted(names, key=lambda n: rows[n]["context"])[len(names) // 2]
     r = rows[mid]
     qs = [i / 20 for i in range(21)]
     by_q = {
-        f"block {b}": (qs, [modeled_speedup([q ** (i + 1) for i in range(b - 1)], r["t1_ms"] / 1e3, r["block_ms"] / 1e3,
-                                            curve, r["context"]) for q in qs])
+        f"block {b}": (qs, [modeled_speedup(geometric(q, b), block_s_of[mid], curve, r["context"]) for q in qs])
         for b in BLOCKS
-    }  # fmt: skip
+    }
     plot_panels(
         RESULTS_DIR / f"{args.name}.png",
         [
             {
                 "title": "per prompt: measured (n-gram, DFlash) and modeled ceilings",
                 "ylabel": "decode speedup over plain",
-                "xticklabels": short,
+                "xticklabels": names,
                 "series": {
                     key: (list(range(len(names))), [rows[n][key] for n in names])
                     for key in ("ngram_speedup", "dflash_speedup", "dflash_modeled", *ceilings)
@@ -140,7 +143,7 @@ def main() -> None:
         args.name,
         figures,
         {"per_task": rows, "by_q_middle_prompt": {"prompt": mid, **by_q}},
-        {"source": args.results, "source_run": meta["run"], "cost_curve": curve_doc, "source_cpu": curve_doc["cpu"]},
+        {"source": args.results, "source_run": meta["run"], "cost_curve": curve_doc},
     )
     print(json.dumps(figures, indent=1))
     print(f"wrote {path}")

@@ -448,14 +448,16 @@ class ChainDepthController(SpeculationController):
         last = seq.num_tokens - 1  # the root is the target's choice too
         still = []
         for before, chain, first, conds in st.pending:
-            if before + len(chain) > last:
-                still.append((before, chain, first, conds))
-                continue
-            committed = seq.tokens[before + 1 : before + 1 + len(chain)].tolist()
-            for d, (drafted, actual, c) in enumerate(zip(chain, committed, conds, strict=True), start=first):
-                self._count(st, d, drafted == actual, c)
+            committed = seq.tokens[before + 1 : min(before + 1 + len(chain), last + 1)].tolist()
+            k = 0  # counted as soon as committed: a probe's long chain is evidence from the next step on
+            for drafted, actual in zip(chain, committed, strict=False):
+                self._count(st, first + k, drafted == actual, conds[k])
                 if drafted != actual:
                     break
+                k += 1
+            else:
+                if k < len(chain):
+                    still.append((before + k, chain[k:], first + k, conds[k:]))
         st.pending = still
 
     @staticmethod
@@ -468,9 +470,17 @@ class ChainDepthController(SpeculationController):
                 for i in range(1, len(tree))]  # fmt: skip
 
     def _best_depth(
-        self, st: _ChainControl, context: int, batch: int, limit: int, conds: list[float | None] | None = None
+        self,
+        st: _ChainControl,
+        context: int,
+        batch: int,
+        limit: int,
+        conds: list[float | None] | None = None,
+        free: bool = False,
     ) -> int:
-        """`conds`: span nodes' conditionals by depth (calibrated here by the sequence's spans so far)."""
+        """`conds`: span nodes' conditionals by depth (calibrated here by the sequence's spans so far); `free`: no
+        draft step was run (a model-free proposal)."""
+        draft_s = 0.0 if free else st.draft_s
         best, best_rate = 0, 1.0 / self._cost(1, context, batch)
         gain = p = 1.0
         calibration = (st.span[0] + PSEUDO_COUNT) / (st.span[1] + PSEUDO_COUNT)
@@ -481,7 +491,7 @@ class ChainDepthController(SpeculationController):
                 hits, trials = st.accepted[d - 1] if d <= len(st.accepted) else (self.prior, 1.0)
                 p *= hits / trials
             gain += p
-            rate = gain / (self._cost(d + 1, context, batch) + (d if self.cost_by_depth else 1) * st.draft_s)
+            rate = gain / (self._cost(d + 1, context, batch) + (d if self.cost_by_depth else 1) * draft_s)
             if rate > best_rate:
                 best, best_rate = d, rate
         return best
@@ -496,7 +506,10 @@ class ChainDepthController(SpeculationController):
         depth = self._best_depth(st, seq.committed, 1, st.deepest)
         if depth == 0:
             seq.draft_depth = 1
-            return st.plain_streak >= self.probe
+            if st.plain_streak >= self.probe:
+                return True
+            seq.draft_free_only = self.free_part  # a model-free part (a copy that goes on) still proposes
+            return self.free_part
         st.drafted += 1
         seq.draft_depth = min(st.deepest, depth + (st.drafted % self.explore == 0))
         return True
@@ -511,7 +524,8 @@ class ChainDepthController(SpeculationController):
         stats.proposed_nodes += len(tree) - 1
         st.deepest = max(st.deepest, tree.max_depth)
         st.conds = self._span_conditionals(tree)
-        st.verified = min(tree.max_depth, self._best_depth(st, seq.committed, batch, tree.max_depth, st.conds))
+        best = self._best_depth(st, seq.committed, batch, tree.max_depth, st.conds, seq.draft_free_only)
+        st.verified = min(tree.max_depth, best)
         probe = st.verified == 0 and st.plain_streak >= self.probe
         if probe and not seq.params.greedy:
             # A sampled token matches the one the target then samples less often than rejection sampling would

@@ -57,3 +57,23 @@ def continuation(seq: Sequence, at: int, c: int, room: int, score: float, match:
         out.append((t, score))
         match += 1
     return out
+
+
+def next_pointer(seq: Sequence, pointer: int, chain: list[int] | None, origins: list[int], new: list[int]) -> int:
+    """Where a copy stands once a step has committed `new` (accepted drafted tokens, then the target's own): the
+    context position whose token should be the new root, or -1 where the committed text left the copy.
+
+    `chain` is the chain proposed this step (root first; None if none was) and `origins` each node's source
+    position in the context (-1: drafted, not copied). Without a chain the copy at `pointer` goes on as long as
+    the target's own tokens agree with it, so a copy that the controller did not verify is still followed."""
+    m = len(new)
+    if chain is None:
+        c, tokens = seq.committed, seq.tokens
+        agree = 0 < pointer < c - m and torch.equal(tokens[pointer : pointer + m + 1], tokens[c - m : c + 1])
+        return pointer + m if agree else -1
+    k = next((i for i, t in enumerate(new) if i + 1 >= len(chain) or chain[i + 1] != t), m)
+    if k == m:  # the new root is a node of the chain
+        return origins[m]
+    if k == m - 1 == len(chain) - 1 and origins[k] >= 0:  # the chain ran out: the copy may go on past it
+        return origins[k] + 1
+    return -1

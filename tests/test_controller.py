@@ -12,7 +12,7 @@ from spyglass.drafters.base import StatelessDrafter
 from spyglass.engine import EngineConfig, SpecEngine, plain_generate
 from spyglass.sampling import SamplingParams
 from spyglass.sequence import Sequence
-from spyglass.tree import DraftTree
+from spyglass.tree import SPAN_SOURCE, DraftTree
 from spyglass.verify import Accepted
 
 
@@ -433,6 +433,38 @@ def test_a_chain_profile_learns_from_chains_it_did_not_verify():
     assert [d for s, d in verified][-1] == 2  # the whole chain, now that it is always right
 
 
+def test_an_unverified_chain_counts_token_by_token_as_the_target_commits():
+    """A probe's chain is evidence as soon as each of its places is committed, not once the whole chain is."""
+    ctl = ChainDepthController(CostCurve.linear(1.0, 0.3))
+    seq = Sequence(_prompt(), SamplingParams(max_new_tokens=50))
+    seq.append(7)
+    st = ctl._state(seq)
+    st.deepest = 3
+    st.pending = [(seq.num_tokens - 1, [11, 12, 13], 1, [None, None, None])]
+    seq.append(11)
+    ctl.wants_draft(seq)
+    assert len(st.accepted) == 1 and st.accepted[0][0] > ctl.prior and len(st.pending) == 1
+    seq.append(99)  # the second drafted token was wrong: counted, and the third is never scored
+    ctl.wants_draft(seq)
+    assert len(st.accepted) == 2 and st.accepted[1][0] < ctl.prior and st.pending == []
+
+
+def test_a_free_part_proposes_between_probes_and_is_not_charged_for_drafting():
+    """A chain drafter with a model-free part (a copy that goes on) still proposes while its drafted tokens do not
+    pay (`seq.draft_free_only`), and that proposal is sized without the draft step's time."""
+    ctl = ChainDepthController(CostCurve.linear(1.0, 0.3), free_part=True)
+    seq = Sequence(_prompt(), SamplingParams(max_new_tokens=50))
+    seq.append(7)
+    st = ctl._state(seq)
+    st.deepest, st.accepted, st.draft_s = 4, [[0.0, 10.0]], 100.0  # drafted tokens never right, drafting costly
+    st.span = [10.0, 10.0]  # spans as good as their scores say
+    assert ctl.wants_draft(seq) and seq.draft_free_only
+    spans = DraftTree(torch.tensor([7, 8, 9, 10]), [-1, 0, 1, 2], None, [1.0, 0.95, 0.9, 0.86], [0] + [SPAN_SOURCE] * 3)
+    assert ctl.size(seq, spans, batch=1).max_depth == 3
+    seq.draft_free_only = False  # the same tree from a draft step costs its 100 s
+    assert ctl.size(seq, spans, batch=1).max_depth == 0
+
+
 @pytest.mark.parametrize("temperature, probe_depth", [(0.0, 0), (1.0, 1)])
 def test_probes_of_a_sampled_chain_verify_their_first_token(temperature, probe_depth):
     """A sampled draft token equals the token the target samples less often than rejection sampling accepts it,
@@ -478,7 +510,6 @@ def test_a_chain_ending_in_a_span_is_sized_by_the_spans_scores():
     """LongSpec's span nodes (SPAN_SOURCE) enter the chain's sizing with their own conditionals: a long, confident
     span is verified past the depth the drafted profile alone would pay for; spans that keep failing lose the
     controller's trust (their calibration), and the same chain without span tags is sized by the profile alone."""
-    from spyglass.tree import SPAN_SOURCE
 
     ctl = ChainDepthController(CostCurve.linear(1.0, 0.1))
     seq = Sequence(_prompt(), SamplingParams(max_new_tokens=400))

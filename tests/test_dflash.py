@@ -482,18 +482,32 @@ def test_a_copied_first_token_brings_the_contexts_continuation(tiny_dir):
     assert tree.sources == [0, DRAFT_SOURCE] + [SPAN_SOURCE] * 4
     # the target accepts 23 24 and says 25: the pointer moves to position 6 (token 25), where the root now is
     st = seq.drafter_state
+    seq.append(23), seq.append(24), seq.append(25)  # (what the engine does; no KV needed for the pointer's chain)
     drafter.commit(seq, Accepted([0, 1, 2], [23, 24, 25]))
     assert st.pointer == 6 and st.chain is None
-    seq.append(23), seq.append(24), seq.append(25)  # (what the engine does; no KV needed for the pointer's chain)
     forwards = []
     run = drafter.draft.blocks_hidden
     drafter.draft.blocks_hidden = lambda *a, **k: forwards.append(1) or run(*a, **k)
     followed = drafter._follow_pointer(seq, cap=256)
     assert followed.tokens.tolist() == [25, 26, 27, 9, 8] and followed.sources == [0] + [SPAN_SOURCE] * 4
     assert not forwards
-    # a root that departs from the context, or too little mass: no span
+    # the controller verified none of it, but the target says 26: the copy goes on, and through a plain step too
+    seq.append(26)
+    drafter.commit(seq, Accepted([0], [26]))
+    assert st.pointer == 7
+    seq.append(27)
+    drafter.commit(seq, Accepted([0], [27]))  # nothing proposed this step
+    assert st.pointer == 8
+    seq.draft_free_only = True  # between probes: the copy's continuation, no block forward
+    (free,) = drafter.propose([seq])
+    assert free.tokens.tolist()[:3] == [27, 9, 8] and set(free.sources[1:]) == {SPAN_SOURCE} and not forwards
+    # a root that departs from the context, or too little mass: no span (and between probes, nothing)
+    seq.append(99)
     drafter.commit(seq, Accepted([0], [99]))
     assert st.pointer == -1 and drafter._follow_pointer(seq, cap=256) is None
+    (free,) = drafter.propose([seq])
+    assert len(free) == 1 and not forwards
+    seq.draft_free_only = False
     engine2, seq2 = _after_prefill(DFlashDrafter(with_copy_head(draft), span=4, span_mass=0.3), target, prompt)
     plain = engine2.drafter._span_tree(seq2, rows, (mass * 0.5).expand(drafter.block - 1, -1), cap=256)
     assert plain.sources is None and len(plain) == drafter.block

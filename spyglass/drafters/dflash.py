@@ -45,7 +45,7 @@ from spyglass.drafters.base import ProposesSubset, VocabSubset, choose_draft_tok
 from spyglass.models.linear import Linear, set_linear_backend
 from spyglass.models.llama import ModelArgs, RMSNorm, Transformer, apply_rope
 from spyglass.sequence import Sequence
-from spyglass.spans import agreement, continuation, copy_source, text_before
+from spyglass.spans import agreement, continuation, copy_source, next_pointer, text_before
 from spyglass.training.draft_models import add_copies_log, init_copy_gate, read_copies
 from spyglass.tree import DRAFT_SOURCE, SPAN_SOURCE, DraftTree
 from spyglass.verify import Accepted
@@ -481,6 +481,7 @@ class DFlashDrafter:
         if span and max_alternatives:
             raise ValueError("spans continue a chain: max_alternatives must be 0")
         self.span, self.span_mass = span, span_mass
+        self.has_free_part = bool(span)  # a copy that goes on costs no draft step: proposed between probes too
         self.name = ("dflash-dels" if local_head is not None else "dflash") + ("-span" if span else "")
         self.hidden_layers = tuple(draft.cfg.target_layers)
         self.capacity: int | None = None
@@ -533,6 +534,9 @@ class DFlashDrafter:
                 continue
             if self.span and seq.params.greedy and (tree := self._follow_pointer(seq, cap)) is not None:
                 trees[i] = tree  # the last accepted copy goes on: its continuation, no draft step
+                continue
+            if seq.draft_free_only:  # between the controller's probes: only a copy that goes on, for free
+                trees[i] = DraftTree.root_only(seq.root)
                 continue
             p = seq.committed
             x = self.draft.block_input(torch.tensor([seq.root]), b)
@@ -663,15 +667,12 @@ class DFlashDrafter:
 
     def commit(self, seq: Sequence, accepted: Accepted) -> None:
         """`observe_hidden` already appended the accepted rows (and cropped before them). With spans, the pointer
-        moves past the last accepted token if the accepted tokens start the last chain and that one was copied
-        (compared by tokens: in a composite the verified tree is a merged one)."""
+        follows the committed tokens along the copy (`spans.next_pointer`; compared by tokens: in a composite the
+        verified tree is a merged one)."""
         st: _Context | None = seq.drafter_state
-        if st is None:
+        if st is None or not self.span:
             return
-        drafted = accepted.tokens[:-1]  # the last one is the target's own
-        n = len(drafted)
-        follows = st.chain is not None and 0 < n < len(st.chain) and st.chain[1 : n + 1] == drafted
-        st.pointer = st.origins[n] + 1 if follows and st.origins[n] >= 0 else -1
+        st.pointer = next_pointer(seq, st.pointer, st.chain, st.origins, accepted.tokens)
         st.chain = None
 
     def release(self, seq: Sequence) -> None:

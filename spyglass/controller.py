@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from spyglass.sequence import Sequence
-from spyglass.tree import SPAN_SOURCE, DraftTree
+from spyglass.tree import DRAFT_SOURCE, SPAN_SOURCE, DraftTree
 from spyglass.verify import Accepted
 
 PRIOR_CONDITIONAL = 0.6  # a node's chance given its parent, for drafters that give no scores
@@ -378,6 +378,11 @@ class SpeculationController:
                 st.plain_streak, st.backoff = 1, min(self.max_backoff, st.backoff * 2)
 
 
+# A chain's node as the chain controller sees it: a span's (or copied token's) conditional from its score (None: a
+# drafted token, sized by the profile), and whether its verdict is evidence of the drafted profile
+_Node = tuple[float | None, bool]
+
+
 @dataclass
 class _ChainControl:
     # per depth: [decayed acceptances, decayed trials] of a drafted token whose parent was accepted
@@ -385,12 +390,12 @@ class _ChainControl:
     # [decayed acceptances, decayed predicted] of span nodes (copied from the context, scored per step)
     span: list[float] = field(default_factory=lambda: [0.0, 0.0])
     # drafted tokens not verified, scored once committed: (index in seq.tokens of the token before them, their
-    # tokens, the depth of the first, their span conditionals (None: a drafted token))
-    pending: list[tuple[int, list[int], int, list[float | None]]] = field(default_factory=list)
+    # tokens, the depth of the first, their `_Node`s)
+    pending: list[tuple[int, list[int], int, list[_Node]]] = field(default_factory=list)
     deepest: int = 0  # the deepest chain the drafter has proposed
     verified: int = 0  # the depth verified at this step
     rest: tuple | None = None  # this step's unverified drafted tokens (as `pending`), pending after observe
-    conds: list[float | None] = field(default_factory=list)  # this step's span conditionals by depth
+    nodes: list[_Node] = field(default_factory=list)  # this step's chain nodes by depth
     drafted: int = 0  # drafted steps so far (every `explore`-th drafts one depth deeper)
     plain_streak: int = 0
     draft_s: float = 0.0  # drafting time (per depth with `cost_by_depth`), decayed mean
@@ -414,28 +419,37 @@ class ChainDepthController(SpeculationController):
     token). D depends on the sequence's history only, so a sampled chain keeps the distribution the verifier
     assumes.
 
-    A chain may end in a span copied from the context (`DraftTree.sources` == SPAN_SOURCE, LongSpec's `span`):
-    those nodes cost no drafting and are right or wrong by how far the copy's source matches, which their scores
-    tell step by step (suffix lookup's estimate), so they enter the sum with their own conditional, calibrated by
-    how the sequence's spans have fared (token-matched chains only: a sampled chain's sizing stays history-only).
+    A chain may end in a span copied from the context (`DraftTree.sources` SPAN_SOURCE, `longspec-span`,
+    `dflash-span`): those nodes cost no drafting and are right or wrong by how far the copy's source matches, which
+    their scores tell step by step (suffix lookup's estimate), so they enter the sum with their own conditional,
+    calibrated by how the sequence's spans have fared (token-matched chains only: a sampled chain's sizing stays
+    history-only). A copied drafted token (COPY_SOURCE) is priced so too, and counts for the profile as well. A
+    drafter with a model-free part (a copy that goes on) proposes from it alone between probes, priced without
+    the draft step's time; and an unverified token counts as soon as the target has committed its place, so a
+    probe's chain is evidence from the next step on, not once all of it is committed.
     """
 
     explore = 8
     probe = 8
     prior = 0.4  # a depth's acceptance before any evidence, worth one trial
     profile_decay = 0.95  # evidence fades over ~20 chains (0.85, the per-step sizing's, followed noise: -3%)
+    # the spans' calibration starts as if one predicted token had come true: at PSEUDO_COUNT's 0.2 a single early
+    # miss of a token predicted 0.5 cut every later span's conditional to 0.29, and deep spans went unverified
+    span_prior = 1.0
 
     def _state(self, seq: Sequence) -> _ChainControl:
         if seq.control is None:
             seq.control = _ChainControl()
         return seq.control
 
-    def _count(self, st: _ChainControl, depth: int, hit: bool, span: float | None = None) -> None:
-        """A verdict on a drafted token at `depth` (`span`: a span token's conditional, counted for its calibration
-        instead)."""
+    def _count(self, st: _ChainControl, depth: int, hit: bool, node: _Node = (None, True)) -> None:
+        """A verdict on a chain's node at `depth`: a span's conditional counts for the spans' calibration, a drafted
+        token for the profile (a copied token for both)."""
+        span, drafted = node
         if span is not None:
             st.span[0] = self.profile_decay * st.span[0] + float(hit)
             st.span[1] = self.profile_decay * st.span[1] + span
+        if not drafted:
             return
         while len(st.accepted) < depth:
             st.accepted.append([self.prior, 1.0])
@@ -447,27 +461,30 @@ class ChainDepthController(SpeculationController):
         """Score the unverified drafted tokens whose places the target has committed since."""
         last = seq.num_tokens - 1  # the root is the target's choice too
         still = []
-        for before, chain, first, conds in st.pending:
+        for before, chain, first, nodes in st.pending:
             committed = seq.tokens[before + 1 : min(before + 1 + len(chain), last + 1)].tolist()
             k = 0  # counted as soon as committed: a probe's long chain is evidence from the next step on
             for drafted, actual in zip(chain, committed, strict=False):
-                self._count(st, first + k, drafted == actual, conds[k])
+                self._count(st, first + k, drafted == actual, nodes[k])
                 if drafted != actual:
                     break
                 k += 1
             else:
                 if k < len(chain):
-                    still.append((before + k, chain[k:], first + k, conds[k:]))
+                    still.append((before + k, chain[k:], first + k, nodes[k:]))
         st.pending = still
 
     @staticmethod
-    def _span_conditionals(tree: DraftTree) -> list[float | None]:
-        """Per depth of a chain, a span node's conditional from its score (None: a drafted node, or no spans)."""
+    def _nodes(tree: DraftTree) -> list[_Node]:
+        """Per depth of a chain, its node: a span's (or copied token's) conditional from its score, None for a
+        drafted token or without spans; and whether it is evidence of the drafted profile."""
         if tree.sources is None or tree.scores is None or tree.probs is not None:
-            return [None] * tree.max_depth
-        s = tree.scores
-        return [min(1.0, s[i] / s[i - 1]) if tree.sources[i] == SPAN_SOURCE and s[i - 1] > 0 else None
-                for i in range(1, len(tree))]  # fmt: skip
+            return [(None, True)] * tree.max_depth
+        s, src = tree.scores, tree.sources
+        return [
+            (min(1.0, s[i] / s[i - 1]) if src[i] & SPAN_SOURCE and s[i - 1] > 0 else None, bool(src[i] & DRAFT_SOURCE))
+            for i in range(1, len(tree))
+        ]
 
     def _best_depth(
         self,
@@ -475,18 +492,18 @@ class ChainDepthController(SpeculationController):
         context: int,
         batch: int,
         limit: int,
-        conds: list[float | None] | None = None,
+        nodes: list[_Node] | None = None,
         free: bool = False,
     ) -> int:
-        """`conds`: span nodes' conditionals by depth (calibrated here by the sequence's spans so far); `free`: no
-        draft step was run (a model-free proposal)."""
+        """`nodes`: the chain's, whose span conditionals are calibrated here by the sequence's spans so far; `free`:
+        no draft step was run (a model-free proposal)."""
         draft_s = 0.0 if free else st.draft_s
         best, best_rate = 0, 1.0 / self._cost(1, context, batch)
         gain = p = 1.0
-        calibration = (st.span[0] + PSEUDO_COUNT) / (st.span[1] + PSEUDO_COUNT)
+        calibration = (st.span[0] + self.span_prior) / (st.span[1] + self.span_prior)
         for d in range(1, limit + 1):
-            if conds and conds[d - 1] is not None:
-                p *= min(1.0, conds[d - 1] * calibration)
+            if nodes and nodes[d - 1][0] is not None:
+                p *= min(1.0, nodes[d - 1][0] * calibration)
             else:
                 hits, trials = st.accepted[d - 1] if d <= len(st.accepted) else (self.prior, 1.0)
                 p *= hits / trials
@@ -523,8 +540,8 @@ class ChainDepthController(SpeculationController):
         stats = seq.stats.control
         stats.proposed_nodes += len(tree) - 1
         st.deepest = max(st.deepest, tree.max_depth)
-        st.conds = self._span_conditionals(tree)
-        best = self._best_depth(st, seq.committed, batch, tree.max_depth, st.conds, seq.draft_free_only)
+        st.nodes = self._nodes(tree)
+        best = self._best_depth(st, seq.committed, batch, tree.max_depth, st.nodes, seq.draft_free_only)
         st.verified = min(tree.max_depth, best)
         probe = st.verified == 0 and st.plain_streak >= self.probe
         if probe and not seq.params.greedy:
@@ -534,7 +551,7 @@ class ChainDepthController(SpeculationController):
             st.verified = min(1, tree.max_depth)
         if tree.max_depth > st.verified:  # the unverified rest, scored once committed
             rest = [int(t) for t, d in zip(tree.tokens.tolist(), tree.depths, strict=True) if d > st.verified]
-            st.rest = (seq.num_tokens - 1 + st.verified, rest, st.verified + 1, st.conds[st.verified :])
+            st.rest = (seq.num_tokens - 1 + st.verified, rest, st.verified + 1, st.nodes[st.verified :])
         if probe:
             stats.probe_steps += 1
         if st.verified == 0:
@@ -555,7 +572,7 @@ class ChainDepthController(SpeculationController):
         st = self._state(seq)
         a = accepted.num_drafted_accepted
         for d in range(1, min(a + 1, st.verified) + 1):
-            self._count(st, d, d <= a, st.conds[d - 1])
+            self._count(st, d, d <= a, st.nodes[d - 1])
         if st.rest is not None and a == st.verified:
             st.pending.append(st.rest)
         st.verified, st.rest = 0, None

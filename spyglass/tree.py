@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-# `DraftTree.sources` of a LongSpec chain with spans: its drafted nodes, and the nodes copied from the context after
-# a drafted token, which the chain controller sizes by their own scores
+# `DraftTree.sources` of a chain with spans (LongSpec's, DFlash's): its drafted nodes, and the nodes copied from the
+# context after a drafted token, which the chain controller sizes by their own scores; a drafted token that the
+# context's agreement vouches for (DFlash's copied token) is both
 DRAFT_SOURCE, SPAN_SOURCE = 1, 2
+COPY_SOURCE = DRAFT_SOURCE | SPAN_SOURCE
 
 
 @dataclass

@@ -12,7 +12,7 @@ from spyglass.drafters.base import StatelessDrafter
 from spyglass.engine import EngineConfig, SpecEngine, plain_generate
 from spyglass.sampling import SamplingParams
 from spyglass.sequence import Sequence
-from spyglass.tree import SPAN_SOURCE, DraftTree
+from spyglass.tree import COPY_SOURCE, SPAN_SOURCE, DraftTree
 from spyglass.verify import Accepted
 
 
@@ -440,13 +440,31 @@ def test_an_unverified_chain_counts_token_by_token_as_the_target_commits():
     seq.append(7)
     st = ctl._state(seq)
     st.deepest = 3
-    st.pending = [(seq.num_tokens - 1, [11, 12, 13], 1, [None, None, None])]
+    st.pending = [(seq.num_tokens - 1, [11, 12, 13], 1, [(None, True)] * 3)]
     seq.append(11)
     ctl.wants_draft(seq)
     assert len(st.accepted) == 1 and st.accepted[0][0] > ctl.prior and len(st.pending) == 1
     seq.append(99)  # the second drafted token was wrong: counted, and the third is never scored
     ctl.wants_draft(seq)
     assert len(st.accepted) == 2 and st.accepted[1][0] < ctl.prior and st.pending == []
+
+
+def test_a_copied_token_is_sized_as_a_span_and_counted_for_both():
+    """A copied token (COPY_SOURCE) is priced by its own conditional and the spans' calibration, like a span node,
+    and its verdict is evidence of the drafted profile too (what a draft step's first token does)."""
+    ctl = ChainDepthController(CostCurve.linear(1.0, 0.3))
+    seq = Sequence(_prompt(), SamplingParams(max_new_tokens=50))
+    seq.append(7)
+    st = ctl._state(seq)
+    st.deepest, st.accepted, st.span = 3, [[0.0, 10.0]], [10.0, 10.0]  # drafted tokens never right, spans are
+    sources = [0, COPY_SOURCE, SPAN_SOURCE, SPAN_SOURCE]
+    tree = DraftTree(torch.tensor([7, 8, 9, 10]), [-1, 0, 1, 2], None, [1.0, 0.95, 0.9, 0.86], sources)
+    kept = ctl.size(seq, tree, batch=1)
+    assert kept.max_depth == 3  # as drafted tokens (sources 1), the profile's zero would verify none
+    ctl.observe(seq, kept, Accepted([0, 1, 2, 3], [8, 9, 10, 11]))
+    assert st.accepted[0][0] == pytest.approx(1.0) and st.span[0] == pytest.approx(0.95**3 * 10 + 0.95**2 + 0.95 + 1)
+    drafted = DraftTree(torch.tensor([7, 8, 9, 10]), [-1, 0, 1, 2], None, [1.0, 0.95, 0.9, 0.86], [0, 1, 1, 1])
+    assert ctl.size(seq, drafted, batch=1).max_depth == 0
 
 
 def test_a_free_part_proposes_between_probes_and_is_not_charged_for_drafting():

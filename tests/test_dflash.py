@@ -513,6 +513,29 @@ def test_a_copied_first_token_brings_the_contexts_continuation(tiny_dir):
     assert plain.sources is None and len(plain) == drafter.block
 
 
+def test_a_copied_token_whose_text_before_agrees_with_its_source_is_sized_as_a_span(tiny_dir):
+    """A copied token whose preceding text agrees with its source's (here the root and the token before it) is as
+    sure as a span's next token: tagged COPY_SOURCE with suffix lookup's estimate, (m - 1) / m for m agreeing
+    tokens counting itself, so the controller prices it with the spans rather than by the drafted profile."""
+    from spyglass.tree import COPY_SOURCE, SPAN_SOURCE
+
+    target = load_transformer(tiny_dir["llama"])
+    draft, _ = trained_tiny(target)
+    drafter = DFlashDrafter(with_copy_head(draft), span=4, span_mass=0.3)
+    prompt = [5, 6, 21, 22, 23, 24, 25, 26, 27, 9, 8]
+    _, seq = _after_prefill(drafter, target, prompt)
+    rows = torch.zeros(drafter.block - 1, target.args.vocab_size)
+    rows[0, 23] = 5.0
+    mass = torch.zeros(seq.committed + 1)
+    mass[3] = 0.5  # position 3 (token 22) proposes 23
+    seq.append(22)  # the root is now 22, as before the source: 22 23 agree, the token before them does not
+    tree = drafter._span_tree(seq, rows, mass.expand(drafter.block - 1, -1), cap=256)
+    assert tree.tokens.tolist() == [22, 23, 24, 25, 26, 27]
+    assert tree.sources == [0, COPY_SOURCE] + [SPAN_SOURCE] * 4
+    assert tree.scores[1] == pytest.approx(tree.scores[0] / 2)
+    assert tree.scores[2] == pytest.approx(tree.scores[1] * 2 / 3)  # the span goes on from m = 2
+
+
 def test_span_options_are_checked(tiny_dir):
     target = load_transformer(tiny_dir["llama"])
     draft = DFlashDraft.from_target(target, target_layers=(0, 1), n_layers=1, block_size=4)

@@ -18,8 +18,10 @@ A draft with a copy head (`DFlashConfig.copy_head`) mixes every block row with c
 hidden state of the position before the row's (the root's, for the first) over the target's committed last-layer
 keys (read in place from the engine's KV cache), each position proposing the token after it. `dflash-span` (greedy
 requests) uses it as `longspec-span` does (`spyglass.spans`): the chain ends at its first copied token and
-goes on with the context's text after that token's source, and while the target keeps accepting that text the next
-chain continues it with no block forward at all.
+goes on with the context's text after that token's source, and while the target's tokens keep agreeing with that
+text (verified, or its own on a step the controller kept plain) the next chain continues it with no block forward
+at all, also between the controller's probes (`has_free_part`). A copied token whose preceding text agrees with its
+source's is tagged COPY_SOURCE and priced like the span behind it.
 
 Greedy requests get the block's top-1 chain plus, at low-confidence positions, a few alternative leaves; every
 node carries P(accepted) as the product of the draft's probabilities along its path (`DraftTree.scores`), and
@@ -47,7 +49,7 @@ from spyglass.models.llama import ModelArgs, RMSNorm, Transformer, apply_rope
 from spyglass.sequence import Sequence
 from spyglass.spans import agreement, continuation, copy_source, next_pointer, text_before
 from spyglass.training.draft_models import add_copies_log, init_copy_gate, read_copies
-from spyglass.tree import DRAFT_SOURCE, SPAN_SOURCE, DraftTree
+from spyglass.tree import COPY_SOURCE, DRAFT_SOURCE, SPAN_SOURCE, DraftTree
 from spyglass.verify import Accepted
 
 PACKAGED = Path(__file__).resolve().parents[1] / "drafts"
@@ -587,8 +589,12 @@ class DFlashDrafter:
             self._state(seq).chain = None
             return DraftTree.chain(seq.root, chain, scores=scores)
         at, match = found
+        if match >= 2:
+            # the text up to the copied token agrees with its source's for match - 1 tokens: priced as a span's
+            # token (suffix lookup's estimate, calibrated with the spans), still evidence of the drafted profile
+            scores[-1] = scores[-2] * (match - 1) / match
         span = continuation(seq, at, c, min(self.span, cap - seq.num_tokens - len(chain)), scores[-1], match)
-        return self._spanned(seq, chain, scores, at, span)
+        return self._spanned(seq, chain, scores, at, span, copied=match >= 2)
 
     def _follow_pointer(self, seq: Sequence, cap: int) -> DraftTree | None:
         """Where the root is the context's token at the pointer (the last accepted copy goes on), the chain of what
@@ -601,14 +607,17 @@ class DFlashDrafter:
         )
         return self._spanned(seq, [], [1.0], at, span) if span else None
 
-    def _spanned(self, seq: Sequence, chain: list[int], scores: list[float], at: int, span: list) -> DraftTree:
+    def _spanned(
+        self, seq: Sequence, chain: list[int], scores: list[float], at: int, span: list, copied: bool = False
+    ) -> DraftTree:
         """The chain root, `chain` (drafted; `scores` from the root's on), then `span`, the context's text after
-        position `at`, which holds the chain's last token (the root's, for an empty chain); remembered for
-        `commit`'s pointer."""
+        position `at`, which holds the chain's last token (the root's, for an empty chain; `copied`: that token
+        is sized as a span's); remembered for `commit`'s pointer."""
         st = self._state(seq)
         st.chain = [seq.root, *chain, *(t for t, _ in span)]
         st.origins = [-1] * len(chain) + list(range(at, at + len(span) + 1))
-        sources = [0] + [DRAFT_SOURCE] * len(chain) + [SPAN_SOURCE] * len(span)
+        drafted = [DRAFT_SOURCE] * (len(chain) - copied) + [COPY_SOURCE] * copied
+        sources = [0] + drafted + [SPAN_SOURCE] * len(span)
         n = len(st.chain)
         return DraftTree(torch.tensor(st.chain), list(range(-1, n - 1)), None, scores + [sc for _, sc in span], sources)
 

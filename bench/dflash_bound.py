@@ -73,14 +73,14 @@ def main() -> None:
     curve = CostCurve(**curve_doc)
     new_tokens = meta["run"]["max_new_tokens"]
     profile = doc["figures"]["acceptance_by_block_position"]["dflash"]  # unconditional: first i + 1 all right
-    rows, block_s_of = {}, {}
+    rows = {}
     for name, prompt_tokens in meta["tasks"].items():
         runs = per_task[name]
         context = prompt_tokens + new_tokens // 2
         dflash = runs["dflash"]
         control = dflash["controller"]  # plain steps do not run the block; probes (counted as plain) do
         drafting_steps = new_tokens / dflash["tau"] - control["plain_steps"] + control["probe_steps"]
-        block_s = block_s_of[name] = dflash["draft_s"] / drafting_steps  # per step that runs it, as served
+        block_s = dflash["draft_s"] / drafting_steps  # per step that runs it, as served
         goal = runs["ngram"]["speedup"]
         rows[name] = {
             "context": context,
@@ -114,7 +114,7 @@ def main() -> None:
     r = rows[mid]
     qs = [i / 20 for i in range(21)]
     by_q = {
-        f"block {b}": (qs, [modeled_speedup(geometric(q, b), block_s_of[mid], curve, r["context"]) for q in qs])
+        f"block {b}": (qs, [modeled_speedup(geometric(q, b), r["block_ms"] / 1e3, curve, r["context"]) for q in qs])
         for b in BLOCKS
     }
     plot_panels(

@@ -442,7 +442,7 @@ class ChainDepthController(SpeculationController):
             seq.control = _ChainControl()
         return seq.control
 
-    def _count(self, st: _ChainControl, depth: int, hit: bool, node: _Node = (None, True)) -> None:
+    def _count(self, st: _ChainControl, depth: int, hit: bool, node: _Node) -> None:
         """A verdict on a chain's node at `depth`: a span's conditional counts for the spans' calibration, a drafted
         token for the profile (a copied token for both)."""
         span, drafted = node
@@ -462,16 +462,16 @@ class ChainDepthController(SpeculationController):
         last = seq.num_tokens - 1  # the root is the target's choice too
         still = []
         for before, chain, first, nodes in st.pending:
+            # counted as soon as committed: a probe's long chain is evidence from the next step on
             committed = seq.tokens[before + 1 : min(before + 1 + len(chain), last + 1)].tolist()
-            k = 0  # counted as soon as committed: a probe's long chain is evidence from the next step on
-            for drafted, actual in zip(chain, committed, strict=False):
+            for k, (drafted, actual) in enumerate(zip(chain, committed, strict=False)):
                 self._count(st, first + k, drafted == actual, nodes[k])
                 if drafted != actual:
                     break
-                k += 1
             else:
-                if k < len(chain):
-                    still.append((before + k, chain[k:], first + k, nodes[k:]))
+                n = len(committed)
+                if n < len(chain):
+                    still.append((before + n, chain[n:], first + n, nodes[n:]))
         st.pending = still
 
     @staticmethod
@@ -541,8 +541,7 @@ class ChainDepthController(SpeculationController):
         stats.proposed_nodes += len(tree) - 1
         st.deepest = max(st.deepest, tree.max_depth)
         st.nodes = self._nodes(tree)
-        best = self._best_depth(st, seq.committed, batch, tree.max_depth, st.nodes, seq.draft_free_only)
-        st.verified = min(tree.max_depth, best)
+        st.verified = self._best_depth(st, seq.committed, batch, tree.max_depth, st.nodes, seq.draft_free_only)
         probe = st.verified == 0 and st.plain_streak >= self.probe
         if probe and not seq.params.greedy:
             # A sampled token matches the one the target then samples less often than rejection sampling would

@@ -47,13 +47,18 @@ def copy_source(
     return source, agree[source]
 
 
+def lookup_conditional(match: int) -> float:
+    """Suffix lookup's estimate that the token after a match of `match` tokens comes true: m / (m + 1)."""
+    return match / (match + 1)
+
+
 def continuation(seq: Sequence, at: int, c: int, room: int, score: float, match: int) -> list[tuple[int, float]]:
     """What followed context position `at` (up to the root, position `c`; at most `room` tokens), each with its
     score: `score` times m / (m + 1) per token, as suffix lookup scores a match of length m, where m starts at
     `match` (how far the text up to the node agrees with the context up to `at`) and grows with each token."""
     out = []
     for t in seq.tokens[at + 1 : min(at + 1 + room, c + 1)].tolist():
-        score *= match / (match + 1)
+        score *= lookup_conditional(match)
         out.append((t, score))
         match += 1
     return out

@@ -433,12 +433,21 @@ def test_a_chain_profile_learns_from_chains_it_did_not_verify():
     assert [d for s, d in verified][-1] == 2  # the whole chain, now that it is always right
 
 
-def test_an_unverified_chain_counts_token_by_token_as_the_target_commits():
-    """A probe's chain is evidence as soon as each of its places is committed, not once the whole chain is."""
-    ctl = ChainDepthController(CostCurve.linear(1.0, 0.3))
+def _chain_control(free_part: bool = False):
+    """A chain controller, a sequence whose root is 7, and the sequence's control state."""
+    ctl = ChainDepthController(CostCurve.linear(1.0, 0.3), free_part=free_part)
     seq = Sequence(_prompt(), SamplingParams(max_new_tokens=50))
     seq.append(7)
-    st = ctl._state(seq)
+    return ctl, seq, ctl._state(seq)
+
+
+def _chain_7_to_10(sources: list[int]) -> DraftTree:
+    return DraftTree(torch.tensor([7, 8, 9, 10]), [-1, 0, 1, 2], None, [1.0, 0.95, 0.9, 0.86], sources)
+
+
+def test_an_unverified_chain_counts_token_by_token_as_the_target_commits():
+    """A probe's chain is evidence as soon as each of its places is committed, not once the whole chain is."""
+    ctl, seq, st = _chain_control()
     st.deepest = 3
     st.pending = [(seq.num_tokens - 1, [11, 12, 13], 1, [(None, True)] * 3)]
     seq.append(11)
@@ -452,32 +461,23 @@ def test_an_unverified_chain_counts_token_by_token_as_the_target_commits():
 def test_a_copied_token_is_sized_as_a_span_and_counted_for_both():
     """A copied token (COPY_SOURCE) is priced by its own conditional and the spans' calibration, like a span node,
     and its verdict is evidence of the drafted profile too (what a draft step's first token does)."""
-    ctl = ChainDepthController(CostCurve.linear(1.0, 0.3))
-    seq = Sequence(_prompt(), SamplingParams(max_new_tokens=50))
-    seq.append(7)
-    st = ctl._state(seq)
+    ctl, seq, st = _chain_control()
     st.deepest, st.accepted, st.span = 3, [[0.0, 10.0]], [10.0, 10.0]  # drafted tokens never right, spans are
-    sources = [0, COPY_SOURCE, SPAN_SOURCE, SPAN_SOURCE]
-    tree = DraftTree(torch.tensor([7, 8, 9, 10]), [-1, 0, 1, 2], None, [1.0, 0.95, 0.9, 0.86], sources)
-    kept = ctl.size(seq, tree, batch=1)
+    kept = ctl.size(seq, _chain_7_to_10([0, COPY_SOURCE, SPAN_SOURCE, SPAN_SOURCE]), batch=1)
     assert kept.max_depth == 3  # as drafted tokens (sources 1), the profile's zero would verify none
     ctl.observe(seq, kept, Accepted([0, 1, 2, 3], [8, 9, 10, 11]))
     assert st.accepted[0][0] == pytest.approx(1.0) and st.span[0] == pytest.approx(0.95**3 * 10 + 0.95**2 + 0.95 + 1)
-    drafted = DraftTree(torch.tensor([7, 8, 9, 10]), [-1, 0, 1, 2], None, [1.0, 0.95, 0.9, 0.86], [0, 1, 1, 1])
-    assert ctl.size(seq, drafted, batch=1).max_depth == 0
+    assert ctl.size(seq, _chain_7_to_10([0, 1, 1, 1]), batch=1).max_depth == 0
 
 
 def test_a_free_part_proposes_between_probes_and_is_not_charged_for_drafting():
     """A chain drafter with a model-free part (a copy that goes on) still proposes while its drafted tokens do not
     pay (`seq.draft_free_only`), and that proposal is sized without the draft step's time."""
-    ctl = ChainDepthController(CostCurve.linear(1.0, 0.3), free_part=True)
-    seq = Sequence(_prompt(), SamplingParams(max_new_tokens=50))
-    seq.append(7)
-    st = ctl._state(seq)
+    ctl, seq, st = _chain_control(free_part=True)
     st.deepest, st.accepted, st.draft_s = 4, [[0.0, 10.0]], 100.0  # drafted tokens never right, drafting costly
     st.span = [10.0, 10.0]  # spans as good as their scores say
     assert ctl.wants_draft(seq) and seq.draft_free_only
-    spans = DraftTree(torch.tensor([7, 8, 9, 10]), [-1, 0, 1, 2], None, [1.0, 0.95, 0.9, 0.86], [0] + [SPAN_SOURCE] * 3)
+    spans = _chain_7_to_10([0] + [SPAN_SOURCE] * 3)
     assert ctl.size(seq, spans, batch=1).max_depth == 3
     seq.draft_free_only = False  # the same tree from a draft step costs its 100 s
     assert ctl.size(seq, spans, batch=1).max_depth == 0

@@ -460,6 +460,28 @@ def _after_prefill(drafter, target, prompt, max_new_tokens=8):
     return engine, seq
 
 
+COPY_PROMPT = [5, 6, 21, 22, 23, 24, 25, 26, 27, 9, 8]
+
+
+def _copying(tiny_dir):
+    """A span drafter (a copy-head draft) with COPY_PROMPT prefilled, and block rows whose first token is 23."""
+    target = load_transformer(tiny_dir["llama"])
+    draft, _ = trained_tiny(target)
+    drafter = DFlashDrafter(with_copy_head(draft), span=4, span_mass=0.3)
+    _, seq = _after_prefill(drafter, target, COPY_PROMPT)
+    rows = torch.zeros(drafter.block - 1, target.args.vocab_size)
+    rows[0, 23] = 5.0  # the block's first drafted token: 23
+    return target, draft, drafter, seq, rows
+
+
+def _mass_on_22(drafter, positions: int, weight: float = 0.5) -> torch.Tensor:
+    """The pointer's mass per block row over `positions` context positions, all of it on position 3 (token 22),
+    which proposes 23, at position 4."""
+    mass = torch.zeros(positions)
+    mass[3] = weight
+    return mass.expand(drafter.block - 1, -1)
+
+
 def test_a_copied_first_token_brings_the_contexts_continuation(tiny_dir):
     """Where the pointer's mass for the first drafted token sits on a context position, the chain goes on with what
     followed that position (tagged as a span); the pointer then stays where an accepted copy ended and the next
@@ -467,17 +489,9 @@ def test_a_copied_first_token_brings_the_contexts_continuation(tiny_dir):
     from spyglass.tree import DRAFT_SOURCE, SPAN_SOURCE
     from spyglass.verify import Accepted
 
-    target = load_transformer(tiny_dir["llama"])
-    draft, _ = trained_tiny(target)
-    drafter = DFlashDrafter(with_copy_head(draft), span=4, span_mass=0.3)
-    prompt = [5, 6, 21, 22, 23, 24, 25, 26, 27, 9, 8]
-    engine, seq = _after_prefill(drafter, target, prompt)
+    target, draft, drafter, seq, rows = _copying(tiny_dir)
     c = seq.committed
-    rows = torch.zeros(drafter.block - 1, target.args.vocab_size)
-    rows[0, 23] = 5.0  # the block's first drafted token: 23
-    mass = torch.zeros(c)
-    mass[3] = 0.5  # position 3 (token 22) proposes 23, at position 4
-    tree = drafter._span_tree(seq, rows, mass.expand(drafter.block - 1, -1), cap=256)
+    tree = drafter._span_tree(seq, rows, _mass_on_22(drafter, c), cap=256)
     assert tree.tokens.tolist() == [seq.root, 23, 24, 25, 26, 27] and tree.is_chain
     assert tree.sources == [0, DRAFT_SOURCE] + [SPAN_SOURCE] * 4
     # the target accepts 23 24 and says 25: the pointer moves to position 6 (token 25), where the root now is
@@ -508,8 +522,8 @@ def test_a_copied_first_token_brings_the_contexts_continuation(tiny_dir):
     (free,) = drafter.propose([seq])
     assert len(free) == 1 and not forwards
     seq.draft_free_only = False
-    engine2, seq2 = _after_prefill(DFlashDrafter(with_copy_head(draft), span=4, span_mass=0.3), target, prompt)
-    plain = engine2.drafter._span_tree(seq2, rows, (mass * 0.5).expand(drafter.block - 1, -1), cap=256)
+    engine2, seq2 = _after_prefill(DFlashDrafter(with_copy_head(draft), span=4, span_mass=0.3), target, COPY_PROMPT)
+    plain = engine2.drafter._span_tree(seq2, rows, _mass_on_22(drafter, c, 0.25), cap=256)
     assert plain.sources is None and len(plain) == drafter.block
 
 
@@ -519,17 +533,9 @@ def test_a_copied_token_whose_text_before_agrees_with_its_source_is_sized_as_a_s
     tokens counting itself, so the controller prices it with the spans rather than by the drafted profile."""
     from spyglass.tree import COPY_SOURCE, SPAN_SOURCE
 
-    target = load_transformer(tiny_dir["llama"])
-    draft, _ = trained_tiny(target)
-    drafter = DFlashDrafter(with_copy_head(draft), span=4, span_mass=0.3)
-    prompt = [5, 6, 21, 22, 23, 24, 25, 26, 27, 9, 8]
-    _, seq = _after_prefill(drafter, target, prompt)
-    rows = torch.zeros(drafter.block - 1, target.args.vocab_size)
-    rows[0, 23] = 5.0
-    mass = torch.zeros(seq.committed + 1)
-    mass[3] = 0.5  # position 3 (token 22) proposes 23
+    _, _, drafter, seq, rows = _copying(tiny_dir)
     seq.append(22)  # the root is now 22, as before the source: 22 23 agree, the token before them does not
-    tree = drafter._span_tree(seq, rows, mass.expand(drafter.block - 1, -1), cap=256)
+    tree = drafter._span_tree(seq, rows, _mass_on_22(drafter, seq.committed), cap=256)
     assert tree.tokens.tolist() == [22, 23, 24, 25, 26, 27]
     assert tree.sources == [0, COPY_SOURCE] + [SPAN_SOURCE] * 4
     assert tree.scores[1] == pytest.approx(tree.scores[0] / 2)

@@ -47,7 +47,7 @@ from spyglass.drafters.base import ProposesSubset, VocabSubset, choose_draft_tok
 from spyglass.models.linear import Linear, set_linear_backend
 from spyglass.models.llama import ModelArgs, RMSNorm, Transformer, apply_rope
 from spyglass.sequence import Sequence
-from spyglass.spans import agreement, continuation, copy_source, next_pointer, text_before
+from spyglass.spans import agreement, continuation, copy_source, lookup_conditional, next_pointer, text_before
 from spyglass.training.draft_models import add_copies_log, init_copy_gate, read_copies
 from spyglass.tree import COPY_SOURCE, DRAFT_SOURCE, SPAN_SOURCE, DraftTree
 from spyglass.verify import Accepted
@@ -592,7 +592,7 @@ class DFlashDrafter:
         if match >= 2:
             # the text up to the copied token agrees with its source's for match - 1 tokens: priced as a span's
             # token (suffix lookup's estimate, calibrated with the spans), still evidence of the drafted profile
-            scores[-1] = scores[-2] * (match - 1) / match
+            scores[-1] = scores[-2] * lookup_conditional(match - 1)
         span = continuation(seq, at, c, min(self.span, cap - seq.num_tokens - len(chain)), scores[-1], match)
         return self._spanned(seq, chain, scores, at, span, copied=match >= 2)
 

@@ -152,7 +152,7 @@ def test_a_span_follows_the_pointer_into_the_context(tiny_target):
     match of that length; mass below `span_mass`, or on positions proposing another token, adds nothing."""
     from spyglass.drafters.longspec import _Growing
     from spyglass.sequence import Sequence
-    from spyglass.tree import SPAN_SOURCE
+    from spyglass.tree import COPY_SOURCE, SPAN_SOURCE
 
     drafter = LongSpecDrafter(layer_copy_draft(tiny_target, copy_head=True), gamma=3, span=4, span_mass=0.3)
     phrase = [11, 12, 13, 14, 15, 16, 17]
@@ -166,9 +166,11 @@ def test_a_span_follows_the_pointer_into_the_context(tiny_target):
     node = g.add(0, 13, 0.6)
     assert drafter._add_span(seq, g, node, mass, after, room=4)
     assert g.tokens[2:] == [14, 15, 16, 17] and g.parents[2:] == [1, 2, 3, 4]
-    assert g.sources == [0, 1, SPAN_SOURCE, SPAN_SOURCE, SPAN_SOURCE, SPAN_SOURCE]
-    # "12" matched before 13 (the node itself makes the first match): 2 tokens, so 14 scores 0.6 * 2/3, then 3/4...
-    expected = [0.6 * 2 / 3]
+    assert g.sources == [0, COPY_SOURCE, SPAN_SOURCE, SPAN_SOURCE, SPAN_SOURCE, SPAN_SOURCE]
+    # "12 13" agree with the source's text (the node itself makes the first match): 2 tokens, so the copied 13 is
+    # priced as a span's token after a 1-token match, 1/2 (not the draft's 0.6), then 14 scores 1/2 * 2/3, 3/4...
+    assert g.scores[1] == pytest.approx(0.5)
+    expected = [0.5 * 2 / 3]
     for m in (3, 4, 5):
         expected.append(expected[-1] * m / (m + 1))
     assert g.scores[2:] == pytest.approx(expected)
@@ -205,8 +207,8 @@ def test_a_span_copies_from_the_place_whose_text_agrees_longest(tiny_target):
     node = g.add(0, 13, 0.6)
     assert drafter._add_span(seq, g, node, mass, seq.tokens[1 : c + 1], room=3)
     assert g.tokens[2:] == [50, 51, 52] and g.origins[node] == 9
-    # "13 12 8 9" agree, then 41 vs 7: 4 tokens, so the first copied token scores 0.6 * 4/5
-    assert g.scores[2] == pytest.approx(0.6 * 4 / 5)
+    # "13 12 8 9" agree, then 41 vs 7: 4 tokens, so 13 is priced 3/4 and the first copied token 3/4 * 4/5
+    assert g.scores[1:3] == pytest.approx([3 / 4, 3 / 4 * 4 / 5])
 
 
 def test_span_options_are_checked(tiny_target):
@@ -221,11 +223,12 @@ def test_span_options_are_checked(tiny_target):
     assert not drafter.cost_by_depth  # a span costs no draft step: the controller prices whole steps
 
 
-def test_the_pointer_stays_where_an_accepted_copy_ended(tiny_target):
-    """After a step that accepted copied tokens, the pointer sits after the last of them; while the target's next
-    token (the new root) is the context's token there, the next chain is the context's continuation, proposed
-    with no draft step. A step that accepted nothing copied, or a root that departs from the context, leaves it to
-    the draft."""
+def test_the_pointer_follows_what_is_committed_along_a_copy(tiny_target):
+    """After a step whose committed tokens (accepted copied ones, then the target's own) go along the copy, the
+    pointer sits at the new root's place in the context; while the root is the context's token there, the next
+    chain is the context's continuation, proposed with no draft step (also between probes, `draft_free_only`,
+    where nothing else is proposed). Committed tokens that leave the copy, or a root that departs from the
+    context, leave it to the draft."""
     from spyglass.tree import SPAN_SOURCE
     from spyglass.verify import Accepted
 
@@ -239,30 +242,38 @@ def test_the_pointer_stays_where_an_accepted_copy_ended(tiny_target):
     step = drafter.draft.draft_step
     drafter.draft.draft_step = lambda *a, **k: steps.append(1) or step(*a, **k)
 
-    # the last chain copied positions 2-4 ("21 22 23"); all three accepted: the pointer is position 5 ("24"),
-    # whatever the verified tree's node numbers (a composite verifies a merged tree)
-    w.chain, w.origins = [7, 21, 22, 23], [-1, 2, 3, 4]
-    drafter.commit(seq, Accepted([0, 4, 9, 11], [21, 22, 23, 24]))
-    assert w.pointer == 5
-    drafter.commit(seq, Accepted([0, 1], [21, 30]))  # one accepted: the pointer after position 2
-    assert w.pointer == 3
-    drafter.commit(seq, Accepted([0, 1, 2], [21, 99, 30]))  # the accepted tokens left the chain: no pointer
-    assert w.pointer == -1
-    drafter.commit(seq, Accepted([0, 1, 2, 3], [21, 22, 23, 24]))
-    assert w.pointer == 5
+    def after_copy(path: list[int], tokens: list[int]) -> int:
+        """The pointer once `tokens` are committed after a chain that copied positions 2-4 ("21 22 23")."""
+        w.chain, w.origins = [7, 21, 22, 23], [-1, 2, 3, 4]
+        drafter.commit(seq, Accepted(path, tokens))
+        assert w.chain is None
+        return w.pointer
+
+    # all three accepted and the target says 24: position 5, whatever the verified tree's node numbers (a composite
+    # verifies a merged tree)
+    assert after_copy([0, 4, 9, 11], [21, 22, 23, 24]) == 5
+    assert after_copy([0, 1], [21, 22]) == 3  # one accepted, and the target's own 22 goes on with the copy
+    assert after_copy([0, 1], [21, 30]) == -1  # the target's 30 leaves it
+    assert after_copy([0, 1, 2], [21, 99, 30]) == -1
+    assert after_copy([0, 1, 2, 3], [21, 22, 23, 24]) == 5
     seq.tokens[seq.num_tokens - 1] = 24  # as if the target's next token were the context's "24"
     (tree,) = drafter.propose([seq])
     assert tree.tokens[1:].tolist() == [25, 26, 27, 9] and not steps
     assert tree.sources[1:] == [SPAN_SOURCE] * 4 and tree.scores[1] > tree.scores[4] > 0
-    assert w.origins[1:] == [6, 7, 8, 9]
-    # the root departs from the context: the draft drafts
+    assert w.origins == [5, 6, 7, 8, 9]
+    seq.draft_free_only = True  # between probes: the same continuation, still no draft step
+    assert drafter.propose([seq])[0].tokens.tolist() == tree.tokens.tolist() and not steps
+    # the root departs from the context: nothing between probes, and the draft drafts otherwise
     seq.tokens[seq.num_tokens - 1] = 99
+    assert len(drafter.propose([seq])[0]) == 1 and not steps
+    seq.draft_free_only = False
     drafter.propose([seq])
     assert steps
-    # nothing copied accepted (a drafted token, or nothing at all): no pointer
+    # a drafted token accepted and the target's own leaving the copy: no pointer
     w.chain, w.origins = [7, 30, 40], [-1, -1, 7]
     drafter.commit(seq, Accepted([0, 1], [30, 31]))
     assert w.pointer == -1
+    # nothing verified, but the target's own token is the copied one: the copy goes on from its source
     w.chain, w.origins = [7, 30], [-1, 3]
     drafter.commit(seq, Accepted([0], [30]))
-    assert w.pointer == -1
+    assert w.pointer == 3

@@ -17,9 +17,10 @@ whose token the pointer copied (at least `span_mass` of the mass on places propo
 followed the likeliest place (the one whose preceding text agrees longest) as a chain of children, `span` long at
 most, for no further draft step: where the output copies its context, one draft step finds the source and the
 context supplies the rest (what n-gram lookup guesses from the last few tokens, the pointer reads from the target's
-keys). The pointer then stays where the accepted copy ended:
-while the target's next token is the one after it in the context, the next chain is that place's continuation,
-with no draft step at all; otherwise the draft drafts.
+keys). A copied token whose preceding text agrees with its source's is priced as a span's token (COPY_SOURCE). The
+pointer follows the copy through whatever is committed along it (`spans.next_pointer`: accepted copied tokens or
+the target's own): while the root is the context's token there, the next chain is that place's continuation with no
+draft step at all, also between the controller's probes (`has_free_part`); otherwise the draft drafts.
 
 Drafting is incremental and batched: one `draft_step` per depth for every sequence of the step, each node's
 own K/V kept for its descendants (nothing is re-run). Tree shapes:
@@ -49,9 +50,17 @@ from spyglass.kv_cache import KVCache
 from spyglass.models.linear import set_linear_backend
 from spyglass.models.llama import Transformer
 from spyglass.sequence import Sequence
-from spyglass.spans import SPAN_MASS, agreement, continuation, copy_source, text_before
+from spyglass.spans import (
+    SPAN_MASS,
+    agreement,
+    continuation,
+    copy_source,
+    lookup_conditional,
+    next_pointer,
+    text_before,
+)
 from spyglass.training.draft_models import LongSpecDraft
-from spyglass.tree import DRAFT_SOURCE, SPAN_SOURCE, DraftTree
+from spyglass.tree import COPY_SOURCE, DRAFT_SOURCE, SPAN_SOURCE, DraftTree
 from spyglass.verify import Accepted
 
 SHIPPED = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-longspec"
@@ -144,6 +153,7 @@ class LongSpecDrafter:
             cape_bins = CAPE_BINS if draft.layers[0].wqkv.weight.is_cuda else CAPE_BINS_CPU
         self.draft, self.gamma, self.mode, self.width, self.cape_bins = draft, gamma, mode, width, cape_bins
         self.span, self.span_mass = span, span_mass
+        self.has_free_part = bool(span)  # a copy that goes on costs no draft step: proposed between probes too
         if span:  # a tree, verified by token matching (so the argmax, not a sample), priced per step: draft steps
             self.token_matched, self.cost_by_depth = True, False  # stop where a span starts, so depth is no measure
         self.ring = draft.cfg.window - 1  # + the token being drafted from = the training window
@@ -211,10 +221,12 @@ class LongSpecDrafter:
         trees = [_Growing(int(s.root)) for s in batch]
         if self.span:  # where the last copy goes on, its continuation instead of a draft step
             for i, (s, w, c) in enumerate(zip(batch, states, committed, strict=True)):
+                if s.draft_free_only:  # between the controller's probes: only a copy that goes on, for free
+                    depth_cap[i] = 0
                 p, room = w.pointer, min(self.span, self.cache.capacity - s.num_tokens)
                 if 0 < p < c and int(s.tokens[p]) == int(s.root):
-                    match = agreement(text_before(s, [], c), s, p)
-                    if self._extend(s, trees[i], 0, p, match, c, room):
+                    trees[i].origins[0] = p
+                    if self._extend(s, trees[i], 0, p, agreement(text_before(s, [], c), s, p), c, room):
                         depth_cap[i] = 0
         before_root = [int(s.tokens[c - 1]) if c else -1 for s, c in zip(batch, committed, strict=True)]
         # a copy head's: the token after each committed one (views of the sequences' buffers, no copy)
@@ -240,9 +252,9 @@ class LongSpecDrafter:
             if self.mode == "beam":  # keep the `width` best new nodes per sequence
                 for i, g in enumerate(trees):
                     frontier[i] = sorted(frontier[i], key=lambda n, g=g: -g.scores[n])[: self.width]
-        if self.span:
+        if self.span:  # a chain that copied is remembered for `commit`'s pointer
             for w, g in zip(states, trees, strict=True):
-                w.chain, w.origins = g.tokens, g.origins
+                w.chain, w.origins = (g.tokens, g.origins) if max(g.origins) >= 0 else (None, None)
         return [g.tree(s) for g, s in zip(trees, batch, strict=True)]
 
     def _step(
@@ -292,13 +304,19 @@ class LongSpecDrafter:
         self, seq: Sequence, g: _Growing, node: int, mass: torch.Tensor, after: torch.Tensor, room: int
     ) -> bool:
         """Hang the context's continuation (at most `room` tokens) below `node` if its token came from copying
-        (`spans.copy_source`); True if a span was added."""
+        (`spans.copy_source`); True if a span was added. A copied token whose text before agrees with its source's
+        for m - 1 tokens is priced as a span's (suffix lookup's estimate) and still counts for the drafted
+        profile (COPY_SOURCE)."""
         c = len(after)
         found = copy_source(seq, text_before(seq, g.tokens_to(node), c), g.tokens[node], mass, after, self.span_mass)
         if found is None:
             return False
-        g.origins[node] = found[0]
-        return self._extend(seq, g, node, *found, c, room)
+        at, match = found
+        g.origins[node] = at
+        if match >= 2:
+            g.scores[node] = g.scores[g.parents[node]] * lookup_conditional(match - 1)
+            g.sources[node] = COPY_SOURCE
+        return self._extend(seq, g, node, at, match, c, room)
 
     def _extend(self, seq: Sequence, g: _Growing, node: int, at: int, match: int, c: int, room: int) -> bool:
         """Below `node`, whose token is the context's at position `at`, what followed it there (`spans.continuation`).
@@ -332,15 +350,13 @@ class LongSpecDrafter:
 
     def commit(self, seq: Sequence, accepted: Accepted) -> None:
         """Nothing to undo: the ring only ever holds committed tokens; the next propose catches up. With spans, the
-        pointer moves past the last accepted token if the accepted tokens are the start of the last chain and that
-        one was copied (compared by tokens: in a composite the verified tree is a merged one)."""
+        pointer follows the committed tokens along the copy (`spans.next_pointer`; compared by tokens: in a
+        composite the verified tree is a merged one)."""
         w: _Window | None = seq.drafter_state
-        if w is None or w.chain is None:
+        if w is None or not self.span:
             return
-        drafted = accepted.tokens[:-1]  # the last one is the target's own
-        n = len(drafted)
-        follows = 0 < n < len(w.chain) and w.chain[1 : n + 1] == drafted
-        w.pointer = w.origins[n] + 1 if follows and w.origins[n] >= 0 else -1
+        w.pointer = next_pointer(seq, w.pointer, w.chain, w.origins, accepted.tokens)
+        w.chain = None
 
     def release(self, seq: Sequence) -> None:
         seq.drafter_state = None
@@ -399,5 +415,6 @@ class _Growing:
             chain = all(p == i - 1 for i, p in enumerate(self.parents))
             if chain:
                 probs = torch.stack([torch.zeros_like(self.dists[1]), *self.dists[1:]])
-        sources = self.sources if SPAN_SOURCE in self.sources else None  # the draft's nodes alone need no tags
+        copied = any(src & SPAN_SOURCE for src in self.sources)
+        sources = self.sources if copied else None  # the draft's nodes alone need no tags
         return DraftTree(torch.tensor(self.tokens), self.parents, probs, list(self.scores), sources)

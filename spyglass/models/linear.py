@@ -23,7 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-KERNELS = ("aten", "onednn", "wfirst")
+from kernels import cpu as cpu_kernels
+
+KERNELS = ("aten", "onednn", "wfirst", "rows")
+ROWS_MAX = 8  # the "rows" kernel (kernels/cpu_ops.cpp rows_linear, fp32) takes 1 to 8 rows
 # plan[i] is the kernel for row counts up to ROW_BUCKETS[i] (the last entry also serves every larger count)
 ROW_BUCKETS = (1, 2, 3, 4, 6, 8, 16, 32)  # single counts where libraries switch algorithms (MKL at 4)
 
@@ -45,7 +48,17 @@ def _weights_first(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> 
     return y.view(*x.shape[:-1], w.shape[0])
 
 
-_KERNEL_FNS = {"aten": _aten, "onednn": _onednn, "wfirst": _weights_first}
+def _rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """kernels/cpu_ops.cpp's few-row product: the weights read once, each output summed in one fixed order
+    whatever the row count (a verify pass of up to 8 rows and a decode step agree bit for bit)."""
+    return cpu_kernels.native().rows_linear(x, w, b)
+
+
+def rows_supported(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_kernels.native() is not None
+
+
+_KERNEL_FNS = {"aten": _aten, "onednn": _onednn, "wfirst": _weights_first, "rows": _rows}
 
 
 def _bucket(rows: int) -> int:
@@ -115,7 +128,8 @@ def measure_linear_plan(model: nn.Module, repeats: int = 2) -> tuple[str, ...]:
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if not linears or linears[0].weight.device.type != "cpu":
         return ("aten",) * len(ROW_BUCKETS)
-    kernels = [k for k in KERNELS if k != "onednn" or onednn_supported(linears[0].weight)]
+    w0 = linears[0].weight
+    kernels = [k for k in KERNELS if (k != "onednn" or onednn_supported(w0)) and (k != "rows" or rows_supported(w0))]
     shapes = tuple((tuple(m.weight.shape), m.bias is not None) for m in linears)
     key = (shapes, str(linears[0].weight.dtype), torch.get_num_threads())
     if key not in _PLANS:
@@ -125,7 +139,7 @@ def measure_linear_plan(model: nn.Module, repeats: int = 2) -> tuple[str, ...]:
         for rows in ROW_BUCKETS:
             xs = {m.in_features: torch.randn(rows, m.in_features, dtype=m.weight.dtype) for m in sample}
             best = {}
-            for k in kernels:
+            for k in [k for k in kernels if k != "rows" or rows <= ROWS_MAX]:
                 fn = _KERNEL_FNS[k]
                 times = []
                 for _ in range(repeats + 1):  # the first pass warms up (oneDNN builds its primitives)
@@ -149,6 +163,13 @@ def set_linear_backend(model: nn.Module, backend: str = "auto") -> str:
             f"the oneDNN linear backend has no kernel for {w.dtype} weights on {w.device} here "
             "(fp32 on the CPU; bf16 where the CPU has AVX-512 BF16 or AMX)"
         )
+    if "rows" in plan and linears and not rows_supported(w := linears[0].weight):
+        raise ValueError(
+            f"the 'rows' linear kernel needs fp32 weights on the CPU and the built CPU kernels (kernels/cpu.py); "
+            f"got {w.dtype} on {w.device}" + ("" if cpu_kernels.native() else ", and the kernels are not built here")
+        )
+    if "rows" in plan[_bucket(ROWS_MAX + 1) :]:
+        raise ValueError(f"the 'rows' linear kernel takes at most {ROWS_MAX} rows: use it only in buckets up to it")
     for m in linears:
         m.plan = None if set(plan) == {"aten"} else plan
     model.linear_backend = plan_name(plan)

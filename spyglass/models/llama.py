@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+from kernels import cpu as cpu_kernels
 from spyglass.attention import (
     batched_tree_attention,
     causal_mask,
@@ -25,7 +26,7 @@ from spyglass.attention import (
     single_token_attention,
     tree_attention,
 )
-from spyglass.kv_cache import KVCache
+from spyglass.kv_cache import CacheFullError, KVCache
 from spyglass.models.linear import Linear, set_linear_backend
 
 
@@ -121,6 +122,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Block(nn.Module):
+    native = True  # run the CPU kernels of kernels/cpu_ops.cpp where they are built (fp32 on the CPU)
+
     def __init__(self, a: ModelArgs) -> None:
         super().__init__()
         self.a = a
@@ -133,6 +136,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(a.hidden_size, a.rms_eps)
 
     def forward(self, x, cos, sin, segments: list[Segment], cache: KVCache, layer: int, backend: str):
+        if backend == "cpu" and self.native and x.dtype == torch.float32 and (ops := cpu_kernels.native()):
+            return self._forward_native(ops, x, cos, sin, segments, cache, layer)
         a = self.a
         t = x.shape[0]
         q_dim, kv_dim = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
@@ -163,6 +168,32 @@ class Block(nn.Module):
         h = x + self.wo(o.reshape(t, q_dim))
         gate, up = self.w_gate_up(self.mlp_norm(h)).chunk(2, dim=-1)
         return h + self.w_down(F.silu(gate) * up)
+
+    def _forward_native(self, ops, x, cos, sin, segments: list[Segment], cache: KVCache, layer: int):
+        """The same layer in a few fused CPU kernels: RMSNorm, RoPE + cache write, one-token attention, SwiGLU."""
+        a = self.a
+        t = x.shape[0]
+        cos, sin = cos.reshape(t, a.head_dim), sin.reshape(t, a.head_dim)
+        qkv = self.wqkv(ops.rms_norm(x, self.attn_norm.weight, self.attn_norm.eps))
+        outs = []
+        offset = 0
+        for seg in segments:
+            n = seg.tokens.shape[0]
+            if seg.start + n > cache.capacity:
+                raise CacheFullError(f"slot {seg.slot}: {seg.start + n} tokens exceed the capacity {cache.capacity}")
+            k_all, v_all = cache.layer(seg.slot, layer)
+            q = ops.rope_write(qkv, cos, sin, k_all, v_all, offset, n, seg.start, a.n_heads)  # [H, n, D]
+            if n == 1:  # a decode step: the token sees every key, its own just written
+                o1 = ops.decode_attention(q, k_all, v_all, seg.start + 1, a.head_dim**-0.5).view(1, -1)
+            else:
+                end = seg.start + n
+                k_pre, v_pre = k_all[:, : seg.start], v_all[:, : seg.start]
+                o1 = tree_attention(q, k_pre, v_pre, k_all[:, seg.start : end], v_all[:, seg.start : end], seg.mask)
+                o1 = o1.transpose(0, 1).reshape(n, -1)
+            outs.append(o1)
+            offset += n
+        h = x + self.wo(torch.cat(outs) if len(outs) > 1 else outs[0])
+        return h + self.w_down(ops.silu_mul(self.w_gate_up(ops.rms_norm(h, self.mlp_norm.weight, self.mlp_norm.eps))))
 
 
 def attend_batched(

@@ -1,0 +1,95 @@
+"""The engine step's CPU kernels (kernels/cpu_ops.cpp), built for this CPU at first use, and their torch references.
+
+`native()` compiles the C++ file once per (source, CPU flags, torch version) with `-O3 -march=native` into torch's
+extension cache and returns the module, or None where it cannot be built (no C++ compiler, an unsupported platform):
+the model then runs its torch ops, which compute the same thing (the `*_reference` functions below are those ops and
+the tests' oracle). `SPYGLASS_CPU_KERNELS=0` turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+builds = 0  # times this process built (or loaded) the extension: once, whatever shapes it then serves
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_name() -> str:
+    """Extension name: changes with the source, the CPU's instruction sets and torch's version."""
+    h = hashlib.sha1()
+    for part in (SOURCE.read_bytes(), _cpu_flags().encode(), torch.__version__.encode()):
+        h.update(part)
+    return f"spyglass_cpu_{h.hexdigest()[:12]}"
+
+
+@functools.cache
+def native():
+    """The compiled module, or None (logged once, with the reason) where it cannot be built or is turned off."""
+    if os.environ.get("SPYGLASS_CPU_KERNELS", "1") == "0":
+        return None
+    if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
+        log.warning("spyglass CPU kernels: not built for %s; using torch ops", platform.machine())
+        return None
+    global builds
+    builds += 1
+    try:
+        from torch.utils.cpp_extension import load
+
+        arch = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else ["-mcpu=native"]
+        return load(
+            build_name(),
+            [str(SOURCE)],
+            extra_cflags=["-O3", *arch, "-fopenmp", "-fno-math-errno"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # a missing compiler or ninja: the torch ops still run, only slower
+        log.warning("spyglass CPU kernels could not be built (%s); using torch ops", exc)
+        return None
+
+
+# ----------------------------------------------------------------------------- references (plain torch)
+
+
+def rms_norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x `[T, heads, D]`, cos/sin `[T, 1, D]` (half-rotation layout, as HF Llama)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q `[H, D]` over k/v `[Hkv, S, D]` (every key visible) -> `[H * D]`, in fp64 then cast back."""
+    g = q.shape[0] // k.shape[0]
+    kk, vv = k.double().repeat_interleave(g, 0), v.double().repeat_interleave(g, 0)
+    p = torch.softmax(torch.einsum("hd,hsd->hs", q.double(), kk) * scale, dim=-1)
+    return torch.einsum("hs,hsd->hd", p, vv).reshape(-1).to(q.dtype)

@@ -1,0 +1,353 @@
+// CPU kernels for the engine step of a Llama-family decoder (fp32), built at first use for the CPU at hand
+// (kernels/cpu.py compiles this file with -march=native and falls back to torch when it cannot).
+//
+// Why: a decode step of SmolLM2-135M launches ~50 small torch ops per layer (norm, RoPE, cache write, attention
+// plumbing, SwiGLU), each a few microseconds of dispatch, and ATen's CPU flash attention spreads a one-token step
+// over (head x query block) work items: 3 items for 2 threads. These kernels do each of those jobs in one call.
+//
+// Every kernel computes a row's result the same way whatever the number of rows in the call (fixed 16-lane
+// accumulators, fixed reduction order), so a verify pass and a decode step agree bit for bit on these parts.
+// The plain-torch references beside them are in kernels/cpu.py (`*_reference`), and tests/test_cpu_kernels.py
+// checks each against its reference.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int V = 16;  // accumulator lanes: one AVX-512 register of fp32
+
+// Sum of a[i] * b[i] over n, in 16 lanes then a fixed tree: the same order for every call.
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float acc[V] = {};
+  int64_t i = 0;
+  for (; i + V <= n; i += V)
+    for (int j = 0; j < V; j++) acc[j] += a[i + j] * b[i + j];
+  for (int w = V / 2; w > 0; w /= 2)
+    for (int j = 0; j < w; j++) acc[j] += acc[j + w];
+  float s = acc[0];
+  for (; i < n; i++) s += a[i] * b[i];
+  return s;
+}
+
+// exp for x <= 0 (softmax after subtracting the max): 2^n * e^r, |r| <= ln2/2, degree-7 Taylor (rel. error < 1e-8
+// before rounding), written so the compiler vectorises a loop of it.
+inline float exp_nonpos(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+void check_f32(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, name, " must be a CPU float32 tensor");
+}
+
+}  // namespace
+
+// RMSNorm over the last dim of x [T, C]: x * rsqrt(mean(x^2) + eps) * w.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  check_f32(x, "x");
+  check_f32(w, "w");
+  x = x.contiguous();
+  const int64_t C = x.size(-1), T = x.numel() / C;
+  TORCH_CHECK(w.numel() == C, "rms_norm: weight has ", w.numel(), " entries for rows of ", C);
+  auto y = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.contiguous().data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 64, [&](int64_t a, int64_t e) {
+    for (int64_t t = a; t < e; t++) {
+      const float* row = xp + t * C;
+      const float inv = 1.0f / std::sqrt(dot(row, row, C) / static_cast<float>(C) + static_cast<float>(eps));
+      float* out = yp + t * C;
+      for (int64_t c = 0; c < C; c++) out[c] = wp[c] * (row[c] * inv);
+    }
+  });
+  return y;
+}
+
+// silu(gate) * up for gate_up [T, 2I] (gate first) -> [T, I].
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_f32(gate_up, "gate_up");
+  gate_up = gate_up.contiguous();
+  const int64_t I2 = gate_up.size(-1), I = I2 / 2, T = gate_up.numel() / I2;
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = I;
+  auto y = torch::empty(sizes, gate_up.options());
+  const float* g = gate_up.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t a, int64_t e) {
+    for (int64_t t = a; t < e; t++) {
+      const float* gr = g + t * I2;
+      const float* ur = gr + I;
+      float* out = yp + t * I;
+      for (int64_t i = 0; i < I; i++) {  // sigmoid from e^-|x| (never overflows), vectorisable
+        const float x = gr[i], e = exp_nonpos(-std::fabs(x));
+        out[i] = x * ((x >= 0.0f ? 1.0f : e) / (1.0f + e)) * ur[i];
+      }
+    }
+  });
+  return y;
+}
+
+// RoPE on the q and k parts of qkv rows [row0, row0 + n) (qkv [T, (H + 2 Hkv) D], half-rotation layout, cos/sin
+// [T, D]); the rotated k and the v of those rows are written to positions start..start+n of one layer's cache
+// (k_cache / v_cache [Hkv, capacity, D], last two dims contiguous). Returns q as [H, n, D].
+torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                         torch::Tensor v_cache, int64_t row0, int64_t n, int64_t start, int64_t n_heads) {
+  check_f32(qkv, "qkv");
+  check_f32(k_cache, "k_cache");
+  check_f32(v_cache, "v_cache");
+  const int64_t hkv = k_cache.size(0), cap = k_cache.size(1), D = k_cache.size(2), half = D / 2;
+  TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(), "rope_write: contiguous inputs");
+  TORCH_CHECK(qkv.size(1) == (n_heads + 2 * hkv) * D, "rope_write: qkv width does not match the heads");
+  TORCH_CHECK(k_cache.stride(2) == 1 && k_cache.stride(1) == D && v_cache.stride(2) == 1 && v_cache.stride(1) == D,
+              "rope_write: cache rows must be contiguous");
+  TORCH_CHECK(start >= 0 && start + n <= cap, "rope_write: positions ", start, "..", start + n, " exceed capacity ",
+              cap);
+  auto q = torch::empty({n_heads, n, D}, qkv.options());
+  const int64_t W = qkv.size(1);
+  const float* src = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const int64_t ksh = k_cache.stride(0), vsh = v_cache.stride(0);
+  const int64_t heads = n_heads + 2 * hkv;
+  at::parallel_for(0, n * heads, 64, [&](int64_t a, int64_t e) {
+    for (int64_t idx = a; idx < e; idx++) {
+      const int64_t t = idx / heads, h = idx % heads;
+      const float* x = src + (row0 + t) * W + h * D;
+      const float* c = cp + (row0 + t) * D;
+      const float* s = sp + (row0 + t) * D;
+      float* out;
+      if (h < n_heads) {
+        out = qp + (h * n + t) * D;
+      } else if (h < n_heads + hkv) {
+        out = kc + (h - n_heads) * ksh + (start + t) * D;
+      } else {
+        std::memcpy(vc + (h - n_heads - hkv) * vsh + (start + t) * D, x, D * sizeof(float));
+        continue;
+      }
+      for (int64_t d = 0; d < half; d++) out[d] = x[d] * c[d] - x[d + half] * s[d];
+      for (int64_t d = half; d < D; d++) out[d] = x[d] * c[d] + x[d - half] * s[d];
+    }
+  });
+  return q;
+}
+
+// One chunk of keys [lo, lo + len) for the g query rows of one KV head: the unnormalised softmax of each row over the
+// chunk, as (max m, sum l, out o = sum_j e^(s_j - m) v_j). s is scratch of g * len floats.
+static void attend_chunk(const float* Q, const float* K, const float* Vv, int64_t g, int64_t D, int64_t len, float sc,
+                         float* s, float* m, float* l, float* o) {
+#if defined(__AVX512F__)
+  if (D % V == 0 && D <= 16 * V) {
+    const int64_t nv = D / V;
+    for (int64_t r = 0; r < g; r++) {
+      __m512 q[16];
+      for (int64_t c = 0; c < nv; c++) q[c] = _mm512_loadu_ps(Q + r * D + c * V);
+      float* sr = s + r * len;
+      for (int64_t j = 0; j < len; j++) {
+        const float* kr = K + j * D;
+        __m512 acc = _mm512_mul_ps(q[0], _mm512_loadu_ps(kr));
+        for (int64_t c = 1; c < nv; c++) acc = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(kr + c * V), acc);
+        sr[j] = _mm512_reduce_add_ps(acc) * sc;
+      }
+    }
+  } else
+#endif
+  {
+    for (int64_t r = 0; r < g; r++)
+      for (int64_t j = 0; j < len; j++) s[r * len + j] = dot(Q + r * D, K + j * D, D) * sc;
+  }
+  for (int64_t r = 0; r < g; r++) {
+    float* sr = s + r * len;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < len; j++) mx = std::max(mx, sr[j]);
+    float acc[V] = {};
+    int64_t j = 0;
+    for (; j + V <= len; j += V)
+      for (int u = 0; u < V; u++) {
+        sr[j + u] = exp_nonpos(sr[j + u] - mx);
+        acc[u] += sr[j + u];
+      }
+    for (int w = V / 2; w > 0; w /= 2)
+      for (int u = 0; u < w; u++) acc[u] += acc[u + w];
+    float sum = acc[0];
+    for (; j < len; j++) {
+      sr[j] = exp_nonpos(sr[j] - mx);
+      sum += sr[j];
+    }
+    m[r] = mx;
+    l[r] = sum;
+  }
+#if defined(__AVX512F__)
+  if (D % V == 0 && D <= 16 * V) {
+    const int64_t nv = D / V;
+    for (int64_t r = 0; r < g; r++) {
+      __m512 acc[16];
+      for (int64_t c = 0; c < nv; c++) acc[c] = _mm512_setzero_ps();
+      const float* sr = s + r * len;
+      for (int64_t j = 0; j < len; j++) {
+        const __m512 p = _mm512_set1_ps(sr[j]);
+        const float* vr = Vv + j * D;
+        for (int64_t c = 0; c < nv; c++) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + c * V), acc[c]);
+      }
+      for (int64_t c = 0; c < nv; c++) _mm512_storeu_ps(o + r * D + c * V, acc[c]);
+    }
+    return;
+  }
+#endif
+  std::fill(o, o + g * D, 0.0f);
+  for (int64_t j = 0; j < len; j++)
+    for (int64_t r = 0; r < g; r++) {
+      const float p = s[r * len + j];
+      for (int64_t d = 0; d < D; d++) o[r * D + d] += p * Vv[j * D + d];
+    }
+}
+
+// Attention of one new token's query heads q [H, D] over keys 0..length-1 of one layer's cache (its own key
+// included), k_cache / v_cache [Hkv, capacity, D]. GQA: the H / Hkv query heads of a group share each K/V chunk
+// while it is in cache. The keys are cut into chunks of kChunk spread over the threads (split-K), each chunk's
+// softmax kept as (max, sum, out) and merged exactly. Returns [H * D].
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, int64_t length,
+                               double scale) {
+  check_f32(q, "q");
+  check_f32(k_cache, "k_cache");
+  check_f32(v_cache, "v_cache");
+  q = q.contiguous();
+  const int64_t H = q.size(0), D = q.size(-1), hkv = k_cache.size(0), g = H / hkv;
+  TORCH_CHECK(H % hkv == 0 && k_cache.size(2) == D, "decode_attention: head shapes do not match");
+  TORCH_CHECK(length >= 1 && length <= k_cache.size(1), "decode_attention: length ", length, " out of range");
+  TORCH_CHECK(k_cache.stride(2) == 1 && k_cache.stride(1) == D && v_cache.stride(2) == 1 && v_cache.stride(1) == D,
+              "decode_attention: cache rows must be contiguous");
+  constexpr int64_t kChunk = 512;
+  const int64_t chunks = (length + kChunk - 1) / kChunk, tasks = hkv * chunks;
+  std::vector<float> m(tasks * g), l(tasks * g), o(tasks * g * D);
+  const float* qp = q.data_ptr<float>();
+  const float* kc = k_cache.data_ptr<float>();
+  const float* vc = v_cache.data_ptr<float>();
+  const int64_t ksh = k_cache.stride(0), vsh = v_cache.stride(0);
+  at::parallel_for(0, tasks, 1, [&](int64_t a, int64_t e) {
+    std::vector<float> s(g * kChunk);
+    for (int64_t task = a; task < e; task++) {
+      const int64_t kv = task / chunks, lo = (task % chunks) * kChunk, len = std::min(length, lo + kChunk) - lo;
+      attend_chunk(qp + kv * g * D, kc + kv * ksh + lo * D, vc + kv * vsh + lo * D, g, D, len,
+                   static_cast<float>(scale), s.data(), m.data() + task * g, l.data() + task * g,
+                   o.data() + task * g * D);
+    }
+  });
+  auto y = torch::empty({H * D}, q.options());
+  float* yp = y.data_ptr<float>();
+  for (int64_t kv = 0; kv < hkv; kv++)
+    for (int64_t r = 0; r < g; r++) {
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < chunks; c++) mx = std::max(mx, m[(kv * chunks + c) * g + r]);
+      float total = 0.0f;
+      float* out = yp + (kv * g + r) * D;
+      std::fill(out, out + D, 0.0f);
+      for (int64_t c = 0; c < chunks; c++) {
+        const int64_t t = (kv * chunks + c) * g + r;
+        const float w = std::exp(m[t] - mx);
+        total += l[t] * w;
+        const float* part = o.data() + t * D;
+        for (int64_t d = 0; d < D; d++) out[d] += w * part[d];
+      }
+      const float inv = 1.0f / total;
+      for (int64_t d = 0; d < D; d++) out[d] *= inv;
+    }
+  return y;
+}
+
+// x [M, K] @ w[N, K]^T (+ bias) for a few rows (M <= 8): the weights are read once, 4 rows of w at a time, each
+// output a 16-lane dot product in a fixed order (the same for any M).
+template <int M>
+static void rows_block(const float* x, const float* w, const float* b, float* y, int64_t N, int64_t K, int64_t n0,
+                       int64_t n1) {
+  const int64_t K16 = K / V * V;
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    float acc[4][M][V] = {};
+    const float* w0 = w + n * K;
+    for (int64_t k = 0; k < K16; k += V)
+      for (int r = 0; r < 4; r++) {
+        const float* wr = w0 + r * K + k;
+        for (int mm = 0; mm < M; mm++) {
+          const float* xm = x + mm * K + k;
+          for (int j = 0; j < V; j++) acc[r][mm][j] += wr[j] * xm[j];
+        }
+      }
+    for (int r = 0; r < 4; r++)
+      for (int mm = 0; mm < M; mm++) {
+        float* a = acc[r][mm];
+        for (int h = V / 2; h > 0; h /= 2)
+          for (int j = 0; j < h; j++) a[j] += a[j + h];
+        float s = a[0];
+        for (int64_t k = K16; k < K; k++) s += w0[r * K + k] * x[mm * K + k];
+        y[mm * N + n + r] = s + (b ? b[n + r] : 0.0f);
+      }
+  }
+  for (; n < n1; n++)
+    for (int mm = 0; mm < M; mm++) y[mm * N + n] = dot(w + n * K, x + mm * K, K) + (b ? b[n] : 0.0f);
+}
+
+torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  check_f32(x, "x");
+  check_f32(w, "w");
+  TORCH_CHECK(w.is_contiguous(), "rows_linear: weight must be contiguous");
+  const int64_t K = x.size(-1), M = x.numel() / K, N = w.size(0);
+  TORCH_CHECK(w.size(1) == K, "rows_linear: x has ", K, " features, the weight ", w.size(1));
+  TORCH_CHECK(M >= 1 && M <= 8, "rows_linear: 1 to 8 rows, got ", M);
+  x = x.contiguous();
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto y = torch::empty(sizes, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->contiguous().data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (N + 3) / 4, 32, [&](int64_t a, int64_t e) {
+    const int64_t n0 = a * 4, n1 = std::min(N, e * 4);
+    switch (M) {
+      case 1: rows_block<1>(xp, wp, bp, yp, N, K, n0, n1); break;
+      case 2: rows_block<2>(xp, wp, bp, yp, N, K, n0, n1); break;
+      case 3: rows_block<3>(xp, wp, bp, yp, N, K, n0, n1); break;
+      case 4: rows_block<4>(xp, wp, bp, yp, N, K, n0, n1); break;
+      case 5: rows_block<5>(xp, wp, bp, yp, N, K, n0, n1); break;
+      case 6: rows_block<6>(xp, wp, bp, yp, N, K, n0, n1); break;
+      case 7: rows_block<7>(xp, wp, bp, yp, N, K, n0, n1); break;
+      default: rows_block<8>(xp, wp, bp, yp, N, K, n0, n1); break;
+    }
+  });
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm);
+  m.def("silu_mul", &silu_mul);
+  m.def("rope_write", &rope_write);
+  m.def("decode_attention", &decode_attention);
+  m.def("rows_linear", &rows_linear);
+}

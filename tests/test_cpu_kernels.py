@@ -1,0 +1,187 @@
+"""The engine step's CPU kernels (kernels/cpu_ops.cpp) against their torch references, and the model on them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu
+from spyglass.kv_cache import CacheFullError
+from spyglass.models import linear
+from spyglass.models.llama import Block, Segment, load_transformer
+from spyglass.sampling import SamplingParams
+
+ops = cpu.native()  # `make setup` installs g++ and ninja: the kernels build on the project's machines
+
+
+def test_kernels_build_here():
+    assert ops is not None, "kernels/cpu_ops.cpp did not build (see the warning logged by kernels.cpu.native)"
+
+
+def test_rms_norm_and_silu_mul_match_references():
+    g = torch.Generator().manual_seed(0)
+    for rows, width in ((1, 576), (7, 64), (33, 40)):
+        x = torch.randn(rows, width, generator=g) * 3
+        w = torch.randn(width, generator=g)
+        torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), cpu.rms_norm_reference(x, w, 1e-5))
+        gu = torch.randn(rows, 2 * width, generator=g) * 8  # large |x|: sigmoid's tails
+        torch.testing.assert_close(ops.silu_mul(gu), cpu.silu_mul_reference(gu), rtol=2e-6, atol=2e-6)
+
+
+def test_rows_of_one_call_equal_a_call_per_row():
+    """rms_norm and silu_mul compute each row alone, in a fixed order: bit-identical whatever the row count."""
+    x = torch.randn(5, 576)
+    w = torch.randn(576)
+    whole = ops.rms_norm(x, w, 1e-6)
+    assert all(torch.equal(whole[i : i + 1], ops.rms_norm(x[i : i + 1], w, 1e-6)) for i in range(5))
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 16), (2, 2, 40)])
+def test_rope_write_rotates_q_and_k_and_writes_the_cache(heads, kv_heads, dim):
+    t, row0, n, start, cap = 6, 2, 3, 5, 16
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim)
+    ang = torch.randn(t, dim // 2)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    k_cache, v_cache = torch.zeros(kv_heads, cap, dim), torch.zeros(kv_heads, cap, dim)
+    q = ops.rope_write(qkv, cos, sin, k_cache, v_cache, row0, n, start, heads)
+    rows = qkv[row0 : row0 + n]
+    c, s = cos[row0 : row0 + n].unsqueeze(1), sin[row0 : row0 + n].unsqueeze(1)
+    q_ref = cpu.rope_reference(rows[:, : heads * dim].view(n, heads, dim), c, s).transpose(0, 1)
+    k_ref = cpu.rope_reference(rows[:, heads * dim : (heads + kv_heads) * dim].view(n, kv_heads, dim), c, s)
+    v_ref = rows[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim)
+    torch.testing.assert_close(q, q_ref)
+    torch.testing.assert_close(k_cache[:, start : start + n], k_ref.transpose(0, 1))
+    assert torch.equal(v_cache[:, start : start + n], v_ref.transpose(0, 1))
+    assert not k_cache[:, :start].any() and not v_cache[:, start + n :].any()  # nothing else touched
+    with pytest.raises(RuntimeError, match="exceed capacity"):
+        ops.rope_write(qkv, cos, sin, k_cache, v_cache, 0, n, cap - 1, heads)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (14, 2, 64), (8, 8, 128), (4, 2, 40)])
+@pytest.mark.parametrize("length", [1, 17, 512, 1300])
+def test_decode_attention_matches_reference(heads, kv_heads, dim, length):
+    g = torch.Generator().manual_seed(length)
+    k = torch.randn(kv_heads, 1400, dim, generator=g)
+    v = torch.randn(kv_heads, 1400, dim, generator=g)
+    q = torch.randn(heads, dim, generator=g) * 2
+    got = ops.decode_attention(q, k, v, length, dim**-0.5)
+    ref = cpu.decode_attention_reference(q, k[:, :length], v[:, :length], dim**-0.5)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_rejects_bad_lengths():
+    k = torch.randn(3, 8, 64)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.decode_attention(torch.randn(9, 64), k, k, 9, 0.125)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.decode_attention(torch.randn(9, 64), k, k, 0, 0.125)
+
+
+@pytest.mark.parametrize("n_out,n_in", [(960, 576), (13, 40), (4, 16)])
+def test_rows_linear_matches_and_is_row_count_invariant(n_out, n_in):
+    w = torch.randn(n_out, n_in)
+    b = torch.randn(n_out)
+    x = torch.randn(8, n_in)
+    singles = [ops.rows_linear(x[i : i + 1], w, b) for i in range(8)]
+    for m in range(1, 9):
+        got = ops.rows_linear(x[:m], w, b)
+        torch.testing.assert_close(got, F.linear(x[:m].double(), w.double(), b.double()).float(), rtol=1e-5, atol=1e-4)
+        assert all(torch.equal(got[i : i + 1], singles[i]) for i in range(m))  # the same sums in the same order
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        ops.rows_linear(torch.randn(9, n_in), w, None)
+
+
+def test_rows_kernel_in_linear_plans():
+    assert "rows" in linear.KERNELS
+    plan = linear.parse_plan("rows,rows,rows,rows,rows,rows,onednn,onednn")
+    assert plan[0] == "rows"
+    model = torch.nn.Sequential(linear.Linear(16, 8))
+    with pytest.raises(ValueError, match="at most 8 rows"):
+        linear.set_linear_backend(model, "rows")
+
+
+@pytest.fixture(scope="module")
+def llama_target(tiny_dir):
+    return load_transformer(tiny_dir["llama"])
+
+
+def _greedy(model, ids: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    cache = model.new_cache(256, 1)
+    slot = cache.allocate()
+    logits = model.prefill(cache, slot, torch.tensor(ids), chunk_size=7)
+    out, all_logits = [], []
+    for _ in range(steps):
+        tok = int(logits.argmax())
+        out.append(tok)
+        pos = cache.lengths[slot]
+        logits = model.forward([Segment(slot, pos, torch.tensor([tok]), torch.tensor([pos]), None, "last")], cache)[0][
+            -1
+        ]
+        all_logits.append(logits)
+        cache.commit(slot, pos, [0])
+    return out, all_logits
+
+
+def test_model_on_kernels_matches_torch_ops(tiny_target):
+    """The same model with and without the kernels: logits within fp32 rounding, greedy tokens identical."""
+    ids = list(range(3, 40))
+    try:
+        Block.native = False
+        ref_tokens, ref_logits = _greedy(tiny_target, ids, 12)
+    finally:
+        Block.native = True
+    tokens, logits = _greedy(tiny_target, ids, 12)
+    assert tokens == ref_tokens
+    for a, b in zip(logits, ref_logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_cache_full_is_a_clear_error(tiny_target):
+    cache = tiny_target.new_cache(8, 1)
+    slot = cache.allocate()
+    with pytest.raises(CacheFullError, match="exceed the capacity"):
+        tiny_target.forward([Segment(slot, 6, torch.tensor([1, 2, 3]), torch.tensor([6, 7, 8]))], cache)
+
+
+def test_kernels_can_be_turned_off():
+    code = "from kernels import cpu; print(cpu.native())"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={"SPYGLASS_CPU_KERNELS": "0", "PATH": ""}, capture_output=True, text=True
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "None", out.stderr
+
+
+def test_each_path_equals_its_own_plain_decoding(llama_target):
+    """With the kernels off (the torch ops), speculative output still equals plain decoding on the same path."""
+    from tests.test_engine_identity import check_identity, drafters
+
+    keep = {"ngram", "suffix", "dflash-dels"}
+    skip = frozenset(name for name, _ in drafters(llama_target)) - keep
+    try:
+        Block.native = False
+        check_identity(llama_target, SamplingParams(max_new_tokens=24, ignore_eos=True), skip=skip)
+    finally:
+        Block.native = True
+
+
+def test_mixed_shapes_build_the_kernels_once(llama_target):
+    """Prompt lengths, tree sizes and batch sizes vary from step to step: nothing is built per shape."""
+    from spyglass.drafters.suffix import SuffixDrafter
+    from spyglass.engine import EngineConfig, SpecEngine
+    from tests.tiny import free_tokens_curve, make_prompts
+
+    before = cpu.builds
+    prompts = make_prompts(llama_target.args.vocab_size, 6, seed=3)
+    for batch, depth in ((1, 2), (3, 8), (4, 5)):
+        engine = SpecEngine(
+            llama_target,
+            SuffixDrafter(max_depth=depth, max_nodes=4 * depth),
+            EngineConfig(max_batch=batch, max_context=512, controller=free_tokens_curve()),
+        )
+        seqs = engine.run(prompts[: batch + 2], SamplingParams(max_new_tokens=16, ignore_eos=True))
+        assert {len(s.output_ids) for s in seqs} == {16}
+    assert cpu.builds == before <= 1

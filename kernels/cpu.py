@@ -21,6 +21,9 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+# -fno-trapping-math / -fno-math-errno: loops with a compare or a float->int conversion vectorise (the exp of the
+# softmax and SwiGLU); no reassociation, so every sum keeps the order written in the source.
+CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
 builds = 0  # times this process built (or loaded) the extension: once, whatever shapes it then serves
 
 
@@ -35,9 +38,9 @@ def _cpu_flags() -> str:
 
 
 def build_name() -> str:
-    """Extension name: changes with the source, the CPU's instruction sets and torch's version."""
+    """Extension name: changes with the source, the flags, the CPU's instruction sets and torch's version."""
     h = hashlib.sha1()
-    for part in (SOURCE.read_bytes(), _cpu_flags().encode(), torch.__version__.encode()):
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), _cpu_flags().encode(), torch.__version__.encode()):
         h.update(part)
     return f"spyglass_cpu_{h.hexdigest()[:12]}"
 
@@ -59,7 +62,7 @@ def native():
         return load(
             build_name(),
             [str(SOURCE)],
-            extra_cflags=["-O3", *arch, "-fopenmp", "-fno-math-errno"],
+            extra_cflags=[*CFLAGS, *arch],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )

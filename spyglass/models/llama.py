@@ -10,6 +10,7 @@ HF transformers is used only to read the config (and the RoPE frequencies) and a
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,6 +124,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class Block(nn.Module):
     native = True  # run the CPU kernels of kernels/cpu_ops.cpp where they are built (fp32 on the CPU)
+    # up to this many new tokens of a sequence, attention runs in the kernels' cache_attention, past it in ATen's
+    # flash attention (the hybrid prefix + tree split); set per model by `set_attention_plan`, measured at load
+    native_attention_max = 1
 
     def __init__(self, a: ModelArgs) -> None:
         super().__init__()
@@ -183,8 +187,8 @@ class Block(nn.Module):
                 raise CacheFullError(f"slot {seg.slot}: {seg.start + n} tokens exceed the capacity {cache.capacity}")
             k_all, v_all = cache.layer(seg.slot, layer)
             q = ops.rope_write(qkv, cos, sin, k_all, v_all, offset, n, seg.start, a.n_heads)  # [H, n, D]
-            if n == 1:  # a decode step: the token sees every key, its own just written
-                o1 = ops.decode_attention(q, k_all, v_all, seg.start + 1, a.head_dim**-0.5).view(1, -1)
+            if n <= self.native_attention_max:  # a decode step, a small tree: one kernel over the cache
+                o1 = ops.cache_attention(q, k_all, v_all, seg.start, seg.mask, a.head_dim**-0.5)
             else:
                 end = seg.start + n
                 k_pre, v_pre = k_all[:, : seg.start], v_all[:, : seg.start]
@@ -240,6 +244,7 @@ class Transformer(nn.Module):
         self.rope_scaling = rope_scaling
         self.attention_backend = "auto"  # GPU: flash-attn prefix + Triton tree kernel; CPU: ATen flash
         self.linear_backend = "aten"  # or "onednn" (CPU): see spyglass.models.linear; load_transformer measures
+        self.attention_plan = 1  # new tokens per sequence the CPU kernels' attention takes; load_transformer measures
         self.model_id = "unnamed"
 
     @property
@@ -348,7 +353,62 @@ def load_transformer(
     model = model.to(device=device, dtype=dtype).eval()
     into_huge_pages(model)
     set_linear_backend(model, linear_backend)
+    set_attention_plan(model)
     return model
+
+
+NATIVE_ATTENTION_TRIALS = (2, 4, 8, 16, 32)  # tree sizes timed by `measure_attention_plan`
+
+
+@torch.inference_mode()
+def measure_attention_plan(model: Transformer, context: int = 2048, repeats: int = 3) -> int:
+    """The most new tokens for which the kernels' cache_attention beats the flash-based hybrid here, timed on the
+    model's head shapes over a `context`-token cache (0.1-0.5 s). One token is always the kernel's (a decode
+    step). The crossover moves with the CPU: more rows cost the kernel linearly and flash's blocking little."""
+    ops = cpu_kernels.native()
+    a = model.args
+    if ops is None:
+        return 1
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(a.n_kv_heads, context + 64, a.head_dim, generator=g) for _ in range(2))
+    best = 1
+    for n in NATIVE_ATTENTION_TRIALS:
+        q = torch.randn(a.n_heads, n, a.head_dim, generator=g)
+        mask = causal_mask(n)
+        kt, vt = k[:, context : context + n], v[:, context : context + n]
+        fns = {
+            "native": lambda q=q, mask=mask: ops.cache_attention(q, k, v, context, mask, a.head_dim**-0.5),
+            "flash": lambda q=q, mask=mask, kt=kt, vt=vt: tree_attention(
+                q, k[:, :context], v[:, :context], kt, vt, mask, backend="cpu"
+            ),
+        }
+        times = {}
+        for name, fn in fns.items():
+            fn()
+            samples = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - t0)
+            times[name] = min(samples)
+        if times["native"] > times["flash"]:
+            break
+        best = n
+    return best
+
+
+def set_attention_plan(model: Transformer, native_max: int | str = "auto") -> int:
+    """How many new tokens of a sequence the kernels' attention takes (see Block.native_attention_max): "auto"
+    measures on the CPU in fp32 (1 elsewhere); an int is used as given. Returns it (also `model.attention_plan`)."""
+    if native_max == "auto":
+        on_cpu = model.device.type == "cpu" and model.dtype == torch.float32
+        native_max = measure_attention_plan(model) if on_cpu else 1
+    if not isinstance(native_max, int) or native_max < 1:
+        raise ValueError(f"native attention takes 1 or more tokens, not {native_max!r}")
+    for layer in model.layers:
+        layer.native_attention_max = native_max
+    model.attention_plan = native_max
+    return native_max
 
 
 MADV_HUGEPAGE = 14  # Linux <sys/mman.h>

@@ -317,11 +317,54 @@ torch::Tensor cache_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   return y;
 }
 
-// x [M, K] @ w[N, K]^T (+ bias) for a few rows (M <= 8): the weights are read once, 4 rows of w at a time, each
+// x [M, K] @ w[N, K]^T (+ bias) for a few rows (M <= 8): the weights are read once, a few rows of w at a time, each
 // output a 16-lane dot product in a fixed order (the same for any M).
+#if defined(__AVX512F__)
+template <int M, int R>
+static void rows_block_avx512(const float* x, const float* w, const float* b, float* y, int64_t N, int64_t K,
+                              int64_t n0, int64_t n1) {
+  const int64_t K16 = K / V * V;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    __m512 acc[R][M];
+    for (int r = 0; r < R; r++)
+      for (int mm = 0; mm < M; mm++) acc[r][mm] = _mm512_setzero_ps();
+    const float* w0 = w + n * K;
+    for (int64_t k = 0; k < K16; k += V) {
+      __m512 xv[M];
+      for (int mm = 0; mm < M; mm++) xv[mm] = _mm512_loadu_ps(x + mm * K + k);
+      for (int r = 0; r < R; r++) {
+        const __m512 wv = _mm512_loadu_ps(w0 + r * K + k);
+        for (int mm = 0; mm < M; mm++) acc[r][mm] = _mm512_fmadd_ps(wv, xv[mm], acc[r][mm]);
+      }
+    }
+    for (int r = 0; r < R; r++)
+      for (int mm = 0; mm < M; mm++) {
+        float s = _mm512_reduce_add_ps(acc[r][mm]);
+        for (int64_t k = K16; k < K; k++) s += w0[r * K + k] * x[mm * K + k];
+        y[mm * N + n + r] = s + (b ? b[n + r] : 0.0f);
+      }
+  }
+  for (; n < n1; n++)  // the last rows of w, one at a time, summed the same way
+    for (int mm = 0; mm < M; mm++) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K16; k += V)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(w + n * K + k), _mm512_loadu_ps(x + mm * K + k), acc);
+      float s = _mm512_reduce_add_ps(acc);
+      for (int64_t k = K16; k < K; k++) s += w[n * K + k] * x[mm * K + k];
+      y[mm * N + n] = s + (b ? b[n] : 0.0f);
+    }
+}
+#endif
+
 template <int M>
 static void rows_block(const float* x, const float* w, const float* b, float* y, int64_t N, int64_t K, int64_t n0,
                        int64_t n1) {
+#if defined(__AVX512F__)
+  // rows of w per pass: 8 for one or two x rows, fewer as x grows (R * M accumulators stay in the 32 registers)
+  constexpr int R = M <= 2 ? 8 : (M <= 4 ? 4 : 2);
+  rows_block_avx512<M, R>(x, w, b, y, N, K, n0, n1);
+#else
   const int64_t K16 = K / V * V;
   int64_t n = n0;
   for (; n + 4 <= n1; n += 4) {
@@ -347,6 +390,7 @@ static void rows_block(const float* x, const float* w, const float* b, float* y,
   }
   for (; n < n1; n++)
     for (int mm = 0; mm < M; mm++) y[mm * N + n] = dot(w + n * K, x + mm * K, K) + (b ? b[n] : 0.0f);
+#endif
 }
 
 torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
@@ -364,8 +408,8 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch:
   const float* wp = w.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->contiguous().data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, (N + 3) / 4, 32, [&](int64_t a, int64_t e) {
-    const int64_t n0 = a * 4, n1 = std::min(N, e * 4);
+  at::parallel_for(0, (N + 7) / 8, 16, [&](int64_t a, int64_t e) {
+    const int64_t n0 = a * 8, n1 = std::min(N, e * 8);
     switch (M) {
       case 1: rows_block<1>(xp, wp, bp, yp, N, K, n0, n1); break;
       case 2: rows_block<2>(xp, wp, bp, yp, N, K, n0, n1); break;

@@ -174,7 +174,8 @@ class Block(nn.Module):
         return h + self.w_down(F.silu(gate) * up)
 
     def _forward_native(self, ops, x, cos, sin, segments: list[Segment], cache: KVCache, layer: int):
-        """The same layer in a few fused CPU kernels: RMSNorm, RoPE + cache write, one-token attention, SwiGLU."""
+        """The same layer in a few fused CPU kernels: RMSNorm, RoPE + cache write, attention over the cache (a decode
+        step or a small tree; larger ones take the flash hybrid), SwiGLU."""
         a = self.a
         t = x.shape[0]
         cos, sin = cos.reshape(t, a.head_dim), sin.reshape(t, a.head_dim)

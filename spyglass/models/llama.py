@@ -140,7 +140,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(a.hidden_size, a.rms_eps)
 
     def forward(self, x, cos, sin, segments: list[Segment], cache: KVCache, layer: int, backend: str):
-        if backend == "cpu" and self.native and x.dtype == torch.float32 and (ops := cpu_kernels.native()):
+        on_cpu = backend == "cpu" or (backend == "auto" and x.device.type == "cpu")  # "auto" is "cpu" there
+        if on_cpu and self.native and x.dtype == torch.float32 and (ops := cpu_kernels.native()):
             return self._forward_native(ops, x, cos, sin, segments, cache, layer)
         a = self.a
         t = x.shape[0]

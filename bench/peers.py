@@ -69,6 +69,19 @@ LLAMACPP_METHODS = ("plain", "pld")
 _T0 = time.monotonic()
 
 
+def no_machine_paths(value: Any) -> Any:
+    """The results name no path of this machine: absolute paths become repo-relative (or their last part)."""
+    from spyglass.training import repo_relative
+
+    if isinstance(value, dict):
+        return {k: no_machine_paths(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [no_machine_paths(v) for v in value]
+    if isinstance(value, str) and value.startswith("/") and Path(value).is_absolute():
+        return repo_relative(value)
+    return value
+
+
 def log(msg: str) -> None:
     print(f"[peers {time.monotonic() - _T0:6.1f}s] {msg}", flush=True)
 
@@ -790,6 +803,7 @@ def main(argv: list[str] | None = None) -> None:
         for row in rows.values():  # outputs are compared above; the file keeps their lengths
             for r in row["runs"].values():
                 r["output_len"] = len(r.pop("output_ids"))
+        meta = no_machine_paths(meta)
         out = write_results(args.out.stem, figures, {"per_prompt": rows}, meta, results_dir=args.out.parent)
         plot_panels(
             args.out.with_suffix(".png"),

@@ -107,6 +107,7 @@ class Sequence:
         self.finished = False
         self.finish_reason: str | None = None
         self.stats = SeqStats()
+        self.method = "default"  # which of the engine's drafters serves it (SpecEngine.add_request sets it)
         self.drafter_state: object = None  # owned by the drafter
         self.control: object = None  # owned by the engine's speculation controller
         # Set by the controller each step: how deep a tree is worth drafting (None = the drafter's own limit).

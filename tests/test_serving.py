@@ -276,7 +276,7 @@ def test_health_and_model_info(client):
     health = client.health()
     assert health["status"] == "ok"
     (rep,) = health["replicas"]
-    assert rep["name"] == "verifier-0" and rep["total_kv_slots"] == len(SERVED_METHODS) * MAX_BATCH
+    assert rep["name"] == "verifier-0" and rep["total_kv_slots"] == MAX_BATCH  # one pool, whatever the methods
 
 
 def test_stream_and_unary_equal_engine_and_plain_decoding(client, reference):
@@ -366,6 +366,39 @@ def test_four_concurrent_streams_share_verifier_batches(grpc_address, reference)
         assert final.stats["mean_batch_size"] > 1.0, final.stats
         assert [t for c in chunks for t in c.token_ids] == reference["plain"](text, n, ignore_eos=True)
     assert max(c.batch_size for chunks in results for c in chunks) == MAX_BATCH
+
+
+def test_four_methods_share_one_batch(grpc_address, reference):
+    """Four concurrent requests with four different methods run in the replica's one engine: they share target
+    forwards (batch size above 1) and each output equals plain decoding."""
+    n = 16
+    methods = ["ar", "suffix", "longspec-span", "dflash-dels-span"]
+
+    async def one(c: AsyncClient, text: str, method: str):
+        return [ch async for ch in c.generate(text, max_new_tokens=n, ignore_eos=True, method=method)]
+
+    async def main():
+        async with AsyncClient(grpc_address, timeout=180) as c:
+            return await asyncio.gather(*(one(c, t, m) for t, m in zip(PROMPTS, methods, strict=True)))
+
+    results = asyncio.run(main())
+    for text, method, chunks in zip(PROMPTS, methods, results, strict=True):
+        final = chunks[-1]
+        assert final.stats["method"] == method and final.stats["mean_batch_size"] > 1.0, final.stats
+        assert [t for c in chunks for t in c.token_ids] == reference["plain"](text, n, ignore_eos=True), method
+    assert max(c.batch_size for chunks in results for c in chunks) == len(methods)
+
+
+def test_the_kv_pool_does_not_grow_with_the_methods():
+    from services.verifier import VerifierConfig, build_engine
+
+    sizes = []
+    for methods in (["ngram"], ["ngram", "ar", "suffix", "streaming"]):
+        cfg = VerifierConfig(methods=methods, max_batch=2, max_context=1024, threads=1)
+        engine, _, info = build_engine(cfg)
+        assert engine.methods == methods and engine.cache.max_slots == 2
+        sizes.append(info["kv_bytes"])
+    assert sizes[0] == sizes[1] == 2 * engine.cache.slot_bytes()
 
 
 @pytest.mark.parametrize("method", ["", "tokenswift"], ids=["default", "tokenswift"])  # tokenswift: a partial KV

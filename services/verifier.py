@@ -117,7 +117,7 @@ class EngineLoop:
     computation of a replica then runs on one thread: OpenMP gives each thread that runs parallel work its own team,
     and with two teams in a process (load and measure on the actor's thread, decode on this one) libgomp stops its
     idle workers from spinning once it manages more threads than there are cores, so every decode step paid their
-    wake-ups: 10-15% slower steps on 2 cores (BENCHMARKS.md, "Serving", session 34)."""
+    wake-ups: 10-15% slower steps on 2 cores (BENCHMARKS.md, "Serving")."""
 
     def __init__(
         self,

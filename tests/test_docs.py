@@ -12,8 +12,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 
-# "session 12", "Session-4", "sessions 18-19", "session_9". Other senses of the word (a pytest session-scoped
-# fixture, an HTTP or Ray session, a process session) are not followed by a number.
+# The word followed by a number, with a space, "-" or "_" between or none, singular or plural (examples in
+# test_the_session_check_tells_the_two_senses_apart). Other senses of the word (a pytest session-scoped fixture,
+# an HTTP or Ray session, a process session) are not followed by a number.
 NUMBERED_SESSION = re.compile(r"\b[Ss]essions?[ _-]?\d+")
 # A results file named in a document: `bench/results/NAME.json` or a bare `NAME.png`.
 CITED = re.compile(r"(?<![\w/<*.-])((?:bench/results/)?[A-Za-z0-9][\w.-]*\.(?:json|png))\b")

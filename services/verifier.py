@@ -39,7 +39,7 @@ class VerifierConfig:
     dtype: str = "float32"
     methods: list[str] = field(default_factory=lambda: ["suffix", "ngram", "ar"])  # the first is the default
     max_batch: int = 4  # KV slots per engine = sequences per verifier step
-    max_context: int | None = 8192
+    max_context: int | None = None  # KV capacity per sequence: a cap in 2..the model's window (default: the window)
     max_queued: int = 8  # requests waiting for a KV slot beyond max_batch per engine
     max_new_tokens_limit: int = 4096
     default_max_new_tokens: int = 128
@@ -466,6 +466,7 @@ def build_engines(cfg: VerifierConfig) -> tuple[dict[str, Any], Any, dict[str, A
     from spyglass.context_cache import ContextCache
     from spyglass.drafters import METHODS, build_drafter
     from spyglass.engine import EngineConfig, SpecEngine
+    from spyglass.kv_cache import context_capacity, kv_bytes_per_token
     from spyglass.models.llama import load_transformer
     from spyglass.models.loader import load_tokenizer, resolve_model
 
@@ -476,7 +477,9 @@ def build_engines(cfg: VerifierConfig) -> tuple[dict[str, Any], Any, dict[str, A
     target = load_transformer(resolved.path, dtype=getattr(torch, cfg.dtype))
     target.eval()
     tokenizer = load_tokenizer(resolved.path)
-    capacity = cfg.max_context or min(target.args.max_position, 8192)
+    # Every method's engine has its own max_batch KV slots: all of them must fit.
+    slots = cfg.max_batch * len(cfg.methods)
+    capacity = context_capacity(target.args, cfg.max_context, max_batch=slots, dtype=target.dtype, device=target.device)
     cache = None
     if cfg.redis_url:
         cache = ContextCache(
@@ -492,7 +495,9 @@ def build_engines(cfg: VerifierConfig) -> tuple[dict[str, Any], Any, dict[str, A
         engines[m] = SpecEngine(target, drafter, econf, tokenizer, context_cache=cache)
     info = {
         "model": resolved.model_id,
-        "context_length": capacity,
+        "context_length": capacity,  # KV capacity per sequence
+        "kv_bytes_per_token": kv_bytes_per_token(target.args, target.dtype),
+        "kv_bytes": sum(e.cache.nbytes for e in engines.values()),  # the targets' K/V of every engine's slots
         "methods": list(cfg.methods),
         "default_method": cfg.methods[0],
         "max_new_tokens_limit": cfg.max_new_tokens_limit,

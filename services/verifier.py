@@ -39,7 +39,7 @@ class VerifierConfig:
     dtype: str = "float32"
     methods: list[str] = field(default_factory=lambda: ["suffix", "ngram", "ar"])  # the first is the default
     max_batch: int = 4  # KV slots of the replica's one pool = sequences per verifier step, every method together
-    max_context: int | None = 8192
+    max_context: int | None = None  # KV capacity per sequence: a cap in 2..the model's window (default: the window)
     max_queued: int = 8  # requests waiting for a KV slot beyond max_batch
     max_new_tokens_limit: int = 4096
     default_max_new_tokens: int = 128
@@ -470,6 +470,7 @@ def build_engine(cfg: VerifierConfig) -> tuple[Any, Any, dict[str, Any]]:
     from spyglass.context_cache import ContextCache
     from spyglass.drafters import METHODS, build_drafter
     from spyglass.engine import EngineConfig, SpecEngine
+    from spyglass.kv_cache import context_capacity, kv_bytes_per_token
     from spyglass.models.llama import load_transformer
     from spyglass.models.loader import load_tokenizer, resolve_model
 
@@ -482,7 +483,10 @@ def build_engine(cfg: VerifierConfig) -> tuple[Any, Any, dict[str, Any]]:
     target = load_transformer(resolved.path, dtype=getattr(torch, cfg.dtype))
     target.eval()
     tokenizer = load_tokenizer(resolved.path)
-    capacity = cfg.max_context or min(target.args.max_position, 8192)
+    # one pool of max_batch slots serves every method
+    capacity = context_capacity(
+        target.args, cfg.max_context, max_batch=cfg.max_batch, dtype=target.dtype, device=target.device
+    )
     cache = None
     if cfg.redis_url:
         cache = ContextCache(
@@ -499,7 +503,9 @@ def build_engine(cfg: VerifierConfig) -> tuple[Any, Any, dict[str, Any]]:
     engine = SpecEngine(target, config=econf, tokenizer=tokenizer, context_cache=cache, drafters=drafters)
     info = {
         "model": resolved.model_id,
-        "context_length": capacity,
+        "context_length": capacity,  # KV capacity per sequence
+        "kv_bytes_per_token": kv_bytes_per_token(target.args, target.dtype),
+        "kv_bytes": engine.cache.nbytes,  # the target's K/V of the one pool, whatever the number of methods
         "methods": list(cfg.methods),
         "default_method": cfg.methods[0],
         "max_new_tokens_limit": cfg.max_new_tokens_limit,
@@ -508,7 +514,6 @@ def build_engine(cfg: VerifierConfig) -> tuple[Any, Any, dict[str, Any]]:
         "context_cache": cache is not None,
         "cache_block_size": cfg.cache_block_size if cache is not None else 0,
         "max_queued": cfg.max_queued,
-        "kv_bytes": engine.cache.slot_bytes() * engine.cache.max_slots,  # the one KV pool, whatever the methods
         "dtype": cfg.dtype,
         "linear_backend": target.linear_backend,  # the matmul kernel per row count measured at load
         "attention_plan": target.attention_plan,  # new tokens per sequence the CPU kernels' attention takes

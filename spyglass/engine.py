@@ -17,6 +17,7 @@ import torch
 from spyglass.context_cache import ContextCache, kv_blocks_from_cache, load_blocks_into_cache
 from spyglass.controller import CostCurve, SpeculationController, controller_for, measured_curve
 from spyglass.drafters.base import Drafter, NullDrafter
+from spyglass.kv_cache import context_capacity
 from spyglass.models.llama import Segment, Transformer
 from spyglass.sampling import SamplingParams, process_in_context, sample
 from spyglass.sequence import Sequence
@@ -31,7 +32,7 @@ class RequestError(ValueError):
 @dataclass
 class EngineConfig:
     max_batch: int = 4
-    max_context: int | None = None  # KV capacity per sequence; default: the model's, capped at 8192
+    max_context: int | None = None  # KV capacity per sequence: a cap in 2..the model's window (default: the window)
     prefill_chunk: int = 512
     # Tree sizing: "measure" = the speculation controller with the verify-cost curve measured at start-up on
     # this machine; "off" = verify every node the drafter proposes. A CostCurve here is used as given.
@@ -71,7 +72,10 @@ class SpecEngine:
         self.context_cache = context_cache
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
-        self.capacity = self.config.max_context or min(target.args.max_position, 8192)
+        cfg = self.config
+        self.capacity = context_capacity(
+            target.args, cfg.max_context, max_batch=cfg.max_batch, dtype=target.dtype, device=target.device
+        )
         self.cache = target.new_cache(self.capacity, self.config.max_batch)
         named = drafters if drafters is not None else {"default": drafter}
         self.drafters: dict[str, Drafter] = {m: d or NullDrafter() for m, d in named.items()}

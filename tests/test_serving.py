@@ -389,18 +389,6 @@ def test_four_methods_share_one_batch(grpc_address, reference):
     assert max(c.batch_size for chunks in results for c in chunks) == len(methods)
 
 
-def test_the_kv_pool_does_not_grow_with_the_methods():
-    from services.verifier import VerifierConfig, build_engine
-
-    sizes = []
-    for methods in (["ngram"], ["ngram", "ar", "suffix", "streaming"]):
-        cfg = VerifierConfig(methods=methods, max_batch=2, max_context=1024, threads=1)
-        engine, _, info = build_engine(cfg)
-        assert engine.methods == methods and engine.cache.max_slots == 2
-        sizes.append(info["kv_bytes"])
-    assert sizes[0] == sizes[1] == 2 * engine.cache.slot_bytes()
-
-
 @pytest.mark.parametrize("method", ["", "tokenswift"], ids=["default", "tokenswift"])  # tokenswift: a partial KV
 def test_abort_frees_the_sequence(client, grpc_address, method):
     before = wait_idle(client)

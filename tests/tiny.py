@@ -18,6 +18,7 @@ def make_tiny_model(
     kv_heads: int = 2,
     init_range: float = 0.2,
     tie: bool = False,
+    max_position: int = 1024,
 ) -> Path:
     """Save a random model with `transformers` (the oracle) and return its directory."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -30,7 +31,7 @@ def make_tiny_model(
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        max_position_embeddings=1024,
+        max_position_embeddings=max_position,
         initializer_range=init_range,
         tie_word_embeddings=tie,
         bos_token_id=1,

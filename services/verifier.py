@@ -503,7 +503,7 @@ def build_engines(cfg: VerifierConfig) -> tuple[dict[str, Any], Any, dict[str, A
         "max_queued": cfg.max_queued,
         "dtype": cfg.dtype,
         "linear_backend": target.linear_backend,  # the matmul kernel per row count measured at load
-        "attention_plan": target.attention_plan,  # new tokens per sequence the CPU kernels' attention takes
+        "attention_plan": target.attention_plan,  # new tokens per sequence cache_attention takes (more: tile_attention)
         "threads": torch.get_num_threads(),
     }
     curve = next((e.controller.curve for e in engines.values() if e.controller is not None), None)

@@ -66,7 +66,8 @@ def engine(tiny_dir):
 def info(engine: SpecEngine | None = None) -> dict:
     """The verifiers' model info the gateway validates against (the tiny engine's vocabulary and context)."""
     vocab, context = (engine.target.args.vocab_size, engine.capacity) if engine else (1000, 64)
-    return {"vocab_size": vocab, "context_length": context, "methods": ["ar"], "max_new_tokens_limit": LIMIT}
+    methods = engine.methods if engine else ["ar"]
+    return {"vocab_size": vocab, "context_length": context, "methods": methods, "max_new_tokens_limit": LIMIT}
 
 
 def gateway_message(request: pb.GenerateRequest, model_info: dict | None = None) -> str:
@@ -121,7 +122,7 @@ def test_max_new_tokens_rules():
     assert openai_message(body, chat=True) == "max_completion_tokens must be > 0, got 0"
 
 
-def test_a_bad_prompt_gets_one_message_at_the_gateway_and_the_engine(engine):
+def test_a_bad_prompt_or_method_gets_one_message_at_the_gateway_and_the_engine(engine):
     model_info = info(engine)
     vocab, context = model_info["vocab_size"], model_info["context_length"]
     cases = [
@@ -139,6 +140,11 @@ def test_a_bad_prompt_gets_one_message_at_the_gateway_and_the_engine(engine):
         with pytest.raises(RequestError) as e:
             engine.add_request(ids, SamplingParams())
         assert str(e.value) == message
+    message = f"unknown method 'telepathy'; available: {', '.join(engine.methods)}"
+    assert gateway_message(pb.GenerateRequest(prompt="hi", method="telepathy"), model_info) == message
+    with pytest.raises(RequestError) as e:
+        engine.add_request([1, 2], SamplingParams(), method="telepathy")
+    assert str(e.value) == message
     assert not engine.waiting  # nothing was queued
 
 

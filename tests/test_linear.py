@@ -115,9 +115,11 @@ def assert_valid_plan(plan: tuple[str, ...], weight: torch.Tensor) -> None:
     assert parse_plan(plan_name(plan)) == plan
 
 
-def test_timing_sample_stands_for_every_layer():
-    """At every bucket the timed layers, weighted by their shares, add up to all the model's weights; up to 8 rows
-    every shape is timed on several layers and the largest whole; past 8 fewer layers and a slice of the largest."""
+def test_timing_sample_stands_for_every_layer(monkeypatch):
+    """At every bucket the timed calls, weighted by their shares, add up to all the model's weights; up to 8 rows
+    every shape is timed on several layers and the largest whole; past 8 fewer layers and a part of the largest;
+    a weight over the call limit is timed in consecutive parts under it."""
+    monkeypatch.setattr(linear_mod, "TIMED_CALL_BYTES", 16384)  # the 999 x 32 head (128 KB) only
     model = torch.nn.Sequential(*[Linear(32, n, bias=n == 48) for _ in range(9) for n in (48, 96, 32)], Linear(32, 999))
     linears = list(model)
     total = sum(m.weight.numel() for m in linears)
@@ -127,10 +129,12 @@ def test_timing_sample_stands_for_every_layer():
         order = [linears.index(m) for m, _, _, _ in sample]
         assert order == sorted(order) and {w.shape[1] for _, w, _, _ in sample} == {32}
         assert {linears[i].out_features for i in order} == {48, 96, 32, 999}
-        assert all(b is None if m.bias is None else b.shape == w.shape[:1] for m, w, b, _ in sample)  # sliced too
-        head = sample[-1][1]
-        assert head.shape[0] == (999 if rows <= 8 else -(-999 // (rows // 8)))
-        assert len(sample) == 1 + 3 * (3 if rows <= 8 else 2 if rows == 16 else 1)  # 9 layers of each shape
+        assert all(b is None if m.bias is None else b.shape == w.shape[:1] for m, w, b, _ in sample)
+        head = [w for m, w, _, _ in sample if m is linears[-1]]
+        used = 999 if rows <= 8 else -(-999 // (rows // 8))
+        assert torch.equal(torch.cat(head), linears[-1].weight[:used])  # consecutive rows from the first
+        assert len(head) == -(-used * 128 // 16384) and all(w.nbytes <= 16384 for w in head)
+        assert len(sample) - len(head) == 3 * (3 if rows <= 8 else 2 if rows == 16 else 1)  # of 9 layers per shape
 
 
 def test_backend_choice_and_errors(tiny_dir):

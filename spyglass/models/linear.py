@@ -121,18 +121,23 @@ def parse_plan(backend: str) -> tuple[str, ...]:
 _PLANS: dict[tuple, tuple[str, ...]] = {}
 
 
+TIMED_CALL_BYTES = 16 << 20  # weights of one timed call at most: a long call is more often hit by a busy machine
+
+
 def _timing_sample(linears: list[Linear], rows: int) -> list[tuple[Linear, torch.Tensor, torch.Tensor | None, float]]:
-    """The layers a plan times `rows` rows on, in model order, as (layer, weight, bias, share of the forward it
-    stands for). Up to 8 rows the matmuls stream their weights: every third layer of each shape and the largest whole,
-    far more bytes than the caches hold (SmolLM2: 250 MB). Past 8 rows they are compute-bound: the sample shrinks
-    as the rows grow (fewer layers of each shape, a slice of the largest's rows) so each pass costs about the same."""
+    """The calls a plan times `rows` rows on, in model order, as (layer, weight rows, bias, share of the forward
+    they stand for). Up to 8 rows the matmuls stream their weights: every third layer of each shape and the largest
+    whole, far more bytes than the caches hold (SmolLM2: 250 MB). Past 8 rows they are compute-bound: the sample
+    shrinks as the rows grow (fewer layers of each shape, a part of the largest's rows) so each pass costs about the
+    same. A weight over TIMED_CALL_BYTES (an LM head) is timed in parts of consecutive rows, each call on its own."""
     grow = max(1, rows // 8)
     largest = max(linears, key=lambda m: m.weight.numel())
     by_shape: dict[tuple, list[Linear]] = {}
     for m in linears:
         if m is not largest:
             by_shape.setdefault((tuple(m.weight.shape), m.bias is not None), []).append(m)
-    share = {largest: largest.weight.shape[0] / -(-largest.weight.shape[0] // grow)}
+    used = {largest: -(-largest.weight.shape[0] // grow)}  # weight rows timed, and the share they stand for
+    share = {largest: largest.weight.shape[0] / used[largest]}
     for group in by_shape.values():
         k = max(1, round(len(group) / (3 * grow)))
         for j in range(k):
@@ -140,8 +145,11 @@ def _timing_sample(linears: list[Linear], rows: int) -> list[tuple[Linear, torch
     sample = []
     for m in linears:
         if m in share:
-            n = -(-m.weight.shape[0] // grow) if m is largest else m.weight.shape[0]
-            sample.append((m, m.weight[:n], None if m.bias is None else m.bias[:n], share[m]))
+            n = used.get(m, m.weight.shape[0])
+            step = -(-n // -(-n * m.weight[0].nbytes // TIMED_CALL_BYTES))  # n rows in equal parts
+            for lo in range(0, n, step):
+                hi = min(n, lo + step)
+                sample.append((m, m.weight[lo:hi], None if m.bias is None else m.bias[lo:hi], share[m]))
     return sample
 
 
@@ -151,7 +159,8 @@ def _time_kernels(kernels: list[str], sample, rows: int, min_rounds: int, max_ro
 
     One round runs each kernel over the whole sample in turn (no kernels interleaved within a pass: each reads
     the weights as a forward does), the kernel order rotating from round to round; rounds go on past
-    `min_rounds` while the fastest kernel still changed in the last one, up to `max_rounds`."""
+    `min_rounds` while the fastest kernel still changed in the last one, up to `max_rounds`, for the kernels
+    within 3x of it."""
     xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for _, w, _, _ in sample}
     seen = set()
     for _, w, b, _ in sample:  # warm-up: a call per shape (oneDNN builds its primitives, MKL its buffers)
@@ -170,16 +179,18 @@ def _time_kernels(kernels: list[str], sample, rows: int, min_rounds: int, max_ro
                 times[i] = min(times[i], time.perf_counter() - t0)
         estimate = {k: sum(t * s[-1] for t, s in zip(best[k], sample, strict=True)) for k in kernels}
         winner, before = min(estimate, key=estimate.get), winner
-        if r + 1 >= min_rounds and winner == before:
-            break
+        if r + 1 >= min_rounds:
+            if winner == before:
+                break
+            kernels = [k for k in kernels if estimate[k] < 3 * estimate[winner]]  # the rest cannot catch up
     return estimate
 
 
 @torch.inference_mode()
-def measure_linear_plan(model: nn.Module, repeats: int = 3) -> tuple[str, ...]:
+def measure_linear_plan(model: nn.Module, repeats: int = 2) -> tuple[str, ...]:
     """The fastest kernel per row bucket, each timed on a sample of the model's layers (`_timing_sample`) at the
     bucket's largest row count, over `repeats` to twice that many rounds (`_time_kernels`). Measured once per
-    process for a given set of shapes, dtype and thread count (SmolLM2-135M: 1-2 s on 2 quiet Zen 4 cores)."""
+    process for a given set of shapes, dtype and thread count."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if not linears or linears[0].weight.device.type != "cpu":
         return ("aten",) * len(ROW_BUCKETS)

@@ -96,10 +96,11 @@ bench-tokenswift-bound: setup model-qwen
 
 # The shipped LongSpec and GLIDE drafts: extraction + training (resumable: rerun to continue), then copied into the
 # package. Each run warm-starts from the one before (v3 from v2's step 200, v4 from v3, v5 from v4, v6 from v5,
-# v7 from v6, v8 from v7, both v9 arms from v8, v10 from v9, v12 from v10 (shipped), GLIDE's top layer from v4); v5
-# and GLIDE train on v4's extraction, v6 and v7 (the long-context stage) on their own, v8, v9 and v10 on new text
-# (v9's two arms on the same extraction; v10's also stores target layers 2 and 15, which it reads), v12 on new text
-# whose last 128 tokens the target generated (~50-80 min of generation + extraction, 17 min of training).
+# v7 from v6, v8 from v7, both v9 arms from v8, v10 from v9, v12 from v10, v17 from v12 and v18 from v17 (shipped),
+# GLIDE's top layer from v4); v5 and GLIDE train on v4's extraction, v6 and v7 (the long-context stage) on their own,
+# v8, v9 and v10 on new text (v9's two arms on the same extraction; v10's also stores target layers 2 and 15, which it
+# reads), v12 on new text whose last 128 tokens the target generated (~50-80 min of generation + extraction, 17 min of
+# training), v17 (the copy head) on v13's extraction and v18 on v12's.
 train-longspec: setup
 	$(VENV)/bin/spyglass train configs/smollm2-longspec-v2.yaml --diagnose
 	$(VENV)/bin/spyglass train configs/smollm2-longspec-v3.yaml --diagnose

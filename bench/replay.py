@@ -267,7 +267,7 @@ def policies(tag: str, curve_from: str | None, draft_ms: float, max_depth: int, 
     variants = {
         "controller": (True, None, False, {}),
         "per-step": (True, None, False, per_step),
-        "per-step-sunk": (True, None, False, per_step | {"marginal": False}),  # the sizing before session 22
+        "per-step-sunk": (True, None, False, per_step | {"marginal": False}),  # drafting time charged to the tree
     }
     if not chain:
         variants["chain-profile"] = (True, None, True, {})

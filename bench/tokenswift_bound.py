@@ -12,8 +12,8 @@ Measured here at several contexts c on the benchmark's model and budget (the ver
 benchmark's eval-split prose), and averaged over a generation from `--prefix` to `--prefix + --gen` tokens (the
 harmonic mean over contexts: a speedup is a ratio of summed times). Also the same bound where only p_0's token is
 drafted and accepted as often as it was under rejection sampling at the benchmark's T=1 (`--p0-acceptance`,
-session 29's sampled-chain measurement), the heads adding nothing. And the bound of the variant without the pass
-(`draft_pass=False`, Medusa-style: the heads read the verify pass's hidden state of the last accepted token, so
+measured with the drafter's `sampled_chain`), the heads adding nothing. And the bound of the variant without the
+pass (`draft_pass=False`, Medusa-style: the heads read the verify pass's hidden state of the last accepted token, so
 the step's own sample is the root and the heads draft gamma tokens after it, the first two tokens ahead):
 (gamma + 1) t(1, c) / t(gamma + 1, c). Lookups (n-grams, the context lookup) are not covered: they draft without
 the pass and are bounded only by how much the text repeats.

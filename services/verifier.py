@@ -33,14 +33,14 @@ ERR_UNAVAILABLE = "unavailable"
 
 @dataclass
 class VerifierConfig:
-    """Everything a replica needs to build its engines (a plain dict crosses the Ray boundary)."""
+    """Everything a replica needs to build its engine (a plain dict crosses the Ray boundary)."""
 
     model: str | None = None  # None = the embedded default (SmolLM2-135M-Instruct)
     dtype: str = "float32"
     methods: list[str] = field(default_factory=lambda: ["suffix", "ngram", "ar"])  # the first is the default
-    max_batch: int = 4  # KV slots per engine = sequences per verifier step
-    max_context: int | None = 8192
-    max_queued: int = 8  # requests waiting for a KV slot beyond max_batch per engine
+    max_batch: int = 4  # KV slots of the replica's one pool = sequences per verifier step, every method together
+    max_context: int | None = None  # KV capacity per sequence: a cap in 2..the model's window (default: the window)
+    max_queued: int = 8  # requests waiting for a KV slot beyond max_batch
     max_new_tokens_limit: int = 4096
     default_max_new_tokens: int = 128
     prefill_chunk: int = 512
@@ -106,27 +106,27 @@ class _Live:
 
 
 class EngineLoop:
-    """One thread that owns the engines (one per drafting method, each with its own KV pool).
+    """One thread that owns the replica's engine (every served method in one batch over one KV pool).
 
-    With `setup` (engines and tokenizer None), that thread also builds them: `setup()` returns (engines, tokenizer)
+    With `setup` (engine and tokenizer None), that thread also builds it: `setup()` returns (engine, tokenizer)
     and runs there before the loop starts; the constructor waits for it and raises what it raised. Every torch
     computation of a replica then runs on one thread: OpenMP gives each thread that runs parallel work its own team,
     and with two teams in a process (load and measure on the actor's thread, decode on this one) libgomp stops its
     idle workers from spinning once it manages more threads than there are cores, so every decode step paid their
-    wake-ups: 10-15% slower steps on 2 cores (BENCHMARKS.md, "Serving", session 34)."""
+    wake-ups: 10-15% slower steps on 2 cores (BENCHMARKS.md, "Serving")."""
 
     def __init__(
         self,
-        engines: dict[str, Any] | None,
+        engine,
         tokenizer,
         cfg: VerifierConfig,
         name: str = "verifier",
         on_metrics: Callable[[str, float, dict[str, str] | None], None] | None = None,
-        setup: Callable[[], tuple[dict[str, Any], Any]] | None = None,
+        setup: Callable[[], tuple[Any, Any]] | None = None,
     ) -> None:
-        if (setup is None) == (engines is None):
-            raise ValueError("EngineLoop needs either engines or a setup that builds them")
-        self.engines = engines or {}
+        if (setup is None) == (engine is None):
+            raise ValueError("EngineLoop needs either an engine or a setup that builds it")
+        self.engine = engine
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.name = name
@@ -149,7 +149,12 @@ class EngineLoop:
     # --- called from the asyncio side -----------------------------------------------------------
     @property
     def capacity(self) -> int:
-        return self.cfg.max_batch * len(self.engines) + self.cfg.max_queued
+        """Requests the replica takes at once: running (its KV slots) plus queued. The gateway admits as many."""
+        return self.cfg.max_batch + self.cfg.max_queued
+
+    @property
+    def methods(self) -> list[str]:
+        return self.engine.methods if self.engine is not None else []
 
     async def generate(self, req: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Stream the chunks of one request; leaving early aborts it (frees the KV slot)."""
@@ -158,8 +163,8 @@ class EngineLoop:
         if self._stop.is_set():
             yield {"error": ERR_UNAVAILABLE, "message": "the verifier is shutting down"}
             return
-        if method not in self.engines:
-            yield {"error": ERR_INVALID, "message": f"method {method!r} is not served; available: {list(self.engines)}"}
+        if method not in self.methods:
+            yield {"error": ERR_INVALID, "message": f"method {method!r} is not served; available: {self.methods}"}
             return
         if rid in self.live:
             yield {"error": ERR_INVALID, "message": f"request id {rid!r} is already live"}
@@ -199,14 +204,13 @@ class EngineLoop:
         return True
 
     def health(self) -> dict[str, Any]:
-        free = sum(e.cache.free_slots for e in self.engines.values())
-        total = sum(e.cache.max_slots for e in self.engines.values())
+        engine = self.engine
         return {
             "name": self.name,
             "live_sequences": len(self.live),
-            "waiting": sum(len(e.waiting) for e in self.engines.values()),
-            "free_kv_slots": free,
-            "total_kv_slots": total,
+            "waiting": len(engine.waiting) if engine is not None else 0,
+            "free_kv_slots": engine.cache.free_slots if engine is not None else 0,
+            "total_kv_slots": engine.cache.max_slots if engine is not None else 0,
             "steps": self.steps,
             "finished": self.finished,
             "aborted": self.aborted,
@@ -233,31 +237,30 @@ class EngineLoop:
             torch.set_num_threads(self.cfg.threads)
         try:
             if self._setup is not None:
-                self.engines, self.tokenizer = self._setup()
+                self.engine, self.tokenizer = self._setup()
         except BaseException as e:  # noqa: BLE001 - handed to the constructor, which raises it
             self._setup_error = e
             return
         finally:
             self._ready.set()
+        engine = self.engine
         while True:
-            busy = any(e.has_work for e in self.engines.values())
-            self._apply_commands(block=not busy)
-            if self._stop.is_set() and not any(e.has_work for e in self.engines.values()):
+            self._apply_commands(block=not engine.has_work)
+            if self._stop.is_set() and not engine.has_work:
                 self._fail_pending("the verifier is shutting down")
                 return
-            for method, engine in self.engines.items():
-                if not engine.has_work:
-                    continue
-                try:
-                    with torch.inference_mode():
-                        events = engine.step()
-                except Exception as e:  # noqa: BLE001 - one bad step must not kill the replica silently
-                    log.exception("engine step failed")
-                    self._fail_engine(method, engine, f"engine step failed: {type(e).__name__}: {e}")
-                    continue
-                self.steps += 1
-                for ev in events:
-                    self._dispatch(ev)
+            if not engine.has_work:
+                continue
+            try:
+                with torch.inference_mode():
+                    events = engine.step()
+            except Exception as e:  # noqa: BLE001 - one bad step must not kill the replica silently
+                log.exception("engine step failed")
+                self._fail_engine(f"engine step failed: {type(e).__name__}: {e}")
+                continue
+            self.steps += 1
+            for ev in events:
+                self._dispatch(ev)
 
     def _apply_commands(self, block: bool) -> None:
         try:
@@ -278,9 +281,8 @@ class EngineLoop:
     def _add(self, live: _Live) -> None:
         from spyglass.engine import RequestError
 
-        engine = self.engines[live.method]
         try:
-            live.seq = engine.add_request(live.prompt_ids, live.params, seq_id=live.request_id)
+            live.seq = self.engine.add_request(live.prompt_ids, live.params, live.request_id, live.method)
         except (RequestError, ValueError) as e:
             self.live.pop(live.request_id, None)
             live.push({"error": ERR_INVALID, "message": str(e)})
@@ -291,7 +293,7 @@ class EngineLoop:
         live = self.live.get(rid)
         if live is None or live.seq is None:
             return
-        self.engines[live.method].abort(rid)
+        self.engine.abort(rid)
         if live.seq.finished:
             self._finish(live)
 
@@ -336,7 +338,7 @@ class EngineLoop:
             self._count("cache_hit_tokens_total", stats["cached_prefix_tokens"])
         if stats["ttft_s"] is not None:
             self._observe("ttft_s", stats["ttft_s"])
-        text = self.engines[live.method].text(seq)
+        text = self.engine.text(seq)
         # the text not streamed yet (held back at an abort); a unary request streamed nothing: all of it
         rest = text if live.final_only else seq.text_stream.release(final=True)
         live.push(
@@ -352,10 +354,11 @@ class EngineLoop:
             }
         )
 
-    def _fail_engine(self, method: str, engine, message: str) -> None:
+    def _fail_engine(self, message: str) -> None:
+        """A step raised: every sequence of the batch shared it, so each is aborted (its slot freed) with the error."""
         for rid, live in list(self.live.items()):
-            if live.method == method and live.seq is not None:
-                engine.abort(rid)
+            if live.seq is not None:
+                self.engine.abort(rid)
                 self.live.pop(rid, None)
                 live.push({"error": "internal", "message": message})
 
@@ -381,15 +384,15 @@ WARMUP_TEXT = "Here is a small Python module. Repeat its functions exactly, in o
 )
 
 
-def warm_up(engines: dict[str, Any], tokenizer, cfg: VerifierConfig, prompt_tokens: int | None = None) -> dict:
+def warm_up(engine, tokenizer, cfg: VerifierConfig, prompt_tokens: int | None = None) -> dict:
     """Pay the one-time costs of a fresh process before the replica reports ready, not on the first request.
 
     The speculation controller's cost-curve measurement (at engine construction) already runs verify-shaped
     forwards over the tree sizes it will use. What stays cold is everything else a first request touches:
     the chat template (compiled on first use), prefill forwards of full and partial chunks and of several
-    sequences packed into one forward, the KV pages of the slots requests will use, the drafter's own work
+    sequences packed into one forward, the KV pages of the slots requests will use, each drafter's own work
     (index building, proposals, commits) and the verify passes over the trees it really proposes, sampling
-    and acceptance, and decode steps over a long prefix. So every engine serves, in-process, two requests
+    and acceptance, and decode steps over a long prefix. So every method serves, in-process, two requests
     together on a synthetic repetitive prompt (greedy and sampled) with the context cache detached: nothing is
     written to Redis and no real request is affected. Returns what was done and how long it took."""
     from spyglass.sampling import SamplingParams
@@ -398,55 +401,62 @@ def warm_up(engines: dict[str, Any], tokenizer, cfg: VerifierConfig, prompt_toke
     ids = encode_prompt(tokenizer, WARMUP_TEXT, raw=False)  # also compiles the chat template
     encode_prompt(tokenizer, "warm-up", raw=True)
     out: dict[str, Any] = {"methods": {}}
-    for k, (method, engine) in enumerate(engines.items()):
-        cap = engine.capacity
-        chunk = engine.config.prefill_chunk
-        # a full chunk and a partial one (or what the context holds), with room left for decoding; the engines
-        # share the target, so after the first one a shorter prompt warms the drafter's own work
-        n = min(prompt_tokens or chunk + chunk // 2 + 7, cap - 80, len(ids))
-        n = max(n if k == 0 else n // 4, 2)
-        new = 24 if k == 0 else 12  # enough draft-verify-commit rounds for a drafter's own shapes
-        prompts = [ids[:n], ids[: max(2, n // 3)]]
-        params = [
-            SamplingParams(max_new_tokens=new, ignore_eos=True),
-            SamplingParams(max_new_tokens=new, ignore_eos=True, temperature=0.8, top_p=0.95, seed=0),
-        ]
-        saved, engine.context_cache = engine.context_cache, None
-        t = time.perf_counter()
-        try:
+    cap = engine.capacity
+    chunk = engine.config.prefill_chunk
+    saved, engine.context_cache = engine.context_cache, None
+    try:
+        for k, method in enumerate(engine.methods):
+            # a full chunk and a partial one (or what the context holds), with room left for decoding; after the
+            # first method a shorter prompt warms the drafter's own work (the target's shapes are warm by then)
+            n = min(prompt_tokens or chunk + chunk // 2 + 7, cap - 80, len(ids))
+            n = max(n if k == 0 else n // 4, 2)
+            new = 24 if k == 0 else 12  # enough draft-verify-commit rounds for a drafter's own shapes
+            prompts = [ids[:n], ids[: max(2, n // 3)]]
+            params = [
+                SamplingParams(max_new_tokens=new, ignore_eos=True),
+                SamplingParams(max_new_tokens=new, ignore_eos=True, temperature=0.8, top_p=0.95, seed=0),
+            ]
+            t = time.perf_counter()
             import torch
 
             with torch.inference_mode():
-                seqs = engine.run(prompts, params)
-        finally:
-            engine.context_cache = saved
-        out["methods"][method] = {
-            "seconds": round(time.perf_counter() - t, 3),
-            "prompt_tokens": [len(p) for p in prompts],
-            "generated": [s.num_generated for s in seqs],
-        }
+                seqs = engine.run(prompts, params, method=method)
+            out["methods"][method] = {
+                "seconds": round(time.perf_counter() - t, 3),
+                "prompt_tokens": [len(p) for p in prompts],
+                "generated": [s.num_generated for s in seqs],
+            }
+    finally:
+        engine.context_cache = saved
     out["seconds"] = round(time.perf_counter() - t0, 3)
     return out
 
 
-def build_engines(cfg: VerifierConfig) -> tuple[dict[str, Any], Any, dict[str, Any]]:
-    """Load the target once and build one SpecEngine per method (sharing the target and context cache)."""
+def build_engine(cfg: VerifierConfig) -> tuple[Any, Any, dict[str, Any]]:
+    """Load the target once and build the replica's SpecEngine: every method's drafter over one KV pool of
+    `max_batch` slots, one continuous batch and one target forward per step (sharing the context cache)."""
     import torch
 
     from spyglass.context_cache import ContextCache
     from spyglass.drafters import METHODS, build_drafter
     from spyglass.engine import EngineConfig, SpecEngine
+    from spyglass.kv_cache import context_capacity, kv_bytes_per_token
     from spyglass.models.llama import load_transformer
     from spyglass.models.loader import load_tokenizer, resolve_model
 
     for m in cfg.methods:
         if m not in METHODS:
             raise ValueError(f"unknown method {m!r} in verifier config; available: {', '.join(METHODS)}")
+    if len(set(cfg.methods)) != len(cfg.methods):
+        raise ValueError(f"verifier config names a method twice: {cfg.methods}")
     resolved = resolve_model(cfg.model, dtype=cfg.dtype)
     target = load_transformer(resolved.path, dtype=getattr(torch, cfg.dtype))
     target.eval()
     tokenizer = load_tokenizer(resolved.path)
-    capacity = cfg.max_context or min(target.args.max_position, 8192)
+    # one pool of max_batch slots serves every method
+    capacity = context_capacity(
+        target.args, cfg.max_context, max_batch=cfg.max_batch, dtype=target.dtype, device=target.device
+    )
     cache = None
     if cfg.redis_url:
         cache = ContextCache(
@@ -455,14 +465,17 @@ def build_engines(cfg: VerifierConfig) -> tuple[dict[str, Any], Any, dict[str, A
             block_size=cfg.cache_block_size,
             max_bytes=cfg.cache_max_bytes,
         )
-    engines = {}
-    for m in cfg.methods:
-        drafter = build_drafter(m, target, max_batch=cfg.max_batch, max_context=capacity, **cfg.drafter_options)
-        econf = EngineConfig(max_batch=cfg.max_batch, max_context=capacity, prefill_chunk=cfg.prefill_chunk)
-        engines[m] = SpecEngine(target, drafter, econf, tokenizer, context_cache=cache)
+    drafters = {
+        m: build_drafter(m, target, max_batch=cfg.max_batch, max_context=capacity, **cfg.drafter_options)
+        for m in cfg.methods
+    }
+    econf = EngineConfig(max_batch=cfg.max_batch, max_context=capacity, prefill_chunk=cfg.prefill_chunk)
+    engine = SpecEngine(target, config=econf, tokenizer=tokenizer, context_cache=cache, drafters=drafters)
     info = {
         "model": resolved.model_id,
-        "context_length": capacity,
+        "context_length": capacity,  # KV capacity per sequence
+        "kv_bytes_per_token": kv_bytes_per_token(target.args, target.dtype),
+        "kv_bytes": engine.cache.nbytes,  # the target's K/V of the one pool, whatever the number of methods
         "methods": list(cfg.methods),
         "default_method": cfg.methods[0],
         "max_new_tokens_limit": cfg.max_new_tokens_limit,
@@ -476,10 +489,10 @@ def build_engines(cfg: VerifierConfig) -> tuple[dict[str, Any], Any, dict[str, A
         "attention_plan": target.attention_plan,  # new tokens per sequence the CPU kernels' attention takes
         "threads": torch.get_num_threads(),
     }
-    curve = next((e.controller.curve for e in engines.values() if e.controller is not None), None)
+    curve = next((c.curve for c in engine.controllers.values() if c is not None), None)
     if curve is not None:  # what verifying k tokens cost at start-up (one per process): every tree is sized by it
         info["cost_curve"] = curve.to_dict()
-    return engines, tokenizer, info
+    return engine, tokenizer, info
 
 
 # --- the Ray Serve deployment ------------------------------------------------------------------------
@@ -546,18 +559,18 @@ class Verifier:
         self.cfg.threads = self.cfg.threads or int(os.environ.get("OMP_NUM_THREADS") or 1)
         self.name = name
 
-        def setup() -> tuple[dict[str, Any], Any]:
-            # On the engine loop's thread, at its thread count (EngineLoop sets it first): each engine measures its
+        def setup() -> tuple[Any, Any]:
+            # On the engine loop's thread, at its thread count (EngineLoop sets it first): the engine measures its
             # cost curve (what a verify of k tokens costs) at construction, and a curve timed with Ray's
             # OMP_NUM_THREADS (the replica's num_cpus, often 1) sized every tree for a machine it was not running on.
-            engines, tokenizer, self._info = build_engines(self.cfg)
+            engine, tokenizer, self._info = build_engine(self.cfg)
             if self.cfg.warmup_prompt_tokens > 0:
-                report = warm_up(engines, tokenizer, self.cfg, self.cfg.warmup_prompt_tokens)
+                report = warm_up(engine, tokenizer, self.cfg, self.cfg.warmup_prompt_tokens)
                 self._info["warmup_s"] = report["seconds"]
                 # Serve's logger: the line lands in the replica's log file
                 serve_log = logging.getLogger("ray.serve")
                 serve_log.info("%s warmed up in %.1f s: %s", name, report["seconds"], report["methods"])
-            return engines, tokenizer
+            return engine, tokenizer
 
         self.loop = EngineLoop(None, None, self.cfg, name=name, on_metrics=_make_metrics(name), setup=setup)
 
@@ -588,4 +601,4 @@ class Verifier:
             loop.stop(drain_timeout_s=5.0)
 
 
-__all__ = ["EngineLoop", "Verifier", "VerifierConfig", "build_engines", "encode_prompt", "warm_up"]
+__all__ = ["EngineLoop", "Verifier", "VerifierConfig", "build_engine", "encode_prompt", "warm_up"]

@@ -62,7 +62,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--max-context", type=int, default=None, help="KV capacity per sequence")
+    p.add_argument(
+        "--max-context", type=int, default=None, help="KV capacity per sequence (default: the model's window)"
+    )
     p.add_argument("--raw", action="store_true", help="do not apply the model's chat template")
     p.add_argument("--compare-ar", action="store_true", help="also run plain decoding and compare")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
@@ -126,13 +128,12 @@ def _run_generate(args) -> int:
         raise CliError(f"unknown method {args.method!r}; available: {', '.join(METHODS)}")
     params = _params(args)
     prompt = _read_prompt(args)
-    if args.max_context is not None and args.max_context < 2:
-        raise CliError("--max-context must be >= 2")
 
     import torch
 
     from spyglass.drafters import build_drafter
     from spyglass.engine import EngineConfig, RequestError, SpecEngine
+    from spyglass.kv_cache import context_capacity
     from spyglass.models.llama import load_transformer
     from spyglass.models.loader import ModelLoadError, load_tokenizer, resolve_model
 
@@ -145,9 +146,9 @@ def _run_generate(args) -> int:
     except ModelLoadError as e:
         raise CliError(str(e)) from e
     prompt_ids = _encode(tokenizer, prompt, args.raw)
-    config = EngineConfig(max_batch=1, max_context=args.max_context)
-    capacity = config.max_context or min(target.args.max_position, 8192)
     try:
+        capacity = context_capacity(target.args, args.max_context, max_batch=1, dtype=dtype, device=target.device)
+        config = EngineConfig(max_batch=1, max_context=capacity)
         drafter = build_drafter(
             args.method,
             target,

@@ -84,7 +84,7 @@ class CostCurve:
     ) -> CostCurve:
         """Time verify-shaped forwards on this machine: per context, `repeats` rounds over every size after a
         warm-up round, and each size's median round. Rounds interleave the sizes and the median ignores one
-        lucky or unlucky pass: the controller compares the sizes' ratios, and session 22 saw a best-of-2 run
+        lucky or unlucky pass: the controller compares the sizes' ratios, and a best-of-2 run was seen to
         price the 1-token step 10-20% below the decode steps that followed (so drafting looked dearer than it
         was: n-gram 0.98x against 1.62x on the same prompt in the next run). The prefix K/V are zeros: the
         attention's cost does not depend on their values. The
@@ -172,16 +172,16 @@ class SpeculationController:
     # Xeon (+1.4% over two runs, bench/controller_rules.py --rule per_source).
     per_source = True
     # Most plain steps between probes (the wait doubles after each probe that accepts nothing). 16 was tried, so that a
-    # learned draft whose first probes fall on output it cannot predict gets tried again sooner (session 20: LongSpec
-    # at tau 2.01 with every node verified, 1.00 with the controller on): same speed on 11 prompts
+    # learned draft whose first probes fall on output it cannot predict gets tried again sooner (LongSpec v12 on one
+    # prompt: tau 2.01 with every node verified, 1.00 with the controller on): same speed on 11 prompts
     # (bench/controller_rules.py --rule short_backoff).
     max_backoff = 64
     # Chains drafted one depth at a time (a drafter with `drafts_chain`) are sized by ChainDepthController (below)
     # instead: on one Zen 4 machine this per-step sizing reached 1.08x with LongSpec where a fixed depth-1 chain
     # would have made 1.23x (bench/replay.py policies; bench/controller_rules.py --rule chain_profile).
     chain_profile = True
-    # Size a drafted tree by what verifying it adds from now on: the drafting time is spent either way. Off (as
-    # before session 22), that sunk time counted against every node too, so a step whose tree would have paid
+    # Size a drafted tree by what verifying it adds from now on: the drafting time is spent either way. Off (the
+    # earlier rule), that sunk time counted against every node too, so a step whose tree would have paid
     # its verification, though not its drafting as well, verified nothing (DFlash on Zen 4: ~1 drafted step in
     # 5). Whether drafting paid, its time included, still decides whether the next step drafts.
     marginal = True

@@ -18,6 +18,7 @@ from spyglass.context_cache import ContextCache, kv_blocks_from_cache, load_bloc
 from spyglass.controller import CostCurve, SpeculationController, controller_for, measured_curve
 from spyglass.detokenize import TextStream
 from spyglass.drafters.base import Drafter, NullDrafter
+from spyglass.kv_cache import context_capacity
 from spyglass.models.llama import Segment, Transformer
 from spyglass.sampling import SamplingParams, process_in_context, sample
 from spyglass.sequence import Sequence
@@ -32,7 +33,7 @@ class RequestError(ValueError):
 @dataclass
 class EngineConfig:
     max_batch: int = 4
-    max_context: int | None = None  # KV capacity per sequence; default: the model's, capped at 8192
+    max_context: int | None = None  # KV capacity per sequence: a cap in 2..the model's window (default: the window)
     prefill_chunk: int = 512
     # Tree sizing: "measure" = the speculation controller with the verify-cost curve measured at start-up on
     # this machine; "off" = verify every node the drafter proposes. A CostCurve here is used as given.
@@ -68,6 +69,11 @@ class Event:
 
 
 class SpecEngine:
+    """One continuous batch over one KV pool. `drafter` serves every request (plain decoding when None); or
+    `drafters` maps method names to drafters (None = plain decoding) and each request names its method: the step
+    groups the running sequences by method, each drafter proposes for its group, and every tree of every method is
+    verified in one packed target forward. The first method is the default."""
+
     def __init__(
         self,
         target: Transformer,
@@ -75,31 +81,66 @@ class SpecEngine:
         config: EngineConfig | None = None,
         tokenizer=None,
         context_cache: ContextCache | None = None,
+        drafters: dict[str, Drafter | None] | None = None,
     ) -> None:
+        if drafters is not None and drafter is not None:
+            raise ValueError("give either one drafter or a drafters mapping, not both")
+        if drafters is not None and not drafters:
+            raise ValueError("drafters must name at least one method")
         self.target = target
         self.context_cache = context_cache
-        self.drafter = drafter or NullDrafter()
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
-        self.capacity = self.config.max_context or min(target.args.max_position, 8192)
+        cfg = self.config
+        self.capacity = context_capacity(
+            target.args, cfg.max_context, max_batch=cfg.max_batch, dtype=target.dtype, device=target.device
+        )
         self.cache = target.new_cache(self.capacity, self.config.max_batch)
-        self.drafter.bind(target, self.cache)
+        named = drafters if drafters is not None else {"default": drafter}
+        self.drafters: dict[str, Drafter] = {m: d or NullDrafter() for m, d in named.items()}
+        self.default_method = next(iter(self.drafters))
+        curve = self.config.controller
+        if curve == "measure" and any(d is not None for d in named.values()):
+            curve = measured_curve(target, self.cache)  # one curve per process: every method sizes trees by it
+        elif curve not in ("measure", "off") and not isinstance(curve, CostCurve):
+            raise ValueError(f"controller must be 'measure', 'off' or a CostCurve, not {curve!r}")
+        self.controllers: dict[str, SpeculationController | None] = {}
         n_layers = target.args.n_layers
-        self._capture = tuple(sorted({i % n_layers for i in getattr(self.drafter, "hidden_layers", ())}))
-        self.controller: SpeculationController | None = None
-        if drafter is not None and self.config.controller != "off":
-            curve = self.config.controller
-            if curve == "measure":
-                curve = measured_curve(target, self.cache)
-            elif not isinstance(curve, CostCurve):
-                raise ValueError(f"controller must be 'measure', 'off' or a CostCurve, not {curve!r}")
-            self.controller = controller_for(drafter, curve)
+        capture: set[int] = set()
+        for method, d in self.drafters.items():
+            d.bind(target, self.cache)
+            capture.update(i % n_layers for i in getattr(d, "hidden_layers", ()))
+            drafts = named[method] is not None and self.config.controller != "off"
+            self.controllers[method] = controller_for(d, curve) if drafts else None
+        self._capture = tuple(sorted(capture))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.eos_ids = set(target.args.eos_token_ids)
 
+    @property
+    def drafter(self) -> Drafter:
+        """The default method's drafter."""
+        return self.drafters[self.default_method]
+
+    @property
+    def controller(self) -> SpeculationController | None:
+        """The default method's speculation controller (None: plain decoding, or sizing off)."""
+        return self.controllers[self.default_method]
+
+    @property
+    def methods(self) -> list[str]:
+        return list(self.drafters)
+
+    def _drafter(self, seq: Sequence) -> Drafter:
+        return self.drafters[seq.method]
+
     # --- requests ---------------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, seq_id: str | None = None) -> Sequence:
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, seq_id: str | None = None, method: str | None = None
+    ) -> Sequence:
+        method = self.default_method if method is None else method
+        if method not in self.drafters:
+            raise RequestError(f"method {method!r} is not served here; available: {', '.join(self.drafters)}")
         if len(prompt_ids) == 0:
             raise RequestError("the prompt is empty")
         vocab = self.target.args.vocab_size
@@ -113,6 +154,7 @@ class SpecEngine:
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer, and this engine has none")
         seq = Sequence(list(prompt_ids), params, seq_id)
+        seq.method = method
         if self.tokenizer is not None:
             seq.text_stream = TextStream(self.tokenizer, params.stop)
         self.waiting.append(seq)
@@ -187,7 +229,7 @@ class SpecEngine:
             self.running.append(seq)
             new = self._append(seq, [self._choose(last_logits[seq.seq_id], seq)])
             if not seq.finished:
-                self.drafter.start(seq)
+                self._drafter(seq).start(seq)
             events.append(Event(seq, new, self._release(seq)))
         # The first tokens leave with these events, after the drafters' own set-up (e.g. a draft model's prompt
         # prefill): that set-up is prompt processing, so it counts in the time to first token, not in decoding.
@@ -222,26 +264,34 @@ class SpecEngine:
 
     def _spec_round(self, batch: list[Sequence]) -> list[Event]:
         t0 = time.perf_counter()
-        ctl = self.controller
-        drafting = [s for s in batch if ctl is None or ctl.wants_draft(s)]
-        proposed = dict(zip(map(id, drafting), self.drafter.propose(drafting) if drafting else [], strict=True))
-        if ctl is not None and drafting:
-            share = (time.perf_counter() - t0) / len(drafting)
-            for seq in drafting:
-                # A sequence's first drafting step also pays one-off costs (its drafter state's buffers, kernels
-                # set up for new shapes, lazily built matrices): counted, they read as the cost of every step and
-                # kept the controller on plain decoding until probes had decayed them (~30 steps for DeLS).
-                if seq.drafted_before:
-                    ctl.note_draft_time(seq, share, proposed[id(seq)].max_depth)
-                seq.drafted_before = True
+        proposed: dict[int, DraftTree] = {}
+        for method, group in self._by_method(batch).items():
+            ctl = self.controllers[method]
+            drafting = [s for s in group if ctl is None or ctl.wants_draft(s)]
+            if not drafting:
+                continue
+            t = time.perf_counter()
+            proposed.update(zip(map(id, drafting), self.drafters[method].propose(drafting), strict=True))
+            if ctl is not None:
+                share = (time.perf_counter() - t) / len(drafting)
+                for seq in drafting:
+                    # A sequence's first drafting step also pays one-off costs (its drafter state's buffers,
+                    # kernels set up for new shapes, lazily built matrices): counted, they read as the cost of every
+                    # step and kept the controller on plain decoding until probes had decayed them (~30 steps for
+                    # DeLS).
+                    if seq.drafted_before:
+                        ctl.note_draft_time(seq, share, proposed[id(seq)].max_depth)
+                    seq.drafted_before = True
         trees = []
         for seq in batch:
+            ctl = self.controllers[seq.method]
             tree = proposed.get(id(seq))
-            if tree is None:  # the controller keeps this sequence on plain decoding until its next probe
-                ctl.skip(seq)
+            if tree is None:  # plain decoding, or the controller keeps this sequence plain until its next probe
+                if ctl is not None:
+                    ctl.skip(seq)
                 tree = DraftTree.root_only(seq.root)
             elif ctl is not None:
-                tree = ctl.size(seq, tree, len(batch))
+                tree = ctl.size(seq, tree, len(batch))  # priced at the step's whole batch, every method's
             trees.append(tree)
         t1 = time.perf_counter()
         segments = []
@@ -256,7 +306,7 @@ class SpecEngine:
             if len(seg.tokens) < len(tree):
                 tree = DraftTree(seg.tokens, tree.parents[: len(seg.tokens)])
             result = accept(tree, lg, seq.tokens, seq.params, seq.generator)
-            if ctl is not None:
+            if (ctl := self.controllers[seq.method]) is not None:
                 ctl.observe(seq, tree, result)
             start = seq.committed
             self._hidden(seq, start, j, result.path)
@@ -268,7 +318,7 @@ class SpecEngine:
                 if seq.committed + 1 >= self.capacity:
                     seq.finish("length")
                 else:
-                    self.drafter.commit(seq, result)
+                    self._drafter(seq).commit(seq, result)
             events.append(Event(seq, new, self._release(seq), len(tree) - 1, accepted, len(batch)))
         t2 = time.perf_counter()
         for seq in batch:
@@ -276,14 +326,22 @@ class SpecEngine:
             seq.stats.verify_time += t2 - t1
         return events
 
+    @staticmethod
+    def _by_method(batch: list[Sequence]) -> dict[str, list[Sequence]]:
+        groups: dict[str, list[Sequence]] = {}
+        for seq in batch:
+            groups.setdefault(seq.method, []).append(seq)
+        return groups
+
     def _forward(self, segments: list[Segment]) -> list[torch.Tensor | None]:
         self.target.capture_layers = self._capture
         return self.target(segments, self.cache)
 
     def _hidden(self, seq: Sequence, start: int, index: int, kept: list[int]) -> None:
         """Hand the drafter the target's hidden states of the tokens just committed (if it reads them)."""
-        if self._capture:
-            self.drafter.observe_hidden(seq, start, self.target.captured[index], kept)
+        drafter = self._drafter(seq)
+        if getattr(drafter, "hidden_layers", ()):
+            drafter.observe_hidden(seq, start, self.target.captured[index], kept)
 
     def _append(self, seq: Sequence, tokens: list[int]) -> list[int]:
         """Append accepted tokens up to the one where plain decoding ends the output: EOS, the max_new_tokens-th
@@ -314,22 +372,28 @@ class SpecEngine:
     def _retire(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
-            self.drafter.release(seq)
+            self._drafter(seq).release(seq)
             self.cache.release(seq.slot)
 
     # --- conveniences ---------------------------------------------------------------------------
-    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[Event]:
+    def generate(self, prompt_ids: list[int], params: SamplingParams, method: str | None = None) -> Iterator[Event]:
         """Stream the events of one request (other queued requests advance too)."""
-        seq = self.add_request(prompt_ids, params)
+        seq = self.add_request(prompt_ids, params, method=method)
         while not seq.finished:
             for ev in self.step():
                 if ev.seq is seq:
                     yield ev
 
-    def run(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
-        """Run several requests to completion as one continuous batch."""
+    def run(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        method: str | list[str] | None = None,
+    ) -> list[Sequence]:
+        """Run several requests to completion as one continuous batch (`method`: one for all, or one each)."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        mlist = method if isinstance(method, list) else [method] * len(prompts)
+        seqs = [self.add_request(p, sp, method=m) for p, sp, m in zip(prompts, plist, mlist, strict=True)]
         while self.has_work:
             self.step()
         return seqs

@@ -10,9 +10,64 @@ from __future__ import annotations
 
 import torch
 
+GIB = 1 << 30
+
 
 class CacheFullError(RuntimeError):
     """Raised when a sequence would exceed its slot's capacity."""
+
+
+class ContextCapacityError(ValueError):
+    """A context capacity the model or the machine cannot hold (the message names the numbers)."""
+
+
+def kv_bytes_per_token(args, dtype: torch.dtype) -> int:
+    """K and V of one token in every layer: 2 x layers x KV heads x head dim x the dtype's size."""
+    return 2 * args.n_layers * args.n_kv_heads * args.head_dim * dtype.itemsize
+
+
+def available_memory(device: str | torch.device = "cpu") -> int:
+    """Bytes that can still be allocated: free GPU memory, or the host's MemAvailable."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        import psutil
+    except ImportError:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError("cannot tell the available memory: no psutil and no MemAvailable in /proc/meminfo") from None
+    return int(psutil.virtual_memory().available)
+
+
+def context_capacity(
+    args, requested: int | None = None, *, max_batch: int, dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> int:
+    """The KV capacity per sequence: the model's own window (`args.max_position`), or `requested` as a cap
+    (2..window). Raises ContextCapacityError if it is out of range, or if the K/V of `max_batch` sequences at that
+    capacity (every KV slot the caller will allocate) does not fit in the memory available on `device`."""
+    window = args.max_position
+    if requested is None:
+        capacity = window
+    elif isinstance(requested, bool) or not isinstance(requested, int) or not 2 <= requested <= window:
+        raise ContextCapacityError(
+            f"max_context must be an integer in [2, {window}] (the model's context window), got {requested!r}"
+        )
+    else:
+        capacity = requested
+    per_token = kv_bytes_per_token(args, dtype)
+    need = per_token * capacity * max_batch
+    free = available_memory(device)
+    if need > free:
+        raise ContextCapacityError(
+            f"the KV cache of {max_batch} sequence slot(s) x {capacity} tokens needs {need / GIB:.2f} GiB "
+            f"({per_token} bytes per token: 2 x {args.n_layers} layers x {args.n_kv_heads} KV heads x "
+            f"{args.head_dim} x {dtype.itemsize} bytes) but {free / GIB:.2f} GiB is available: "
+            "lower max_context (--max-context), max_batch or the number of methods served"
+        )
+    return capacity
 
 
 class KVCache:
@@ -61,7 +116,12 @@ class KVCache:
         self._free.append(slot)
 
     def slot_bytes(self) -> int:
-        return 2 * self.n_layers * self.n_kv_heads * self.capacity * self.head_dim * self.dtype.itemsize
+        return kv_bytes_per_token(self, self.dtype) * self.capacity
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K/V allocated for all slots."""
+        return self._k.nbytes + self._v.nbytes
 
     # --- access ------------------------------------------------------------------------
     def layer(self, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

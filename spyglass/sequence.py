@@ -108,6 +108,7 @@ class Sequence:
         self.finished = False
         self.finish_reason: str | None = None
         self.stats = SeqStats()
+        self.method = "default"  # which of the engine's drafters serves it (SpecEngine.add_request sets it)
         self.drafter_state: object = None  # owned by the drafter
         self.text_stream: TextStream | None = None  # the output's text as it grows (set by an engine with a tokenizer)
         self.control: object = None  # owned by the engine's speculation controller

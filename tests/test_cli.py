@@ -25,6 +25,8 @@ SMALL = ["--max-new-tokens", "4"]
         (["generate", "--prompt", "   ", *SMALL], "prompt is empty"),
         (["generate", "--prompt", "hi", "--model", "/nonexistent/model", *SMALL], "/nonexistent/model"),
         (["generate", "--prompt", "hi", "--method", "small-lm", *SMALL], "needs a draft model"),
+        (["generate", "--prompt", "hi", "--max-context", "1", *SMALL], "in [2, 8192] (the model's context window)"),
+        (["generate", "--prompt", "hi", "--max-context", "8193", *SMALL], "in [2, 8192] (the model's context window)"),
         (
             ["generate", "--prompt", "hi", "--method", "small-lm", "--draft-model", "/nonexistent/d", *SMALL],
             "/nonexistent/d",

@@ -206,7 +206,7 @@ def test_greedy_identity_batch4_with_controller(tiny_target):
 def test_a_drafter_slower_than_its_gain_is_dropped():
     """Right half the time but costing a whole step to draft: plain decoding is faster, so the controller stops
     running the drafter until a probe. The tree already drafted is still verified where that pays by itself
-    (its drafting is spent; verifying is free on this curve); before session 22's `marginal` rule it was not."""
+    (its drafting is spent; verifying is free on this curve); without the `marginal` rule it was not."""
     tree = DraftTree.chain(5, [1, 2], scores=[1.0, 0.5, 0.25])
     for marginal, kept in ((True, 3), (False, 1)):
         ctl = SpeculationController(CostCurve.linear(1.0, 0.0))

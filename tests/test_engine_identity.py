@@ -12,7 +12,7 @@ from spyglass.drafters.small_lm import SmallLMDrafter, truncated_draft
 from spyglass.drafters.streaming import StreamingDrafter
 from spyglass.drafters.suffix import SuffixDrafter
 from spyglass.drafters.tokenswift import build_tokenswift
-from spyglass.engine import EngineConfig, SpecEngine, plain_generate
+from spyglass.engine import EngineConfig, RequestError, SpecEngine, plain_generate
 from spyglass.models.llama import load_transformer
 from spyglass.sampling import SamplingParams
 from tests.tiny import free_tokens_curve, layer_copy_draft, make_prompts, trained_tiny, with_copy_head
@@ -106,6 +106,31 @@ def test_greedy_identity_with_penalties(llama_target, params):
     logic, so on the Llama model only, and at batch 4, where drafted and committed tokens of several sequences
     mix: the suite's time goes where it buys coverage)."""
     check_identity(llama_target, params, batches=(4,))
+
+
+def test_one_engine_serves_every_method_in_one_batch(llama_target):
+    """A replica's engine: every drafter (and plain decoding) over one KV pool, requests of different methods in the
+    same continuous batch and the same target forwards; each output equals plain decoding, and the pool does not
+    grow with the number of methods."""
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    named = {"ar": None, **dict(drafters(llama_target))}
+    prompts = make_prompts(llama_target.args.vocab_size, len(named), seed=3)
+    config = EngineConfig(max_batch=4, max_context=512, controller=free_tokens_curve())
+    engine = SpecEngine(llama_target, config=config, drafters=named)
+    one = SpecEngine(llama_target, config=config, drafters={"ar": None})
+    assert engine.cache.nbytes == one.cache.nbytes
+    methods = list(named)
+    seqs = engine.run(prompts, params, method=methods)
+    for seq, prompt, method in zip(seqs, prompts, methods, strict=True):
+        assert seq.method == method
+        assert seq.output_ids == plain_generate(llama_target, prompt, params), f"{method} differs in a mixed batch"
+        assert max(seq.stats.batch_sizes) == 4, f"{method} never shared a forward"
+    assert max(s.stats.summary(s.num_generated)["tau"] for s in seqs) > 1.0
+    assert engine.cache.free_slots == 4, "KV slots leaked"
+    with pytest.raises(RequestError, match="not served"):
+        engine.add_request(prompts[0], params, method="no-such-method")
+    with pytest.raises(ValueError, match="either one drafter"):
+        SpecEngine(llama_target, NgramDrafter(), config, drafters={"ar": None})
 
 
 def test_plain_engine_equals_reference(tiny_target):

@@ -65,11 +65,11 @@ def test_cli_json_text_has_no_special_tokens():
 @pytest.mark.slow
 def test_verifier_stream_has_no_special_tokens():
     """The serving path: streamed deltas and the final text agree and carry no special tokens."""
-    from services.verifier import EngineLoop, VerifierConfig, build_engines
+    from services.verifier import EngineLoop, VerifierConfig, build_engine
 
     cfg = VerifierConfig(methods=["ngram"], max_batch=1, max_context=1024, threads=1)
-    engines, tok, _ = build_engines(cfg)
-    loop = EngineLoop(engines, tok, cfg, name="first-run")
+    engine, tok, _ = build_engine(cfg)
+    loop = EngineLoop(engine, tok, cfg, name="first-run")
 
     async def run():
         return [item async for item in loop.generate({"prompt": SHORT_ANSWER_PROMPT, "max_new_tokens": 48})]
@@ -80,7 +80,7 @@ def test_verifier_stream_has_no_special_tokens():
         loop.stop(drain_timeout_s=1.0)
     final = items[-1]
     assert final.get("final") and final["finish_reason"] == "stop", final
-    assert final["output_ids"][-1] in engines["ngram"].eos_ids
+    assert final["output_ids"][-1] in engine.eos_ids
     streamed = "".join(item.get("text", "") for item in items)
     assert streamed == final["full_text"]
     assert streamed.strip() and not SPECIAL.search(streamed), streamed

@@ -193,7 +193,7 @@ class TestLoopback:
         assert_not_reachable(outside, stack[1])
 
     def test_cluster_nodes_on_loopback(self, stack, ray_cluster):
-        # Ray reads the loopback switch when imported; set later, the node registered on eth0 (sessions 18-19).
+        # Ray reads the loopback switch when imported; set later, the node registered on eth0.
         assert {n["NodeManagerAddress"] for n in ray_cluster.nodes() if n["Alive"]} == {"127.0.0.1"}
 
 

@@ -806,6 +806,19 @@ def test_serve_config_names_existing_code(files):
     assert serve_code_problems(local_serve_config(), gpus=False) == []
 
 
+def test_qwen_serve_config_is_the_local_one_with_another_verifier():
+    """infra/serve_config_qwen.yaml (Qwen2.5-Coder-0.5B at its 32K window) is valid and differs from
+    infra/serve_config.yaml only in the verifier's model, methods and KV slots."""
+    qwen = yaml.safe_load((INFRA / "serve_config_qwen.yaml").read_text())
+    assert serve_schema_problems(qwen) == []
+    assert serve_code_problems(qwen, gpus=False) == []
+    verifier = "applications.0.args.verifier"
+    differing = {d.split(":")[0] for d in diff(qwen, local_serve_config())}
+    assert differing == {f"{verifier}.model", f"{verifier}.methods", f"{verifier}.max_batch"}
+    assert get_path(qwen, f"{verifier}.model") == (True, "qwen2.5-coder-0.5b")
+    assert get_path(qwen, f"{verifier}.max_context") == (True, None)  # the model's window
+
+
 @pytest.mark.parametrize(
     "path,value",
     [

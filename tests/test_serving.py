@@ -94,11 +94,11 @@ def test_engine_loop_graceful_shutdown_finishes_short_and_aborts_long_requests()
     """The verifier core without Ray: stop() lets live sequences finish for a while, then aborts the rest."""
     import threading
 
-    from services.verifier import EngineLoop, VerifierConfig, build_engines
+    from services.verifier import EngineLoop, VerifierConfig, build_engine
 
     cfg = VerifierConfig(methods=["ngram"], max_batch=2, max_context=4096, threads=1)
-    engines, tok, _ = build_engines(cfg)
-    loop = EngineLoop(engines, tok, cfg, name="t")
+    engine, tok, _ = build_engine(cfg)
+    loop = EngineLoop(engine, tok, cfg, name="t")
     stopper = threading.Thread(target=loop.stop, kwargs={"drain_timeout_s": 8.0})
 
     async def run(rid: str, n: int, out: list):
@@ -118,7 +118,7 @@ def test_engine_loop_graceful_shutdown_finishes_short_and_aborts_long_requests()
     stopper.join(timeout=60)
     assert short[-1]["final"] and short[-1]["finish_reason"] == "length"
     assert long[-1]["final"] and long[-1]["finish_reason"] == "abort"
-    assert not loop._thread.is_alive() and engines["ngram"].cache.free_slots == 2
+    assert not loop._thread.is_alive() and engine.cache.free_slots == 2
 
     async def after():
         return [item async for item in loop.generate({"prompt": "hi", "max_new_tokens": 4})]
@@ -140,9 +140,9 @@ def test_the_replica_times_its_cost_curve_with_the_threads_it_decodes_with():
         config = {"methods": ["ngram"], "max_batch": 1, "max_context": 1024, "threads": 2, "warmup_prompt_tokens": 0}
         verifier = Verifier.func_or_class(config)  # the deployment's class, built in process
         try:
-            engine = verifier.loop.engines["ngram"]
-            assert torch.get_num_threads() == 1  # the engines were built on the loop's thread, at its count
-            torch.set_num_threads(2)  # so the curve they use is the one measured with 2 threads
+            engine = verifier.loop.engine
+            assert torch.get_num_threads() == 1  # the engine was built on the loop's thread, at its count
+            torch.set_num_threads(2)  # so the curve it uses is the one measured with 2 threads
             assert engine.controller.curve is measured_curve(engine.target, engine.cache)
         finally:
             verifier.loop.stop(drain_timeout_s=1.0)
@@ -150,25 +150,25 @@ def test_the_replica_times_its_cost_curve_with_the_threads_it_decodes_with():
         torch.set_num_threads(before)
 
 
-def test_engine_loop_builds_its_engines_on_its_own_thread_and_raises_what_setup_raised():
+def test_engine_loop_builds_its_engine_on_its_own_thread_and_raises_what_setup_raised():
     """Every torch computation of a replica runs on the loop's thread (a second OpenMP team in the process slowed
     each decode step by 10-15%); a setup that fails fails the constructor with its own error; a final-only request
     gets one item with the whole output."""
     import threading
 
-    from services.verifier import EngineLoop, VerifierConfig, build_engines
+    from services.verifier import EngineLoop, VerifierConfig, build_engine
 
     cfg = VerifierConfig(methods=["ngram"], max_batch=1, max_context=1024, threads=1)
     ran_on = []
 
     def setup():
         ran_on.append(threading.current_thread())
-        engines, tok, _ = build_engines(cfg)
-        return engines, tok
+        engine, tok, _ = build_engine(cfg)
+        return engine, tok
 
     loop = EngineLoop(None, None, cfg, name="t", setup=setup)
     try:
-        assert ran_on == [loop._thread] and list(loop.engines) == ["ngram"] and loop.health()["alive"]
+        assert ran_on == [loop._thread] and loop.methods == ["ngram"] and loop.health()["alive"]
         streamed = asyncio.run(_collect(loop, {"prompt": PROMPTS[0], "max_new_tokens": 6}))
         assert streamed[-1]["final"] and streamed[-1]["finish_reason"] == "length" and len(streamed) > 2
         # a unary request (GenerateOnce) gets the final item alone, carrying the whole output
@@ -183,7 +183,7 @@ def test_engine_loop_builds_its_engines_on_its_own_thread_and_raises_what_setup_
 
     with pytest.raises(ValueError, match="no such model"):
         EngineLoop(None, None, cfg, name="broken", setup=broken)
-    with pytest.raises(ValueError, match="either engines or a setup"):
+    with pytest.raises(ValueError, match="either an engine or a setup"):
         EngineLoop(None, None, cfg)
 
 
@@ -278,7 +278,7 @@ def test_health_and_model_info(client):
     health = client.health()
     assert health["status"] == "ok"
     (rep,) = health["replicas"]
-    assert rep["name"] == "verifier-0" and rep["total_kv_slots"] == len(SERVED_METHODS) * MAX_BATCH
+    assert rep["name"] == "verifier-0" and rep["total_kv_slots"] == MAX_BATCH  # one pool, whatever the methods
 
 
 def test_stream_and_unary_equal_engine_and_plain_decoding(client, reference):
@@ -388,6 +388,27 @@ def test_four_concurrent_streams_share_verifier_batches(grpc_address, reference)
         assert final.stats["mean_batch_size"] > 1.0, final.stats
         assert [t for c in chunks for t in c.token_ids] == reference["plain"](text, n, ignore_eos=True)
     assert max(c.batch_size for chunks in results for c in chunks) == MAX_BATCH
+
+
+def test_four_methods_share_one_batch(grpc_address, reference):
+    """Four concurrent requests with four different methods run in the replica's one engine: they share target
+    forwards (batch size above 1) and each output equals plain decoding."""
+    n = 16
+    methods = ["ar", "suffix", "longspec-span", "dflash-dels-span"]
+
+    async def one(c: AsyncClient, text: str, method: str):
+        return [ch async for ch in c.generate(text, max_new_tokens=n, ignore_eos=True, method=method)]
+
+    async def main():
+        async with AsyncClient(grpc_address, timeout=180) as c:
+            return await asyncio.gather(*(one(c, t, m) for t, m in zip(PROMPTS, methods, strict=True)))
+
+    results = asyncio.run(main())
+    for text, method, chunks in zip(PROMPTS, methods, results, strict=True):
+        final = chunks[-1]
+        assert final.stats["method"] == method and final.stats["mean_batch_size"] > 1.0, final.stats
+        assert [t for c in chunks for t in c.token_ids] == reference["plain"](text, n, ignore_eos=True), method
+    assert max(c.batch_size for chunks in results for c in chunks) == len(methods)
 
 
 @pytest.mark.parametrize("method", ["", "tokenswift"], ids=["default", "tokenswift"])  # tokenswift: a partial KV

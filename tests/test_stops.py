@@ -309,7 +309,8 @@ def test_streaming_4096_tokens_decodes_linearly(long_tiny, tiny_tok):
     tok = CountingTokenizer(tiny_tok)
     cfg = VerifierConfig(methods=["suffix"], max_batch=1, max_context=n + 256, max_new_tokens_limit=n, threads=1)
     econf = EngineConfig(max_batch=1, max_context=n + 256, controller=free_tokens_curve())
-    loop = EngineLoop({"suffix": SpecEngine(long_tiny, SuffixDrafter(), econf, tok)}, tok, cfg, name="t")
+    engine = SpecEngine(long_tiny, config=econf, tokenizer=tok, drafters={"suffix": SuffixDrafter()})
+    loop = EngineLoop(engine, tok, cfg)
     prompt = make_prompts(long_tiny.args.vocab_size, 2, seed=3)[1]
     req = {"prompt_token_ids": prompt, "max_new_tokens": n, "ignore_eos": True, "stop": ["~~"]}  # '~' is no token
 

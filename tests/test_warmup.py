@@ -15,29 +15,26 @@ from spyglass.engine import EngineConfig, SpecEngine, plain_generate
 from spyglass.sampling import SamplingParams
 
 
-def test_warm_up_runs_every_engine_and_leaves_no_trace(smollm2, redis_server):
+def test_warm_up_runs_every_method_and_leaves_no_trace(smollm2, redis_server):
     model, tok = smollm2
     r = redis.Redis.from_url(redis_server.url)
     r.flushdb()
     cache = ContextCache(redis_server.url, "warmup-test", block_size=64, async_writes=False)
     cfg = VerifierConfig(methods=["ngram", "ar"], max_batch=2, max_context=1024, prefill_chunk=128)
     econf = EngineConfig(max_batch=2, max_context=1024, prefill_chunk=128, controller=CostCurve.linear())
-    engines = {
-        m: SpecEngine(model, build_drafter(m, model, max_batch=2, max_context=1024), econf, tok, context_cache=cache)
-        for m in cfg.methods
-    }
-    report = warm_up(engines, tok, cfg, prompt_tokens=200)
+    drafters = {m: build_drafter(m, model, max_batch=2, max_context=1024) for m in cfg.methods}
+    engine = SpecEngine(model, config=econf, tokenizer=tok, context_cache=cache, drafters=drafters)
+    report = warm_up(engine, tok, cfg, prompt_tokens=200)
     assert set(report["methods"]) == {"ngram", "ar"} and report["seconds"] > 0
-    for m, rep in report["methods"].items():  # the first engine prefills the full prompt, later ones a quarter
+    for m, rep in report["methods"].items():  # the first method prefills the full prompt, later ones a quarter
         first = m == "ngram"
         assert rep["prompt_tokens"][0] == (200 if first else 50), (m, rep)
         assert rep["generated"] == ([24, 24] if first else [12, 12]), (m, rep)
-        eng = engines[m]
-        assert not eng.has_work and eng.cache.free_slots == eng.cache.max_slots
-        assert eng.context_cache is cache  # re-attached after the warm-up
+    assert not engine.has_work and engine.cache.free_slots == engine.cache.max_slots
+    assert engine.context_cache is cache  # re-attached after the warm-up
     assert r.dbsize() == 0  # the synthetic prompt never reached Redis
     # the first real request after warm-up: greedy output equals plain decoding
     ids = encode_prompt(tok, "List the days of the week, one per line.", raw=False)
     params = SamplingParams(max_new_tokens=12)
-    (seq,) = engines["ngram"].run([ids], params)
+    (seq,) = engine.run([ids], params, method="ngram")
     assert seq.output_ids == plain_generate(model, ids, params)

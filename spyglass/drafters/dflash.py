@@ -58,7 +58,7 @@ DEFAULT_DELS = PACKAGED / "smollm2-135m-dels"
 # DFlash's copy head spreads its mass thinly (its largest single copy weight is ~0.012-0.016 along the dev prompts'
 # outputs, against LongSpec's ~0.04-0.05), so a drafted token starts a span as soon as its top places hold this much
 # (the span's source is then chosen among them by agreement with the text before). Swept on the 9 dev prompts (eval
-# split, never benchmark prompts; 192 tokens, v9 + DeLS, two runs, session 29): mean speedup 1.28x at 0.1 (LongSpec's
+# split, never benchmark prompts; 192 tokens, v9 + DeLS, two runs): mean speedup 1.28x at 0.1 (LongSpec's
 # SPAN_MASS), 1.39x at 0.03, 1.45x at 0.01, 1.47x at 0.003, 1.54x at 0.0005; n-gram drafting 1.96-2.02x.
 DFLASH_SPAN_MASS = 5e-4
 

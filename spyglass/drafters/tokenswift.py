@@ -20,7 +20,7 @@ where the weights, not the KV cache, dominate a step) only the lookups propose, 
 the table's most frequent n-grams that start at the root itself. Where the context lookup's best next token is
 likely (score >= `confident`), a step skips the pass too: the heads' few candidates rarely pay for it there. The
 table is keyed by one token, so in recited text its most frequent n-gram is often not the one that follows here;
-the context lookup matches as many tokens as repeat (session 32: chaining the table made 1.56x on Qwen's 12K run
+the context lookup matches as many tokens as repeat (chaining the table alone made 1.56x on Qwen's 12K run
 where n-gram drafting made 3.32x).
 With `sampled_chain`, sampled requests get a chain instead: one token per depth drawn from p_0..p_3 under the
 request's sampling parameters (the penalty seeing the tokens drawn before), handed to the verifier with those

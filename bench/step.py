@@ -4,11 +4,14 @@ One process, the default model (SmolLM2-135M, fp32), the contenders interleaved 
 - decode: one token at 2K and 6K context; ms per step, and bandwidth achieved = (weight + KV bytes read) / step time
   against this machine's read bandwidth, measured in the same run (a reduction over 1 GiB, every thread);
 - verify: a chain of 4 and of 16 drafted tokens at 2K (the hybrid tree attention's path);
-- prefill: a 2K prompt in chunks of 512 and of 2048; tok/s and FLOP/s against an fp32 matmul peak measured here.
+- prefill: a 2K prompt in chunks of 512 and of 2048; tok/s and FLOP/s against an fp32 matmul peak measured here;
+- prefill attention: one layer's attention for a 512-token causal chunk after 0, 2K and 6K committed tokens, the
+  kernels' tile_attention vs ATen's flash attention (the torch path), in GFLOP/s.
 Figures (bench/results/step.json): `decode_native_vs_torch_2k/_6k`, `verify4_native_vs_torch`,
-`decode_bandwidth_fraction_2k`, `prefill_flops_fraction`, `prefill_chunk_2048_vs_512`.
+`decode_bandwidth_fraction_2k`, `prefill_flops_fraction`, `prefill_chunk_2048_vs_512`,
+`chunk_attention_tile_vs_flash_0/_2k/_6k`, `chunk_attention_tile_gflops_2k`.
 
-    python bench/step.py [--repeats 15] [--threads 2]
+    python bench/step.py [--repeats 15] [--threads 2] [--attention-only]
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import RESULTS_DIR, median, plot_panels, time_interleaved, wait_for_quiet, write_results  # noqa: E402
 from kernels import cpu as cpu_kernels  # noqa: E402
+from spyglass.attention import tree_attention  # noqa: E402
 from spyglass.models.llama import Block, Segment, load_transformer  # noqa: E402
 from spyglass.models.loader import resolve_model  # noqa: E402
 
@@ -76,15 +80,55 @@ def prefill_flops(model, tokens: int) -> float:
     return per_token * tokens + attn
 
 
+def attention_flops(a, n: int, start: int) -> float:
+    """FLOPs of one layer's causal attention for n new tokens after `start` committed ones (QK^T and PV)."""
+    return 4 * a.n_heads * a.head_dim * (n * start + n * (n + 1) / 2)
+
+
+def chunk_attention(a, repeats: int, n: int = 512) -> dict:
+    """One layer's attention for a causal prefill chunk of n tokens over 0, 2K and 6K committed keys (random, the
+    model's head shapes): the kernels' tile_attention vs ATen's flash attention (`tree_attention`, backend "cpu",
+    what the torch path runs), interleaved; median ms and GFLOP/s per contender."""
+    ops = cpu_kernels.native()
+    g = torch.Generator().manual_seed(1)
+    scale = a.head_dim**-0.5
+    out = {}
+    for start in (0, 2048, 6144):
+        k, v = (torch.randn(a.n_kv_heads, start + n, a.head_dim, generator=g) for _ in range(2))
+        q = torch.randn(a.n_heads, n, a.head_dim, generator=g)
+        r = time_interleaved(
+            {
+                "tile": lambda q=q, k=k, v=v, s=start: ops.tile_attention(q, k, v, s, None, scale),
+                "flash": lambda q=q, k=k, v=v, s=start: tree_attention(
+                    q, k[:, :s], v[:, :s], k[:, s:], v[:, s:], None, scale, backend="cpu"
+                ),
+            },
+            repeats=repeats,
+            warmup=2,
+        )
+        for who in r:
+            r[who]["gflops"] = attention_flops(a, n, start) / (r[who]["median_ms"] / 1e3) / 1e9
+        out[start] = r
+        print(
+            f"attention, {n}-token causal chunk at {start}: tile_attention {r['tile']['gflops']:.0f} GFLOP/s, "
+            f"ATen flash {r['flash']['gflops']:.0f} GFLOP/s"
+        )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--name", default="step")
+    ap.add_argument("--attention-only", action="store_true", help="only the prefill attention part; writes nothing")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if cpu_kernels.native() is None:
         raise SystemExit("the CPU kernels did not build here (see the warning above): nothing to compare")
+    if args.attention_only:
+        chunk_attention(load_transformer(resolve_model(None).path).args, args.repeats)
+        return
     quiet = wait_for_quiet(timeout_s=300)
     model = load_transformer(resolve_model(None).path)
     a = model.args
@@ -150,6 +194,8 @@ def main() -> None:
     )
     Block.native = True
     raw["prefill_2048"] = pf
+    attn = chunk_attention(a, args.repeats)
+    raw["chunk_attention_512"] = attn
     best = min(pf["native_512"]["median_ms"], pf["native_2048"]["median_ms"]) / 1e3
     gflops = prefill_flops(model, 2048) / best / 1e9
     print({k: round(v["median_ms"]) for k, v in pf.items()}, f"prefill {gflops:.0f} GFLOP/s ({gflops / peak:.0%})")
@@ -165,6 +211,10 @@ def main() -> None:
         "prefill_chunk_2048_vs_512": pf["native_512"]["median_ms"] / pf["native_2048"]["median_ms"],
         "prefill_native_vs_torch": pf["torch_512"]["median_ms"] / pf["native_512"]["median_ms"],
         "prefill_flops_fraction": gflops / peak,
+        "chunk_attention_tile_vs_flash_0": attn[0]["flash"]["median_ms"] / attn[0]["tile"]["median_ms"],
+        "chunk_attention_tile_vs_flash_2k": attn[2048]["flash"]["median_ms"] / attn[2048]["tile"]["median_ms"],
+        "chunk_attention_tile_vs_flash_6k": attn[6144]["flash"]["median_ms"] / attn[6144]["tile"]["median_ms"],
+        "chunk_attention_tile_gflops_2k": attn[2048]["tile"]["gflops"],
         "read_bandwidth_gbs": bw,
     }
     figures = {k: round(v, 3) for k, v in figures.items()}

@@ -16,15 +16,18 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 constexpr int V = 16;  // accumulator lanes: one AVX-512 register of fp32
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Sum of a[i] * b[i] over n, in 16 lanes then a fixed tree: the same order for every call.
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
@@ -39,14 +42,47 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
   return s;
 }
 
+// A native vector of fp32 for the tiled kernels: GCC vector types, so one source builds for AVX-512 (16 lanes), AVX2
+// (8) or anything else the compiler splits them for. Loads and stores go through memcpy: no alignment assumed.
+#if defined(__AVX512F__)
+constexpr int L = 16;
+#else
+constexpr int L = 8;
+#endif
+typedef float vfloat __attribute__((vector_size(L * sizeof(float))));
+typedef int32_t vint __attribute__((vector_size(L * sizeof(int32_t))));
+
+inline vfloat vload(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void vstore(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
+
+// The few operations exp_nonpos needs, for a float and for a vector of them.
+template <typename F>
+inline F splat(float x) {
+  if constexpr (std::is_same_v<F, float>)
+    return x;
+  else
+    return F{} + x;
+}
+inline float vmax(float a, float b) { return std::max(a, b); }
+inline vfloat vmax(vfloat a, vfloat b) { return a < b ? b : a; }
+inline int32_t to_int(float x) { return static_cast<int32_t>(x); }  // truncation, as the vector conversion
+inline vint to_int(vfloat x) { return __builtin_convertvector(x, vint); }
+inline float to_float(int32_t x) { return static_cast<float>(x); }
+inline vfloat to_float(vint x) { return __builtin_convertvector(x, vfloat); }
+
 // exp for x <= 0 (softmax after subtracting the max): 2^n * e^r, |r| <= ln2/2, degree-7 Taylor (rel. error < 1e-8
-// before rounding), written so the compiler vectorises a loop of it.
-inline float exp_nonpos(float x) {
-  x = std::max(x, -87.0f);
-  const int32_t ni = static_cast<int32_t>(x * 1.44269504088896341f - 0.5f);  // nearest integer (x <= 0): no floor,
-  const float n = static_cast<float>(ni);                                    // which would not vectorise
-  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  float p = 1.0f / 5040.0f;
+// before rounding), for a float (written so the compiler vectorises a loop of it) or a vector of floats.
+template <typename F>
+inline F exp_nonpos(F x) {
+  x = vmax(x, splat<F>(-87.0f));
+  const auto ni = to_int(x * 1.44269504088896341f - 0.5f);  // nearest integer (x <= 0): no floor, which would not
+  const F n = to_float(ni);                                   // vectorise
+  const F r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  F p = splat<F>(1.0f / 5040.0f);
   p = p * r + 1.0f / 720.0f;
   p = p * r + 1.0f / 120.0f;
   p = p * r + 1.0f / 24.0f;
@@ -54,14 +90,47 @@ inline float exp_nonpos(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  const int32_t bits = (ni + 127) << 23;
-  float scale;
+  const auto bits = (ni + 127) << 23;
+  F scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
 }
 
 void check_f32(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, name, " must be a CPU float32 tensor");
+}
+
+// The shapes of an attention call over one layer's cache (cache_attention, tile_attention), checked: q [H, n, D]
+// (made contiguous), k_cache / v_cache [Hkv, capacity, D] with contiguous rows, positions start..start+n inside the
+// capacity, mask [n, n] (made bool and contiguous) or none.
+struct CacheCall {
+  torch::Tensor q, mask;
+  int64_t H, n, D, hkv, g;
+  const bool* mp;  // the mask's entries, or nullptr (causal)
+};
+
+CacheCall check_cache_call(const char* who, const torch::Tensor& q, const torch::Tensor& k_cache,
+                           const torch::Tensor& v_cache, int64_t start, const c10::optional<torch::Tensor>& mask) {
+  check_f32(q, "q");
+  check_f32(k_cache, "k_cache");
+  check_f32(v_cache, "v_cache");
+  TORCH_CHECK(q.dim() == 3, who, ": q must be [heads, n, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), who,
+              ": k_cache and v_cache must both be [kv_heads, capacity, head_dim]");
+  CacheCall c{q.contiguous(), {}, q.size(0), q.size(1), q.size(2), k_cache.size(0), 0, nullptr};
+  TORCH_CHECK(c.hkv > 0 && c.H % c.hkv == 0 && k_cache.size(2) == c.D, who, ": head shapes do not match");
+  c.g = c.H / c.hkv;
+  TORCH_CHECK(c.n >= 1 && start >= 0 && start + c.n <= k_cache.size(1), who, ": positions ", start, "..", start + c.n,
+              " out of range");
+  TORCH_CHECK(k_cache.stride(2) == 1 && k_cache.stride(1) == c.D && v_cache.stride(2) == 1 &&
+                  v_cache.stride(1) == c.D,
+              who, ": cache rows must be contiguous");
+  if (mask.has_value()) {
+    c.mask = mask->to(torch::kBool).contiguous();
+    TORCH_CHECK(c.mask.dim() == 2 && c.mask.size(0) == c.n && c.mask.size(1) == c.n, who, ": mask must be [n, n]");
+    c.mp = c.mask.data_ptr<bool>();
+  }
+  return c;
 }
 
 }  // namespace
@@ -166,7 +235,6 @@ torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
 template <typename Visible>
 static void attend_chunk(const float* Q, const float* K, const float* Vv, int64_t R, int64_t D, int64_t len, float sc,
                          int64_t n, int64_t tree_lo, Visible visible, float* s, float* m, float* l, float* o) {
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 #if defined(__AVX512F__)
   if (D % V == 0 && D <= 16 * V) {
     const int64_t nv = D / V;
@@ -250,25 +318,10 @@ static void attend_chunk(const float* Q, const float* K, const float* Vv, int64_
 // exactly. Every row is computed the same way whatever n is. Returns [n, H * D].
 torch::Tensor cache_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, int64_t start,
                               c10::optional<torch::Tensor> mask, double scale) {
-  check_f32(q, "q");
-  check_f32(k_cache, "k_cache");
-  check_f32(v_cache, "v_cache");
-  q = q.contiguous();
-  TORCH_CHECK(q.dim() == 3, "cache_attention: q must be [heads, n, head_dim]");
-  const int64_t H = q.size(0), n = q.size(1), D = q.size(2), hkv = k_cache.size(0), g = H / hkv, R = g * n;
-  const int64_t length = start + n;
-  TORCH_CHECK(H % hkv == 0 && k_cache.size(2) == D, "cache_attention: head shapes do not match");
-  TORCH_CHECK(n >= 1 && start >= 0 && length <= k_cache.size(1), "cache_attention: positions ", start, "..", length,
-              " out of range");
-  TORCH_CHECK(k_cache.stride(2) == 1 && k_cache.stride(1) == D && v_cache.stride(2) == 1 && v_cache.stride(1) == D,
-              "cache_attention: cache rows must be contiguous");
-  torch::Tensor mk;
-  const bool* mp = nullptr;
-  if (mask.has_value()) {
-    mk = mask->to(torch::kBool).contiguous();
-    TORCH_CHECK(mk.dim() == 2 && mk.size(0) == n && mk.size(1) == n, "cache_attention: mask must be [n, n]");
-    mp = mk.data_ptr<bool>();
-  }
+  const CacheCall c = check_cache_call("cache_attention", q, k_cache, v_cache, start, mask);
+  q = c.q;
+  const int64_t H = c.H, n = c.n, D = c.D, hkv = c.hkv, g = c.g, R = g * n, length = start + n;
+  const bool* mp = c.mp;
   constexpr int64_t kChunk = 512;
   const int64_t chunks = (length + kChunk - 1) / kChunk, tasks = hkv * chunks;
   std::vector<float> m(tasks * R), l(tasks * R), o(tasks * R * D);
@@ -314,6 +367,281 @@ torch::Tensor cache_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
       const float inv = 1.0f / total;
       for (int64_t d = 0; d < D; d++) out[d] *= inv;
     }
+  return y;
+}
+
+// ----------------------------------------------------------------------------- tile_attention: a flash kernel
+// For many new tokens (a prefill chunk, a large tree), cache_attention's row-at-a-time dot products leave the FMA
+// units waiting on loads. tile_attention works on register tiles instead: kMR query rows x a block of keys, the
+// block's K transposed into scratch once (so the score tile is FMAs of broadcast q entries into contiguous key
+// vectors) and shared by every query row of the GQA group; an online softmax (running max and sum per row,
+// rescaled as the max grows); then P @ V on the same tile. A row's result depends only on its own query and keys:
+// the key blocks sit at fixed positions (multiples of kNB), every row goes through the same instructions, and a block
+// a row sees nothing of changes nothing for it (its P row is 0 and its scale 1), so a row computes the same bits
+// whatever other rows, tiles or chunks share its call.
+namespace {
+
+constexpr int kMR = 6;               // query rows per register tile
+constexpr int64_t kNB = 64;          // keys per block: a whole number of score tiles in either build
+constexpr int64_t kItemTokens = 96;  // most new tokens per work item (their rows share each packed key block)
+// A score tile is kMR rows x kNV vectors of keys, a P @ V tile kMR rows x kCV vectors of head dims: with AVX-512,
+// 24 accumulators + 4 loaded vectors + 1 broadcast of the 32 registers; with 16 registers (AVX2), 12 + 2 + 1.
+#if defined(__AVX512F__)
+constexpr int kNV = 4, kCV = 4;
+#else
+constexpr int kNV = 2, kCV = 2;
+#endif
+
+inline float hsum(vfloat v) {  // a fixed tree over the lanes
+  float a[L];
+  std::memcpy(a, &v, sizeof(a));
+  for (int w = L / 2; w > 0; w /= 2)
+    for (int j = 0; j < w; j++) a[j] += a[j + w];
+  return a[0];
+}
+
+// S [kMR, NV vectors from j0] = Q [kMR, D] @ Kt [D, kNB] (those columns).
+template <int NV>
+inline void score_tile(const float* Q, const float* Kt, int64_t D, int64_t j0, float* S) {
+  vfloat acc[kMR][NV] = {};
+  for (int64_t d = 0; d < D; d++) {
+    vfloat k[NV];
+    for (int v = 0; v < NV; v++) k[v] = vload(Kt + d * kNB + j0 + v * L);
+    for (int r = 0; r < kMR; r++) {
+      const float x = Q[r * D + d];
+      for (int v = 0; v < NV; v++) acc[r][v] += x * k[v];
+    }
+  }
+  for (int r = 0; r < kMR; r++)
+    for (int v = 0; v < NV; v++) vstore(S + r * kNB + j0 + v * L, acc[r][v]);
+}
+
+// S [kMR, nvec vectors of keys] = Q [kMR, D] @ Kt [D, kNB]: the first nvec * L keys of the block. Each score is the
+// same sum in the same order whatever nvec.
+inline void score_tiles(const float* Q, const float* Kt, int64_t D, int64_t nvec, float* S) {
+  for (int64_t j0 = 0; j0 < nvec * L; j0 += kNV * L) {
+    const int64_t rest = nvec - j0 / L;
+    if (rest >= kNV) {
+      score_tile<kNV>(Q, Kt, D, j0, S);
+      continue;
+    }
+    switch (rest) {  // the diagonal block of a causal chunk: only the keys its rows see
+      case 1: score_tile<1>(Q, Kt, D, j0, S); break;
+#if defined(__AVX512F__)
+      case 2: score_tile<2>(Q, Kt, D, j0, S); break;
+      case 3: score_tile<3>(Q, Kt, D, j0, S); break;
+#endif
+    }
+  }
+}
+
+// One key block of the online softmax for a tile's rows: S holds the scores (hidden keys -inf), m and l the rows'
+// running max and sum. Writes P = e^(S - new max) (0 where hidden) and alpha = e^(old max - new max), the factor of
+// the row's earlier output; a row that sees nothing in the block gets P = 0 and alpha = 1. Covers the first nvec
+// vectors of keys; past them, every row's keys are hidden.
+inline void softmax_tile(const float* S, int64_t nvec, float* P, float* m, float* l, float* alpha) {
+  for (int r = 0; r < kMR; r++) {
+    const float* s = S + r * kNB;
+    float* p = P + r * kNB;
+    vfloat mv = vload(s);
+    for (int64_t j = L; j < nvec * L; j += L) mv = vmax(mv, vload(s + j));
+    float bm = mv[0];
+    for (int u = 1; u < L; u++) bm = std::max(bm, mv[u]);
+    const float mx = std::max(m[r], bm);
+    if (mx == kNegInf) {  // nothing seen yet
+      alpha[r] = 1.0f;
+      std::fill(p, p + nvec * L, 0.0f);
+      continue;
+    }
+    alpha[r] = m[r] == kNegInf ? 0.0f : exp_nonpos(m[r] - mx);
+    vfloat sum = {};
+    for (int64_t j = 0; j < nvec * L; j += L) {
+      const vfloat x = vload(s + j);
+      const vfloat e = x == kNegInf ? vfloat{} : exp_nonpos(x - mx);  // exp_nonpos clamps: hidden must give 0
+      vstore(p + j, e);
+      sum += e;
+    }
+    l[r] = l[r] * alpha[r] + hsum(sum);
+    m[r] = mx;
+  }
+}
+
+// O [kMR, Dp] = O * alpha (per row) + P [kMR, :jn] @ Vb [jn, Dp] (rows ldv apart).
+inline void pv_tile(const float* P, const float* alpha, const float* Vb, int64_t ldv, int64_t jn, int64_t Dp,
+                    float* O) {
+  for (int64_t c0 = 0; c0 < Dp; c0 += kCV * L) {
+    vfloat acc[kMR][kCV];
+    for (int r = 0; r < kMR; r++)
+      for (int v = 0; v < kCV; v++) acc[r][v] = vload(O + r * Dp + c0 + v * L) * alpha[r];
+    for (int64_t j = 0; j < jn; j++) {
+      vfloat x[kCV];
+      for (int v = 0; v < kCV; v++) x[v] = vload(Vb + j * ldv + c0 + v * L);
+      for (int r = 0; r < kMR; r++) {
+        const float p = P[r * kNB + j];
+        for (int v = 0; v < kCV; v++) acc[r][v] += p * x[v];
+      }
+    }
+    for (int r = 0; r < kMR; r++)
+      for (int v = 0; v < kCV; v++) vstore(O + r * Dp + c0 + v * L, acc[r][v]);
+  }
+}
+
+#if defined(__AVX512F__)
+// out[d * ld + j] = in[j * ld_in + d] for 16 keys j x 16 dims d, in registers: pairs of rows interleaved by floats,
+// then by float pairs (each 128-bit lane then holds 4 rows of one column), then the lanes regrouped.
+inline void transpose16(const float* in, int64_t ld_in, float* out, int64_t ld) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(in + i * ld_in);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4)  // r[i + c], lane k: rows i..i+3 of column 4k + c
+    for (int c = 0; c < 4; c += 2) {
+      const __m512d a = _mm512_castps_pd(t[i + c / 2]), b = _mm512_castps_pd(t[i + 2 + c / 2]);
+      r[i + c] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+      r[i + c + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    }
+  for (int c = 0; c < 4; c++) {
+    const __m512 v0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x44), v1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xEE);
+    const __m512 v2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x44);
+    const __m512 v3 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xEE);
+    _mm512_storeu_ps(out + c * ld, _mm512_shuffle_f32x4(v0, v2, 0x88));
+    _mm512_storeu_ps(out + (4 + c) * ld, _mm512_shuffle_f32x4(v0, v2, 0xDD));
+    _mm512_storeu_ps(out + (8 + c) * ld, _mm512_shuffle_f32x4(v1, v3, 0x88));
+    _mm512_storeu_ps(out + (12 + c) * ld, _mm512_shuffle_f32x4(v1, v3, 0xDD));
+  }
+}
+#endif
+
+// Kt [D, kNB] = the block's `valid` keys (rows of K, D apart) transposed, zero past them.
+inline void pack_keys(const float* K, int64_t valid, int64_t D, float* Kt) {
+#if defined(__AVX512F__)
+  if (valid == kNB && D % 16 == 0) {
+    for (int64_t j = 0; j < kNB; j += 16)
+      for (int64_t d = 0; d < D; d += 16) transpose16(K + j * D + d, D, Kt + d * kNB + j, kNB);
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < valid; j++)
+    for (int64_t d = 0; d < D; d++) Kt[d * kNB + j] = K[j * D + d];
+  if (valid < kNB)
+    for (int64_t d = 0; d < D; d++) std::fill(Kt + d * kNB + valid, Kt + (d + 1) * kNB, 0.0f);
+}
+
+}  // namespace
+
+// Attention of n new tokens over one layer's cache: the same call, semantics and result layout as cache_attention
+// ([n, H * D]), computed by the tiled kernel above. Work items are (KV head, block of new tokens), largest first,
+// taken by the threads from a shared counter (a causal chunk's last tokens see the most keys).
+torch::Tensor tile_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, int64_t start,
+                             c10::optional<torch::Tensor> mask, double scale) {
+  const CacheCall c = check_cache_call("tile_attention", q, k_cache, v_cache, start, mask);
+  const int64_t H = c.H, n = c.n, D = c.D, hkv = c.hkv, g = c.g, length = start + n;
+  const int64_t Dp = (D + kCV * L - 1) / (kCV * L) * (kCV * L);  // O rows padded to whole P @ V tiles
+  const bool* mp = c.mp;
+  // tokens per item: a multiple of kMR, at most kItemTokens, few enough for ~4 items per thread
+  const int64_t threads = at::get_num_threads();
+  const int64_t per_head = std::max<int64_t>(1, (4 * threads + hkv - 1) / hkv);
+  const int64_t TB = std::clamp<int64_t>(((n + per_head - 1) / per_head + kMR - 1) / kMR * kMR, kMR, kItemTokens);
+  struct Item {
+    int64_t kv, t0, t1, cost;
+  };
+  std::vector<Item> items;
+  for (int64_t kv = 0; kv < hkv; kv++)
+    for (int64_t t0 = 0; t0 < n; t0 += TB) {
+      const int64_t t1 = std::min(n, t0 + TB);
+      items.push_back({kv, t0, t1, (mp ? length : start + t1) * (t1 - t0)});
+    }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+
+  auto y = torch::empty({n, H * D}, c.q.options());
+  const float* qp = c.q.data_ptr<float>();
+  const float* kc = k_cache.data_ptr<float>();
+  const float* vc = v_cache.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t ksh = k_cache.stride(0), vsh = v_cache.stride(0);
+  const float sc = static_cast<float>(scale);
+  std::atomic<int64_t> next{0};
+  std::atomic<bool> unseen{false};  // a row that sees no key (a mask row without its own token)
+  const int64_t workers = std::min<int64_t>(threads, items.size());
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    const int64_t rows_max = (g * TB + kMR - 1) / kMR * kMR;
+    std::vector<float> Kt(D * kNB), Vp(kNB * Dp, 0.0f), S(kMR * kNB), P(kMR * kNB), alpha(kMR);
+    std::vector<float> Q(rows_max * D), O(rows_max * Dp), M(rows_max), Ls(rows_max);
+    std::vector<int64_t> token(rows_max);
+    for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(items.size());) {
+      const Item it = items[i];
+      // the item's query rows: head h of the group, token t at row h * tb + t - t0 (scaled), then zero rows up to a
+      // whole tile, whose token n sees no tree key
+      const int64_t tb = it.t1 - it.t0, real = g * tb, rows = (real + kMR - 1) / kMR * kMR;
+      for (int64_t r = 0; r < rows; r++) {
+        float* dst = Q.data() + r * D;
+        token[r] = r < real ? it.t0 + r % tb : n;
+        if (r >= real) {
+          std::fill(dst, dst + D, 0.0f);
+          continue;
+        }
+        const float* src = qp + ((it.kv * g + r / tb) * n + token[r]) * D;
+        for (int64_t d = 0; d < D; d++) dst[d] = src[d] * sc;
+      }
+      std::fill(O.begin(), O.begin() + rows * Dp, 0.0f);
+      std::fill(M.begin(), M.begin() + rows, kNegInf);
+      std::fill(Ls.begin(), Ls.begin() + rows, 0.0f);
+      const int64_t kend = mp ? length : start + it.t1;  // keys any row of the item sees lie below
+      for (int64_t kb = 0; kb < kend; kb += kNB) {
+        const int64_t valid = std::min(kNB, length - kb);
+        pack_keys(kc + it.kv * ksh + kb * D, valid, D, Kt.data());
+        const float* Vb = vc + it.kv * vsh + kb * D;
+        int64_t ldv = D;
+        if (Dp != D) {  // whole tiles of dims: a padded copy
+          for (int64_t j = 0; j < valid; j++) std::copy(Vb + j * D, Vb + (j + 1) * D, Vp.data() + j * Dp);
+          Vb = Vp.data();
+          ldv = Dp;
+        }
+        for (int64_t row0 = 0; row0 < rows; row0 += kMR) {
+          const int64_t* tt = token.data() + row0;
+          const int64_t nreal = std::min<int64_t>(kMR, real - row0);  // the tile's rows of real tokens
+          int64_t jn = valid;                                         // keys of the block those rows may see
+          if (!mp) {
+            jn = std::min(jn, start + *std::max_element(tt, tt + nreal) + 1 - kb);
+            if (jn <= 0) continue;
+          } else if (kb + kNB > start) {
+            bool any = kb < start;
+            for (int64_t r = 0; r < nreal && !any; r++)
+              for (int64_t j = std::max(kb, start); j < kb + valid && !any; j++) any = mp[tt[r] * n + j - start];
+            if (!any) continue;
+          }
+          const int64_t nvec = (jn + L - 1) / L;
+          score_tiles(Q.data() + row0 * D, Kt.data(), D, nvec, S.data());
+          if (kb + kNB > start)  // the new tokens' keys: hide what each row must not see, and the keys past them
+            for (int r = 0; r < kMR; r++) {
+              const int64_t t = tt[r];
+              float* sr = S.data() + r * kNB;
+              if (!mp) {  // token t sees keys up to start + t
+                const int64_t seen = std::min(start + t + 1, length) - kb;
+                std::fill(sr + std::clamp<int64_t>(seen, 0, nvec * L), sr + nvec * L, kNegInf);
+                continue;
+              }
+              for (int64_t j = std::max(kb, start); j < kb + nvec * L; j++)
+                if (j >= length || t == n || !mp[t * n + j - start]) sr[j - kb] = kNegInf;
+            }
+          softmax_tile(S.data(), nvec, P.data(), M.data() + row0, Ls.data() + row0, alpha.data());
+          pv_tile(P.data(), alpha.data(), Vb, ldv, jn, Dp, O.data() + row0 * Dp);
+        }
+      }
+      for (int64_t r = 0; r < real; r++) {
+        if (Ls[r] == 0.0f) {
+          unseen = true;
+          continue;
+        }
+        const float inv = 1.0f / Ls[r];
+        float* out = yp + token[r] * H * D + (it.kv * g + r / tb) * D;
+        for (int64_t d = 0; d < D; d++) out[d] = O[r * Dp + d] * inv;
+      }
+    }
+  });
+  TORCH_CHECK(!unseen, "tile_attention: a query row sees no key (a mask row without its own token?)");
   return y;
 }
 
@@ -429,5 +757,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul);
   m.def("rope_write", &rope_write);
   m.def("cache_attention", &cache_attention);
+  m.def("tile_attention", &tile_attention);
   m.def("rows_linear", &rows_linear);
 }

@@ -26,8 +26,16 @@ class SamplingParams(_message.Message):
     penalty_window: int
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., contextual_penalty: _Optional[float] = ..., penalty_window: _Optional[int] = ...) -> None: ...
 
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "raw", "sampling", "max_new_tokens", "stop", "ignore_eos", "method", "context_id", "request_id", "timeout_s")
+    __slots__ = ("prompt", "prompt_token_ids", "raw", "sampling", "max_new_tokens", "stop", "ignore_eos", "method", "context_id", "request_id", "timeout_s", "messages")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RAW_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +47,7 @@ class GenerateRequest(_message.Message):
     CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     raw: bool
@@ -50,7 +59,8 @@ class GenerateRequest(_message.Message):
     context_id: str
     request_id: str
     timeout_s: float
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., raw: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., method: _Optional[str] = ..., context_id: _Optional[str] = ..., request_id: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., raw: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., method: _Optional[str] = ..., context_id: _Optional[str] = ..., request_id: _Optional[str] = ..., timeout_s: _Optional[float] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class Stats(_message.Message):
     __slots__ = ("tau", "acceptance_by_depth", "ttft_s", "tokens_per_s", "cached_prefix_tokens", "prompt_tokens", "generated_tokens", "steps", "mean_batch_size", "prefill_time_s", "decode_time_s", "drafted_tokens", "method", "replica", "latency_s", "queue_time_s", "controller_plain_steps", "controller_probe_steps", "controller_verified_nodes", "controller_proposed_nodes")

@@ -24,6 +24,7 @@ from services import grpc_bind
 from services.gateway import Gateway
 from services.local_redis import LocalRedis
 from services.verifier import Verifier
+from spyglass.client import AUTH_TOKEN_ENV, env_token
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "infra" / "serve_config.yaml"
@@ -159,11 +160,19 @@ def deploy(
     return grpc_bind.dial_address(host, grpc_cfg["port"]), f"http://{http_cfg['host']}:{http_cfg.get('port', 8000)}"
 
 
-def wait_ready(address: str, timeout_s: float = 300.0, tls: bool | bytes = False) -> dict[str, Any]:
+def auth_token(app_args: dict[str, Any]) -> str | None:
+    """The bearer token the application's gateway will require (the variable its config names, in this process's
+    environment, which the local cluster's processes inherit): `spyglass serve`'s own requests send it."""
+    return env_token((app_args.get("gateway") or {}).get("auth_token_env", AUTH_TOKEN_ENV))
+
+
+def wait_ready(
+    address: str, timeout_s: float = 300.0, tls: bool | bytes = False, token: str | None = None
+) -> dict[str, Any]:
     from spyglass.client import Client, SpyglassError
 
     t0 = time.monotonic()
-    with Client(address, timeout=30, tls=tls) as c:
+    with Client(address, timeout=30, tls=tls, token=token) as c:
         while True:
             try:
                 return c.model_info()
@@ -204,6 +213,7 @@ def run_demo(
     tls: bool | bytes = False,
     warm_method: str = WARM_CHECK_METHOD,
     learned_method: str = "",
+    token: str | None = None,
 ) -> dict[str, Any]:
     """The long-context code-editing demo through the SDK: stream the text, then print the stats.
     `warm_method`: the warm-up check's method ("" = the server's default, when it does not serve ngram);
@@ -222,7 +232,7 @@ def run_demo(
             f"[spyglass] warm-up check: the demo task twice via {warm_method or 'the default method'}, uncached",
             file=sys.stderr,
         )
-        with Client(address, tls=tls) as c:
+        with Client(address, tls=tls, token=token) as c:
             kw = dict(max_new_tokens=max_new_tokens, context_id=task.name, method=warm_method)
             first = c.generate_text(FIRST_MARK + task.prompt, **kw)
             fresh = c.generate_text(UNCACHED_MARK + task.prompt, **kw)
@@ -230,7 +240,7 @@ def run_demo(
     print(f"[spyglass] demo {task.name}: streaming from {address}", file=sys.stderr)
     stats: dict[str, Any] = {}
     token_ids: list[int] = []
-    with Client(address, tls=tls) as c:
+    with Client(address, tls=tls, token=token) as c:
         for chunk in c.generate(task.prompt, max_new_tokens=max_new_tokens, context_id=task.name):
             out.write(chunk.text)
             out.flush()
@@ -258,7 +268,7 @@ def run_demo(
             file=sys.stderr,
         )
         # The same context again: its prefix KV now comes from the Redis context cache.
-        with Client(address, tls=tls) as c:
+        with Client(address, tls=tls, token=token) as c:
             t0 = time.perf_counter()
             again = c.generate_text(task.prompt, max_new_tokens=8, context_id=task.name)
         print(
@@ -268,7 +278,7 @@ def run_demo(
             file=sys.stderr,
         )
     if learned_method:
-        via = demo_via(address, task.prompt, learned_method, token_ids, max_new_tokens, task.name, tls)
+        via = demo_via(address, task.prompt, learned_method, token_ids, max_new_tokens, task.name, tls, token)
         stats["learned_check"] = via
         print(
             f"[spyglass] the demo via {learned_method} (its trained draft runs in the verifier, reading the target's "
@@ -280,13 +290,20 @@ def run_demo(
 
 
 def demo_via(
-    address: str, prompt: str, method: str, reference: list[int], max_new_tokens: int, context_id: str, tls=False
+    address: str,
+    prompt: str,
+    method: str,
+    reference: list[int],
+    max_new_tokens: int,
+    context_id: str,
+    tls: bool | bytes = False,
+    token: str | None = None,
 ) -> dict[str, Any]:
     """The demo request through another drafting method: its stats, and whether its tokens are the reference's
     (greedy: every method gives plain decoding's tokens)."""
     from spyglass.client import Client
 
-    with Client(address, tls=tls) as c:
+    with Client(address, tls=tls, token=token) as c:
         done = c.generate_text(prompt, max_new_tokens=max_new_tokens, context_id=context_id, method=method)
     return dict(done.stats, identical=done.token_ids == reference)
 
@@ -323,6 +340,7 @@ def serve_main(
     grpc_bind.controller_env(grpc_host, tls_cert, tls_key)  # bad TLS files or host: fail before starting anything
     tls = Path(tls_cert).read_bytes() if tls_cert else False
     app_args = doc["applications"][0].setdefault("args", {})
+    token = auth_token(app_args)
     redis = None
     if not redis_url(app_args):
         if shutil.which("redis-server"):
@@ -340,11 +358,11 @@ def serve_main(
         # cluster's agents behind): ours again, so SIGTERM shuts down cleanly
         signal.signal(signal.SIGTERM, on_term)
         address, http = deploy(doc, port, http_port, grpc_host=grpc_host, tls_cert=tls_cert, tls_key=tls_key)
-        info = wait_ready(address, tls=tls)
+        info = wait_ready(address, tls=tls, token=token)
         listen = grpc_bind.bind_address(address.rsplit(":", 1)[1], grpc_host)
         print(
             f"[spyglass] serving {info['model']} on gRPC {listen}{' (TLS)' if tls else ''} "
-            f"and {http}/v1/completions "
+            f"and {http}/v1 (OpenAI: completions, chat/completions, models) "
             f"({info['num_verifiers']} verifier(s), "
             f"methods {', '.join(info['methods'])}, context {info['context_length']})",
             file=sys.stderr,
@@ -352,7 +370,7 @@ def serve_main(
         if not no_demo:
             warm_method = WARM_CHECK_METHOD if WARM_CHECK_METHOD in info["methods"] else ""
             learned = LEARNED_DEMO_METHOD if LEARNED_DEMO_METHOD in info["methods"] else ""
-            run_demo(address, demo_tokens, tls=tls, warm_method=warm_method, learned_method=learned)
+            run_demo(address, demo_tokens, tls=tls, warm_method=warm_method, learned_method=learned, token=token)
         if not once:
             print("[spyglass] serving; Ctrl-C to stop", file=sys.stderr)
             while True:
@@ -362,7 +380,7 @@ def serve_main(
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
         if terminated and address is not None:
-            left = drain(address, DRAIN_TIMEOUT_S, tls=tls)
+            left = drain(address, DRAIN_TIMEOUT_S, tls=tls, token=token)
             print(
                 f"[spyglass] drained ({left} request(s) still running)" if left else "[spyglass] drained",
                 file=sys.stderr,
@@ -384,14 +402,14 @@ def serve_main(
 DRAIN_TIMEOUT_S = 30.0  # SIGTERM: how long requests in flight may still run (Kubernetes' default grace is 30 s)
 
 
-def drain(address: str, timeout_s: float = DRAIN_TIMEOUT_S, tls: bool | bytes = False) -> int:
+def drain(address: str, timeout_s: float = DRAIN_TIMEOUT_S, tls: bool | bytes = False, token: str | None = None) -> int:
     """Wait until the gateway has no request in flight or queued, at most `timeout_s`; returns how many are left
     (-1 if the gateway does not answer)."""
     from spyglass.client import Client, SpyglassError
 
     deadline = time.monotonic() + timeout_s
     left = -1
-    with Client(address, timeout=5, retries=0, tls=tls) as c:
+    with Client(address, timeout=5, retries=0, tls=tls, token=token) as c:
         while True:
             try:
                 h = c.health()

@@ -17,7 +17,6 @@ import hashlib
 import hmac
 import json
 import logging
-import math
 import os
 import time
 import uuid
@@ -33,19 +32,13 @@ from ray import serve
 
 from protos import spyglass_pb2 as pb
 from services.grpc_api import MALFORMED  # a request the gRPC layer could not parse: INVALID_ARGUMENT
+from spyglass import limits
+from spyglass.client import AUTH_TOKEN_ENV
+from spyglass.limits import SAMPLING_RULES, RequestError
 
 log = logging.getLogger(__name__)
 
-SAMPLING_FIELDS = (
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "contextual_penalty",
-    "penalty_window",
-    "seed",
-)
+SAMPLING_FIELDS = tuple(SAMPLING_RULES)
 STATS_FIELDS = set(pb.Stats.DESCRIPTOR.fields_by_name)
 ERROR_CODES = {
     "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
@@ -80,8 +73,8 @@ class GatewayError(Exception):
         return (GatewayError, (self.code, self.message))
 
 
-# Where a bearer token for the gRPC service may be given (the config names the variable, never the secret).
-AUTH_TOKEN_ENV = "SPYGLASS_AUTH_TOKEN"
+def invalid(message: str) -> GatewayError:
+    return GatewayError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
 @dataclass
@@ -90,12 +83,11 @@ class GatewayConfig:
     batch_wait_timeout_s: float = 0.005  # admission batching window
     affinity_prefix_chars: int = 2048  # prompt prefix hashed for affinity when no context id is given
     min_affinity_chars: int = 256  # shorter prompts carry no useful context: least loaded wins
-    # Limits checked on the parsed request before anything is tokenized, queued or allocated.
-    max_prompt_chars: int = 1 << 20  # prompt text (the context limit is checked on tokens by the verifier)
-    max_stop_strings: int = 16
-    max_stop_chars: int = 256  # per stop string
-    max_id_chars: int = 128  # request_id and context_id
-    max_timeout_s: float = 3600.0
+    # Limits checked on the parsed request before anything is tokenized, queued or allocated (spyglass/limits.py
+    # holds every rule, the stop strings' limits and these defaults).
+    max_prompt_chars: int = limits.MAX_PROMPT_CHARS  # prompt text (the context limit is checked on tokens)
+    max_id_chars: int = limits.MAX_ID_CHARS  # request_id and context_id
+    max_timeout_s: float = limits.MAX_TIMEOUT_S
     health_timeout_s: float = 5.0  # a verifier that does not answer Health within this is reported down
     auth_token_env: str = AUTH_TOKEN_ENV  # bearer token required on every RPC when this variable is set
 
@@ -113,6 +105,8 @@ def affinity_key(req: dict[str, Any], cfg: GatewayConfig) -> str:
     """What identifies a request's context: its context id, else a hash of its prompt prefix ('' = none)."""
     if req.get("context_id"):
         return "ctx:" + req["context_id"]
+    if req.get("messages"):
+        req = {"prompt": "".join(m["content"] for m in req["messages"])}
     ids = req.get("prompt_token_ids") or []
     if len(ids) * 4 >= cfg.min_affinity_chars:
         head = ids[: cfg.affinity_prefix_chars // 4]
@@ -242,31 +236,40 @@ def request_to_dict(r: pb.GenerateRequest, request_id: str) -> dict[str, Any]:
         "ignore_eos": r.ignore_eos,
         "method": r.method,
         "context_id": r.context_id,
+        "messages": [{"role": m.role, "content": m.content} for m in r.messages],
     }
 
 
 def check_sampling(sp: pb.SamplingParams) -> None:
-    """The sampling fields' ranges, checked at the gateway (the verifier's SamplingParams checks them again)."""
+    """The sampling fields' rules (spyglass/limits.py: the verifier's SamplingParams checks the same ones)."""
+    try:
+        limits.check_sampling({f: getattr(sp, f) for f in SAMPLING_FIELDS if sp.HasField(f)})
+    except RequestError as e:
+        raise invalid(str(e)) from None
 
-    def bad(name: str, rule: str) -> GatewayError:
-        return GatewayError(grpc.StatusCode.INVALID_ARGUMENT, f"{name} must be {rule}, got {getattr(sp, name)}")
 
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "contextual_penalty"):
-        if sp.HasField(name) and not math.isfinite(getattr(sp, name)):
-            raise bad(name, "a finite number")
-    checks = {
-        "temperature": (lambda v: v >= 0, ">= 0 (0 = greedy)"),
-        "top_k": (lambda v: v >= 0, ">= 0 (0 = off)"),
-        "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
-        "min_p": (lambda v: 0 <= v < 1, "in [0, 1)"),
-        "repetition_penalty": (lambda v: v > 0, "> 0"),
-        "contextual_penalty": (lambda v: v >= 1, ">= 1 (1 = off)"),
-        "penalty_window": (lambda v: v > 0, "> 0 tokens"),
-        "seed": (lambda v: 0 <= v < 2**63, "in [0, 2**63)"),
-    }
-    for name, (ok, rule) in checks.items():
-        if sp.HasField(name) and not ok(getattr(sp, name)):
-            raise bad(name, rule)
+def validate_request(r: pb.GenerateRequest, info: dict[str, Any], cfg: GatewayConfig) -> None:
+    """Everything about a request that can be checked before it is tokenized or queued (spyglass/limits.py's rules;
+    `info`: the verifiers' model info). A text prompt's length in tokens is checked by the verifier."""
+    try:
+        if sum(map(bool, (r.prompt, r.prompt_token_ids, r.messages))) > 1:
+            raise RequestError("give only one of prompt, prompt_token_ids and messages")
+        if r.messages:
+            limits.check_messages([{"role": m.role, "content": m.content} for m in r.messages], cfg.max_prompt_chars)
+        elif r.prompt_token_ids:
+            limits.check_prompt_ids(r.prompt_token_ids, info["vocab_size"], info["context_length"])
+        else:
+            limits.check_prompt_text(r.prompt, cfg.max_prompt_chars)
+        if r.method:  # "" = the server's default
+            limits.check_method(r.method, info["methods"])
+        if r.max_new_tokens:  # 0 = the server's default
+            limits.check_max_new_tokens(r.max_new_tokens, info["max_new_tokens_limit"])
+        limits.check_timeout(r.timeout_s, cfg.max_timeout_s)
+        limits.check_stop(r.stop)
+        limits.check_id("context_id", r.context_id, cfg.max_id_chars)
+    except RequestError as e:
+        raise invalid(str(e)) from None
+    check_sampling(r.sampling)
 
 
 def stats_to_pb(stats: dict[str, Any]) -> pb.Stats:
@@ -309,44 +312,138 @@ def _make_metrics():
     return latency, ttft, depth, requests
 
 
-# --- OpenAI-compatible HTTP (/v1/completions, streaming included) on the same deployment -------------------------
-http_app = FastAPI(title="spyglass", description="OpenAI-compatible completions over the spyglass gateway")
+# --- OpenAI-compatible HTTP on the same deployment: /v1/completions, /v1/chat/completions, /v1/models -----------
+http_app = FastAPI(title="spyglass", description="OpenAI-compatible completions and chat over the spyglass gateway")
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
     grpc.StatusCode.UNAVAILABLE: 503,
 }
+INT_FIELDS = ("top_k", "penalty_window", "seed")
+# OpenAI fields this server cannot honour: refused (400) rather than ignored; a value equal to the default is fine.
+UNSUPPORTED = {
+    "n": 1,
+    "best_of": 1,
+    "echo": False,
+    "logprobs": False,
+    "top_logprobs": 0,
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "tools": [],
+    "functions": [],
+    "suffix": "",
+}
 
 
-def completion_request(body: dict[str, Any]) -> pb.GenerateRequest:
-    """OpenAI /v1/completions body -> GenerateRequest (raw text completion: no chat template)."""
-    prompt = body.get("prompt", "")
-    if isinstance(prompt, list):
-        if len(prompt) != 1:
-            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, "exactly one prompt per request is supported")
-        prompt = prompt[0]
-    req = pb.GenerateRequest(raw=True, max_new_tokens=int(body.get("max_tokens") or 16))
-    if isinstance(prompt, list):  # token ids
-        req.prompt_token_ids.extend(int(t) for t in prompt)
-    elif isinstance(prompt, str):
-        req.prompt = prompt
-    else:
-        raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, "prompt must be a string or a list of token ids")
-    stop = body.get("stop") or []
-    req.stop.extend([stop] if isinstance(stop, str) else list(stop))
-    for key in ("temperature", "top_p", "seed"):
-        if body.get(key) is not None:
-            setattr(req.sampling, key, body[key])
-    if body.get("method"):
-        req.method = body["method"]
+def _number(body: dict[str, Any], key: str, integer: bool) -> int | float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        raise invalid(f"{key} must be {'an integer' if integer else 'a number'}, got {value!r}")
+    return value
+
+
+def _message(m: Any) -> dict[str, Any]:
+    """An OpenAI chat message -> {role, content} ("developer" is the system role; content parts must be text)."""
+    if not isinstance(m, dict):
+        raise invalid("each message must be an object with a role and a content")
+    role, content = m.get("role"), m.get("content")
+    if isinstance(content, list):  # content parts: text only
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise invalid("a message's content must be text (content parts of type 'text')")
+        content = "".join(p["text"] for p in content)
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def openai_request(body: Any, chat: bool, info: dict[str, Any], cfg: GatewayConfig) -> pb.GenerateRequest:
+    """An OpenAI /v1/completions (raw text, no chat template) or /v1/chat/completions (the model's chat template on
+    `messages`) body -> GenerateRequest, checked with the same rules as the gRPC path (spyglass/limits.py).
+    Extensions: `method` (the drafter), the other sampling fields of SamplingParams, `ignore_eos`."""
+    if not isinstance(body, dict):
+        raise invalid("the body must be a JSON object")
+    for key, default in UNSUPPORTED.items():
+        if body.get(key) not in (None, default):
+            raise invalid(f"{key} is not supported (only {key}={json.dumps(default)}), got {body[key]!r}")
+    req = pb.GenerateRequest()
+    try:
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list):
+                raise invalid("messages must be a list of messages")
+            messages = [_message(m) for m in messages]
+            limits.check_messages(messages, cfg.max_prompt_chars)
+            for m in messages:
+                req.messages.add(role=m["role"], content=m["content"])
+        else:
+            prompt = body.get("prompt", "")
+            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+                if len(prompt) != 1:
+                    raise invalid("exactly one prompt per request is supported")
+                prompt = prompt[0]
+            req.raw = True
+            if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                limits.check_prompt_ids(prompt, info["vocab_size"], info["context_length"])
+                req.prompt_token_ids.extend(prompt)
+            elif isinstance(prompt, str):
+                req.prompt = prompt
+            else:
+                raise invalid("prompt must be a string or a list of token ids")
+        key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = _number(body, key, integer=True)
+        if max_tokens is None and not chat:
+            max_tokens = 16  # OpenAI's default for completions; chat: the server's default
+        if max_tokens is not None:
+            limits.check_max_new_tokens(max_tokens, info["max_new_tokens_limit"], name=key)
+            req.max_new_tokens = max_tokens
+        stop = body.get("stop")
+        stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list):
+            raise invalid("stop must be a string or a list of strings")
+        limits.check_stop(stop)
+        req.stop.extend(stop)
+        sampling = {k: _number(body, k, integer=k in INT_FIELDS) for k in SAMPLING_FIELDS}
+        limits.check_sampling(sampling)
+        for k, v in sampling.items():
+            if v is not None:
+                setattr(req.sampling, k, v)
+        for key, kind in (("method", str), ("ignore_eos", bool)):
+            if body.get(key) is not None and not isinstance(body[key], kind):
+                raise invalid(f"{key} must be a {kind.__name__}, got {body[key]!r}")
+        req.method = body.get("method") or ""
+        req.ignore_eos = bool(body.get("ignore_eos"))
+    except RequestError as e:
+        raise invalid(str(e)) from None
+    except ValueError as e:  # a number the wire format cannot hold (e.g. top_k over 2**31)
+        raise invalid(f"bad request body: {e}") from None
     return req
 
 
 def _openai_error(e: GatewayError) -> JSONResponse:
     kind = "invalid_request_error" if e.code == grpc.StatusCode.INVALID_ARGUMENT else e.code.name.lower()
-    return JSONResponse({"error": {"message": e.message, "type": kind}}, status_code=HTTP_STATUS.get(e.code, 500))
+    doc = {"error": {"message": e.message, "type": kind, "param": None, "code": None}}
+    return JSONResponse(doc, status_code=HTTP_STATUS.get(e.code, 500))
+
+
+def _usage(stats: dict[str, Any]) -> dict[str, int]:
+    p, g = stats.get("prompt_tokens", 0), stats.get("generated_tokens", 0)
+    return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
+
+
+def _choice(chat: bool, text: str, finish_reason: str | None, delta: bool = False, first: bool = False):
+    """One OpenAI choice: a completion's `text`, a chat reply's `message`, or a streamed chat chunk's `delta` (the
+    first one names the role)."""
+    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason or None}
+    if not chat:
+        choice["text"] = text
+    elif not delta:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text} if text else {}
+    return choice
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=512, graceful_shutdown_timeout_s=20)
@@ -362,6 +459,7 @@ class Gateway:
         self.live: dict[str, int] = {}
         self.queued: set[str] = set()
         self._token = os.environ.get(self.cfg.auth_token_env) or None
+        self._started = int(time.time())
         self._latency, self._ttft, self._depth, self._requests = _make_metrics()
 
     # --- helpers -----------------------------------------------------------------------------------------
@@ -374,46 +472,7 @@ class Gateway:
         return self._info
 
     async def _validate(self, r: pb.GenerateRequest, rid: str) -> dict[str, Any]:
-        info = await self.info()
-        cfg = self.cfg
-        if r.prompt and r.prompt_token_ids:
-            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, "give either prompt or prompt_token_ids, not both")
-        if not r.prompt.strip() and not r.prompt_token_ids:
-            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
-        if r.method and r.method not in info["methods"]:
-            raise GatewayError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"unknown method {r.method!r}; available: {', '.join(info['methods'])}",
-            )
-        if r.max_new_tokens > info["max_new_tokens_limit"]:
-            raise GatewayError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"max_new_tokens must be <= {info['max_new_tokens_limit']}, got {r.max_new_tokens}",
-            )
-        if len(r.prompt_token_ids) >= info["context_length"]:
-            raise GatewayError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"the prompt has {len(r.prompt_token_ids)} tokens but the context holds {info['context_length']}",
-            )
-        if not 0 <= r.timeout_s <= cfg.max_timeout_s:  # also NaN
-            raise GatewayError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s must be in [0, {cfg.max_timeout_s:g}], got {r.timeout_s}"
-            )
-        vocab = info.get("vocab_size") or 0
-        if r.prompt_token_ids and vocab and not 0 <= min(r.prompt_token_ids) <= max(r.prompt_token_ids) < vocab:
-            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt token ids must be in [0, {vocab})")
-        if len(r.stop) > cfg.max_stop_strings:
-            raise GatewayError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"at most {cfg.max_stop_strings} stop strings, got {len(r.stop)}"
-            )
-        for stop in r.stop:
-            if not stop or len(stop) > cfg.max_stop_chars:
-                raise GatewayError(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"stop strings must have 1 to {cfg.max_stop_chars} characters"
-                )
-        if len(r.context_id) > cfg.max_id_chars:
-            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, f"context_id has more than {cfg.max_id_chars} chars")
-        check_sampling(r.sampling)
+        validate_request(r, await self.info(), self.cfg)
         return request_to_dict(r, rid)
 
     async def _stream(self, r: pb.GenerateRequest, final_only: bool = False) -> AsyncIterator[dict[str, Any]]:
@@ -422,13 +481,10 @@ class Gateway:
         t0 = time.perf_counter()
         if r.request_id.startswith(MALFORMED):
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, r.request_id[len(MALFORMED) :])
-        if len(r.request_id) > self.cfg.max_id_chars:
-            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, f"request_id is over {self.cfg.max_id_chars} chars")
-        if len(r.prompt) > self.cfg.max_prompt_chars:  # before the prompt is copied, tokenized or queued
-            raise GatewayError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"the prompt has {len(r.prompt)} characters; the limit is {self.cfg.max_prompt_chars}",
-            )
+        try:
+            limits.check_id("request_id", r.request_id, self.cfg.max_id_chars)
+        except RequestError as e:
+            raise invalid(str(e)) from None
         rid = r.request_id or uuid.uuid4().hex
         if rid in self.live or rid in self.queued:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is already live")
@@ -577,9 +633,10 @@ class Gateway:
         rid = request.request_id
         if rid.startswith(MALFORMED):
             self._fail(grpc_context, GatewayError(grpc.StatusCode.INVALID_ARGUMENT, rid[len(MALFORMED) :]))
-        if not rid or len(rid) > self.cfg.max_id_chars:
-            msg = f"request_id must have 1 to {self.cfg.max_id_chars} characters"
-            self._fail(grpc_context, GatewayError(grpc.StatusCode.INVALID_ARGUMENT, msg))
+        try:
+            limits.check_id("request_id", rid, self.cfg.max_id_chars, required=True)
+        except RequestError as e:
+            self._fail(grpc_context, invalid(str(e)))
         await self.info()
         if self._admission.evict(rid):
             return pb.AbortResponse(aborted=True)
@@ -615,46 +672,73 @@ class Gateway:
 
     @http_app.post("/v1/completions")
     async def completions(self, request: Request):
-        """OpenAI-style text completion; `"stream": true` answers with server-sent events."""
+        """OpenAI-style text completion (no chat template); `"stream": true` answers with server-sent events."""
+        return await self._openai(request, chat=False)
+
+    @http_app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        """OpenAI-style chat: the model's chat template on `messages`; `"stream": true` streams `delta` chunks."""
+        return await self._openai(request, chat=True)
+
+    @http_app.get("/v1/models")
+    async def models(self, request: Request):
+        """The served model (one per deployment)."""
         if not self._authorized(request.headers.get("authorization")):
             return _openai_error(GatewayError(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token"))
+        return {"object": "list", "data": [await self._model_card()]}
+
+    @http_app.get("/v1/models/{model:path}")
+    async def model(self, model: str, request: Request):
+        if not self._authorized(request.headers.get("authorization")):
+            return _openai_error(GatewayError(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token"))
+        card = await self._model_card()
+        if model != card["id"]:
+            return _openai_error(GatewayError(grpc.StatusCode.NOT_FOUND, f"model {model!r} is not served here"))
+        return card
+
+    async def _model_card(self) -> dict[str, Any]:
+        return {"id": (await self.info())["model"], "object": "model", "created": self._started, "owned_by": "spyglass"}
+
+    async def _openai(self, request: Request, chat: bool):
+        """The OpenAI routes: same limits, bearer token and errors as the gRPC path; errors as OpenAI's error JSON.
+        The request's `model` is not checked (one model is served; replies name it)."""
+        if not self._authorized(request.headers.get("authorization")):
+            return _openai_error(GatewayError(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token"))
+        info = await self.info()
         try:
             body = await request.json()
-            if not isinstance(body, dict):
-                raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, "the body must be a JSON object")
-            req = completion_request(body)
+            req = openai_request(body, chat, info, self.cfg)
         except GatewayError as e:
             return _openai_error(e)
         except ValueError as e:
-            return _openai_error(GatewayError(grpc.StatusCode.INVALID_ARGUMENT, f"bad request body: {e}"))
-        created = int(time.time())
-        model = (await self.info())["model"]
-        stream = self._stream(req, final_only=not body.get("stream"))  # a non-streaming reply: the final item
+            return _openai_error(invalid(f"bad request body: {e}"))
+        created, model = int(time.time()), info["model"]
+        streaming = bool(body.get("stream"))
+        stream = self._stream(req, final_only=not streaming)  # a non-streaming reply: the final item
         try:  # the first item surfaces validation and admission errors as HTTP statuses
             first = await stream.__anext__()
         except GatewayError as e:
             return _openai_error(e)
-
-        def choice(item: dict[str, Any], text: str) -> dict[str, Any]:
-            return {"text": text, "index": 0, "logprobs": None, "finish_reason": item.get("finish_reason") or None}
-
-        def usage(stats: dict[str, Any]) -> dict[str, int]:
-            p, g = stats.get("prompt_tokens", 0), stats.get("generated_tokens", 0)
-            return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
-
-        rid = "cmpl-" + first["request_id"]
-        if body.get("stream"):
+        kind = "chat.completion" if chat else "text_completion"
+        head = {"id": ("chatcmpl-" if chat else "cmpl-") + first["request_id"], "created": created, "model": model}
+        if streaming:
+            options = body.get("stream_options") or {}
+            include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
 
             async def events():
-                item = first
+                item, opening = first, True
+                doc = dict(head, object=kind + ".chunk" if chat else kind)
                 try:
                     while True:
-                        doc = {"id": rid, "object": "text_completion", "created": created, "model": model}
-                        doc["choices"] = [choice(item, item.get("text") or "")]
-                        if item.get("final"):
-                            doc["usage"] = usage(item["stats"])
+                        finish = item.get("finish_reason") if item.get("final") else None
+                        doc["choices"] = [_choice(chat, item.get("text") or "", finish, delta=True, first=opening)]
+                        opening = False
+                        if item.get("final") and not chat:  # completions: usage on the last chunk
+                            doc["usage"] = _usage(item["stats"])
                         yield f"data: {json.dumps(doc)}\n\n"
                         if item.get("final"):
+                            if include_usage and chat:  # chat (OpenAI's stream_options): a last chunk, no choices
+                                yield f"data: {json.dumps(dict(doc, choices=[], usage=_usage(item['stats'])))}\n\n"
                             break
                         item = await stream.__anext__()
                 except GatewayError as e:
@@ -670,14 +754,8 @@ class Gateway:
                 item = await stream.__anext__()
         except GatewayError as e:
             return _openai_error(e)
-        return {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": [choice(item, item["full_text"])],
-            "usage": usage(item["stats"]),
-        }
+        choice = _choice(chat, item["full_text"], item["finish_reason"])
+        return dict(head, object=kind, choices=[choice], usage=_usage(item["stats"]))
 
 
 __all__ = [
@@ -686,7 +764,8 @@ __all__ = [
     "GatewayConfig",
     "GatewayError",
     "affinity_key",
-    "completion_request",
+    "openai_request",
+    "validate_request",
     "http_app",
     "route",
 ]

@@ -24,6 +24,8 @@ from typing import Any
 
 from ray import serve
 
+from spyglass.limits import SAMPLING_RULES, check_max_new_tokens, check_method
+
 log = logging.getLogger(__name__)
 
 ERR_INVALID = "invalid_argument"
@@ -62,14 +64,30 @@ class VerifierConfig:
         return cls(**d)
 
 
-def encode_prompt(tokenizer, text: str, raw: bool) -> list[int]:
-    """Prompt text -> ids, through the chat template unless `raw` (same as `spyglass generate`)."""
-    if not raw and getattr(tokenizer, "chat_template", None):
+def encode_prompt(tokenizer, text: str, raw: bool, messages: list[dict[str, str]] | None = None) -> list[int]:
+    """Prompt text -> ids, through the chat template unless `raw` (same as `spyglass generate`); or chat
+    `messages` (role, content) -> ids through the chat template, ending with the assistant's turn."""
+    if messages:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template: send a prompt (raw text) instead of messages")
+        from jinja2 import TemplateError
+
+        try:
+            ids = tokenizer.apply_chat_template(
+                [{"role": m["role"], "content": m["content"]} for m in messages],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+        except TemplateError as e:  # the template's own checks, e.g. roles that must alternate
+            raise ValueError(f"the model's chat template rejected the messages: {e}") from None
+    elif not raw and getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
         )
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-    return tokenizer.encode(text, add_special_tokens=False)
+    else:
+        return tokenizer.encode(text, add_special_tokens=False)
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
 
 def sampling_from_request(req: dict[str, Any], cfg: VerifierConfig):
@@ -78,10 +96,8 @@ def sampling_from_request(req: dict[str, Any], cfg: VerifierConfig):
 
     s = req.get("sampling") or {}
     max_new = int(req.get("max_new_tokens") or cfg.default_max_new_tokens)
-    if max_new > cfg.max_new_tokens_limit:
-        raise ValueError(f"max_new_tokens must be <= {cfg.max_new_tokens_limit}, got {max_new}")
-    keys = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "contextual_penalty", "penalty_window")
-    kwargs = {k: s[k] for k in (*keys, "seed") if k in s}
+    check_max_new_tokens(max_new, cfg.max_new_tokens_limit)
+    kwargs = {k: s[k] for k in SAMPLING_RULES if k in s}
     return SamplingParams(
         max_new_tokens=max_new, stop=tuple(req.get("stop") or ()), ignore_eos=bool(req.get("ignore_eos")), **kwargs
     )
@@ -163,9 +179,6 @@ class EngineLoop:
         if self._stop.is_set():
             yield {"error": ERR_UNAVAILABLE, "message": "the verifier is shutting down"}
             return
-        if method not in self.methods:
-            yield {"error": ERR_INVALID, "message": f"method {method!r} is not served; available: {self.methods}"}
-            return
         if rid in self.live:
             yield {"error": ERR_INVALID, "message": f"request id {rid!r} is already live"}
             return
@@ -173,11 +186,13 @@ class EngineLoop:
             yield {"error": ERR_EXHAUSTED, "message": f"verifier {self.name} queue is full ({self.capacity} requests)"}
             return
         try:
+            check_method(method, self.methods)
             params = sampling_from_request(req, self.cfg)
             if req.get("prompt_token_ids"):
                 prompt_ids = [int(t) for t in req["prompt_token_ids"]]
             else:
-                prompt_ids = encode_prompt(self.tokenizer, req.get("prompt") or "", bool(req.get("raw")))
+                prompt = req.get("prompt") or ""
+                prompt_ids = encode_prompt(self.tokenizer, prompt, bool(req.get("raw")), req.get("messages"))
         except ValueError as e:
             yield {"error": ERR_INVALID, "message": str(e)}
             return
@@ -486,7 +501,7 @@ def build_engine(cfg: VerifierConfig) -> tuple[Any, Any, dict[str, Any]]:
         "max_queued": cfg.max_queued,
         "dtype": cfg.dtype,
         "linear_backend": target.linear_backend,  # the matmul kernel per row count measured at load
-        "attention_plan": target.attention_plan,  # new tokens per sequence the CPU kernels' attention takes
+        "attention_plan": target.attention_plan,  # new tokens per sequence cache_attention takes (more: tile_attention)
         "threads": torch.get_num_threads(),
     }
     curve = next((c.curve for c in engine.controllers.values() if c is not None), None)

@@ -70,7 +70,10 @@ def _add_generate(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     p.add_argument(
-        "--server", metavar="ADDRESS", default=None, help="generate on a running `spyglass serve` (host:port, gRPC)"
+        "--server",
+        metavar="ADDRESS",
+        default=None,
+        help="generate on a running `spyglass serve` (host:port, gRPC; sends $SPYGLASS_AUTH_TOKEN when set)",
     )
 
 
@@ -256,7 +259,7 @@ def _run_training_command(args) -> int:
 
 def _run_remote_generate(args) -> int:
     """`generate --server`: the same request through the gRPC SDK (no model loaded here)."""
-    from spyglass.client import Client, SpyglassError
+    from spyglass.client import Client, SpyglassError, env_token
 
     params = _params(args)  # validates locally first: one clear message, no round trip
     prompt = _read_prompt(args)
@@ -277,7 +280,7 @@ def _run_remote_generate(args) -> int:
     )
     t0 = time.perf_counter()
     try:
-        with Client(args.server) as client:
+        with Client(args.server, token=env_token()) as client:
             text, ids, stats = "", [], {}
             for chunk in client.generate(prompt, method=args.method, **kw):
                 text += chunk.text
@@ -352,7 +355,11 @@ def _run_serve(args) -> int:
 
 def _add_health(sub) -> None:
     # The readiness probe of the serving pods (infra/k8s/rayservice.yaml).
-    p = sub.add_parser("health", help="probe a running server's Health RPC: exit 0 when a verifier replica serves")
+    p = sub.add_parser(
+        "health",
+        help="probe a running server's Health RPC: exit 0 when a verifier replica serves ($SPYGLASS_AUTH_TOKEN: the "
+        "bearer token to send)",
+    )
     p.add_argument("--server", metavar="ADDRESS", default="127.0.0.1:9000", help="gRPC host:port (default %(default)s)")
     p.add_argument("--timeout", type=float, default=5.0, help="RPC deadline in seconds (default %(default)s)")
 
@@ -362,10 +369,10 @@ def _run_health(args) -> int:
     its own check is reported by name only, with no slots). "degraded" with one healthy replica is still ready."""
     if args.timeout <= 0:
         raise CliError("--timeout must be > 0")
-    from spyglass.client import Client, SpyglassError
+    from spyglass.client import Client, SpyglassError, env_token
 
     try:
-        with Client(args.server, timeout=args.timeout) as client:
+        with Client(args.server, timeout=args.timeout, token=env_token()) as client:
             health = client.health()
     except SpyglassError as e:
         print(f"spyglass: unhealthy: {args.server}: {e.code.name}: {e.details}", file=sys.stderr)

@@ -11,6 +11,7 @@ the model stack installed. Errors from the server raise `SpyglassError` carrying
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -27,6 +28,14 @@ APP_NAME = "spyglass"
 # Retried: the server could not take the call at all (restarting, not reachable yet). A stream is retried only
 # before its first chunk, so no token is ever delivered twice; a request that failed mid-way is not retried.
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+# Where a server reads its bearer token (every RPC then needs it) and where the `spyglass` commands that talk to a
+# server (serve's own requests, health, generate --server) read the token they send.
+AUTH_TOKEN_ENV = "SPYGLASS_AUTH_TOKEN"
+
+
+def env_token(name: str = AUTH_TOKEN_ENV) -> str | None:
+    """The bearer token in the environment variable `name` (None when unset or empty)."""
+    return os.environ.get(name) or None
 
 
 def _metadata(application: str | None, token: str | None) -> tuple | None:
@@ -113,15 +122,18 @@ def build_request(
     contextual_penalty: float | None = None,
     penalty_window: int | None = None,
     seed: int | None = None,
-    stop: list[str] | tuple[str, ...] = (),
+    stop: str | list[str] | tuple[str, ...] = (),
     ignore_eos: bool = False,
     method: str = "",
     context_id: str = "",
     request_id: str = "",
     timeout_s: float = 0.0,
     raw: bool = False,
+    messages: list[dict[str, str]] | None = None,
 ) -> pb.GenerateRequest:
-    """The wire request; unset sampling fields take the server defaults (greedy)."""
+    """The wire request; unset sampling fields take the server defaults (greedy). `stop`: one stop string or a list
+    of them. `messages`: a chat instead of a prompt, `[{"role": "system" | "user" | "assistant", "content": ...}]`,
+    formatted by the server with the model's chat template."""
     sampling = {
         k: v
         for k, v in dict(
@@ -142,12 +154,13 @@ def build_request(
         raw=raw,
         sampling=pb.SamplingParams(**sampling),
         max_new_tokens=max_new_tokens,
-        stop=list(stop),
+        stop=[stop] if isinstance(stop, str) else list(stop),
         ignore_eos=ignore_eos,
         method=method,
         context_id=context_id,
         request_id=request_id or uuid.uuid4().hex,
         timeout_s=timeout_s,
+        messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages or ()],
     )
 
 
@@ -365,4 +378,14 @@ class AsyncClient:
         await self.close()
 
 
-__all__ = ["AsyncClient", "Chunk", "Client", "Completion", "SpyglassError", "build_request", "message_to_dict"]
+__all__ = [
+    "AUTH_TOKEN_ENV",
+    "AsyncClient",
+    "Chunk",
+    "Client",
+    "Completion",
+    "SpyglassError",
+    "build_request",
+    "env_token",
+    "message_to_dict",
+]

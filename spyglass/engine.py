@@ -19,15 +19,12 @@ from spyglass.controller import CostCurve, SpeculationController, controller_for
 from spyglass.detokenize import TextStream
 from spyglass.drafters.base import Drafter, NullDrafter
 from spyglass.kv_cache import context_capacity
+from spyglass.limits import RequestError, check_method, check_prompt_ids
 from spyglass.models.llama import Segment, Transformer
 from spyglass.sampling import SamplingParams, process_in_context, sample
 from spyglass.sequence import Sequence
 from spyglass.tree import DraftTree
 from spyglass.verify import Accepted, accept
-
-
-class RequestError(ValueError):
-    """A request that cannot be served as given (the message says why)."""
 
 
 @dataclass
@@ -139,18 +136,8 @@ class SpecEngine:
         self, prompt_ids: list[int], params: SamplingParams, seq_id: str | None = None, method: str | None = None
     ) -> Sequence:
         method = self.default_method if method is None else method
-        if method not in self.drafters:
-            raise RequestError(f"method {method!r} is not served here; available: {', '.join(self.drafters)}")
-        if len(prompt_ids) == 0:
-            raise RequestError("the prompt is empty")
-        vocab = self.target.args.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise RequestError(f"prompt token ids must be in [0, {vocab})")
-        if len(prompt_ids) >= self.capacity:
-            raise RequestError(
-                f"the prompt has {len(prompt_ids)} tokens but the context holds {self.capacity}: "
-                "shorten it or raise max_context"
-            )
+        check_method(method, list(self.drafters))
+        check_prompt_ids(prompt_ids, self.target.args.vocab_size, self.capacity)
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer, and this engine has none")
         seq = Sequence(list(prompt_ids), params, seq_id)

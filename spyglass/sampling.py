@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from spyglass.limits import SAMPLING_RULES, check_max_new_tokens, check_sampling, check_stop
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -34,22 +36,11 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 <= self.min_p < 1.0:
-            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
-        if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not self.contextual_penalty >= 1.0:
-            raise ValueError(f"contextual_penalty must be >= 1 (1 = off), got {self.contextual_penalty}")
-        if self.penalty_window <= 0:
-            raise ValueError(f"penalty_window must be > 0 tokens, got {self.penalty_window}")
-        if self.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+        if not isinstance(self.stop, tuple):  # one string is one stop string, not its characters
+            object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        check_sampling({name: getattr(self, name) for name in SAMPLING_RULES})
+        check_max_new_tokens(self.max_new_tokens)
+        check_stop(self.stop)
 
     @property
     def greedy(self) -> bool:

@@ -16,6 +16,7 @@ import pytest
 from protos import spyglass_pb2 as pb
 from services.gateway import GatewayConfig
 from spyglass.client import AsyncClient, Client, SpyglassError
+from spyglass.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 MAX_CONTEXT = 2048
 NEW_TOKENS_LIMIT = 512
@@ -88,7 +89,7 @@ LIMITS = GatewayConfig()
 CASES = [
     ("empty-prompt", {"prompt": ""}, "prompt is empty"),
     ("blank-prompt", {"prompt": " \n\t "}, "prompt is empty"),
-    ("prompt-and-ids", {"prompt": "hi", "prompt_token_ids": [1, 2]}, "not both"),
+    ("prompt-and-ids", {"prompt": "hi", "prompt_token_ids": [1, 2]}, "only one of"),
     ("ids-fill-context", {"prompt_token_ids": [1] * MAX_CONTEXT}, "context holds"),
     ("text-over-context", {"prompt": "word " * 2 * MAX_CONTEXT}, "context holds"),
     ("prompt-over-char-limit", {"prompt": "x" * (LIMITS.max_prompt_chars + 1)}, "the limit is"),
@@ -114,11 +115,19 @@ CASES = [
     ("timeout-negative", {"timeout_s": -1.0}, "timeout_s must be in"),
     ("timeout-nan", {"timeout_s": math.nan}, "timeout_s must be in"),
     ("timeout-inf", {"timeout_s": math.inf}, "timeout_s must be in"),
-    ("too-many-stops", {"stop": [f"s{k}" for k in range(LIMITS.max_stop_strings + 1)]}, "stop strings"),
+    ("too-many-stops", {"stop": [f"s{k}" for k in range(MAX_STOP_STRINGS + 1)]}, "stop strings"),
     ("empty-stop", {"stop": [""]}, "stop strings must have"),
-    ("huge-stop", {"stop": ["x" * (LIMITS.max_stop_chars + 1)]}, "stop strings must have"),
-    ("long-request-id", {"request_id": "r" * (LIMITS.max_id_chars + 1)}, "request_id is over"),
-    ("long-context-id", {"context_id": "c" * (LIMITS.max_id_chars + 1)}, "context_id has more than"),
+    ("huge-stop", {"stop": ["x" * (MAX_STOP_CHARS + 1)]}, "stop strings must have"),
+    ("long-request-id", {"request_id": "r" * (LIMITS.max_id_chars + 1)}, "request_id must have at most"),
+    ("long-context-id", {"context_id": "c" * (LIMITS.max_id_chars + 1)}, "context_id must have at most"),
+    ("prompt-and-messages", {"messages": [{"role": "user", "content": "hi"}]}, "only one of"),
+    ("chat-role", {"prompt": None, "messages": [{"role": "robot", "content": "hi"}]}, "role must be one of"),
+    ("chat-empty", {"prompt": None, "messages": []}, "the prompt is empty"),
+    (
+        "chat-over-context",
+        {"prompt": None, "messages": [{"role": "user", "content": "word " * 2 * MAX_CONTEXT}]},
+        "holds",
+    ),
 ]
 
 
@@ -240,6 +249,6 @@ def test_replica_is_healthy_after_everything(client):
     h = idle(client)
     assert h["status"] == "ok" and h["queue_depth"] == 0
     (rep,) = h["replicas"]
-    assert rep["free_kv_slots"] == rep["total_kv_slots"] == 4
+    assert rep["free_kv_slots"] == rep["total_kv_slots"] == 2  # one KV pool of max_batch slots for both methods
     out = client.generate_text(PROMPT, max_new_tokens=6)
     assert out.finish_reason in ("length", "stop") and out.token_ids

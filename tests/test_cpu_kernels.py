@@ -100,6 +100,81 @@ def test_cache_attention_rejects_bad_input():
         ops.cache_attention(torch.randn(9, 2, 64), k, k, 0, torch.zeros(2, 2, dtype=torch.bool), 0.125)
 
 
+def _random_tree(n: int, g: torch.Generator) -> torch.Tensor:
+    """A random tree over n nodes (node i's parent drawn from 0..i-1): each node sees its ancestors and itself."""
+    mask = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        mask[i] |= mask[int(torch.randint(0, i, (1,), generator=g))]
+    return mask
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (14, 2)])  # SmolLM2-135M, Qwen2.5-0.5B (head_dim 64)
+@pytest.mark.parametrize("n", [1, 5, 64, 300, 512])
+def test_tile_attention_matches_reference(heads, kv_heads, n):
+    """A prefill chunk (causal) and a tree (random ancestors) over no, one and 700 committed keys: partial key blocks,
+    partial register tiles and tiles across heads included."""
+    g = torch.Generator().manual_seed(n)
+    k = torch.randn(kv_heads, 1300, 64, generator=g)
+    v = torch.randn(kv_heads, 1300, 64, generator=g)
+    q = torch.randn(heads, n, 64, generator=g) * 2
+    for start in (0, 1, 700):
+        for mask in (None, _random_tree(n, g)):
+            got = ops.tile_attention(q, k, v, start, mask, 0.125)
+            ref = cpu.cache_attention_reference(q, k, v, start, mask, 0.125)
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_tile_attention_other_head_dims():
+    """Head dims that are not a whole number of vectors (padded P @ V tiles, scalar key packing)."""
+    g = torch.Generator().manual_seed(1)
+    for heads, kv_heads, dim in ((4, 2, 40), (8, 8, 128)):
+        k, v = torch.randn(kv_heads, 200, dim, generator=g), torch.randn(kv_heads, 200, dim, generator=g)
+        q = torch.randn(heads, 70, dim, generator=g)
+        for mask in (None, _random_tree(70, g)):
+            got = ops.tile_attention(q, k, v, 100, mask, dim**-0.5)
+            ref = cpu.cache_attention_reference(q, k, v, 100, mask, dim**-0.5)
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_tile_attention_rows_do_not_depend_on_the_call():
+    """A row's result is the same bits whatever else is in its call: a prefill in chunks of 256 or 512, single rows,
+    the first nodes of a tree alone, and any thread count."""
+    g = torch.Generator().manual_seed(2)
+    k, v = torch.randn(3, 1300, 64, generator=g), torch.randn(3, 1300, 64, generator=g)
+    q = torch.randn(9, 1024, 64, generator=g)
+    by_512 = torch.cat([ops.tile_attention(q[:, c : c + 512], k, v, c, None, 0.125) for c in (0, 512)])
+    by_256 = torch.cat([ops.tile_attention(q[:, c : c + 256], k, v, c, None, 0.125) for c in range(0, 1024, 256)])
+    assert torch.equal(by_512, by_256)
+    for i in (0, 5, 255, 256, 700, 1023):
+        assert torch.equal(ops.tile_attention(q[:, i : i + 1], k, v, i, None, 0.125)[0], by_512[i]), i
+    mask = _random_tree(60, g)
+    tree = ops.tile_attention(q[:, :60], k, v, 900, mask, 0.125)
+    for m in (1, 7, 31):  # parents come first: the first m nodes are a tree of their own
+        assert torch.equal(ops.tile_attention(q[:, :m], k, v, 900, mask[:m, :m], 0.125), tree[:m]), m
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(ops.tile_attention(q[:, :60], k, v, 900, mask, 0.125), tree)
+        assert torch.equal(ops.tile_attention(q[:, :512], k, v, 0, None, 0.125), by_512[:512])
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_tile_attention_rejects_bad_input():
+    k = torch.randn(3, 8, 64)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.tile_attention(torch.randn(9, 2, 64), k, k, 7, None, 0.125)
+    with pytest.raises(RuntimeError, match="mask must be"):
+        ops.tile_attention(torch.randn(9, 2, 64), k, k, 0, torch.ones(3, 3, dtype=torch.bool), 0.125)
+    with pytest.raises(RuntimeError, match="sees no key"):
+        ops.tile_attention(torch.randn(9, 2, 64), k, k, 0, torch.tensor([[True, False], [False, False]]), 0.125)
+    with pytest.raises(RuntimeError, match="head shapes"):
+        ops.tile_attention(torch.randn(8, 2, 64), k, k, 0, None, 0.125)
+    with pytest.raises(RuntimeError, match="q must be"):
+        ops.tile_attention(torch.randn(2, 64), k, k, 0, None, 0.125)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.tile_attention(torch.randn(9, 2, 64).double(), k, k, 0, None, 0.125)
+
+
 @pytest.mark.parametrize("n_out,n_in", [(960, 576), (13, 40), (4, 16)])
 def test_rows_linear_matches_and_is_row_count_invariant(n_out, n_in):
     w = torch.randn(n_out, n_in)
@@ -207,8 +282,8 @@ def test_mixed_shapes_build_the_kernels_once(llama_target):
 
 
 def test_attention_plan_measured_and_forced(llama_target):
-    """A verify pass through the kernels' attention (plan 32) and through the flash hybrid (plan 1): same logits
-    within rounding; the measured plan is at least a decode step; bad values are refused."""
+    """A verify pass through cache_attention (plan 32) and through tile_attention (plan 1): same logits within
+    rounding; the measured plan is at least a decode step; bad values are refused."""
     from spyglass.models.llama import measure_attention_plan, set_attention_plan
 
     assert measure_attention_plan(llama_target) >= 1
@@ -231,3 +306,31 @@ def test_attention_plan_measured_and_forced(llama_target):
     assert torch.equal(out[32].argmax(-1), out[1].argmax(-1))
     with pytest.raises(ValueError, match="1 or more tokens"):
         set_attention_plan(llama_target, 0)
+
+
+def test_real_model_prefill_on_kernels_matches_torch_ops(smollm2):
+    """SmolLM2 on a 600-token prompt, prefilled in chunks of 512 (tile_attention) and decoded, with the kernels and
+    with the torch ops (ATen's flash attention): the same greedy tokens, logits within fp32 rounding."""
+    from spyglass.demo import code_edit_task
+
+    model, tok = smollm2
+    ids = tok(code_edit_task("shlex.py", max_chars=2400).prompt)["input_ids"][:600]
+    assert len(ids) > 512
+    tokens, logits = {}, {}
+    try:
+        for native in (False, True):
+            Block.native = native
+            cache = model.new_cache(768, 1)
+            slot = cache.allocate()
+            first = model.prefill(cache, slot, torch.tensor(ids), chunk_size=512)
+            out = [int(first.argmax())]
+            for _ in range(5):
+                pos = cache.lengths[slot]
+                seg = Segment(slot, pos, torch.tensor(out[-1:]), torch.tensor([pos]), None, "last")
+                out.append(int(model.forward([seg], cache)[0][-1].argmax()))
+                cache.commit(slot, pos, [0])
+            tokens[native], logits[native] = out, first
+    finally:
+        Block.native = True
+    assert tokens[True] == tokens[False]
+    torch.testing.assert_close(logits[True], logits[False], rtol=1e-3, atol=1e-3)

@@ -127,7 +127,7 @@ def test_one_engine_serves_every_method_in_one_batch(llama_target):
         assert max(seq.stats.batch_sizes) == 4, f"{method} never shared a forward"
     assert max(s.stats.summary(s.num_generated)["tau"] for s in seqs) > 1.0
     assert engine.cache.free_slots == 4, "KV slots leaked"
-    with pytest.raises(RequestError, match="not served"):
+    with pytest.raises(RequestError, match="unknown method 'no-such-method'"):
         engine.add_request(prompts[0], params, method="no-such-method")
     with pytest.raises(ValueError, match="either one drafter"):
         SpecEngine(llama_target, NgramDrafter(), config, drafters={"ar": None})

@@ -1,9 +1,11 @@
 """The SDK's retry (a server that cannot take the call: UNAVAILABLE) and bearer token, against a plain loopback gRPC
-server (no Ray): a restarting gateway is survived, a stream that already delivered tokens is never replayed."""
+server (no Ray): a restarting gateway is survived, a stream that already delivered tokens is never replayed; the
+`spyglass` commands' own clients (serve's readiness, demo and drain; health; generate --server) send the token."""
 
 from __future__ import annotations
 
 import asyncio
+import io
 from concurrent import futures
 
 import grpc
@@ -46,6 +48,44 @@ class Flaky(pb_grpc.SpyglassServicer):
     def Health(self, request, context):
         self._maybe_fail("health", context)
         return pb.HealthResponse(status="ok")
+
+
+class Guarded(pb_grpc.SpyglassServicer):
+    """Answers like a gateway started with a bearer token: UNAUTHENTICATED for a call without it."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self.seen: list[str | None] = []
+
+    def _check(self, context) -> None:
+        header = dict(context.invocation_metadata()).get("authorization")
+        self.seen.append(header)
+        if header != f"Bearer {self.token}":
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+    def _stats(self, request) -> pb.Stats:
+        return pb.Stats(method=request.method or "ngram", prompt_tokens=5, generated_tokens=2, tokens_per_s=1.0)
+
+    def GenerateOnce(self, request, context):
+        self._check(context)
+        stats = self._stats(request)
+        return pb.GenerateResponse(
+            request_id=request.request_id, text="ok", token_ids=[1, 2], finish_reason="length", stats=stats
+        )
+
+    def Generate(self, request, context):
+        self._check(context)
+        yield pb.GenerateChunk(request_id=request.request_id, token_ids=[1], text="o")
+        stats = self._stats(request)
+        yield pb.GenerateChunk(token_ids=[2], text="k", final=True, finish_reason="length", stats=stats)
+
+    def Health(self, request, context):
+        self._check(context)
+        return pb.HealthResponse(status="ok", replicas=[pb.ReplicaHealth(name="verifier-0", total_kv_slots=4)])
+
+    def GetModelInfo(self, request, context):
+        self._check(context)
+        return pb.ModelInfo(model="m", methods=["ngram"], num_verifiers=1)
 
 
 @pytest.fixture
@@ -121,3 +161,45 @@ def test_sampling_checks_and_tolerant_parser():
     bad = parse(good.SerializeToString().replace(b"abc", b"a\xffc"))
     assert bad.request_id.startswith(MALFORMED) and "UTF-8" in bad.request_id and bad.prompt == ""
     assert tolerant_parser(pb.HealthRequest, None)(b"\xff\xff") == pb.HealthRequest()
+
+
+def test_serve_sends_the_token_its_gateway_requires(server, monkeypatch):
+    """`spyglass serve` with SPYGLASS_AUTH_TOKEN set: its readiness wait, demo requests and drain send the token."""
+    from services.app import auth_token, demo_via, drain, run_demo, wait_ready
+
+    svc = Guarded("s3cret")
+    addr = server(svc)
+    monkeypatch.setenv("SPYGLASS_AUTH_TOKEN", "s3cret")
+    monkeypatch.setenv("OTHER_TOKEN_VAR", "other")
+    assert auth_token({}) == "s3cret"
+    assert auth_token({"gateway": {"auth_token_env": "OTHER_TOKEN_VAR"}}) == "other"  # the variable the config names
+    token = auth_token({})
+    assert wait_ready(addr, timeout_s=30, token=token)["model"] == "m"
+    stats = run_demo(addr, 2, out=io.StringIO(), token=token, learned_method="ngram")
+    assert stats["generated_tokens"] == 2 and stats["learned_check"]["identical"]
+    assert demo_via(addr, "hi", "ngram", [1, 2], 2, "ctx", token=token)["identical"]
+    assert drain(addr, 1.0, token=token) == 0
+    assert len(svc.seen) >= 7 and all(h == "Bearer s3cret" for h in svc.seen)
+    # without it the same calls are refused (what `spyglass serve` did before it sent the token)
+    with pytest.raises(SpyglassError) as e:
+        wait_ready(addr, timeout_s=0)
+    assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+    assert drain(addr, 1.0) == -1
+
+
+def test_cli_commands_send_the_token_from_the_environment(server, monkeypatch, capsys):
+    import json
+
+    from spyglass.cli import main
+
+    addr = server(Guarded("s3cret"))
+    monkeypatch.delenv("SPYGLASS_AUTH_TOKEN", raising=False)
+    assert main(["health", "--server", addr]) == 1
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+    assert main(["generate", "--server", addr, "--prompt", "hi", "--json"]) == 2
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+    monkeypatch.setenv("SPYGLASS_AUTH_TOKEN", "s3cret")
+    assert main(["health", "--server", addr]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--server", addr, "--prompt", "hi", "--max-new-tokens", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == "ok"

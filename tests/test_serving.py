@@ -568,6 +568,133 @@ def test_openai_completions_http(stack, client):
     assert status == 400 and "prompt is empty" in json.loads(body)["error"]["message"]
 
 
+@pytest.fixture(scope="module")
+def openai_client(stack):
+    """The official `openai` client on the stack's OpenAI-compatible routes (no token configured: any key passes)."""
+    import openai
+
+    with openai.OpenAI(base_url=stack[1] + "/v1", api_key="unused", max_retries=0, timeout=180) as c:
+        yield c
+
+
+def test_openai_chat_plain_and_streamed(openai_client, client, reference):
+    model = client.model_info()["model"]
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    expected = client.generate_text(PROMPTS[0], max_new_tokens=12)  # gRPC: the chat template on one user turn
+    reply = openai_client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
+    (choice,) = reply.choices
+    assert reply.object == "chat.completion" and reply.model == model and reply.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant" and choice.message.content == expected.text
+    assert choice.finish_reason == expected.finish_reason
+    assert reply.usage.completion_tokens == len(expected.token_ids)
+    assert reply.usage.prompt_tokens == len(reference["ids"](PROMPTS[0]))
+    stream = openai_client.chat.completions.create(
+        model=model, messages=messages, max_completion_tokens=12, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        choice.finish_reason
+    ]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+    wait_idle(client)
+
+
+def test_chat_messages_through_the_sdk_and_openai_equal_plain_decoding(openai_client, client, smollm2):
+    from spyglass.engine import plain_generate
+    from spyglass.sampling import SamplingParams
+
+    model, tok = smollm2
+    messages = [
+        {"role": "system", "content": "You answer in one short line."},
+        {"role": "user", "content": "Name a primary colour."},
+    ]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    expected = plain_generate(model, ids, SamplingParams(max_new_tokens=10))
+    sdk = client.generate_text(messages=messages, max_new_tokens=10, method="suffix")
+    assert sdk.token_ids == expected and sdk.stats["prompt_tokens"] == len(ids)
+    reply = openai_client.chat.completions.create(
+        model="any", messages=messages, max_tokens=10, extra_body={"method": "suffix"}
+    )
+    assert reply.choices[0].message.content == sdk.text == tok.decode(expected, skip_special_tokens=True)
+
+
+def test_openai_chat_options_models_and_errors(openai_client, client):
+    import openai
+
+    model = client.model_info()["model"]
+    msgs = [{"role": "user", "content": PROMPTS[1]}]
+    full = client.generate_text(PROMPTS[1], max_new_tokens=40).text
+    words = full.split()
+    stop = words[len(words) // 2]  # one string, not a list: the output ends before its first occurrence
+    cut = openai_client.chat.completions.create(model=model, messages=msgs, max_tokens=40, stop=stop)
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].message.content == full[: full.index(stop)]
+    kw = dict(max_tokens=8, temperature=0.9, top_p=0.9, seed=11)
+    sampled = [openai_client.chat.completions.create(model=model, messages=msgs, **kw) for _ in range(2)]
+    texts = [r.choices[0].message.content for r in sampled]
+    grpc_kw = dict(max_new_tokens=8, temperature=0.9, top_p=0.9, seed=11)
+    assert texts[0] == texts[1] == client.generate_text(PROMPTS[1], **grpc_kw).text  # a seed makes sampling repeatable
+    assert [m.id for m in openai_client.models.list().data] == [model]
+    assert openai_client.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError):
+        openai_client.models.retrieve("gpt-4")
+    bad = [
+        (dict(n=2), "n is not supported"),
+        (dict(temperature=-1), "temperature must be >= 0"),
+        (dict(max_tokens=100000), "max_tokens must be <= 512"),
+        (dict(stop=[""]), "stop strings must have 1 to"),
+        (dict(extra_body={"method": "telepathy"}), "unknown method"),
+        (dict(messages=[{"role": "robot", "content": "hi"}]), "role must be one of"),
+    ]
+    for kwargs, needle in bad:
+        kwargs = {"messages": msgs, **kwargs}
+        with pytest.raises(openai.BadRequestError) as e:
+            openai_client.chat.completions.create(model=model, **kwargs)
+        assert e.value.status_code == 400 and e.value.body["type"] == "invalid_request_error"
+        assert needle in e.value.body["message"], e.value.body
+    wait_idle(client)
+
+
+def test_openai_routes_need_the_bearer_token_when_one_is_set(stack, client):
+    """A second gateway on the same verifier, started with a token: the OpenAI routes answer 401 without it."""
+    import openai
+    from ray import serve
+
+    from services.gateway import Gateway
+
+    model = client.model_info()["model"]
+    msgs = [{"role": "user", "content": PROMPTS[0]}]
+    expected = client.generate_text(PROMPTS[0], max_new_tokens=4).text
+    var = "SPYGLASS_TEST_AUTH_TOKEN"
+    verifier = serve.get_deployment_handle("Verifier0", app_name="spyglass")
+    opts = {"num_cpus": 0, "runtime_env": {"env_vars": {var: "s3cret"}}}
+    app = Gateway.options(name="AuthGateway", ray_actor_options=opts).bind([verifier], {"auth_token_env": var})
+    serve.run(app, name="auth", route_prefix="/auth")
+    try:
+        base = stack[1] + "/auth/v1"
+        with openai.OpenAI(base_url=base, api_key="wrong", max_retries=0, timeout=60) as wrong:
+            calls = [
+                lambda: wrong.models.list(),
+                lambda: wrong.chat.completions.create(model=model, messages=msgs, max_tokens=2),
+                lambda: wrong.chat.completions.create(model=model, messages=msgs, max_tokens=2, stream=True),
+                lambda: wrong.completions.create(model=model, prompt="hi", max_tokens=2),
+            ]
+            for call in calls:
+                with pytest.raises(openai.AuthenticationError) as e:
+                    call()
+                assert e.value.status_code == 401 and "bearer token" in e.value.body["message"]
+        with openai.OpenAI(base_url=base, api_key="s3cret", max_retries=0, timeout=180) as right:
+            assert [m.id for m in right.models.list().data] == [model]
+            reply = right.chat.completions.create(model=model, messages=msgs, max_tokens=4)
+            assert reply.choices[0].message.content == expected
+    finally:
+        serve.delete("auth")
+    wait_idle(client)
+
+
 def test_cli_generate_server(grpc_address, client):
     import json
 

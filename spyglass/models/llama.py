@@ -124,8 +124,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class Block(nn.Module):
     native = True  # run the CPU kernels of kernels/cpu_ops.cpp where they are built (fp32 on the CPU)
-    # up to this many new tokens of a sequence, attention runs in the kernels' cache_attention, past it in ATen's
-    # flash attention (the hybrid prefix + tree split); set per model by `set_attention_plan`, measured at load
+    # up to this many new tokens of a sequence, attention runs in the kernels' cache_attention (row by row, split
+    # over the keys), past it in their tile_attention (register tiles, split over query rows); set per model by
+    # `set_attention_plan`, measured at load
     native_attention_max = 1
 
     def __init__(self, a: ModelArgs) -> None:
@@ -175,8 +176,9 @@ class Block(nn.Module):
         return h + self.w_down(F.silu(gate) * up)
 
     def _forward_native(self, ops, x, cos, sin, segments: list[Segment], cache: KVCache, layer: int):
-        """The same layer in a few fused CPU kernels: RMSNorm, RoPE + cache write, attention over the cache (a decode
-        step or a small tree; larger ones take the flash hybrid), SwiGLU."""
+        """The same layer in a few fused CPU kernels: RMSNorm, RoPE + cache write, attention over the cache
+        (cache_attention for a decode step or a small tree, tile_attention for larger trees and prefill chunks),
+        SwiGLU."""
         a = self.a
         t = x.shape[0]
         cos, sin = cos.reshape(t, a.head_dim), sin.reshape(t, a.head_dim)
@@ -189,14 +191,8 @@ class Block(nn.Module):
                 raise CacheFullError(f"slot {seg.slot}: {seg.start + n} tokens exceed the capacity {cache.capacity}")
             k_all, v_all = cache.layer(seg.slot, layer)
             q = ops.rope_write(qkv, cos, sin, k_all, v_all, offset, n, seg.start, a.n_heads)  # [H, n, D]
-            if n <= self.native_attention_max:  # a decode step, a small tree: one kernel over the cache
-                o1 = ops.cache_attention(q, k_all, v_all, seg.start, seg.mask, a.head_dim**-0.5)
-            else:
-                end = seg.start + n
-                k_pre, v_pre = k_all[:, : seg.start], v_all[:, : seg.start]
-                o1 = tree_attention(q, k_pre, v_pre, k_all[:, seg.start : end], v_all[:, seg.start : end], seg.mask)
-                o1 = o1.transpose(0, 1).reshape(n, -1)
-            outs.append(o1)
+            attend = ops.cache_attention if n <= self.native_attention_max else ops.tile_attention
+            outs.append(attend(q, k_all, v_all, seg.start, seg.mask, a.head_dim**-0.5))
             offset += n
         h = x + self.wo(torch.cat(outs) if len(outs) > 1 else outs[0])
         return h + self.w_down(ops.silu_mul(self.w_gate_up(ops.rms_norm(h, self.mlp_norm.weight, self.mlp_norm.eps))))
@@ -246,7 +242,7 @@ class Transformer(nn.Module):
         self.rope_scaling = rope_scaling
         self.attention_backend = "auto"  # GPU: flash-attn prefix + Triton tree kernel; CPU: ATen flash
         self.linear_backend = "aten"  # or "onednn" (CPU): see spyglass.models.linear; load_transformer measures
-        self.attention_plan = 1  # new tokens per sequence the CPU kernels' attention takes; load_transformer measures
+        self.attention_plan = 1  # new tokens per sequence for cache_attention (more: tile_attention); measured at load
         self.model_id = "unnamed"
 
     @property
@@ -364,9 +360,10 @@ NATIVE_ATTENTION_TRIALS = (2, 4, 8, 16, 32)  # tree sizes timed by `measure_atte
 
 @torch.inference_mode()
 def measure_attention_plan(model: Transformer, context: int = 2048, repeats: int = 3) -> int:
-    """The most new tokens for which the kernels' cache_attention beats the flash-based hybrid here, timed on the
-    model's head shapes over a `context`-token cache (0.1-0.5 s). One token is always the kernel's (a decode
-    step). The crossover moves with the CPU: more rows cost the kernel linearly and flash's blocking little."""
+    """The most new tokens for which the kernels' cache_attention beats their tile_attention here, timed on the
+    model's head shapes over a `context`-token cache (0.1-0.5 s). One token is always cache_attention's (a decode
+    step). The crossover moves with the CPU: more rows cost cache_attention linearly (a dot product per query and
+    key) and the tile kernel little until its register tiles fill."""
     ops = cpu_kernels.native()
     a = model.args
     if ops is None:
@@ -377,12 +374,9 @@ def measure_attention_plan(model: Transformer, context: int = 2048, repeats: int
     for n in NATIVE_ATTENTION_TRIALS:
         q = torch.randn(a.n_heads, n, a.head_dim, generator=g)
         mask = causal_mask(n)
-        kt, vt = k[:, context : context + n], v[:, context : context + n]
         fns = {
-            "native": lambda q=q, mask=mask: ops.cache_attention(q, k, v, context, mask, a.head_dim**-0.5),
-            "flash": lambda q=q, mask=mask, kt=kt, vt=vt: tree_attention(
-                q, k[:, :context], v[:, :context], kt, vt, mask, backend="cpu"
-            ),
+            "cache": lambda q=q, mask=mask: ops.cache_attention(q, k, v, context, mask, a.head_dim**-0.5),
+            "tile": lambda q=q, mask=mask: ops.tile_attention(q, k, v, context, mask, a.head_dim**-0.5),
         }
         times = {}
         for name, fn in fns.items():
@@ -393,7 +387,7 @@ def measure_attention_plan(model: Transformer, context: int = 2048, repeats: int
                 fn()
                 samples.append(time.perf_counter() - t0)
             times[name] = min(samples)
-        if times["native"] > times["flash"]:
+        if times["cache"] > times["tile"]:
             break
         best = n
     return best

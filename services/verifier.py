@@ -115,10 +115,6 @@ class _Live:
     out: asyncio.Queue
     seq: Any = None
     final_only: bool = False  # a unary request: only the final item (full text and ids), no per-step chunks
-    sent_text: str = ""
-    prev_hits: list[int] = field(default_factory=list)
-    prev_steps: int = 0
-    prev_drafted: int = 0
     t_submit: float = field(default_factory=time.perf_counter)
 
     def push(self, item: dict[str, Any]) -> None:
@@ -278,8 +274,8 @@ class EngineLoop:
                 self._fail_engine(f"engine step failed: {type(e).__name__}: {e}")
                 continue
             self.steps += 1
-            for ev in _merge_by_sequence(events):
-                self._dispatch(engine, ev)
+            for ev in events:
+                self._dispatch(ev)
 
     def _apply_commands(self, block: bool) -> None:
         try:
@@ -316,50 +312,33 @@ class EngineLoop:
         if live.seq.finished:
             self._finish(live)
 
-    def _dispatch(self, engine, ev) -> None:
-        seq = ev.seq
-        live = self.live.get(seq.seq_id)
+    def _dispatch(self, ev) -> None:
+        live = self.live.get(ev.seq.seq_id)
         if live is None:
             return
-        st = seq.stats
-        hits = list(st.depth_hits)
-        accepted_per_pos = [h - (live.prev_hits[d] if d < len(live.prev_hits) else 0) for d, h in enumerate(hits)]
-        accepted = sum(accepted_per_pos)
-        drafted = st.drafted_nodes - live.prev_drafted
-        stepped = st.steps > live.prev_steps
-        if stepped and drafted > 0:
-            self._count("spec_decode_num_drafts_total", 1)
-            self._count("spec_decode_num_draft_tokens_total", drafted)
-            self._count("spec_decode_num_accepted_tokens_total", accepted)
-            for pos, n in enumerate(accepted_per_pos):
-                if n:
-                    self._count("spec_decode_num_accepted_tokens_per_pos_total", n, {"position": str(pos)})
-        if st.steps and stepped:
+        if ev.batch_size:  # the sequence was in this step's verify forward
+            if ev.drafted:
+                self._count("spec_decode_num_drafts_total", 1)
+                self._count("spec_decode_num_draft_tokens_total", ev.drafted)
+                self._count("spec_decode_num_accepted_tokens_total", ev.accepted)
+                for pos in range(ev.accepted):
+                    self._count("spec_decode_num_accepted_tokens_per_pos_total", 1, {"position": str(pos)})
             self._count("batched_sequence_steps_total", 1)
-            self._count("batch_size_sum", st.batch_sizes[-1])
-        live.prev_hits, live.prev_drafted, live.prev_steps = hits, st.drafted_nodes, st.steps
-        if not live.final_only:  # (a chunk costs the replica and the gateway CPU that the decode steps share)
-            self._send_chunk(engine, live, ev, accepted, st.batch_sizes[-1] if stepped else 0)
-        if seq.finished:
-            self._finish(live)
-
-    def _send_chunk(self, engine, live: _Live, ev, accepted: int, batch_size: int) -> None:
-        """The step's new tokens and the text they completed (held back while it ends inside a character)."""
-        text = engine.text(ev.seq)
-        delta = ""
-        if text.startswith(live.sent_text) and (ev.seq.finished or not text.endswith("\ufffd")):
-            delta = text[len(live.sent_text) :]
-            live.sent_text = text
-        if ev.new_tokens or delta:
+            self._count("batch_size_sum", ev.batch_size)
+        # the step's new tokens and the text the engine released with them (see TextStream.release): a chunk costs
+        # the replica and the gateway CPU that the decode steps share, so a unary request gets none
+        if not live.final_only and (ev.new_tokens or ev.text):
             live.push(
                 {
                     "request_id": live.request_id,
                     "token_ids": list(ev.new_tokens),
-                    "text": delta,
-                    "accepted_tokens": accepted,
-                    "batch_size": batch_size,
+                    "text": ev.text,
+                    "accepted_tokens": ev.accepted,
+                    "batch_size": ev.batch_size,
                 }
             )
+        if ev.seq.finished:
+            self._finish(live)
 
     def _finish(self, live: _Live) -> None:
         seq = live.seq
@@ -375,13 +354,15 @@ class EngineLoop:
         if stats["ttft_s"] is not None:
             self._observe("ttft_s", stats["ttft_s"])
         text = self.engine.text(seq)
+        # the text not streamed yet (held back at an abort); a unary request streamed nothing: all of it
+        rest = text if live.final_only else seq.text_stream.release(final=True)
         live.push(
             {
                 "request_id": live.request_id,
                 "final": True,
                 "finish_reason": seq.finish_reason or "stop",
                 "stats": stats,
-                "text": text[len(live.sent_text) :] if text.startswith(live.sent_text) else "",
+                "text": rest,
                 "token_ids": [],
                 "full_text": text,
                 "output_ids": seq.output_ids,
@@ -410,17 +391,6 @@ class EngineLoop:
     def _observe(self, name: str, value: float) -> None:
         if self.on_metrics is not None:
             self.on_metrics(name, value, None)
-
-
-def _merge_by_sequence(events: list) -> list:
-    """One event per sequence per step: a prefill and the spec round right after it become one chunk."""
-    from spyglass.engine import Event
-
-    merged: dict[str, Any] = {}
-    for ev in events:
-        prev = merged.get(ev.seq.seq_id)
-        merged[ev.seq.seq_id] = Event(ev.seq, prev.new_tokens + ev.new_tokens) if prev else ev
-    return list(merged.values())
 
 
 # ~1.8K tokens of repetitive code: n-gram and suffix drafters find long matches, so real trees get verified.

@@ -193,16 +193,12 @@ def _run_generate(args) -> int:
 
 def _generate_once(engine, prompt_ids: list[int], params, stream: bool) -> dict:
     t0 = time.perf_counter()
-    printed = ""
     seq = None
     for event in engine.generate(prompt_ids, params):
         seq = event.seq
-        if stream:
-            text = engine.text(seq)
-            if text.startswith(printed):
-                sys.stdout.write(text[len(printed) :])
-                sys.stdout.flush()
-                printed = text
+        if stream and event.text:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
     wall = time.perf_counter() - t0
     if stream:
         print()

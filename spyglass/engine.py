@@ -16,6 +16,7 @@ import torch
 
 from spyglass.context_cache import ContextCache, kv_blocks_from_cache, load_blocks_into_cache
 from spyglass.controller import CostCurve, SpeculationController, controller_for, measured_curve
+from spyglass.detokenize import TextStream
 from spyglass.drafters.base import Drafter, NullDrafter
 from spyglass.kv_cache import context_capacity
 from spyglass.limits import RequestError, check_method, check_prompt_ids
@@ -38,12 +39,30 @@ class EngineConfig:
 
 @dataclass
 class Event:
+    """What one step did for one sequence: the tokens it appended, the text they released, and for a speculative
+    round what was verified (a prefill's event carries zeros there)."""
+
     seq: Sequence
     new_tokens: list[int]
+    text: str = ""  # new output text clients may see (see TextStream.release); "" without a tokenizer
+    drafted: int = 0  # drafted tokens verified this step (tree nodes past the root)
+    accepted: int = 0  # of those, the ones the target accepted
+    batch_size: int = 0  # sequences in this step's verify forward (0: no verify step for this sequence)
 
     @property
     def finished(self) -> bool:
         return self.seq.finished
+
+    def then(self, later: Event) -> Event:
+        """This event followed by a later one of the same sequence and step (a prefill, then its first round)."""
+        return Event(
+            self.seq,
+            self.new_tokens + later.new_tokens,
+            self.text + later.text,
+            self.drafted + later.drafted,
+            self.accepted + later.accepted,
+            later.batch_size or self.batch_size,
+        )
 
 
 class SpecEngine:
@@ -119,8 +138,12 @@ class SpecEngine:
         method = self.default_method if method is None else method
         check_method(method, list(self.drafters))
         check_prompt_ids(prompt_ids, self.target.args.vocab_size, self.capacity)
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer, and this engine has none")
         seq = Sequence(list(prompt_ids), params, seq_id)
         seq.method = method
+        if self.tokenizer is not None:
+            seq.text_stream = TextStream(self.tokenizer, params.stop)
         self.waiting.append(seq)
         return seq
 
@@ -143,17 +166,20 @@ class SpecEngine:
 
     # --- the loop -----------------------------------------------------------------------------
     def step(self) -> list[Event]:
-        """Admit waiting requests (prefill), then one speculative round over the running batch."""
+        """Admit waiting requests (prefill), then one speculative round over the running batch; one event per
+        sequence that advanced."""
         admitted = []
         while self.waiting and len(admitted) < self.cache.free_slots:
             admitted.append(self.waiting.popleft())
-        events = self._prefill(admitted) if admitted else []
+        events = {ev.seq.seq_id: ev for ev in (self._prefill(admitted) if admitted else [])}
         batch = [s for s in self.running if not s.finished]
         if batch:
-            events.extend(self._spec_round(batch))
+            for ev in self._spec_round(batch):
+                first = events.get(ev.seq.seq_id)
+                events[ev.seq.seq_id] = first.then(ev) if first else ev
         for seq in [s for s in self.running if s.finished]:
             self._retire(seq)
-        return events
+        return list(events.values())
 
     def _prefill(self, seqs: list[Sequence]) -> list[Event]:
         """Prefill admitted prompts in packed forwards of at most `prefill_chunk` tokens per sequence
@@ -191,7 +217,7 @@ class SpecEngine:
             new = self._append(seq, [self._choose(last_logits[seq.seq_id], seq)])
             if not seq.finished:
                 self._drafter(seq).start(seq)
-            events.append(Event(seq, new))
+            events.append(Event(seq, new, self._release(seq)))
         # The first tokens leave with these events, after the drafters' own set-up (e.g. a draft model's prompt
         # prefill): that set-up is prompt processing, so it counts in the time to first token, not in decoding.
         now = time.perf_counter()
@@ -273,13 +299,14 @@ class SpecEngine:
             self._hidden(seq, start, j, result.path)
             self.cache.commit(seq.slot, start, result.path)
             new = self._append(seq, result.tokens)
-            seq.stats.record_step(tree.max_depth, len(tree), result.num_drafted_accepted, len(new), len(batch))
+            accepted = result.num_drafted_accepted
+            seq.stats.record_step(tree.max_depth, len(tree), accepted, len(new), len(batch))
             if not seq.finished:
                 if seq.committed + 1 >= self.capacity:
                     seq.finish("length")
                 else:
                     self._drafter(seq).commit(seq, result)
-            events.append(Event(seq, new))
+            events.append(Event(seq, new, self._release(seq), len(tree) - 1, accepted, len(batch)))
         t2 = time.perf_counter()
         for seq in batch:
             seq.stats.draft_time += t1 - t0
@@ -304,22 +331,30 @@ class SpecEngine:
             drafter.observe_hidden(seq, start, self.target.captured[index], kept)
 
     def _append(self, seq: Sequence, tokens: list[int]) -> list[int]:
-        """Append accepted tokens, honouring max_new_tokens, EOS and stop strings."""
+        """Append accepted tokens up to the one where plain decoding ends the output: EOS, the max_new_tokens-th
+        token, or the first token whose text makes the output contain a stop string. Tokens after it are dropped:
+        never part of the output, streamed or counted (the KV committed for them does not matter: the sequence is
+        done)."""
+        stream = seq.text_stream
+        watch = bool(seq.params.stop)  # (add_request made sure there is a stream to watch)
         added = []
         for tok in tokens:
             seq.append(tok)
             added.append(tok)
-            if tok in self.eos_ids and not seq.params.ignore_eos:
+            if (watch and stream.add([tok])) or (tok in self.eos_ids and not seq.params.ignore_eos):
                 seq.finish("stop")
                 break
             if seq.num_generated >= seq.params.max_new_tokens:
                 seq.finish("length")
                 break
-        if seq.params.stop and self.tokenizer is not None and not seq.finished:
-            text = self.decode(seq.output_ids)
-            if any(s in text for s in seq.params.stop):
-                seq.finish("stop")
+        if stream is not None and not watch:
+            stream.add(added)
         return added
+
+    @staticmethod
+    def _release(seq: Sequence) -> str:
+        """The output text that clients may see now (all of it, cut at the stop, once the sequence is done)."""
+        return seq.text_stream.release(final=seq.finished) if seq.text_stream is not None else ""
 
     def _retire(self, seq: Sequence) -> None:
         if seq in self.running:
@@ -362,8 +397,12 @@ class SpecEngine:
         return text[: min(cuts)] if cuts else text
 
 
-def plain_generate(model: Transformer, prompt_ids: list[int], params: SamplingParams) -> list[int]:
-    """Reference plain decoding: prefill, then one token per forward. The oracle the tests compare with."""
+def plain_generate(model: Transformer, prompt_ids: list[int], params: SamplingParams, tokenizer=None) -> list[int]:
+    """Reference plain decoding: prefill, then one token per forward, up to EOS, max_new_tokens, or the first
+    token whose text makes the output contain a stop string (which needs `tokenizer`; the whole output is decoded
+    at every token, as that reads). The oracle the tests compare with."""
+    if params.stop and tokenizer is None:
+        raise ValueError("stop strings need a tokenizer")
     cache = model.new_cache(len(prompt_ids) + params.max_new_tokens + 1, 1)
     slot = cache.allocate()
     seq = Sequence(list(prompt_ids), params)
@@ -375,6 +414,10 @@ def plain_generate(model: Transformer, prompt_ids: list[int], params: SamplingPa
         seq.append(tok)
         if seq.num_generated >= params.max_new_tokens or (tok in eos and not params.ignore_eos):
             return seq.output_ids
+        if params.stop:
+            text = tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+            if any(s in text for s in params.stop):
+                return seq.output_ids
         start = cache.lengths[slot]
         seg = Segment(slot, start, torch.tensor([tok]), torch.tensor([start]), None, "all")
         logits = model([seg], cache)[0][0]

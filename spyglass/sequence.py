@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from spyglass.detokenize import TextStream
 from spyglass.sampling import SamplingParams
 
 _ids = itertools.count()
@@ -109,6 +110,7 @@ class Sequence:
         self.stats = SeqStats()
         self.method = "default"  # which of the engine's drafters serves it (SpecEngine.add_request sets it)
         self.drafter_state: object = None  # owned by the drafter
+        self.text_stream: TextStream | None = None  # the output's text as it grows (set by an engine with a tokenizer)
         self.control: object = None  # owned by the engine's speculation controller
         # Set by the controller each step: how deep a tree is worth drafting (None = the drafter's own limit).
         self.draft_depth: int | None = None

@@ -18,6 +18,8 @@ import pytest
 
 from services.gateway import Admission, GatewayConfig, QueueFull, affinity_key, route
 from spyglass.client import AsyncClient, Client, SpyglassError
+from spyglass.engine import plain_generate
+from spyglass.sampling import SamplingParams
 
 MAX_CONTEXT = 2048
 GATEWAY_MAX_QUEUED = 2
@@ -319,6 +321,26 @@ def test_every_served_drafter_equals_plain_decoding(client, reference, method):
     s = out.stats
     assert s.get("controller_proposed_nodes", 0) >= s.get("controller_verified_nodes", 0)
     assert s.get("controller_verified_nodes", 0) > 0 or s.get("controller_plain_steps", 0) > 0
+
+
+def test_stop_string_inside_an_accepted_run_ends_the_stream_where_plain_decoding_does(client, smollm2, reference):
+    """A prompt that repeats a sentence: suffix drafting copies it in long accepted runs and the stop phrase falls
+    inside one; the streamed token ids end at plain decoding's last token and the text at the stop."""
+    from tests.test_stops import REPEAT_PROMPT
+
+    model, tok = smollm2
+    stop = "lazy dog"
+    params = SamplingParams(max_new_tokens=64, stop=(stop,))
+    expected = plain_generate(model, reference["ids"](REPEAT_PROMPT), params, tok)
+    assert stop in tok.decode(expected, skip_special_tokens=True)
+    chunks = list(client.generate(REPEAT_PROMPT, max_new_tokens=64, stop=[stop], method="suffix"))
+    final = chunks[-1]
+    assert [t for c in chunks for t in c.token_ids] == expected
+    assert final.finish_reason == "stop" and final.stats["generated_tokens"] == len(expected)
+    text = tok.decode(expected, skip_special_tokens=True)
+    assert "".join(c.text for c in chunks) == text[: text.index(stop)]
+    unary = client.generate_text(REPEAT_PROMPT, max_new_tokens=64, stop=[stop], method="suffix")
+    assert unary.token_ids == expected and unary.text == text[: text.index(stop)]
 
 
 def test_prometheus_metrics_are_exported(client, ray_cluster):

@@ -52,6 +52,33 @@ def make_tiny_model(
     return path
 
 
+def make_tiny_tokenizer(vocab: int = 128):
+    """A real byte-level BPE-style tokenizer (HF `tokenizers`, decoded like GPT-2's) for the tiny models' `vocab`
+    ids: 0-2 are the special <unk>, <s>, </s> (the tiny models' EOS is 2), the rest single characters, words, and
+    whole and partial UTF-8 characters (a character's bytes split over tokens decode to U+FFFD until complete)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    # GPT-2's printable stand-ins for the 256 byte values (what a byte-level vocabulary spells its tokens with)
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    char = {**{b: chr(b) for b in kept}, **{b: chr(256 + i) for i, b in enumerate(moved)}}
+    pieces = [c.encode() for c in "abcdefghijklmnopqrstuvwxyz .,\n"]
+    pieces += [w.encode() for w in (" the", " quick", " brown", " fox", " jumps", " over", " lazy", " dog", "ing")]
+    pieces += [c.encode() for c in "é中😀"]
+    pieces += [b"\xc3", b"\xa9", b"\xe4", b"\xb8", b"\xad", b"\xe4\xb8", b"\xf0\x9f", b"\x98\x80", b"\xf0", b"\x9f\x98"]
+    pieces += [c.encode() for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"]
+    letters = "etaoinshrd"
+    pieces += [(a + b).encode() for a in letters for b in letters][: vocab - 3 - len(pieces)]
+    table = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for p in pieces:
+        table["".join(char[b] for b in p)] = len(table)
+    assert len(table) == vocab, len(table)
+    tk = Tokenizer(models.WordLevel(table, unk_token="<unk>"))
+    tk.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
 def layer_copy_draft(
     target,
     window: int = 512,

@@ -645,68 +645,106 @@ torch::Tensor tile_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
   return y;
 }
 
-// x [M, K] @ w[N, K]^T (+ bias) for a few rows (M <= 8): the weights are read once, a few rows of w at a time, each
-// output a 16-lane dot product in a fixed order (the same for any M).
+// x [M, K] @ w[N, K]^T (+ bias) for 1 to 64 rows (a decode step, a verify pass): the weights are read from memory
+// once, kRowBlock rows at a time, and each block meets the x rows in groups of up to kGroup, R weight rows by the
+// group's rows in registers. Every output is one 16-lane multiply-add chain over k in order, a fixed reduction of the
+// lanes, then the K % 16 tail and the bias: the same sums in the same order whatever M, the group or the tile, so a
+// verify pass of up to 64 rows equals a decode step bit for bit.
+constexpr int64_t kRowsMax = 64;  // x rows per call
+constexpr int kGroup = 8;         // x rows per register tile
+constexpr int64_t kRowBlock = 24;  // weight rows per block: a multiple of every tile's R, so only N's end has a tail
+
+// R, the weight rows of a tile with M x rows: R * M accumulators (AVX-512: at most 24 of the 32 registers)
+template <int M>
+constexpr int tile_rows() {
 #if defined(__AVX512F__)
-template <int M, int R>
-static void rows_block_avx512(const float* x, const float* w, const float* b, float* y, int64_t N, int64_t K,
-                              int64_t n0, int64_t n1) {
-  const int64_t K16 = K / V * V;
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) {
-    __m512 acc[R][M];
-    for (int r = 0; r < R; r++)
-      for (int mm = 0; mm < M; mm++) acc[r][mm] = _mm512_setzero_ps();
-    const float* w0 = w + n * K;
-    for (int64_t k = 0; k < K16; k += V) {
-      __m512 xv[M];
-      for (int mm = 0; mm < M; mm++) xv[mm] = _mm512_loadu_ps(x + mm * K + k);
-      for (int r = 0; r < R; r++) {
-        const __m512 wv = _mm512_loadu_ps(w0 + r * K + k);
-        for (int mm = 0; mm < M; mm++) acc[r][mm] = _mm512_fmadd_ps(wv, xv[mm], acc[r][mm]);
-      }
-    }
-    for (int r = 0; r < R; r++)
-      for (int mm = 0; mm < M; mm++) {
-        float s = _mm512_reduce_add_ps(acc[r][mm]);
-        for (int64_t k = K16; k < K; k++) s += w0[r * K + k] * x[mm * K + k];
-        y[mm * N + n + r] = s + (b ? b[n + r] : 0.0f);
-      }
-  }
-  for (; n < n1; n++)  // the last rows of w, one at a time, summed the same way
-    for (int mm = 0; mm < M; mm++) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t k = 0; k < K16; k += V)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(w + n * K + k), _mm512_loadu_ps(x + mm * K + k), acc);
-      float s = _mm512_reduce_add_ps(acc);
-      for (int64_t k = K16; k < K; k++) s += w[n * K + k] * x[mm * K + k];
-      y[mm * N + n] = s + (b ? b[n] : 0.0f);
-    }
+  return M <= 3 ? 8 : (M == 4 ? 6 : (M <= 6 ? 4 : 3));
+#else
+  return M == 1 ? 4 : (M <= 3 ? 2 : 1);
+#endif
+}
+
+#if defined(__AVX512F__)
+// A vector loaded into a register once: the empty asm keeps the compiler from folding the load into each
+// multiply-add that reads it (one load per use: the tile would run out of loads before multiply-adds).
+static inline __m512 load_once(const float* p) {
+  __m512 v = _mm512_loadu_ps(p);
+  asm("" : "+v"(v));
+  return v;
+}
+
+// The lane sums of n <= 16 accumulators into out[0..n), each by the tree of _mm512_reduce_add_ps (lanes j + j+8,
+// then j + j+4, j + j+2, j + j+1: the same values) but 16 at a time, the vectors transposed as they are added.
+static inline void reduce16(const __m512* a, int n, float* out) {
+  __m512 v[16], c[8], d[4], e[2];
+  for (int i = 0; i < 16; i++) v[i] = i < n ? a[i] : _mm512_setzero_ps();
+  for (int i = 0; i < 8; i++)  // 128-bit quarters [a0 a1 b0 b1] + [a2 a3 b2 b3]: accumulators 2i, 2i+1 by halves
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; i++)  // accumulators 4i..4i+3, one per quarter
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; i++)  // quarter q: two lanes of accumulator 8i + q, then two of 8i + 4 + q
+    e[i] = _mm512_add_ps(_mm512_shuffle_ps(d[2 * i], d[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(d[2 * i], d[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  float s[16];  // lane 4q + i: accumulator q + 4i
+  _mm512_storeu_ps(s, _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1))));
+  for (int i = 0; i < n; i++) out[i] = s[4 * (i % 4) + i / 4];
 }
 #endif
 
-template <int M>
-static void rows_block(const float* x, const float* w, const float* b, float* y, int64_t N, int64_t K, int64_t n0,
-                       int64_t n1) {
-#if defined(__AVX512F__)
-  // rows of w per pass: 8 for one or two x rows, fewer as x grows (R * M accumulators stay in the 32 registers)
-  constexpr int R = M <= 2 ? 8 : (M <= 4 ? 4 : 2);
-  rows_block_avx512<M, R>(x, w, b, y, N, K, n0, n1);
-#else
+// Rows n0..n1 of w against the M rows of x, R rows of w per pass (the last n1 - n0 mod R one at a time).
+template <int M, int R>
+static void rows_tile(const float* x, const float* w, const float* b, float* y, int64_t N, int64_t K, int64_t n0,
+                      int64_t n1) {
   const int64_t K16 = K / V * V;
   int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) {
-    float acc[4][M][V] = {};
+  for (; n + R <= n1; n += R) {
     const float* w0 = w + n * K;
+#if defined(__AVX512F__)
+    __m512 acc[R][M];
+    for (int r = 0; r < R; r++)
+      for (int mm = 0; mm < M; mm++) acc[r][mm] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K16; k += V) {
+      if constexpr (M <= R) {  // the x rows stay in registers
+        __m512 xv[M];
+        for (int mm = 0; mm < M; mm++) xv[mm] = load_once(x + mm * K + k);
+        for (int r = 0; r < R; r++) {
+          const __m512 wv = M > 1 ? load_once(w0 + r * K + k) : _mm512_loadu_ps(w0 + r * K + k);
+          for (int mm = 0; mm < M; mm++) acc[r][mm] = _mm512_fmadd_ps(wv, xv[mm], acc[r][mm]);
+        }
+      } else {  // the weight rows stay in registers
+        __m512 wv[R];
+        for (int r = 0; r < R; r++) wv[r] = load_once(w0 + r * K + k);
+        for (int mm = 0; mm < M; mm++) {
+          const __m512 xv = load_once(x + mm * K + k);
+          for (int r = 0; r < R; r++) acc[r][mm] = _mm512_fmadd_ps(wv[r], xv, acc[r][mm]);
+        }
+      }
+    }
+    __m512 flat[R * M];
+    for (int r = 0; r < R; r++)
+      for (int mm = 0; mm < M; mm++) flat[r * M + mm] = acc[r][mm];
+    float sums[(R * M + 15) / 16 * 16];
+    for (int i = 0; i < R * M; i += 16) reduce16(flat + i, std::min(16, R * M - i), sums + i);
+    for (int r = 0; r < R; r++)
+      for (int mm = 0; mm < M; mm++) {
+        float s = sums[r * M + mm];
+        for (int64_t k = K16; k < K; k++) s += w0[r * K + k] * x[mm * K + k];
+        y[mm * N + n + r] = s + (b ? b[n + r] : 0.0f);
+      }
+#else
+    float acc[R][M][V] = {};
     for (int64_t k = 0; k < K16; k += V)
-      for (int r = 0; r < 4; r++) {
+      for (int r = 0; r < R; r++) {
         const float* wr = w0 + r * K + k;
         for (int mm = 0; mm < M; mm++) {
           const float* xm = x + mm * K + k;
           for (int j = 0; j < V; j++) acc[r][mm][j] += wr[j] * xm[j];
         }
       }
-    for (int r = 0; r < 4; r++)
+    for (int r = 0; r < R; r++)
       for (int mm = 0; mm < M; mm++) {
         float* a = acc[r][mm];
         for (int h = V / 2; h > 0; h /= 2)
@@ -715,38 +753,50 @@ static void rows_block(const float* x, const float* w, const float* b, float* y,
         for (int64_t k = K16; k < K; k++) s += w0[r * K + k] * x[mm * K + k];
         y[mm * N + n + r] = s + (b ? b[n + r] : 0.0f);
       }
-  }
-  for (; n < n1; n++)
-    for (int mm = 0; mm < M; mm++) y[mm * N + n] = dot(w + n * K, x + mm * K, K) + (b ? b[n] : 0.0f);
 #endif
+  }
+  if constexpr (R > 1) rows_tile<M, 1>(x, w, b, y, N, K, n, n1);
 }
+
+using RowsTileFn = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
+constexpr RowsTileFn kRowsTiles[kGroup] = {  // [m - 1]: the tile for a group of m x rows
+    rows_tile<1, tile_rows<1>()>, rows_tile<2, tile_rows<2>()>, rows_tile<3, tile_rows<3>()>,
+    rows_tile<4, tile_rows<4>()>, rows_tile<5, tile_rows<5>()>, rows_tile<6, tile_rows<6>()>,
+    rows_tile<7, tile_rows<7>()>, rows_tile<8, tile_rows<8>()>};
 
 torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   check_f32(x, "x");
   check_f32(w, "w");
   TORCH_CHECK(w.is_contiguous(), "rows_linear: weight must be contiguous");
-  const int64_t K = x.size(-1), M = x.numel() / K, N = w.size(0);
+  TORCH_CHECK(x.dim() >= 1 && w.dim() == 2, "rows_linear: x [..., K] and a weight [N, K]");
+  const int64_t K = x.size(-1), M = x.numel() ? x.numel() / K : 0, N = w.size(0);
   TORCH_CHECK(w.size(1) == K, "rows_linear: x has ", K, " features, the weight ", w.size(1));
-  TORCH_CHECK(M >= 1 && M <= 8, "rows_linear: 1 to 8 rows, got ", M);
+  TORCH_CHECK(M <= kRowsMax, "rows_linear: at most ", kRowsMax, " rows, got ", M);
   x = x.contiguous();
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   auto y = torch::empty(sizes, x.options());
+  if (M == 0) return y;
+  torch::Tensor b;
+  if (bias.has_value()) {
+    b = bias->contiguous();
+    check_f32(b, "bias");
+    TORCH_CHECK(b.numel() == N, "rows_linear: bias has ", b.numel(), " entries for ", N, " outputs");
+  }
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
-  const float* bp = bias.has_value() ? bias->contiguous().data_ptr<float>() : nullptr;
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, (N + 7) / 8, 16, [&](int64_t a, int64_t e) {
-    const int64_t n0 = a * 8, n1 = std::min(N, e * 8);
-    switch (M) {
-      case 1: rows_block<1>(xp, wp, bp, yp, N, K, n0, n1); break;
-      case 2: rows_block<2>(xp, wp, bp, yp, N, K, n0, n1); break;
-      case 3: rows_block<3>(xp, wp, bp, yp, N, K, n0, n1); break;
-      case 4: rows_block<4>(xp, wp, bp, yp, N, K, n0, n1); break;
-      case 5: rows_block<5>(xp, wp, bp, yp, N, K, n0, n1); break;
-      case 6: rows_block<6>(xp, wp, bp, yp, N, K, n0, n1); break;
-      case 7: rows_block<7>(xp, wp, bp, yp, N, K, n0, n1); break;
-      default: rows_block<8>(xp, wp, bp, yp, N, K, n0, n1); break;
+  const int64_t blocks = (N + kRowBlock - 1) / kRowBlock, groups = (M + kGroup - 1) / kGroup;
+  // a thread takes at least ~150 weight rows for one group of x rows (fewer as the groups add work per row)
+  at::parallel_for(0, blocks, std::max<int64_t>(1, 6 / groups), [&](int64_t a, int64_t e) {
+    for (int64_t blk = a; blk < e; blk++) {
+      const int64_t n0 = blk * kRowBlock, n1 = std::min(N, n0 + kRowBlock);
+      for (int64_t g = 0, m0 = 0; g < groups; g++) {  // the block is read from memory once, then from the cache
+        const int64_t m = (M - m0 + groups - g - 1) / (groups - g);  // groups of even size: 17 rows as 6, 6, 5
+        kRowsTiles[m - 1](xp + m0 * K, wp, bp, yp + m0 * N, N, K, n0, n1);
+        m0 += m;
+      }
     }
   });
   return y;

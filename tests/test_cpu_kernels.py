@@ -175,27 +175,42 @@ def test_tile_attention_rejects_bad_input():
         ops.tile_attention(torch.randn(9, 2, 64).double(), k, k, 0, None, 0.125)
 
 
-@pytest.mark.parametrize("n_out,n_in", [(960, 576), (13, 40), (4, 16)])
+# SmolLM2's linears (q/k/v fused: 960 and 1728 = 3 x 576, gate/up fused: 3072, down, o) and odd K and N
+ROWS_SHAPES = [(960, 576), (1728, 576), (3072, 576), (576, 1536), (576, 576), (13, 40), (77, 33), (25, 17), (4, 16)]
+
+
+@pytest.mark.parametrize("n_out,n_in", ROWS_SHAPES)
 def test_rows_linear_matches_and_is_row_count_invariant(n_out, n_in):
-    w = torch.randn(n_out, n_in)
-    b = torch.randn(n_out)
-    x = torch.randn(8, n_in)
-    singles = [ops.rows_linear(x[i : i + 1], w, b) for i in range(8)]
-    for m in range(1, 9):
-        got = ops.rows_linear(x[:m], w, b)
-        torch.testing.assert_close(got, F.linear(x[:m].double(), w.double(), b.double()).float(), rtol=1e-5, atol=1e-4)
-        assert all(torch.equal(got[i : i + 1], singles[i]) for i in range(m))  # the same sums in the same order
-    with pytest.raises(RuntimeError, match="1 to 8 rows"):
-        ops.rows_linear(torch.randn(9, n_in), w, None)
+    """Every row of a call of 1-64 rows equals that row alone, bit for bit (a verify pass and a decode step sum each
+    output in the same order), and the product within fp32 rounding."""
+    g = torch.Generator().manual_seed(n_out * n_in)
+    w = torch.randn(n_out, n_in, generator=g)
+    b = torch.randn(n_out, generator=g)
+    x = torch.randn(64, n_in, generator=g)
+    for bias in (b, None):
+        singles = torch.cat([ops.rows_linear(x[i : i + 1], w, bias) for i in range(64)])
+        want = F.linear(x.double(), w.double(), None if bias is None else bias.double()).float()
+        torch.testing.assert_close(singles, want, rtol=1e-5, atol=1e-4)
+        for m in [*range(1, 20), 23, 24, 25, 31, 32, 33, 40, 47, 48, 57, 63, 64]:
+            start = (m * 7) % (64 - m + 1)  # rows from anywhere in x
+            got = ops.rows_linear(x[start : start + m], w, bias)
+            assert torch.equal(got, singles[start : start + m]), m
+    # leading dims, no rows, too many rows
+    assert torch.equal(ops.rows_linear(x[:6].view(2, 3, n_in), w, b), ops.rows_linear(x[:6], w, b).view(2, 3, n_out))
+    assert ops.rows_linear(x[:0], w, b).shape == (0, n_out)
+    with pytest.raises(RuntimeError, match="at most 64 rows"):
+        ops.rows_linear(torch.randn(65, n_in), w, None)
+    with pytest.raises(RuntimeError, match="bias has"):
+        ops.rows_linear(x[:2], w, torch.randn(n_out + 1))
 
 
 def test_rows_kernel_in_linear_plans():
-    assert "rows" in linear.KERNELS
-    plan = linear.parse_plan("rows,rows,rows,rows,rows,rows,onednn,onednn")
-    assert plan[0] == "rows"
+    assert "rows" in linear.KERNELS and linear.ROWS_MAX == 64
+    plan = linear.parse_plan("rows,rows,rows,rows,rows,rows,rows,rows,rows,onednn")
+    assert plan[:9] == ("rows",) * 9
     model = torch.nn.Sequential(linear.Linear(16, 8))
-    with pytest.raises(ValueError, match="at most 8 rows"):
-        linear.set_linear_backend(model, "rows")
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        linear.set_linear_backend(model, "rows")  # the last bucket (every count past 64) cannot take it
 
 
 @pytest.fixture(scope="module")

@@ -11,17 +11,21 @@ from spyglass.models import linear as linear_mod
 from spyglass.models.linear import (
     KERNELS,
     ROW_BUCKETS,
+    ROWS_MAX,
     Linear,
     measure_linear_plan,
     onednn_supported,
+    parse_plan,
+    plan_name,
     set_linear_backend,
 )
-from spyglass.models.llama import Segment, load_transformer
+from spyglass.models.llama import Block, Segment, load_transformer
 from spyglass.sampling import SamplingParams
 from tests.test_engine_identity import check_identity, drafters
 
-# every kernel, mixed ("rows" where it may go: up to 8 rows)
-MIXED_PLAN = "rows,aten,onednn,wfirst,rows,aten,onednn,wfirst"
+# every kernel, mixed ("rows" where it may go: up to 64 rows)
+MIXED_PLAN = "rows,aten,onednn,wfirst,rows,aten,onednn,wfirst,rows,aten"
+ROWS_PLAN = ",".join(["rows"] * 9 + ["aten"])  # the kernels' row-invariant product up to 64 rows
 
 
 @pytest.mark.parametrize("kernel", ["onednn", "wfirst"])
@@ -63,13 +67,16 @@ def test_plan_dispatches_by_row_count(monkeypatch):
     for name, fn in list(linear_mod._KERNEL_FNS.items()):
         monkeypatch.setitem(linear_mod._KERNEL_FNS, name, recording(name, fn))
     layer = Linear(16, 8)
-    layer.plan = ("onednn", "wfirst", "aten", "wfirst", "onednn", "aten", "wfirst", "onednn")
-    rows = (1, 2, 3, 4, 5, 7, 8, 12, 20, 200)
+    layer.plan = ("onednn", "wfirst", "aten", "wfirst", "onednn", "aten", "wfirst", "onednn", "aten", "wfirst")
+    rows = (1, 2, 3, 4, 5, 7, 8, 12, 20, 40, 64, 65, 128, 300)
     with torch.inference_mode():
         for n in rows:
             x = torch.randn(n, 16)
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
-    assert calls == ["onednn", "wfirst", "aten", "wfirst", "onednn", "aten", "aten", "wfirst", "onednn", "onednn"]
+    assert calls == [
+        *("onednn", "wfirst", "aten", "wfirst", "onednn", "aten", "aten", "wfirst", "onednn", "aten", "aten"),
+        *("wfirst", "wfirst", "wfirst"),
+    ]
 
 
 def test_reduced_vocabulary_head_follows_the_heads_plan(monkeypatch):
@@ -100,12 +107,41 @@ def test_training_path_keeps_autograd():
     assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
 
 
+def assert_valid_plan(plan: tuple[str, ...], weight: torch.Tensor) -> None:
+    """A kernel per row bucket, each one that runs here and takes that many rows; its name parses back to it."""
+    assert len(plan) == len(ROW_BUCKETS) and set(plan) <= set(KERNELS)
+    assert all(k != "rows" or rows <= ROWS_MAX for k, rows in zip(plan, ROW_BUCKETS, strict=True)), plan
+    assert "onednn" not in plan or onednn_supported(weight)
+    assert parse_plan(plan_name(plan)) == plan
+
+
+def test_timing_sample_stands_for_every_layer(monkeypatch):
+    """At every bucket the timed calls, weighted by their shares, add up to all the model's weights; up to 8 rows
+    every shape is timed on several layers and the largest whole; past 8 fewer layers and a part of the largest;
+    a weight over the call limit is timed in consecutive parts under it."""
+    monkeypatch.setattr(linear_mod, "TIMED_CALL_BYTES", 16384)  # the 999 x 32 head (128 KB) only
+    model = torch.nn.Sequential(*[Linear(32, n, bias=n == 48) for _ in range(9) for n in (48, 96, 32)], Linear(32, 999))
+    linears = list(model)
+    total = sum(m.weight.numel() for m in linears)
+    for rows in ROW_BUCKETS:
+        sample = linear_mod._timing_sample(linears, rows)
+        assert sum(w.numel() * share for _, w, _, share in sample) == pytest.approx(total)
+        order = [linears.index(m) for m, _, _, _ in sample]
+        assert order == sorted(order) and {w.shape[1] for _, w, _, _ in sample} == {32}
+        assert {linears[i].out_features for i in order} == {48, 96, 32, 999}
+        assert all(b is None if m.bias is None else b.shape == w.shape[:1] for m, w, b, _ in sample)
+        head = [w for m, w, _, _ in sample if m is linears[-1]]
+        used = 999 if rows <= 8 else -(-999 // (rows // 8))
+        assert torch.equal(torch.cat(head), linears[-1].weight[:used])  # consecutive rows from the first
+        assert len(head) == -(-used * 128 // 16384) and all(w.nbytes <= 16384 for w in head)
+        assert len(sample) - len(head) == 3 * (3 if rows <= 8 else 2 if rows == 16 else 1)  # of 9 layers per shape
+
+
 def test_backend_choice_and_errors(tiny_dir):
     model = load_transformer(tiny_dir["llama"], linear_backend="aten")
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert model.linear_backend == "aten" and all(m.plan is None for m in linears)
-    plan = measure_linear_plan(model)
-    assert len(plan) == len(ROW_BUCKETS) and set(plan) <= set(KERNELS)
+    assert_valid_plan(measure_linear_plan(model), linears[0].weight)
     assert set_linear_backend(model, "onednn") == "onednn"
     assert all(m.plan == ("onednn",) * len(ROW_BUCKETS) for m in linears)
     # a plan string (what a draft copies from its target) round-trips
@@ -123,7 +159,7 @@ def test_forward_logits_agree_across_backends(tiny_target):
     """A verify-shaped forward (a tree over a committed prefix) gives the same logits and argmax on each."""
     tokens = torch.randint(0, tiny_target.args.vocab_size, (40,))
     out = {}
-    for backend in ("aten", "onednn", "wfirst", "rows,rows,rows,rows,rows,rows,aten,aten", MIXED_PLAN):
+    for backend in ("aten", "onednn", "wfirst", ROWS_PLAN, MIXED_PLAN):
         set_linear_backend(tiny_target, backend)
         cache = tiny_target.new_cache(64, 1)
         slot = cache.allocate()
@@ -136,7 +172,7 @@ def test_forward_logits_agree_across_backends(tiny_target):
         assert torch.equal(logits.argmax(-1), out["aten"].argmax(-1)), backend
 
 
-@pytest.mark.parametrize("backend", ["aten", "onednn", "wfirst", "rows,rows,rows,rows,rows,rows,wfirst,wfirst"])
+@pytest.mark.parametrize("backend", ["aten", "onednn", "wfirst", ",".join(["rows"] * 9 + ["wfirst"])])
 def test_greedy_identity_on_each_backend(tiny_dir, backend):
     """Speculative output equals plain decoding whichever kernel runs the matmuls (the drafts included: they
     take the target's backend when they bind)."""
@@ -144,3 +180,22 @@ def test_greedy_identity_on_each_backend(tiny_dir, backend):
     keep = {"ngram", "longspec", "dflash"}
     skip = {name for name, _ in drafters(target)} - keep
     check_identity(target, SamplingParams(max_new_tokens=24, ignore_eos=True), skip=skip)
+
+
+def test_measured_plan_on_the_real_model(smollm2):
+    """SmolLM2's plan (measured at load) is valid, and greedy decoding on it and the kernels equals the torch ops."""
+    from spyglass.engine import plain_generate
+
+    model, tok = smollm2
+    assert_valid_plan(parse_plan(model.linear_backend), model.lm_head.weight)
+    ids = tok("def fibonacci(n):\n    ")["input_ids"]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    fast = plain_generate(model, ids, params)
+    plan = model.linear_backend
+    try:
+        Block.native = False
+        set_linear_backend(model, "aten")
+        assert plain_generate(model, ids, params) == fast
+    finally:
+        Block.native = True
+        set_linear_backend(model, plan)

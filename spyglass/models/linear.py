@@ -26,9 +26,10 @@ from torch import nn
 from kernels import cpu as cpu_kernels
 
 KERNELS = ("aten", "onednn", "wfirst", "rows")
-ROWS_MAX = 8  # the "rows" kernel (kernels/cpu_ops.cpp rows_linear, fp32) takes 1 to 8 rows
-# plan[i] is the kernel for row counts up to ROW_BUCKETS[i] (the last entry also serves every larger count)
-ROW_BUCKETS = (1, 2, 3, 4, 6, 8, 16, 32)  # single counts where libraries switch algorithms (MKL at 4)
+ROWS_MAX = 64  # the "rows" kernel (kernels/cpu_ops.cpp rows_linear, fp32) takes 1 to 64 rows
+# plan[i] is the kernel for row counts up to ROW_BUCKETS[i] (the last entry also serves every larger count: prefill
+# chunks); single counts to 8 (libraries switch algorithms there: MKL at 4), then verify passes up to 64 rows
+ROW_BUCKETS = (1, 2, 3, 4, 6, 8, 16, 32, 64, 128)
 
 
 def _aten(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -50,7 +51,7 @@ def _weights_first(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> 
 
 def _rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """kernels/cpu_ops.cpp's few-row product: the weights read once, each output summed in one fixed order
-    whatever the row count (a verify pass of up to 8 rows and a decode step agree bit for bit)."""
+    whatever the row count (a verify pass of up to 64 rows and a decode step agree bit for bit)."""
     return cpu_kernels.native().rows_linear(x, w, b)
 
 
@@ -120,35 +121,89 @@ def parse_plan(backend: str) -> tuple[str, ...]:
 _PLANS: dict[tuple, tuple[str, ...]] = {}
 
 
+TIMED_CALL_BYTES = 16 << 20  # weights of one timed call at most: a long call is more often hit by a busy machine
+
+
+def _timing_sample(linears: list[Linear], rows: int) -> list[tuple[Linear, torch.Tensor, torch.Tensor | None, float]]:
+    """The calls a plan times `rows` rows on, in model order, as (layer, weight rows, bias, share of the forward
+    they stand for). Up to 8 rows the matmuls stream their weights: every third layer of each shape and the largest
+    whole, far more bytes than the caches hold (SmolLM2: 250 MB). Past 8 rows they are compute-bound: the sample
+    shrinks as the rows grow (fewer layers of each shape, a part of the largest's rows) so each pass costs about the
+    same. A weight over TIMED_CALL_BYTES (an LM head) is timed in parts of consecutive rows, each call on its own."""
+    grow = max(1, rows // 8)
+    largest = max(linears, key=lambda m: m.weight.numel())
+    by_shape: dict[tuple, list[Linear]] = {}
+    for m in linears:
+        if m is not largest:
+            by_shape.setdefault((tuple(m.weight.shape), m.bias is not None), []).append(m)
+    used = {largest: -(-largest.weight.shape[0] // grow)}  # weight rows timed, and the share they stand for
+    share = {largest: largest.weight.shape[0] / used[largest]}
+    for group in by_shape.values():
+        k = max(1, round(len(group) / (3 * grow)))
+        for j in range(k):
+            share[group[(2 * j + 1) * len(group) // (2 * k)]] = len(group) / k  # spread along the model
+    sample = []
+    for m in linears:
+        if m in share:
+            n = used.get(m, m.weight.shape[0])
+            step = -(-n // -(-n * m.weight[0].nbytes // TIMED_CALL_BYTES))  # n rows in equal parts
+            for lo in range(0, n, step):
+                hi = min(n, lo + step)
+                sample.append((m, m.weight[lo:hi], None if m.bias is None else m.bias[lo:hi], share[m]))
+    return sample
+
+
+def _time_kernels(kernels: list[str], sample, rows: int, min_rounds: int, max_rounds: int) -> dict[str, float]:
+    """Each kernel's estimated time for the sample's share of a forward at `rows` rows: every call timed alone,
+    its fastest of the rounds kept (a busy machine only ever adds time), weighted by its share and summed.
+
+    One round runs each kernel over the whole sample in turn (no kernels interleaved within a pass: each reads
+    the weights as a forward does), the kernel order rotating from round to round; rounds go on past
+    `min_rounds` while the fastest kernel still changed in the last one, up to `max_rounds`, for the kernels
+    within 3x of it."""
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for _, w, _, _ in sample}
+    seen = set()
+    for _, w, b, _ in sample:  # warm-up: a call per shape (oneDNN builds its primitives, MKL its buffers)
+        if (w.shape, b is None) not in seen:
+            seen.add((w.shape, b is None))
+            for k in kernels:
+                _KERNEL_FNS[k](xs[w.shape[1]], w, b)
+    best = {k: [float("inf")] * len(sample) for k in kernels}
+    estimate, winner = {}, None
+    for r in range(max_rounds):
+        for k in kernels[r % len(kernels) :] + kernels[: r % len(kernels)]:
+            fn, times = _KERNEL_FNS[k], best[k]
+            for i, (_, w, b, _) in enumerate(sample):
+                t0 = time.perf_counter()
+                fn(xs[w.shape[1]], w, b)
+                times[i] = min(times[i], time.perf_counter() - t0)
+        estimate = {k: sum(t * s[-1] for t, s in zip(best[k], sample, strict=True)) for k in kernels}
+        winner, before = min(estimate, key=estimate.get), winner
+        if r + 1 >= min_rounds:
+            if winner == before:
+                break
+            kernels = [k for k in kernels if estimate[k] < 3 * estimate[winner]]  # the rest cannot catch up
+    return estimate
+
+
 @torch.inference_mode()
 def measure_linear_plan(model: nn.Module, repeats: int = 2) -> tuple[str, ...]:
-    """The fastest kernel per row bucket, timed over every third linear layer and the largest one, in model order
-    (as a forward reads them: the weights come from memory, not from a cache that one repeated layer would stay
-    in). Measured once per process for a given set of shapes, dtype and thread count (1.5-3 s for SmolLM2-135M)."""
+    """The fastest kernel per row bucket, each timed on a sample of the model's layers (`_timing_sample`) at the
+    bucket's largest row count, over `repeats` to twice that many rounds (`_time_kernels`). Measured once per
+    process for a given set of shapes, dtype and thread count."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if not linears or linears[0].weight.device.type != "cpu":
         return ("aten",) * len(ROW_BUCKETS)
     w0 = linears[0].weight
     kernels = [k for k in KERNELS if (k != "onednn" or onednn_supported(w0)) and (k != "rows" or rows_supported(w0))]
     shapes = tuple((tuple(m.weight.shape), m.bias is not None) for m in linears)
-    key = (shapes, str(linears[0].weight.dtype), torch.get_num_threads())
+    key = (shapes, str(w0.dtype), torch.get_num_threads())
     if key not in _PLANS:
-        largest = max(linears, key=lambda m: m.weight.numel())
-        sample = [m for i, m in enumerate(linears) if i % 3 == 0 or m is largest]
         plan = []
         for rows in ROW_BUCKETS:
-            xs = {m.in_features: torch.randn(rows, m.in_features, dtype=m.weight.dtype) for m in sample}
-            best = {}
-            for k in [k for k in kernels if k != "rows" or rows <= ROWS_MAX]:
-                fn = _KERNEL_FNS[k]
-                times = []
-                for _ in range(repeats + 1):  # the first pass warms up (oneDNN builds its primitives)
-                    t0 = time.perf_counter()
-                    for m in sample:
-                        fn(xs[m.in_features], m.weight, m.bias)
-                    times.append(time.perf_counter() - t0)
-                best[k] = min(times[1:])
-            plan.append(min(best, key=best.get))
+            allowed = [k for k in kernels if k != "rows" or rows <= ROWS_MAX]
+            est = _time_kernels(allowed, _timing_sample(linears, rows), rows, repeats, 2 * repeats)
+            plan.append(min(est, key=est.get))
         _PLANS[key] = tuple(plan)
     return _PLANS[key]
 

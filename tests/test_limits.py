@@ -59,8 +59,11 @@ STOP_CASES = [
 @pytest.fixture(scope="module")
 def engine(tiny_dir):
     from spyglass.models.llama import load_transformer
+    from tests.tiny import make_tiny_tokenizer
 
-    return SpecEngine(load_transformer(tiny_dir["llama"]), None, EngineConfig(max_batch=1, max_context=64))
+    # with a tokenizer: an engine without one refuses stop strings (it could not find them in the text)
+    config = EngineConfig(max_batch=1, max_context=64)
+    return SpecEngine(load_transformer(tiny_dir["llama"]), None, config, make_tiny_tokenizer())
 
 
 def info(engine: SpecEngine | None = None) -> dict:

@@ -220,6 +220,17 @@ def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100), linear between the closest ranks (numpy's default); one value is its own."""
+    xs = sorted(values)
+    if not xs:
+        raise ValueError("percentile of no values")
+    pos = (len(xs) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return float(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo))
+
+
 def time_call(fn: Callable[[], Any], repeats: int = 7, warmup: int = 1) -> dict[str, Any]:
     """Median wall time of `fn()` in ms over `repeats` calls after `warmup` untimed ones."""
     for _ in range(warmup):

@@ -176,3 +176,10 @@ def test_scores_follow_how_reliable_each_match_length_was_in_this_text():
     t_sure, t_unsure = d.propose([periodic, noisy])
     assert t_sure.tokens[1:4].tolist() == block[12:15] and t_sure.scores[3] > 0.8
     assert max(t_unsure.scores[1:]) < 0.6
+
+
+def test_build_drafter_can_turn_the_global_index_off():
+    from spyglass.drafters import build_drafter
+
+    assert build_drafter("suffix", None).global_index is not None  # on by default: what a replica serves
+    assert build_drafter("suffix", None, suffix_global=False).global_index is None

@@ -46,7 +46,8 @@ def build_drafter(method: str, target, *, max_batch: int = 4, max_context: int =
     if method == "suffix":
         from spyglass.drafters.suffix import SuffixDrafter
 
-        return SuffixDrafter()
+        # suffix_global=False: no replica-wide index of earlier outputs (each request drafts from its own text only)
+        return SuffixDrafter(use_global=bool(options.get("suffix_global", True)))
     if method == "small-lm":
         from spyglass.drafters.small_lm import SmallLMDrafter, load_draft_model
 

@@ -70,7 +70,7 @@ def test_target_rows_equal_plain_rows_of_each_path():
     "field,value,message",
     [
         ("contextual_penalty", 0.9, "contextual_penalty must be >= 1"),
-        ("contextual_penalty", float("nan"), "contextual_penalty must be >= 1"),
+        ("contextual_penalty", float("nan"), "contextual_penalty must be a finite number"),
         ("penalty_window", 0, "penalty_window must be > 0"),
         ("penalty_window", -5, "penalty_window must be > 0"),
     ],

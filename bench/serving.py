@@ -2,9 +2,9 @@
 
 Figures (bench/results/serving.json):
 - grpc_vs_inprocess: single-stream decode tokens/s through the SDK + gRPC proxy + gateway + verifier vs
-  the same SpecEngine in process (n-gram drafting, a real code-editing prompt). Goal >= 0.9.
+  the same SpecEngine in process (n-gram drafting, a real code-editing prompt). Goal >= 0.95.
 - concurrency4_vs_1 (and 2, 8): aggregate decode tokens/s of N concurrent streams vs 1 (short chat prompts,
-  n-gram drafting). Goal >= 2.0.
+  n-gram drafting). Goal >= 2.5.
 - cache_hit_ttft_speedup: client-side time to first token of a repeated 4K-token prompt, Redis context
   cache hit vs miss (each repeat uses a fresh prompt so its first request is a real miss). Goal >= 10.
 - served_speedup_ngram, served_speedup_longspec_span (and served_tau_*): one stream's decode tokens/s through
@@ -34,8 +34,8 @@ would otherwise hand every repeat of a prompt its whole previous output as the d
 Decode rates through gRPC are (N - 1) / (t(N new tokens) - t(1 new token)) so prefill cancels out; contenders are
 interleaved per repeat and the medians reported, with the machine load recorded.
 
-    python bench/serving.py             # the full run: bench/results/serving.json (+ .png)
-    python bench/serving.py --quick     # plumbing check (few tokens, short prompts): .cache/bench/serving_quick.json
+    python bench/serving.py             # the full run (~30 min on 2 idle cores): bench/results/serving.json (+ .png)
+    python bench/serving.py --quick     # plumbing check, ~3 min: .cache/bench/serving_quick.json (+ .png)
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def rate(t1: float, tn: float, n: int, streams: int = 1) -> float:
 def decode_rate(t1: float, tn: float, n: int, streams: int) -> float | None:
     """`rate`, or None (a void sample, left out of the median) where the 1-token wave took as long as the n-token
     one: other work on the machine swamped the decode."""
-    return rate(t1, tn, n, streams) if tn > t1 else None
+    return round(rate(t1, tn, n, streams), 3) if tn > t1 else None
 
 
 def median_of(values: list[float | None]) -> float | None:

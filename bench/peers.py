@@ -226,7 +226,10 @@ def find_tcmalloc() -> Path | None:
 
 
 def start_peers(args, model_dir: Path, gguf: Path | None, logs: Path) -> Setup:
-    """Start every installed engine's workers (loading concurrently: nothing is measured yet); say what is skipped."""
+    """Start every installed engine's workers; say what is skipped.
+
+    spyglass loads alone first: it times its kernels at load (linear and attention plans), which a peer compiling
+    next to it would skew. The peers then load concurrently (nothing else is timed yet)."""
     s = Setup()
     threads = str(args.threads)
     base = {"threads": args.threads, "max_context": args.max_context}
@@ -245,6 +248,8 @@ def start_peers(args, model_dir: Path, gguf: Path | None, logs: Path) -> Setup:
         logs / "spyglass.log",
     )
     s.lanes += [Lane("spyglass", m, "spyglass") for m in args.spyglass_methods]
+    s.peers["spyglass"].wait_ready(args.load_timeout)
+    log(f"spyglass ready (load {s.peers['spyglass'].load_s:.1f} s)")
 
     engines = set(args.engines)
     vllm_py = args.peers_dir / "vllm" / "venv" / "bin" / "python"
@@ -298,6 +303,8 @@ def start_peers(args, model_dir: Path, gguf: Path | None, logs: Path) -> Setup:
 def wait_all_ready(s: Setup, timeout_s: float) -> None:
     """Wait for every worker; one that fails to load takes its engine out (skipped, with the reason)."""
     for name, peer in list(s.peers.items()):
+        if peer.load_s is not None:
+            continue  # already waited for (spyglass)
         t0 = time.monotonic()
         try:
             peer.wait_ready(timeout_s)

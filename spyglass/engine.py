@@ -229,9 +229,13 @@ class SpecEngine:
         return events
 
     def _load_cached_prefix(self, seq: Sequence) -> int:
-        """Fill the slot from the context cache's longest cached prefix (leaving >= 1 token to compute)."""
+        """Fill the slot from the context cache's longest cached prefix (leaving >= 1 token to compute).
+
+        The cache holds K/V only. A drafter that reads the target's hidden states of the prompt (DFlash, TokenSwift:
+        `hidden_layers`) would see none for a cached part, and so draft from a shorter context on a hit than on a
+        miss; its requests prefill the whole prompt instead (they still store it for the other methods)."""
         cc = self.context_cache
-        if cc is None:
+        if cc is None or getattr(self._drafter(seq), "hidden_layers", ()):
             return 0
         blocks = cc.lookup(seq.tokens, max_tokens=seq.num_tokens - 1)
         return load_blocks_into_cache(self.cache, seq.slot, blocks, cc.block_size)

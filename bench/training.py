@@ -140,7 +140,7 @@ def main() -> None:
     workdir = ROOT / ".cache" / "bench-training"
     steps = 8 if args.quick else 20
     cfg = load_config(
-        ROOT / "configs" / "smollm2-longspec.yaml",
+        ROOT / "bench" / "training.yaml",
         [
             "corpus.max_contexts={train: 16, eval: 0}",
             "extract.splits=[train]",

@@ -164,21 +164,21 @@ class SpeculationController:
 
     # Keep drafting while drafted steps pay on average, instead of backing off after any step that did not. Off:
     # on one Zen 4 machine it never engaged for LongSpec or DFlash (drafting did not pay on average there) and moved
-    # the composite's tau by +0.2 / +0.06 / -0.6 on three prompts (bench/controller_rules.py --rule persist).
+    # the composite's tau by +0.2 / +0.06 / -0.6 on three prompts (bench/probes/controller_rules.py --rule persist).
     persist = False
     # Calibrate each source of a merged tree (`DraftTree.sources`: a composite's suffix lookups, its learned draft,
     # both) on its own acceptance: their scores err differently, and one factor per depth would shrink the
     # trustworthy source's nodes and keep the other's. Measured neutral within noise for the composite on one AMX
-    # Xeon (+1.4% over two runs, bench/controller_rules.py --rule per_source).
+    # Xeon (+1.4% over two runs, bench/probes/controller_rules.py --rule per_source).
     per_source = True
     # Most plain steps between probes (the wait doubles after each probe that accepts nothing). 16 was tried, so that a
     # learned draft whose first probes fall on output it cannot predict gets tried again sooner (LongSpec v12 on one
     # prompt: tau 2.01 with every node verified, 1.00 with the controller on): same speed on 11 prompts
-    # (bench/controller_rules.py --rule short_backoff).
+    # (bench/probes/controller_rules.py --rule short_backoff).
     max_backoff = 64
     # Chains drafted one depth at a time (a drafter with `drafts_chain`) are sized by ChainDepthController (below)
     # instead: on one Zen 4 machine this per-step sizing reached 1.08x with LongSpec where a fixed depth-1 chain
-    # would have made 1.23x (bench/replay.py policies; bench/controller_rules.py --rule chain_profile).
+    # would have made 1.23x (bench/probes/replay.py policies; bench/probes/controller_rules.py --rule chain_profile).
     chain_profile = True
     # Size a drafted tree by what verifying it adds from now on: the drafting time is spent either way. Off (the
     # earlier rule), that sunk time counted against every node too, so a step whose tree would have paid

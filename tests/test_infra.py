@@ -949,7 +949,7 @@ def test_rayjob_runs_extract_then_train_with_deepspeed(files, tmp_path):
     job = find(docs, "RayJob")
     calls = run_entrypoint(job, _configmaps(docs), tmp_path)
     assert [c[0] for c in calls] == ["extract", "train"]
-    assert calls[0][1] == "/app/configs/smollm2-longspec-v2.yaml"
+    assert calls[0][1] == "/app/configs/smollm2-135m-longspec/01-v2.yaml"
     assert rayjob_problems(job, calls) == []
 
 
@@ -972,7 +972,7 @@ def _job(docs):
     [
         _script_edit("spyglass train", "spyglass trian"),
         _script_edit("--skip-extract", "--skip-extraction"),
-        _script_edit("smollm2-longspec-v2.yaml", "smollm2-longspec-v9.yaml"),  # no such config
+        _script_edit("01-v2.yaml", "01-v9.yaml"),  # no such config
         _script_edit("spyglass extract", "spyglass train"),
         _script_edit('"stage": 2', '"stage": 3'),  # disagrees with zero_stage
         _script_edit(' --set "train.deepspeed=$(cat /etc/spyglass/deepspeed.json)"', ""),

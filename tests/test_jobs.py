@@ -43,7 +43,7 @@ def test_load_config_applies_overrides(tmp_path):
     assert cfg["train"]["steps"] == 7 and cfg["extract"]["positions"] == {"scheme": "plain"}
     assert cfg["train"]["deepspeed"] == {"zero_stage": 1}
     assert cfg["workdir"] == str((tmp_path / "w").resolve())
-    for name in ("smollm2-longspec.yaml", "smollm2-longspec-zero2.yaml", "tiny-longspec-zero2.yaml"):
+    for name in ("smollm2-135m-longspec/01-v2.yaml", "smollm2-135m-glide.yaml", "tiny-longspec-zero2.yaml"):
         assert load_config(ROOT / "configs" / name)["train"]["draft"] == "longspec"
 
 
@@ -61,14 +61,6 @@ def test_a_config_with_a_base_changes_only_what_it_states(tmp_path):
     (tmp_path / "c.yaml").write_text("base: missing.yaml\n")
     with pytest.raises(FileNotFoundError, match="missing.yaml"):
         load_config(tmp_path / "c.yaml")
-    # each arm differs from its control (the config it starts from) in one training option, and writes elsewhere
-    for path in sorted((ROOT / "configs" / "ablation").glob("*.yaml")):
-        arm = load_config(path)
-        control = load_config(path.parent / yaml.safe_load(path.read_text())["base"])
-        assert arm["workdir"] == control["workdir"]  # the control's extraction
-        assert arm["train"]["out_name"] != control["train"]["out_name"]
-        changed = {k for k, v in arm["train"].items() if v != control["train"][k]} - {"out_name", "seed", "steps"}
-        assert len(changed) == 1, (path.name, changed)
 
 
 def _wait_http(url: str, timeout: float) -> None:
@@ -169,7 +161,7 @@ def test_train_dispatches_single_process_trainers(smollm2, tmp_path, capsys):
     from spyglass.cli import main
     from spyglass.drafters.dels import load_local_head
 
-    cfg = yaml.safe_load((ROOT / "configs" / "smollm2-dels-v2.yaml").read_text())
+    cfg = yaml.safe_load((ROOT / "configs" / "smollm2-135m-dels.yaml").read_text())
     cfg["out"] = str(tmp_path / "head")
     cfg["args"].update(max_steps=3, train_contexts=16, batch=8)
     path = tmp_path / "dels.yaml"

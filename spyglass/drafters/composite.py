@@ -55,7 +55,7 @@ class CompositeDrafter:
         """`confident`: skip the later parts for a sequence whose earlier parts' best first token has at least this
         score (None: every part always drafts). 0.25: suffix lookups scored 0.25-0.5 are right often enough that
         LongSpec's extra candidates there rarely paid for its drafting (replayed over v12's drafts on the dev
-        prompts, bench/replay.py composite: mean 2.53x at 0.5, 2.61-2.65x at 0.2-0.3, 2.59x drafting only where
+        prompts, bench/probes/replay.py composite: mean 2.53x at 0.5, 2.61-2.65x at 0.2-0.3, 2.59x drafting only where
         suffix has nothing; suffix alone 2.59x)."""
         if not parts:
             raise ValueError("a composite drafter needs at least one part")

@@ -463,7 +463,7 @@ class DFlashDrafter:
         """`max_alternatives` > 0 adds up to that many runner-up tokens at block positions whose top token has
         less than `alt_threshold` probability, making a tree the controller sizes step by step from its scores.
         The default, a chain, is sized by its acceptance profile instead: replayed over v6's drafts on the dev
-        prompts (bench/replay.py policies) the two make the same mean, but the per-step sizing stalls where the
+        prompts (bench/probes/replay.py policies) the two make the same mean, but the per-step sizing stalls where the
         first drafts miss (median 1.18x vs 1.26x, worst prompt 1.03x vs 1.09x).
         `span` > 0 (a copy-head draft, greedy requests): the chain ends at its first copied token and goes on with
         up to `span` tokens of the context that followed that token's source."""

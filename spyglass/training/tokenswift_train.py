@@ -1,6 +1,6 @@
 """Train TokenSwift heads on the offline corpus (CPU budget, resumable).
 
-    python -m spyglass.training.tokenswift_train configs/smollm2-tokenswift-heads-v4-penalty.yaml
+    python -m spyglass.training.tokenswift_train configs/smollm2-135m-tokenswift.yaml
 
 1. corpus: `build_corpus` (train split only: the eval split's packages stay held out for benchmarks);
 2. extract: the frozen target's last-layer hidden states of every context, stored bf16 per shard (skipped when

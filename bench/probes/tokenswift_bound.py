@@ -18,7 +18,7 @@ the step's own sample is the root and the heads draft gamma tokens after it, the
 (gamma + 1) t(1, c) / t(gamma + 1, c). Lookups (n-grams, the context lookup) are not covered: they draft without
 the pass and are bounded only by how much the text repeats.
 
-    python bench/tokenswift_bound.py [--model M] [--prefix 2048] [--gen 6144] [--budget 1024]
+    python bench/probes/tokenswift_bound.py [--model M] [--prefix 2048] [--gen 6144] [--budget 1024]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import machine_load, plot_panels, wait_for_quiet, write_results  # noqa: E402
 from bench.tokenswift import eval_prose_prompt  # noqa: E402

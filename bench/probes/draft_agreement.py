@@ -4,7 +4,7 @@ The same measurement `spyglass train --diagnose` prints after each checkpoint, f
 extraction: e.g. the shipped draft (trained on 512-token contexts) on the long-context stage's 2,048-token
 held-out contexts, before that stage trains on them.
 
-    python bench/draft_agreement.py CONFIG.yaml [--checkpoint DIR]   # DIR default: train.init_from
+    python bench/probes/draft_agreement.py CONFIG.yaml [--checkpoint DIR]   # DIR default: train.init_from
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 

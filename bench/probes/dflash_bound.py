@@ -14,7 +14,7 @@ the acceptance profile the run measured along the greedy output. The model leave
 work and prices a block of 16 as the served block of 4, so it flatters the drafter: the q it reports is the least
 that could do.
 
-    python bench/dflash_bound.py [--results bench/results/dflash.json] [--name dflash_bound]
+    python bench/probes/dflash_bound.py [--results bench/results/dflash.json] [--name dflash_bound]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import RESULTS_DIR, median, plot_panels, write_results  # noqa: E402
 from spyglass.controller import CostCurve  # noqa: E402

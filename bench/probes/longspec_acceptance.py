@@ -3,7 +3,7 @@ drafted node verified), next to the held-out agreement by lag its training repor
 on the same held-out prompts (code completion unless `--kinds` says more), cut to their last N tokens. Writes
 bench/results/longspec_acceptance.json (or NAME.json with `--name`).
 
-    python bench/longspec_acceptance.py [--drafts shipped,DIR...] [--lengths 512,2048,0] [--max-new-tokens 64]
+    python bench/probes/longspec_acceptance.py [--drafts shipped,DIR...] [--lengths 512,2048,0] [--max-new-tokens 64]
 
 Accuracy, not speed: tau here is what the controller could work with, not a speedup. Acceptance at depth d is
 the share of steps that accepted at least d drafted tokens.
@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
@@ -28,7 +28,7 @@ from spyglass.models.llama import load_transformer  # noqa: E402
 from spyglass.models.loader import load_tokenizer, resolve_model  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:

@@ -10,9 +10,10 @@ on the same prompts in one run):
   profile (`ChainDepthController`, the default), or per step from the draft's scores like every other tree.
 Writes bench/results/controller_RULE.json (+ .png), or NAME.json with `--name`.
 
-    python bench/controller_rules.py --rule persist [--max-new-tokens 256] [--per-kind 2] [--kinds code,edit]
-    python bench/controller_rules.py --rule per_source --methods composite --baselines suffix --kinds code,edit,summary
-    python bench/controller_rules.py --rule chain_profile --methods longspec --draft-checkpoint DIR --name NAME
+    python bench/probes/controller_rules.py --rule persist [--max-new-tokens 256] [--per-kind 2] [--kinds code,edit]
+    python bench/probes/controller_rules.py --rule per_source --methods composite --baselines suffix \
+        --kinds code,edit,summary
+    python bench/probes/controller_rules.py --rule chain_profile --methods longspec --draft-checkpoint DIR --name NAME
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import RESULTS_DIR, machine_load, plot_panels, write_results  # noqa: E402
 from bench.drafting import bench_setup, by_kind, compare, run_meta, speed_panels  # noqa: E402

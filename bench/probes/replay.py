@@ -9,8 +9,8 @@ drafter's real time. This is for developing drafters quickly and deterministical
 The prompts are held-out sources (eval split) that the benchmarks do *not* use (`DEV_CODE`, `DEV_DOCS`), so a
 drafter tuned here is not tuned to a benchmark prompt.
 
-    python bench/replay.py record [--max-new-tokens 256]     # once: greedy outputs + cost curve
-    python bench/replay.py run [--methods ngram,suffix]      # replay
+    python bench/probes/replay.py record [--max-new-tokens 256]     # once: greedy outputs + cost curve
+    python bench/probes/replay.py run [--methods ngram,suffix]      # replay
 
 A learned drafter needs the target's state, so its trees are recorded instead: `record-drafts` decodes each prompt
 plainly while the drafter proposes at every position (what it would propose there, whatever was verified before:
@@ -19,18 +19,19 @@ the controller's and fixed depths, charging drafting a fixed time per drafted de
 RESULTS.json`, a cost curve measured on a quiet machine by another bench (a curve measured while other work runs
 says little).
 
-    python bench/replay.py record-drafts --method longspec [--checkpoint DIR --tag NAME] [--max-new-tokens 256]
-    python bench/replay.py policies --tag longspec --curve bench/results/longspec_s20_v10.json --draft-ms 3.7
+    python bench/probes/replay.py record-drafts --method longspec [--checkpoint DIR --tag NAME] [--max-new-tokens 256]
+    python bench/probes/replay.py policies --tag longspec --curve bench/results/longspec_s20_v10.json --draft-ms 3.7
 
 `composite` replays suffix drafting alone and the composite of suffix and the recorded learned drafter (its
 lookups timed for real, the learned part charged `--draft-ms`):
 
-    python bench/replay.py composite --tag longspec-v12 --curve bench/results/longspec_s20_v10.json --draft-ms 2.8
+    python bench/probes/replay.py composite --tag longspec-v12 --curve bench/results/longspec_s20_v10.json \
+        --draft-ms 2.8
 
 `complement` counts, along the recorded outputs, where the learned draft's first token and suffix's lookups are
 right (both, one, neither):
 
-    python bench/replay.py complement --tag longspec-v12,dflash-dels-s24
+    python bench/probes/replay.py complement --tag longspec-v12,dflash-dels-s24
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
@@ -57,7 +58,7 @@ from spyglass.verify import Accepted, walk  # noqa: E402
 
 DEV_CODE = ["inspect.py", "_pyio.py", "profile.py"]  # eval split, not in bench/tasks.py's CODE_FILES
 DEV_DOCS = ["library/dataclasses.rst.txt", "library/collections.rst.txt", "library/shutil.rst.txt"]
-RECORD = Path(__file__).resolve().parents[1] / ".cache" / "replay" / "dev_outputs.json"
+RECORD = Path(__file__).resolve().parents[2] / ".cache" / "replay" / "dev_outputs.json"
 
 
 def dev_setup(threads: int) -> tuple:

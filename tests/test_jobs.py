@@ -15,7 +15,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import yaml
 
 from actors.jobs import load_config
 from spyglass.cli import build_parser

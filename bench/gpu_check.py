@@ -365,11 +365,12 @@ def section_kernels(report: Report, budget: Budget, device: torch.device, tiny: 
     trees = (1, 5, 12) if tiny else (1, 7, 32, 64, 128)
     prefixes = (1, 100, 300) if tiny else (1, 1000, 1024, 4096, 32768, 131072)
     hybrid_prefixes = (0, 100, 300) if tiny else (0, 1024, 32768, 131072)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(0)  # tree shapes
+    values = torch.Generator(device=device).manual_seed(0)  # q, k, v: generated on the device
     errs: dict[str, float] = {}
 
     def rnd(*shape, dtype, mul=1.0):
-        return (torch.randn(*shape, generator=gen) * mul).to(device=device, dtype=dtype)
+        return (torch.randn(*shape, generator=values, device=device) * mul).to(dtype)
 
     def tree_masks(sizes: tuple[int, ...]) -> torch.Tensor:
         """`[B, M, M]`: a random tree per row, padded to the largest with hidden rows and columns."""
@@ -615,13 +616,14 @@ def verify_segments(model: Transformer, cache, batch: int, k: int, context: int,
     return segs
 
 
-def compiled_blocks(model: Transformer) -> Callable[[], None]:
+def compiled_blocks(backend: str = "inductor") -> Callable[[], None]:
     """torch.compile each decoder block's forward (one compiled code, the blocks' weights as its inputs); returns a
-    function that restores the eager forwards."""
+    function that restores the eager forwards. The layer index changes per block: it is made dynamic at the first
+    recompile. `backend` "eager" traces with Dynamo only (the tiny CPU run checks that the blocks trace)."""
     from spyglass.models.llama import Block
 
     eager = Block.forward
-    compiled = torch.compile(eager)  # the layer index changes per block: marked dynamic after the first recompile
+    compiled = torch.compile(eager, backend=backend)
     Block.forward = compiled
 
     def restore() -> None:
@@ -677,7 +679,11 @@ def section_speed(report: Report, budget: Budget, device: torch.device, tiny: bo
                 continue
 
             def measure(mode=mode):
-                restore = compiled_blocks(model) if mode.startswith("compile") else None
+                if mode.startswith("compile"):
+                    from torch._dynamo.utils import counters
+
+                    counters.clear()
+                restore = compiled_blocks("inductor" if cuda else "eager") if mode.startswith("compile") else None
                 try:
                     t0 = time.perf_counter()
                     fn = lambda: model(segs, cache)  # noqa: E731
@@ -699,13 +705,20 @@ def section_speed(report: Report, budget: Budget, device: torch.device, tiny: bo
             bw = bytes_step / (ms / 1e3)
             row[mode] = {"ms": round(ms, 4), "tok_s": round(1e3 / ms, 2), "bandwidth_tb_s": round(bw / 1e12, 3),
                          "hbm_fraction": round(bw / HBM_BYTES_PER_S, 4), "setup_s": round(setup_s, 1)}  # fmt: skip
+            if mode.startswith("compile"):  # how whole the compiled code was (graph breaks run eagerly between)
+                from torch._dynamo.utils import counters
+
+                breaks = counters["graph_break"]
+                reasons = [r.splitlines()[0][:160] for r in list(breaks)[:3]]
+                graphs = counters["stats"]["unique_graphs"]
+                row[mode]["dynamo"] = {"graphs": graphs, "graph_breaks": sum(breaks.values()), "reasons": reasons}
             print(f"[{sec}] decode ctx {ctx} {mode}: {row[mode]}", flush=True)
             best = max((v["hbm_fraction"], m) for m, v in row.items() if isinstance(v, dict) and "ms" in v)
             row["best"] = {"mode": best[1], "hbm_fraction": best[0]}
         report.write()
 
     if not cuda:
-        report.skip(sec, "decode cuda_graph / compile", "no CUDA device: tiny mode times the eager step only")
+        report.skip(sec, "decode cuda_graph", "no CUDA device (tiny mode: compile traces with Dynamo only)")
     for ctx in contexts:
         decode_modes(ctx, ["eager", "cuda_graph"] if cuda else ["eager"])
         if cuda:
@@ -767,8 +780,8 @@ def section_speed(report: Report, budget: Budget, device: torch.device, tiny: bo
     )
     report.write()
     # -- last (its compile time is the least predictable): torch.compile'd blocks, eager and graphed, first context
+    decode_modes(contexts[0], ["compile", "compile_cuda_graph"] if cuda else ["compile"])
     if cuda:
-        decode_modes(contexts[0], ["compile", "compile_cuda_graph"])
         for ctx in contexts[1:]:
             report.skip(sec, f"decode ctx {ctx} compile", "compiled at the first context only (compile time)")
     goals(report, fig, contexts, ks)

@@ -143,7 +143,10 @@ def prefix_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
     """`choose_prefix_kernel` for folded queries `q` `[.., R, D]` over `k`/`v` (mixed dtypes or devices: "matmul")."""
     if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
         return "matmul"
-    cap = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
+    cap = None
+    if q.device.type == "cuda":  # (the properties, not get_device_capability: torch.compile folds them)
+        props = torch.cuda.get_device_properties(q.device)
+        cap = (props.major, props.minor)
     return choose_prefix_kernel(q.device.type, q.dtype, q.shape[-1], q.shape[-2], cap)
 
 

@@ -14,10 +14,11 @@ file is rewritten after every section, so a run cut short still leaves what it m
    merge of two key halves, and the whole hybrid (one sequence; a batch of different committed lengths, and one of
    equal lengths, which takes the single-launch prefix path). Max errors are printed and asserted.
 2. engine: greedy `SpecEngine` output equals plain decoding (`plain_generate`) token for token for ar, ngram, suffix,
-   LongSpec and DFlash (each with the shipped draft's features, random weights at the target's shape; with and without
-   spans), at batch 1 and 4, on a random tiny Llama and Qwen2, controller off (every proposed node is verified). fp32
-   is asserted. bf16 (batch 4) is reported: a verify pass and a decode step round differently in bf16, so a near-tie
-   can flip; each divergence is listed with plain decoding's top-2 logit gap at that token.
+   small-lm (the target's first layer as its draft), LongSpec and DFlash (each with the shipped draft's features,
+   random weights at the target's shape; with and without spans), at batch 1 and 4, on a random tiny Llama and Qwen2,
+   controller off (every proposed node is verified). fp32 is asserted. bf16 (batch 4) is reported: a verify pass and
+   a decode step round differently in bf16, so a near-tie can flip; each divergence is listed with plain decoding's
+   top-2 logit gap at that token.
 3. speed, at Llama-3.1-8B's shape (32 layers, 4096 hidden, 32 query / 8 KV heads, 14336 MLP, 128256 vocab, bf16;
    `--layers` fewer, scaled and said so): the plain decode step (tok/s, and the HBM bandwidth it achieves: weight and
    KV bytes read per step / time, as a fraction of 4.8 TB/s) at 4K, 32K and 128K context, eager, replayed as a CUDA
@@ -314,10 +315,14 @@ def build_drafter(method: str, target: Transformer, drafts: dict[str, Any]):
     if method.startswith("dflash"):
         draft = drafts.setdefault("dflash", random_dflash(target))
         return DFlashDrafter(draft, span=SPAN if method.endswith("-span") else 0)
+    if method == "small-lm":  # the target's first layer as the draft model (layer-skip self-speculation)
+        from spyglass.drafters.small_lm import SmallLMDrafter, truncated_draft
+
+        return SmallLMDrafter(truncated_draft(target, 1), gamma=4, max_batch=4, max_context=target.args.max_position)
     raise ValueError(method)
 
 
-ENGINE_METHODS = ("ar", "ngram", "suffix", "longspec", "longspec-span", "dflash", "dflash-span")
+ENGINE_METHODS = ("ar", "ngram", "suffix", "small-lm", "longspec", "longspec-span", "dflash", "dflash-span")
 
 
 def sample_prompts(vocab: int, n: int, seed: int) -> list[list[int]]:

@@ -7,7 +7,8 @@ factories given `device=DEVICE` make `OnDevice` tensors, every op runs on their 
 tensors of both kinds raises as CUDA does. What CUDA allows is allowed: copies across devices (`copy_`, `.to`), CPU
 tensors of zero dimensions (scalars) in any op, and CPU index tensors in indexing. Code that tests
 `device.type == "cuda"` takes its generic non-CPU branch here, so this checks where tensors live, not CUDA's own
-kernels (bench/gpu_check.py runs those on a GPU).
+kernels (bench/gpu_check.py runs those on a GPU). Use it inside `torch.inference_mode()` (views of these tensors need
+it throughout), after building modules on the CPU: `model.to(DEVICE)`.
 """
 
 from __future__ import annotations
@@ -148,8 +149,3 @@ class _Dispatch(TorchDispatchMode):
             return OnDevice(t) if to_fake else t
 
         return tree_map(wrap, out)
-
-
-def values(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's values on the CPU (for comparisons outside the mode)."""
-    return t.elem if isinstance(t, OnDevice) else t

@@ -7,13 +7,15 @@ which is what ``fused_mask_attn`` does.  ``out = out_p * exp(lse_p - lse) + out_
 ``lse = logaddexp(lse_p, lse_t)`` is exact (``kernels.reference.merge_attention``).
 
 Imports are lazy: flash-attn (optional GPU extra) and triton are only imported when a call needs them, so
-this module imports anywhere.  Without flash-attn the prefix part falls back to torch (GQA folded into the
-row axis, two matmuls and a logsumexp in fp32), which is also what runs under ``TRITON_INTERPRET=1`` on CPU.
+this module imports anywhere.  Without flash-attn the prefix part runs ATen's fused kernels that return the LSE
+(``spyglass.attention.prefix_kernel``: torch's FlashAttention-2 op for fp16/bf16, its memory-efficient op for fp32
+on CUDA; ATen's flash attention for CPU under ``TRITON_INTERPRET=1``), GQA folded into the row axis; several
+sequences of one length in consecutive cache rows take one launch, others one launch each.
 
 Prefix part on GPU: ``flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=...,
 cache_batch_idx=..., causal=False, return_softmax_lse=True)`` (flash-attn >= 2.4; fp16/bf16 only, so fp32
-inputs take the torch fallback).  The kvcache entry point reads the cache in place (``[B, S, Hkv, D]`` with a
-contiguous last dim: our ``[Hkv, S, D]`` slots are passed as transposed views, no copy), takes per-sequence
+inputs take ATen's memory-efficient kernel).  The kvcache entry point reads the cache in place (``[B, S, Hkv, D]``
+with a contiguous last dim: our ``[Hkv, S, D]`` slots are passed as transposed views, no copy), takes per-sequence
 lengths (``cache_seqlens``: several sequences with different committed lengths in one launch), handles GQA by
 head mapping, and splits the key axis across thread blocks (``num_splits`` heuristic) when there are few
 queries and a long cache, which is exactly the verify shape.  flash-attn reports an empty row's LSE as +inf;
@@ -43,13 +45,14 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kernels.reference import merge_attention
+from spyglass.attention import fused_attention_with_lse, prefix_kernel
+from spyglass.attention import prefix_attention as aten_prefix_attention
 
 __all__ = [
     "flash_attn_available",
     "gpu_tree_attention",
     "gpu_tree_attention_batched",
     "prefix_attention",
-    "torch_prefix_attention",
     "triton_available",
 ]
 
@@ -84,31 +87,18 @@ def _use_flash(q: torch.Tensor) -> bool:
     return q.is_cuda and q.dtype in _FLASH_DTYPES and flash_attn_available()
 
 
-def torch_prefix_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fallback prefix part: q `[H, n, D]` over `[Hkv, S, D]` -> (out fp32 `[H, n, D]`, lse fp32 `[H, n]`).
-
-    GQA is folded into the row axis (no K/V repeat); S = 0 gives out 0 and lse -inf.
-    """
-    h, n, d = q.shape
-    hkv, s = k.shape[0], k.shape[1]
-    if s == 0:
-        return q.new_zeros(h, n, d, dtype=torch.float32), q.new_full((h, n), float("-inf"), dtype=torch.float32)
-    qf = q.reshape(hkv, (h // hkv) * n, d).float()
-    scores = torch.matmul(qf, k.float().transpose(-1, -2)).mul_(scale)
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores.sub_(lse.unsqueeze(-1))), v.float())
-    return out.reshape(h, n, d), lse.reshape(h, n)
-
-
 def prefix_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prefix part for one sequence: q `[H, n, D]`, K/V `[Hkv, S, D]` -> (out `[H, n, D]`, lse fp32 `[H, n]`)."""
+    """Prefix part for one sequence: q `[H, n, D]`, K/V `[Hkv, S, D]` -> (out `[H, n, D]`, lse fp32 `[H, n]`).
+
+    flash-attn's kvcache kernel where installed, else ATen's fused kernels (`spyglass.attention.prefix_attention`,
+    GQA folded into the rows); S = 0 gives out 0 and lse -inf."""
     s = k.shape[1]
     if s == 0 or not _use_flash(q):
-        return torch_prefix_attention(q, k, v, scale)
+        h, n, d = q.shape
+        out, lse = aten_prefix_attention(q.reshape(k.shape[0], (h // k.shape[0]) * n, d), k, v, scale)
+        return out.reshape(h, n, d), lse.reshape(h, n)
     out, lse = _flash_attn_with_kvcache()(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),
@@ -119,6 +109,29 @@ def prefix_attention(
         return_softmax_lse=True,
     )
     return out.squeeze(0).transpose(0, 1), lse.squeeze(0).float()
+
+
+def _aten_prefix_batched(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: list[int], rows: list[int], scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batched prefix part without flash-attn: q `[B, H, M, D]` over cache rows `rows` up to `lens` -> (out
+    `[B, H, M, D]`, lse fp32 `[B, H, M]`). Sequences of one length in consecutive cache rows (a batch admitted
+    together, as in the verify-cost measurements) are one fused launch over views of the cache; otherwise one
+    launch per sequence (a cache row gathered into a batch would be a copy of its whole prefix)."""
+    b, h, m, d = q.shape
+    hkv = k_cache.shape[1]
+    qf = q.reshape(b, hkv, (h // hkv) * m, d)
+    s, r0 = lens[0], rows[0]
+    if s > 0 and lens == [s] * b and rows == list(range(r0, r0 + b)):
+        kernel = prefix_kernel(qf, k_cache, v_cache)
+        if kernel != "matmul":
+            ks, vs = k_cache[r0 : r0 + b, :, :s], v_cache[r0 : r0 + b, :, :s]
+            out, lse = fused_attention_with_lse(qf, ks, vs, scale, kernel)
+            return out.reshape(b, h, m, d), lse.reshape(b, h, m)
+    parts = [aten_prefix_attention(qf[i], k_cache[rows[i], :, : lens[i]], v_cache[rows[i], :, : lens[i]], scale)
+             for i in range(b)]  # fmt: skip
+    out = torch.stack([p[0].float() for p in parts]).reshape(b, h, m, d)
+    return out, torch.stack([p[1] for p in parts]).reshape(b, h, m)
 
 
 def _fused_mask_attn(q, k, v, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,15 +182,15 @@ def gpu_tree_attention_batched(
     """Several sequences with different committed lengths: q `[B, H, M, D]`, caches `[Bc, Hkv, C, D]` read up
     to `cache_seqlens[b]` in row `cache_batch_idx[b]` (default b), tree K/V `[B, Hkv, M, D]`, mask `[B, M, M]`.
 
-    With flash-attn: one kvcache launch for all prefixes; without it a per-sequence torch loop (bounded
-    memory). The tree part is one Triton launch over the batch either way. Returns `[B, H, M, D]`.
+    With flash-attn: one kvcache launch for all prefixes; without it ATen's fused kernels (`_aten_prefix_batched`).
+    The tree part is one Triton launch over the batch either way. Returns `[B, H, M, D]`.
     """
     b, h, m, d = q.shape
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
     out_t, lse_t = _fused_mask_attn(q, k_tree, v_tree, mask, scale)
-    seqlens = _as_index(cache_seqlens, q.device)
-    batch_idx = _as_index(cache_batch_idx, q.device)
     if _use_flash(q):
+        seqlens = _as_index(cache_seqlens, q.device)
+        batch_idx = _as_index(cache_batch_idx, q.device)
         out_p, lse_p = _flash_attn_with_kvcache()(
             q.transpose(1, 2),
             k_cache.transpose(1, 2),
@@ -193,13 +206,8 @@ def gpu_tree_attention_batched(
         lse_p = torch.where(empty, torch.full_like(lse_p, float("-inf")), lse_p)
         out_p = torch.where(empty.unsqueeze(-1), torch.zeros_like(out_p), out_p)
     else:
-        lens = seqlens.tolist()
-        rows = list(range(b)) if batch_idx is None else batch_idx.tolist()
-        parts = [
-            torch_prefix_attention(q[i], k_cache[rows[i], :, : lens[i]], v_cache[rows[i], :, : lens[i]], scale)
-            for i in range(b)
-        ]
-        out_p = torch.stack([p[0] for p in parts])
-        lse_p = torch.stack([p[1] for p in parts])
+        lens = [int(x) for x in cache_seqlens]
+        rows = list(range(b)) if cache_batch_idx is None else [int(x) for x in cache_batch_idx]
+        out_p, lse_p = _aten_prefix_batched(q, k_cache, v_cache, lens, rows, scale)
     out, _ = merge_attention(out_p, lse_p, out_t.float(), lse_t)
     return out.to(q.dtype)

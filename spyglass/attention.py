@@ -12,8 +12,13 @@ tree_mask `[n, n]` bool (True = visible) or None for causal. Backends:
 * "cpu": ATen's flash attention for CPU for the prefix (on folded GQA rows; two matmuls below
   `MATMUL_PREFIX_MAX_ROWS`) and for the tree part (float tree mask, or its causal mode for a chain),
   then the exact merge. Measured against the alternatives in bench/attention.py.
-* "triton": CUDA (or the Triton interpreter): flash-attn prefix (torch fallback) + Triton
-  `fused_mask_attn` tree part, in `kernels/dispatch.py`.
+* "triton": CUDA (or the Triton interpreter): flash-attn prefix (without flash-attn: ATen's fused
+  kernels below, which return the LSE too) + Triton `fused_mask_attn` tree part, in `kernels/dispatch.py`.
+
+The prefix part's kernel (`prefix_kernel`): ATen's flash attention for CPU on CPU; on CUDA, ATen's own
+FlashAttention-2 op (`_scaled_dot_product_flash_attention`: fp16/bf16, head dim a multiple of 8 up to 256,
+Ampere or newer) or its memory-efficient op (fp32), both of which return the log-sum-exp the merge needs; two
+matmuls with an fp32 softmax only where none of these applies (other devices, odd head dims, mixed dtypes).
 * "auto": "triton" for CUDA tensors when the Triton kernel can run there, else "cpu".
 * "reference": naive fp32 softmax over the concatenation (the oracle).
 * "eager", "sdpa_masked", "sdpa_hf": the usual tree-attention baselines (materialised scores over
@@ -33,6 +38,9 @@ import torch.nn.functional as F
 BACKENDS = ("auto", "cpu", "triton", "reference", "eager", "sdpa_masked", "sdpa_hf")
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_cuda = torch.ops.aten._scaled_dot_product_flash_attention
+_efficient_cuda = torch.ops.aten._scaled_dot_product_efficient_attention
+PREFIX_KERNELS = ("cpu_flash", "cuda_flash", "cuda_efficient", "matmul")
 
 # Up to this many folded query rows (GQA group x tree tokens) per KV head, two matmuls would be used for
 # the unmasked prefix instead of ATen's flash kernel for CPU. Measured (bench/attention.py, `prefix_choice`
@@ -116,28 +124,75 @@ def matmul_prefix_attention(
     return out, lse
 
 
+def choose_prefix_kernel(
+    device_type: str, dtype: torch.dtype, head_dim: int, rows: int, capability: tuple[int, int] | None = None
+) -> str:
+    """The prefix part's kernel (one of PREFIX_KERNELS) for folded queries of `rows` rows on `device_type` (CUDA:
+    the device's compute `capability`): ATen's fused kernels where they take these inputs, two matmuls elsewhere."""
+    if device_type == "cpu":
+        return "cpu_flash" if rows > matmul_prefix_max_rows(dtype) else "matmul"
+    if device_type == "cuda" and head_dim % 8 == 0 and head_dim <= 256:
+        if dtype in (torch.float16, torch.bfloat16) and capability is not None and capability >= (8, 0):
+            return "cuda_flash"  # FlashAttention-2 (torch's build): fp16/bf16 on Ampere or newer
+        if dtype in (torch.float32, torch.float16):
+            return "cuda_efficient"  # the memory-efficient kernel: fp32, and fp16 before Ampere
+    return "matmul"
+
+
+def prefix_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """`choose_prefix_kernel` for folded queries `q` `[.., R, D]` over `k`/`v` (mixed dtypes or devices: "matmul")."""
+    if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
+        return "matmul"
+    cap = None
+    if q.device.type == "cuda":  # (the properties, not get_device_capability: torch.compile folds them)
+        props = torch.cuda.get_device_properties(q.device)
+        cap = (props.major, props.minor)
+    return choose_prefix_kernel(q.device.type, q.dtype, q.shape[-1], q.shape[-2], cap)
+
+
+def fused_attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, kernel: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unmasked attention `[B, Hkv, R, D]` over `[B, Hkv, S, D]` (S >= 1) in one ATen kernel that also returns the
+    log-sum-exp -> (out in q's dtype, lse fp32 `[B, Hkv, R]`). `kernel` from `prefix_kernel`, not "matmul"."""
+    if k.stride(-1) != 1 or v.stride(-1) != 1:  # the fused kernels read rows of D contiguous values
+        k, v = k.contiguous(), v.contiguous()
+    if kernel == "cpu_flash":
+        out, lse = _flash_cpu(q, k, v, scale=scale)[:2]
+    elif kernel == "cuda_flash":
+        out, lse = _flash_cuda(q.contiguous(), k, v, 0.0, False, False, scale=scale)[:2]
+    elif kernel == "cuda_efficient":  # its LSE is padded along the rows (to a multiple of 32)
+        out, lse = _efficient_cuda(q.contiguous(), k, v, None, True, 0.0, False, scale=scale)[:2]
+        lse = lse[..., : q.shape[-2]]
+    else:
+        raise ValueError(f"no fused prefix kernel {kernel!r}; expected one of {PREFIX_KERNELS[:-1]}")
+    return out, lse.float()
+
+
 def prefix_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Unmasked attention of folded queries `[Hkv, R, D]` over `[Hkv, S, D]` -> (out, lse fp32 `[Hkv, R]`).
 
-    Picks two matmuls for few rows (the flash kernel's blocking does not pay off there) and ATen's
-    flash attention for CPU otherwise, split along the keys where that pays (`kv_split_parts`). S = 0
-    gives out 0 and lse -inf, which the merge ignores.
+    The kernel is `prefix_kernel`'s: on CPU two matmuls for few rows (the flash kernel's blocking does not pay
+    off there) and ATen's flash attention for CPU otherwise, split along the keys where that pays
+    (`kv_split_parts`); on CUDA ATen's flash or memory-efficient kernel. S = 0 gives out 0 and lse -inf, which
+    the merge ignores.
     """
     hkv, rows, d = q.shape
     if k.shape[1] == 0:
         return q.new_zeros(hkv, rows, d, dtype=torch.float32), q.new_full(
             (hkv, rows), float("-inf"), dtype=torch.float32
         )
-    use_flash = q.device.type == "cpu" and q.dtype == k.dtype == v.dtype and rows > matmul_prefix_max_rows(q.dtype)
-    if not use_flash:
+    kernel = prefix_kernel(q, k, v)
+    if kernel == "matmul":
         return matmul_prefix_attention(q, k, v, scale)
-    parts = min(kv_split_parts(q.dtype, k.shape[1]), k.shape[1])
-    if parts > 1:
-        return split_flash_attention(q, k, v, scale, parts)
-    out, lse = _flash_cpu(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale=scale)[:2]
-    return out.squeeze(0), lse.squeeze(0).float()
+    if kernel == "cpu_flash":
+        parts = min(kv_split_parts(q.dtype, k.shape[1]), k.shape[1])
+        if parts > 1:
+            return split_flash_attention(q, k, v, scale, parts)
+    out, lse = fused_attention_with_lse(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale, kernel)
+    return out.squeeze(0), lse.squeeze(0)
 
 
 def masked_tree_attention(
@@ -220,6 +275,8 @@ def tree_attention(
     h, n, d = q.shape
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
     backend = resolve_backend(backend, q.device)
+    if tree_mask is not None and tree_mask.device != q.device:  # (a draft tree's mask is built on the CPU)
+        tree_mask = tree_mask.to(q.device)
     if backend == "cpu":
         return hybrid_attention(q, k_prefix, v_prefix, k_tree, v_tree, tree_mask, scale)
     mask = tree_mask if tree_mask is not None else causal_mask(n, q.device)
@@ -304,6 +361,7 @@ def batched_tree_attention(
     backend = resolve_backend(backend, q.device)
     if tree_mask is None:
         tree_mask = causal_mask(m, q.device).expand(b, m, m)
+    tree_mask = tree_mask.to(q.device)
     if backend == "triton":
         from kernels.dispatch import gpu_tree_attention_batched
 

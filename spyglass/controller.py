@@ -113,6 +113,8 @@ class CostCurve:
                     for seg in segs:
                         t0 = time.perf_counter()
                         target([seg], cache)
+                        if cache.device.type == "cuda":  # the forward only queued its kernels
+                            torch.cuda.synchronize(cache.device)
                         times.append(time.perf_counter() - t0)
                     rounds.append(times)
                 table.append([statistics.median(col) for col in zip(*rounds[1:], strict=True)])

@@ -38,7 +38,7 @@ def copy_source(
     position j proposes `after[j]`, the token after it). Ties go to the most mass."""
     if not len(after):
         return None
-    at = torch.where(after == tok, mass, 0.0)
+    at = torch.where(after.to(mass.device) == tok, mass, 0.0)  # (the sequence's tokens live on the CPU)
     top = at.topk(min(SPAN_CANDIDATES, len(at)))
     if float(top.values.sum()) < span_mass:
         return None

@@ -272,3 +272,70 @@ def test_batched_equals_per_sequence(backend, dtype):
         assert_close(out[b, :, :size], fp64_attention(*args, mask[b, :size, :size]), dtype, f"{backend} seq {b}")
         if backend != "reference":  # the naive oracle gives NaN for padded rows of an empty prefix
             assert torch.isfinite(out[b]).all(), "padded rows must not turn into NaN"
+
+
+# --- the prefix part's fused kernels (ATen's, returning the log-sum-exp) -------------------------------------
+
+
+def test_prefix_kernel_choice():
+    """ATen's fused kernels wherever they take the inputs: on CUDA torch's FlashAttention-2 op for fp16/bf16 on
+    Ampere or newer (no flash-attn needed), its memory-efficient op for fp32 (and fp16 before Ampere); two matmuls
+    for head dims the kernels lack, bf16 before Ampere and other devices."""
+    choose = attn.choose_prefix_kernel
+    assert choose("cuda", torch.bfloat16, 128, 4, (9, 0)) == "cuda_flash"
+    assert choose("cuda", torch.float16, 64, 1, (8, 0)) == "cuda_flash"
+    assert choose("cuda", torch.float32, 128, 4, (9, 0)) == "cuda_efficient"
+    assert choose("cuda", torch.float16, 64, 4, (7, 5)) == "cuda_efficient"
+    assert choose("cuda", torch.bfloat16, 64, 4, (7, 5)) == "matmul"
+    assert choose("cuda", torch.bfloat16, 100, 4, (9, 0)) == "matmul"  # not a multiple of 8
+    assert choose("cuda", torch.bfloat16, 512, 4, (9, 0)) == "matmul"
+    assert choose("cpu", torch.float32, 64, 1) == "cpu_flash"  # MATMUL_PREFIX_MAX_ROWS is 0
+    assert choose("meta", torch.float32, 64, 1) == "matmul"
+    q = torch.randn(3, 4, 16)
+    assert attn.prefix_kernel(q, q, q) == "cpu_flash"
+    assert attn.prefix_kernel(q, q.double(), q) == "matmul"
+    with pytest.raises(ValueError, match="no fused prefix kernel"):
+        attn.fused_attention_with_lse(q[None], q[None], q[None], 0.25, "matmul")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("ratio", [1, 4])
+def test_fused_prefix_kernel_returns_out_and_lse(dtype, ratio):
+    """The fused prefix kernel on the CPU (the CUDA ones run in bench/gpu_check.py): a batch of folded GQA rows over
+    keys read in place (a strided view of a cache), its output and log-sum-exp against fp64."""
+    g = torch.Generator().manual_seed(ratio)
+    b, hkv, n, s, d = 2, 2, 5, 300, 64
+    q = (torch.randn(b, hkv, ratio * n, d, generator=g) * 2).to(dtype)
+    cache_k = torch.randn(b, hkv, s + 40, d, generator=g).to(dtype)  # room after the prefix, as in a KV slot
+    cache_v = torch.randn(b, hkv, s + 40, d, generator=g).to(dtype)
+    k, v = cache_k[:, :, :s], cache_v[:, :, :s]
+    out, lse = attn.fused_attention_with_lse(q, k, v, d**-0.5, attn.prefix_kernel(q, k, v))
+    assert out.shape == q.shape and lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    scores = q.double() @ k.double().transpose(-1, -2) * d**-0.5
+    exact_lse = torch.logsumexp(scores, -1)
+    exact = torch.softmax(scores, -1) @ v.double()
+    fp32 = dtype == torch.float32
+    assert_close(out, exact, torch.float32 if fp32 else torch.bfloat16, "fused prefix out")
+    assert torch.allclose(lse.double(), exact_lse, atol=1e-5 if fp32 else 1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_batched_prefix_without_flash_attn(dtype):
+    """The GPU entry point's prefix part without flash-attn: sequences of one length in consecutive cache rows take
+    one fused launch over views of the cache, others one launch each; both equal the per-sequence computation."""
+    from kernels.dispatch import _aten_prefix_batched
+
+    q, k_cache, v_cache, _, _, _, _, _, _ = _batched_case(dtype)
+    for lens, rows in (([40, 40, 40], [1, 2, 3]), ([0, 17, 130], [2, 0, 3])):
+        out, lse = _aten_prefix_batched(q, k_cache, v_cache, lens, rows, 0.125)
+        for b, (length, row) in enumerate(zip(lens, rows, strict=True)):
+            if length == 0:
+                assert torch.isneginf(lse[b]).all() and (out[b] == 0).all()
+                continue
+            h, m, d = q.shape[1:]
+            qf = q[b].reshape(k_cache.shape[1], -1, d)
+            kp, vp = k_cache[row, :, :length].double(), v_cache[row, :, :length].double()
+            scores = qf.double() @ kp.transpose(-1, -2) * 0.125
+            ref_out, ref_lse = torch.softmax(scores, -1) @ vp, torch.logsumexp(scores, -1)
+            assert_close(out[b], ref_out.reshape(h, m, d), dtype, f"batched prefix {lens} seq {b}")
+            assert torch.allclose(lse[b].double(), ref_lse.reshape(h, m), atol=1e-3, rtol=0)

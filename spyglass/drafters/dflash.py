@@ -216,7 +216,7 @@ class DFlashDraft(ProposesSubset, nn.Module):
                 draft.fc.weight.zero_()
                 draft.fc.weight[:, deepest * h : (deepest + 1) * h].copy_(torch.eye(h))
                 draft.hidden_norm.weight.copy_(src_layers[0].attn_norm.weight)
-        return draft.to(target.dtype)
+        return draft.to(device=target.device, dtype=target.dtype)
 
     @property
     def embed(self) -> nn.Embedding:
@@ -231,7 +231,7 @@ class DFlashDraft(ProposesSubset, nn.Module):
         return self.fc.weight.dtype
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq
+        freqs = positions.to(self.inv_freq.device).float().unsqueeze(-1) * self.inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)
         cos = (emb.cos() * self.rope_scaling).to(self.dtype).unsqueeze(1)
         sin = (emb.sin() * self.rope_scaling).to(self.dtype).unsqueeze(1)
@@ -246,7 +246,7 @@ class DFlashDraft(ProposesSubset, nn.Module):
     def block_input(self, first: torch.Tensor, block: int) -> torch.Tensor:
         """`[A]` first tokens -> `[A*block, H]` embeddings of `[first, MASK x (block-1)]` per block."""
         x = self.mask_embed.expand(first.shape[0], block, -1).clone()
-        x[:, 0] = self.embed(first).to(x.dtype)
+        x[:, 0] = self.embed(first.to(x.device)).to(x.dtype)
         return x.reshape(-1, x.shape[-1])
 
     def blocks_hidden(self, x, positions, ctx: list[tuple[torch.Tensor, torch.Tensor]], mask=None) -> torch.Tensor:
@@ -391,7 +391,7 @@ def load_dflash(checkpoint: str | Path, target: Transformer) -> DFlashDraft:
         raise ValueError(f"DFlash checkpoint {root}: {e}") from e
     if vocab_ids is not None:
         draft.vocab_ids = VocabSubset.checked(vocab_ids, a.vocab_size, f"DFlash checkpoint {root}")
-    return draft.to(target.dtype).eval()
+    return draft.to(device=target.device, dtype=target.dtype).eval()
 
 
 # --------------------------------------------------------------------------- the serving drafter
@@ -506,7 +506,8 @@ class DFlashDrafter:
         if seq.drafter_state is None:
             c = self.draft.cfg
             cap = 256
-            k = [torch.empty(c.n_kv_heads, cap, c.head_dim, dtype=self.draft.dtype) for _ in range(c.n_layers)]
+            dtype, device = self.draft.dtype, self.draft.fc.weight.device
+            k = [torch.empty(c.n_kv_heads, cap, c.head_dim, dtype=dtype, device=device) for _ in range(c.n_layers)]
             v = [torch.empty_like(t) for t in k]
             gen = None if self.token_matched else draft_generator(seq)  # no draw: plain sampling's stream kept
             seq.drafter_state = _Context(k, v, torch.zeros(cap, dtype=torch.long), gen)

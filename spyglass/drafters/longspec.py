@@ -117,7 +117,7 @@ def load_longspec_draft(checkpoint: str | Path | None, target: Transformer, ship
         raise ValueError(f"draft checkpoint {root}: missing {sorted(trained & set(missing))}, unexpected {unexpected}")
     if draft.cfg.draft_vocab:
         draft.set_vocab(draft.vocab_ids.clone())
-    return draft.to(target.dtype).eval()
+    return draft.to(device=target.device, dtype=target.dtype).eval()
 
 
 class LongSpecDrafter:
@@ -178,7 +178,8 @@ class LongSpecDrafter:
 
     def start(self, seq: Sequence) -> None:
         c = self.draft.cfg
-        empty = torch.zeros(c.n_layers, c.n_kv_heads, self.ring, c.head_dim, dtype=self.draft.dtype)
+        device = self.draft.layers[0].wqkv.weight.device
+        empty = torch.zeros(c.n_layers, c.n_kv_heads, self.ring, c.head_dim, dtype=self.draft.dtype, device=device)
         pos = torch.full((self.ring,), -1, dtype=torch.long)
         hidden = self._pending.pop(seq.seq_id, None)
         sampled = self.mode == "chain" and not self.token_matched  # the only trees drawn at random
@@ -284,7 +285,7 @@ class LongSpecDrafter:
         hidden = torch.stack([states[i].hidden for i, _ in rows]) if self.hidden_layers else None
         own = None
         if self.draft.cfg.feed_own_hidden:  # each node reads its parent's output (the root: zeros)
-            zero = torch.zeros(self.draft.cfg.hidden_size, dtype=self.draft.dtype)
+            zero = torch.zeros(self.draft.cfg.hidden_size, dtype=self.draft.dtype, device=self.draft.inv_freq.device)
             own = torch.stack([trees[i].out.get(trees[i].parents[node], zero) for i, node in rows])
         logits, k, v, out, mass = self.draft.draft_step(
             torch.tensor(tokens),

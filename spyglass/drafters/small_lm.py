@@ -103,7 +103,8 @@ def load_draft_model(target: Transformer, source: Transformer | str | None, laye
         from spyglass.models.loader import resolve_model
 
         dtype = str(target.dtype).removeprefix("torch.")
-        return load_transformer(resolve_model(str(source), dtype=dtype).path, dtype=target.dtype)
+        path = resolve_model(str(source), dtype=dtype).path
+        return load_transformer(path, dtype=target.dtype, device=target.device)
     if layers:
         return truncated_draft(target, layers)
     raise ValueError("method small-lm needs a draft model: --draft-model SOURCE (or --draft-layers N)")

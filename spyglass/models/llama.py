@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -85,6 +85,21 @@ class Segment:
     positions: torch.Tensor  # [n] int64
     mask: torch.Tensor | None = None
     logits: str = "all"
+
+
+def on_device(segments: list[Segment], device: torch.device) -> list[Segment]:
+    """The segments with their tokens, positions and masks on `device` (the same objects where they are there)."""
+
+    def there(s: Segment) -> bool:
+        return s.tokens.device == s.positions.device == device and (s.mask is None or s.mask.device == device)
+
+    if all(map(there, segments)):
+        return segments
+    return [
+        replace(s, tokens=s.tokens.to(device), positions=s.positions.to(device),
+                mask=None if s.mask is None else s.mask.to(device))
+        for s in segments
+    ]  # fmt: skip
 
 
 def rope_frequencies(config_dir: Path | None, args: ModelArgs, cfg: dict) -> tuple[torch.Tensor, float]:
@@ -162,7 +177,10 @@ class Block(nn.Module):
                 ks = k[offset : offset + n].transpose(0, 1)
                 vs = v[offset : offset + n].transpose(0, 1)
                 cache.write(seg.slot, layer, seg.start, ks, vs)
-                if n == 1 and backend == "cpu":  # a decode step: prefix + itself in one call (written just above)
+                if n == 1 and backend in (
+                    "cpu",
+                    "triton",
+                ):  # a decode step: prefix + itself in one call (written above)
                     k_all, v_all = cache.layer(seg.slot, layer)
                     o1 = single_token_attention(qs, k_all[:, : seg.start + 1], v_all[:, : seg.start + 1])
                 else:
@@ -269,8 +287,10 @@ class Transformer(nn.Module):
         """Run the new tokens of every segment; returns fp32 logits per segment (rows as requested).
 
         The KV of the new tokens is written after each segment's committed length but not committed:
-        the caller commits what it accepts.
+        the caller commits what it accepts. Tokens, positions and masks may be on the CPU whatever the model's
+        device (the engine and the drafters build them there): they are moved to it here.
         """
+        segments = on_device(segments, self.device)
         tokens = torch.cat([s.tokens for s in segments]) if len(segments) > 1 else segments[0].tokens
         positions = torch.cat([s.positions for s in segments]) if len(segments) > 1 else segments[0].positions
         cos, sin = self._rope(positions)
@@ -299,7 +319,11 @@ class Transformer(nn.Module):
             offset += n
         if not rows:
             return [None] * len(segments)
-        h = self.norm(x[torch.tensor(rows, device=x.device)])
+        # consecutive rows (one segment, or every row of several) are a view: no index tensor to copy to the device
+        picked = (
+            x[rows[0] : rows[-1] + 1] if rows[-1] - rows[0] + 1 == len(rows) else x[torch.tensor(rows, device=x.device)]
+        )
+        h = self.norm(picked)
         logits = self.lm_head(h).float()
         return [None if p is None else logits[p[0] : p[0] + p[1]] for p in picks]
 

@@ -141,7 +141,7 @@ def add_copies_log(p: torch.Tensor, mass: torch.Tensor, next_tokens: torch.Tenso
     """Log of the head's probabilities `p` `[..., V]` (weighted already) plus each context position's copy `mass`
     `[..., S]` on the token after it, `next_tokens` `[S]`; in place on `p`. Most of a row stays 0 (outside the
     draft's rows and the copies), and log(0) costs ~10x log(x > 0) on a CPU: those entries are set to -inf."""
-    p = p.scatter_add_(-1, next_tokens.expand(mass.shape), mass)
+    p = p.scatter_add_(-1, next_tokens.to(p.device).expand(mass.shape), mass)
     return torch.where(p > 0, p.clamp_min(torch.finfo(p.dtype).tiny).log(), float("-inf"))
 
 
@@ -360,8 +360,8 @@ class LongSpecDraft(nn.Module):
         return {k: v for k, v in self.state_dict().items() if k in names}
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin `[..., L, 1, D]` for position ids `[..., L]`, same frequencies as the target."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq
+        """cos/sin `[..., L, 1, D]` for position ids `[..., L]` (on any device), same frequencies as the target."""
+        freqs = positions.to(self.inv_freq.device).float().unsqueeze(-1) * self.inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = emb.cos() * self.rope_scaling, emb.sin() * self.rope_scaling
         return cos.to(dtype).unsqueeze(-2), sin.to(dtype).unsqueeze(-2)
@@ -408,7 +408,9 @@ class LongSpecDraft(nn.Module):
 
     def inputs(self, tokens: torch.Tensor, prev: torch.Tensor | None) -> torch.Tensor:
         """The first layer's input: each token's embedding, plus (`prev_token`) the projected embedding of the
-        token before it, `prev` (same shape; -1: none, as for position 0)."""
+        token before it, `prev` (same shape; -1: none, as for position 0). Token ids may be on any device."""
+        device = self.embed.weight.device
+        tokens, prev = tokens.to(device), None if prev is None else prev.to(device)
         x = self.embed(tokens).to(self.dtype)
         if not self.cfg.prev_token:
             return x

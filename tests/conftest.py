@@ -21,6 +21,16 @@ os.environ.setdefault("SPYGLASS_CACHE", str(Path(__file__).resolve().parents[1] 
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `long` (minutes of Qwen prefill each: `make test-long`) run only when `-m` names them."""
+    if "long" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="long-context test: run with `make test-long` (pytest -m long)")
+    for item in items:
+        if item.get_closest_marker("long") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")

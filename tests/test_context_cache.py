@@ -113,3 +113,36 @@ def test_corrupt_block_is_ignored_deleted_and_rewritten(redis_server):
     assert cc.stats.errors == errors + 1 and not client.exists(keys[1])
     cc.store(tokens, blocks)  # the next prefill stores a good copy again
     assert [torch.equal(a, blocks[i]) for i, a in enumerate(cc.lookup(tokens))] == [True] * 3
+
+
+def test_partial_hit_loads_the_shared_blocks_only(tiny_target, redis_server):
+    """A prompt sharing its first 70 tokens with a cached one loads the 4 whole blocks of 16 inside them, computes the
+    rest, and decodes as plain decoding does."""
+    cc = ContextCache(redis_server.url, f"partial-{id(tiny_target)}", block_size=16, async_writes=False)
+    g = torch.Generator().manual_seed(1)
+    first = torch.randint(3, tiny_target.args.vocab_size, (100,), generator=g).tolist()
+    second = first[:70] + torch.randint(3, tiny_target.args.vocab_size, (40,), generator=g).tolist()
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    config = EngineConfig(max_batch=1, max_context=256)
+    SpecEngine(tiny_target, None, config, context_cache=cc).run([first], params)
+    misses = cc.stats.misses
+    (seq,) = SpecEngine(tiny_target, None, config, context_cache=cc).run([second], params)
+    assert seq.stats.cached_prefix_tokens == 64 and cc.stats.misses == misses + 1  # stopped at the 5th block
+    assert seq.output_ids == plain_generate(tiny_target, second, params)
+    assert len(cc.lookup(second)) == 6  # its own blocks were stored after the shared ones: a full hit now
+
+
+def test_eviction_under_the_limit_drops_whole_old_prefixes_first(redis_server):
+    """Long prefixes (8 blocks) stored until the limit is passed: the oldest prefix loses its first blocks first, so
+    a lookup of it finds nothing (never a gapped prefix), the newest stays whole, the total within the limit."""
+    cc = ContextCache(redis_server.url, "evict-long", block_size=4, max_bytes=20_000, async_writes=False)
+    client = redis.Redis.from_url(redis_server.url)
+    client.delete("spyglass:ctx-bytes", "spyglass:ctx-index")
+    prefixes = [[p * 100 + i for i in range(32)] for p in range(3)]
+    blocks = {b: torch.randn(2, 2, 1, 4, 16) for b in range(8)}  # ~1 KB each: a prefix is ~8.3 KB
+    for tokens in prefixes:
+        cc.store(tokens, blocks)
+    assert int(client.get("spyglass:ctx-bytes")) <= 20_000 and cc.stats.evicted_blocks >= 4
+    assert cc.lookup(prefixes[0]) == []
+    newest = cc.lookup(prefixes[2])
+    assert len(newest) == 8 and all(torch.equal(a, blocks[b]) for b, a in enumerate(newest))

@@ -480,8 +480,9 @@ def build_engine(cfg: VerifierConfig) -> tuple[Any, Any, dict[str, Any]]:
             block_size=cfg.cache_block_size,
             max_bytes=cfg.cache_max_bytes,
         )
+    loaded: dict = {}  # methods on the same draft checkpoint share its weights (and all share the target's)
     drafters = {
-        m: build_drafter(m, target, max_batch=cfg.max_batch, max_context=capacity, **cfg.drafter_options)
+        m: build_drafter(m, target, max_batch=cfg.max_batch, max_context=capacity, loaded=loaded, **cfg.drafter_options)
         for m in cfg.methods
     }
     econf = EngineConfig(max_batch=cfg.max_batch, max_context=capacity, prefill_chunk=cfg.prefill_chunk)

@@ -72,7 +72,8 @@ class PartialKV:
         self.cache = KVCache(
             a.n_layers, a.n_kv_heads, a.head_dim, self.budget + self.scratch, full.max_slots, full.dtype, full.device
         )
-        self.pos = torch.full((full.max_slots, a.n_layers, a.n_kv_heads, self.budget), -1, dtype=torch.long)
+        # each slot's rows are set when a sequence starts in it: on CPU the pages of slots never used stay unmapped
+        self.pos = torch.empty((full.max_slots, a.n_layers, a.n_kv_heads, self.budget), dtype=torch.long)
 
     # --- per sequence ---------------------------------------------------------------------------------------
     def start(self, seq_slot: int) -> PartialState:

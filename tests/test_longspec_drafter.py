@@ -53,6 +53,9 @@ def test_checkpoint_round_trip(tiny_target, tmp_path):
     assert loaded.cfg == draft.cfg
     for name, p in draft.trainable_state_dict().items():
         assert torch.equal(loaded.state_dict()[name], p), name
+    # a served draft reads the target's embedding and head in place: no copy of the vocabulary-sized matrices
+    assert loaded.embed.weight.data_ptr() == tiny_target.embed.weight.data_ptr()
+    assert loaded.full_head.weight.data_ptr() == tiny_target.lm_head.weight.data_ptr()
     drafter = build_drafter("longspec", tiny_target, draft_checkpoint=str(tmp_path / "ckpt"), gamma=2)
     assert isinstance(drafter, LongSpecDrafter) and drafter.gamma == 2
 
@@ -82,6 +85,13 @@ def test_bad_checkpoints_are_refused(tiny_target, tmp_path):
     save_file({}, str(root / "draft.safetensors"))
     with pytest.raises(ValueError, match="missing"):
         load_longspec_draft(root, tiny_target)
+    # the embedding is the target's own tensor in a served draft: a checkpoint that carries one must not write it
+    embed = tiny_target.embed.weight.clone()
+    trained = {k: v.contiguous() for k, v in layer_copy_draft(tiny_target).trainable_state_dict().items()}
+    save_file({**trained, "embed.weight": torch.zeros_like(embed)}, str(root / "draft.safetensors"))
+    with pytest.raises(ValueError, match="frozen tensors .'embed.weight'."):
+        load_longspec_draft(root, tiny_target)
+    assert torch.equal(tiny_target.embed.weight, embed)
 
 
 def test_cli_with_a_bad_checkpoint_is_a_clear_error(capsys, tmp_path):

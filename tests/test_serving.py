@@ -187,6 +187,37 @@ def test_engine_loop_builds_its_engine_on_its_own_thread_and_raises_what_setup_r
         EngineLoop(None, None, cfg)
 
 
+def test_a_replicas_drafters_share_the_targets_weights_and_load_each_draft_checkpoint_once():
+    """build_engine: every learned draft reads the target's embedding and LM head in place (no copy), and the
+    methods on one draft checkpoint (the longspec variants and the composite on one, the dflash variants and the
+    composite on them) share one loaded copy of it, so a replica's memory barely grows with the methods it serves
+    (bench/serving.py replica_rss_all_methods_vs_one). Each method still decodes exactly as plain decoding."""
+    import torch
+
+    from services.verifier import VerifierConfig, build_engine, encode_prompt
+
+    methods = ["longspec", "longspec-span", "composite-span", "glide", "dflash", "dflash-dels-span", "composite-dflash"]
+    engine, tok, _ = build_engine(VerifierConfig(methods=methods, max_batch=2, max_context=1024, threads=1))
+    target, d = engine.target, engine.drafters
+    longspec = d["longspec"].draft
+    assert d["longspec-span"].draft is longspec and d["composite-span"].parts[1].draft is longspec
+    assert d["glide"].draft is not longspec  # another checkpoint
+    for draft in (longspec, d["glide"].draft):
+        assert draft.embed.weight.data_ptr() == target.embed.weight.data_ptr()
+        assert draft.full_head.weight.data_ptr() == target.lm_head.weight.data_ptr()
+    dflash, dels = d["dflash"].draft, d["dflash-dels-span"].local
+    assert d["dflash-dels-span"].draft is dflash and d["composite-dflash"].parts[1].draft is dflash
+    assert d["composite-dflash"].parts[1].local is dels and dels is not None
+    assert dflash.embed is target.embed and dflash.lm_head is target.lm_head
+    ids = encode_prompt(tok, PROMPTS[1], raw=False)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    reference = plain_generate(target, ids, params)
+    with torch.inference_mode():
+        for m in methods:
+            (seq,) = engine.run([ids], params, method=m)
+            assert seq.output_ids == reference, m
+
+
 async def _collect(loop, req: dict) -> list[dict]:
     return [item async for item in loop.generate(req)]
 

@@ -34,8 +34,13 @@ COMPOSITES = {
 }
 
 
-def build_drafter(method: str, target, *, max_batch: int = 4, max_context: int = 8192, **options) -> Drafter | None:
-    """The drafter for `method` ("ar" = plain decoding, no drafter). Unknown names raise ValueError."""
+def build_drafter(
+    method: str, target, *, max_batch: int = 4, max_context: int = 8192, loaded: dict | None = None, **options
+) -> Drafter | None:
+    """The drafter for `method` ("ar" = plain decoding, no drafter). Unknown names raise ValueError. `loaded`: a
+    memo shared by the drafters of one replica (one dict for all its build_drafter calls), so methods that use
+    the same draft checkpoint (the longspec variants and the composites built on them, the dflash variants) load
+    it once and share its weights; None loads afresh."""
     if method == "ar":
         return None
     if method == "ngram":
@@ -58,17 +63,19 @@ def build_drafter(method: str, target, *, max_batch: int = 4, max_context: int =
         from spyglass.drafters.composite import CompositeDrafter
 
         parts = [
-            build_drafter(m, target, max_batch=max_batch, max_context=max_context, **options)
+            build_drafter(m, target, max_batch=max_batch, max_context=max_context, loaded=loaded, **options)
             for m in COMPOSITES[method]
         ]
         return CompositeDrafter(parts, name=method)
     if method in ("longspec", "longspec-beam", "longspec-cape", "longspec-span", "glide", "glide-cape"):
+        from spyglass.drafters.base import load_once
         from spyglass.drafters.longspec import SHIPPED, SHIPPED_GLIDE, LongSpecDrafter, load_longspec_draft
         from spyglass.spans import SPAN
 
         family, _, mode = method.partition("-")
         shipped = SHIPPED if family == "longspec" else SHIPPED_GLIDE  # used when no checkpoint is given
-        draft = load_longspec_draft(options.get("draft_checkpoint"), target, shipped)
+        checkpoint = shipped if options.get("draft_checkpoint") is None else options["draft_checkpoint"]
+        draft = load_once(loaded, "longspec", checkpoint, lambda path: load_longspec_draft(path, target))
         span = SPAN if mode == "span" else 0  # a chain whose copied tokens bring their context's continuation
         mode = "chain" if mode in ("", "span") else mode
         return LongSpecDrafter(draft, gamma=options.get("gamma") or 5, mode=mode, span=span)
@@ -85,6 +92,7 @@ def build_drafter(method: str, target, *, max_batch: int = 4, max_context: int =
             alpha=options.get("alpha"),
             beta=options.get("beta"),
             span=SPAN if method.endswith("-span") else None,  # a copied token brings its context's continuation
+            loaded=loaded,
         )
     if method == "tokenswift":
         from spyglass.drafters.tokenswift import build_tokenswift

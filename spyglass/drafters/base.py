@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -107,6 +109,22 @@ def choose_draft_token(
     if seq.params.greedy or top:
         return int(row.argmax()), row
     return sample(row, generator), row
+
+
+T = TypeVar("T")
+
+
+def load_once(loaded: dict | None, kind: str, path: str | Path, load: Callable[[Path], T]) -> T:
+    """`load(path)`, or what `loaded` (a replica's memo, by kind and resolved path) already holds: the drafters of
+    one replica share each draft checkpoint's weights, which they only read (per-sequence state is each drafter's
+    own). None: no memo, a fresh load."""
+    path = Path(path)
+    if loaded is None:
+        return load(path)
+    key = (kind, str(path.resolve()))
+    if key not in loaded:
+        loaded[key] = load(path)
+    return loaded[key]
 
 
 def draft_generator(seq: Sequence) -> torch.Generator | None:

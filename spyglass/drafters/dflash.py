@@ -43,7 +43,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from spyglass.attention import tree_attention
-from spyglass.drafters.base import ProposesSubset, VocabSubset, choose_draft_token, draft_generator
+from spyglass.drafters.base import ProposesSubset, VocabSubset, choose_draft_token, draft_generator, load_once
 from spyglass.models.linear import Linear, set_linear_backend
 from spyglass.models.llama import ModelArgs, RMSNorm, Transformer, apply_rope
 from spyglass.sequence import Sequence
@@ -693,14 +693,17 @@ def fuse(long_logits, short_logits, log_prior, alpha: float = 0.3, beta: float =
     return long_logits + alpha * short_logits.to(long_logits.dtype) - beta * log_prior.to(long_logits.dtype)
 
 
-def build_dflash_drafter(target: Transformer, checkpoint=None, dels_checkpoint=None, dels: bool = False, **kw):
-    """The packaged SmolLM2 drafts when no checkpoint is given (ValueError if they do not fit the target)."""
-    draft = load_dflash(checkpoint or DEFAULT_DFLASH, target)
+def build_dflash_drafter(
+    target: Transformer, checkpoint=None, dels_checkpoint=None, dels: bool = False, loaded: dict | None = None, **kw
+):
+    """The packaged SmolLM2 drafts when no checkpoint is given (ValueError if they do not fit the target).
+    `loaded`: a replica's memo (`load_once`): its dflash variants share one draft and one local head."""
+    draft = load_once(loaded, "dflash", checkpoint or DEFAULT_DFLASH, lambda path: load_dflash(path, target))
     head = None
     if dels:
         from spyglass.drafters.dels import load_local_head
 
-        head = load_local_head(dels_checkpoint or DEFAULT_DELS, target)
+        head = load_once(loaded, "dels", dels_checkpoint or DEFAULT_DELS, lambda path: load_local_head(path, target))
     return DFlashDrafter(draft, head, **{k: v for k, v in kw.items() if v is not None})
 
 

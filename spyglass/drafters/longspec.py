@@ -105,9 +105,15 @@ def load_longspec_draft(checkpoint: str | Path | None, target: Transformer, ship
     if wrong or cfg.get("vocab_size") != a.vocab_size:
         raise ValueError(f"draft checkpoint {root} does not fit the target (draft, target): {wrong or 'vocab size'}")
     cfg.pop("init_layer", None)  # an initialisation choice, not a shape: the weights below replace it
-    draft = LongSpecDraft.from_target(target, **{k: v for k, v in cfg.items() if k not in shape})
+    # the embedding and full LM head are the target's own tensors (no copy): a checkpoint must not write them
+    draft = LongSpecDraft.from_target(target, share_io=True, **{k: v for k, v in cfg.items() if k not in shape})
+    state = load_file(str(weights))
+    shared = {p.data_ptr() for p in target.parameters()}
+    frozen = sorted(k for k, t in draft.state_dict(keep_vars=True).items() if k in state and t.data_ptr() in shared)
+    if frozen:
+        raise ValueError(f"draft checkpoint {root} holds the target's frozen tensors {frozen}, not only the draft's")
     try:
-        missing, unexpected = draft.load_state_dict(load_file(str(weights)), strict=False)
+        missing, unexpected = draft.load_state_dict(state, strict=False)
     except RuntimeError as e:  # a tensor of the wrong shape
         raise ValueError(f"draft checkpoint {root}: {e}") from e
     trained = {n for n, p in draft.named_parameters() if p.requires_grad}

@@ -296,15 +296,24 @@ class LongSpecDraft(nn.Module):
         self.register_load_state_dict_pre_hook(_align_layers)
 
     @classmethod
-    def from_target(cls, target: Transformer, **overrides) -> LongSpecDraft:
+    def from_target(cls, target: Transformer, share_io: bool = False, **overrides) -> LongSpecDraft:
+        """A draft over `target`'s frozen embedding and LM head: fp32 copies of them (training, where the target
+        is dropped once the draft exists), or with `share_io` the target's own tensors (serving: no copy; the draft
+        is cast to the target's dtype anyway, so it reads the same values)."""
         cfg = LongSpecDraftConfig.from_target(target.args, **overrides)
-        embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        embed.weight = nn.Parameter(target.embed.weight.detach().clone().float(), requires_grad=False)
-        head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if target.args.tie_embeddings:
-            head.weight = embed.weight
+        tied = target.args.tie_embeddings
+        if share_io:  # no throwaway initialisation either: the modules wrap the target's tensors
+            embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=target.embed.weight.detach(), _freeze=True)
+            head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")
+            head.weight = embed.weight if tied else nn.Parameter(target.lm_head.weight.detach(), requires_grad=False)
         else:
-            head.weight = nn.Parameter(target.lm_head.weight.detach().clone().float(), requires_grad=False)
+            embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            embed.weight = nn.Parameter(target.embed.weight.detach().clone().float(), requires_grad=False)
+            head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            if tied:
+                head.weight = embed.weight
+            else:
+                head.weight = nn.Parameter(target.lm_head.weight.detach().clone().float(), requires_grad=False)
         draft = cls(cfg, embed, head, target.inv_freq, target.rope_scaling)
         if cfg.init_layer is not None:  # every draft layer starts as that target layer's self-attention and MLP
             src = target.layers[cfg.init_layer]

@@ -118,7 +118,7 @@ train-longspec: setup
 	$(VENV)/bin/spyglass train configs/smollm2-glide.yaml --diagnose
 	$(PY) -m actors.export_draft .cache/runs/smollm2-longspec-v12-preloop spyglass/drafts/smollm2-135m-longspec \
 		--train-dir train-v18-copyhead
-	$(PY) -m actors.export_draft .cache/runs/smollm2-longspec-v4 spyglass/drafts/smollm2-135m-glide --train-dir train-glide --bf16
+	$(PY) -m actors.export_draft .cache/runs/smollm2-longspec-v4 spyglass/drafts/smollm2-135m-glide --train-dir train-glide
 
 # Issue 9's training ablation: v8's run with one option changed per run (configs/ablation/; v8 is the control,
 # ~12 min each on 2 cores, after v8's extraction in train-longspec; resumable), then v11 (v10 on the target's own

@@ -43,9 +43,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from spyglass.drafters.base import choose_draft_token, draft_generator, requested_depth
+from spyglass.drafters.weights import load_weights
 from spyglass.kv_cache import KVCache
 from spyglass.models.linear import set_linear_backend
 from spyglass.models.llama import Transformer
@@ -107,7 +107,7 @@ def load_longspec_draft(checkpoint: str | Path | None, target: Transformer, ship
     cfg.pop("init_layer", None)  # an initialisation choice, not a shape: the weights below replace it
     draft = LongSpecDraft.from_target(target, **{k: v for k, v in cfg.items() if k not in shape})
     try:
-        missing, unexpected = draft.load_state_dict(load_file(str(weights)), strict=False)
+        missing, unexpected = draft.load_state_dict(load_weights(weights, target.dtype), strict=False)
     except RuntimeError as e:  # a tensor of the wrong shape
         raise ValueError(f"draft checkpoint {root}: {e}") from e
     trained = {n for n, p in draft.named_parameters() if p.requires_grad}

@@ -117,7 +117,7 @@ train-smollm2-135m-glide: setup
 	$(call train-steps,$(addprefix configs/smollm2-135m-longspec/,01-v2.yaml 02-v3.yaml 03-v4.yaml),--diagnose)
 	$(call train-steps,configs/smollm2-135m-glide.yaml,--diagnose)
 	$(PY) -m actors.export_draft .cache/runs/smollm2-135m-longspec/03-v4 spyglass/drafts/smollm2-135m-glide \
-		--train-dir train-glide --bf16
+		--train-dir train-glide
 # DFlash v2 -> v3 -> v4 -> v5 -> v6 -> v7 -> v9 -> v11, in one process each (no extraction).
 train-smollm2-135m-dflash: setup
 	$(call train-steps,$(DFLASH_CHAIN))
@@ -140,7 +140,7 @@ train-qwen2.5-coder-0.5b-tokenswift: setup model-qwen
 # The LongSpec and GLIDE drafts together (the chains share their first three steps).
 train-longspec: train-smollm2-135m-longspec train-smollm2-135m-glide
 
-# Issue 9's training ablation: v8's run with one option changed per run (configs/ablation/; v8 is the control,
+# The training ablation: v8's run with one option changed per run (configs/ablation/; v8 is the control,
 # ~12 min each on 2 cores, after v8's extraction in train-smollm2-135m-longspec; resumable), then v11 (v10 on the
 # target's own greedy continuations: ~52 min of generation + extraction, 10 min of training) and its mixed-loss arm,
 # then v12's equal-lags arm (after the LongSpec chain's v12).

@@ -1,12 +1,12 @@
 """Ship a trained draft: copy a run's checkpoint into the package with its training record.
 
-    python -m actors.export_draft RUN_DIR OUT_DIR [--step N] [--train-dir NAME] [--bf16]
+    python -m actors.export_draft RUN_DIR OUT_DIR [--step N] [--train-dir NAME]
 
 RUN_DIR is a config's workdir (`.cache/runs/<name>`), NAME its `train.out_name` (default `train`). OUT_DIR gets
 `draft.safetensors` + `draft_config.json` (what `load_longspec_draft` reads), `training.json` (tokens seen,
 steps, wall time, eval agreement by lag at each checkpoint, the config) and `training.png` (loss and agreement
-curves). The model card is written by hand from these. `--bf16` stores the weights in bfloat16 (half the
-size, for drafts that would pass the package's 25 MB per draft; the loader casts them to the target's dtype).
+curves). The model card is written by hand from these. The weights ship in bfloat16 (`save_weights`: half the
+bytes of the trainer's fp32 checkpoint, token ids as integers; the loader casts them to the target's dtype).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import json
 import shutil
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from actors.trainer import latest_checkpoint
+from spyglass.drafters.weights import save_weights
 from spyglass.training import repo_relative
 
 
@@ -84,17 +84,14 @@ def main() -> None:
     ap.add_argument("out_dir", type=Path)
     ap.add_argument("--step", type=int, default=None)
     ap.add_argument("--train-dir", default="train", help="the run's train.out_name")
-    ap.add_argument("--bf16", action="store_true", help="store the weights in bfloat16")
     args = ap.parse_args()
     ckpt, summary = summarise(args.run_dir, args.step, args.train_dir)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     shutil.copy2(ckpt / "draft_config.json", args.out_dir / "draft_config.json")
     weights = load_file(str(ckpt / "draft.safetensors"))
-    if "vocab_ids" in weights:  # token ids (checkpoints may hold them as floats): exact integers
+    if "vocab_ids" in weights:  # token ids (older checkpoints hold them as floats): exact integers
         weights["vocab_ids"] = weights["vocab_ids"].round().long()
-    if args.bf16:
-        weights = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in weights.items()}
-    save_file(weights, str(args.out_dir / "draft.safetensors"))
+    save_weights(weights, args.out_dir / "draft.safetensors")
     (args.out_dir / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot(args.run_dir / args.train_dir / "metrics.jsonl", summary["evals"], args.out_dir / "training.png")
     size = (args.out_dir / "draft.safetensors").stat().st_size

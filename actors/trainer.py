@@ -22,10 +22,11 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from actors.extraction import build_section
 from actors.jobs import ensure_ray
+from spyglass.drafters.weights import save_weights
 
 log = logging.getLogger(__name__)
 
@@ -428,8 +429,8 @@ def _save_checkpoint(root: Path, step: int, draft, opt, sched, engine, spec: Tra
     if engine is not None:  # every rank writes its ZeRO partition
         engine.save_checkpoint(str(tmp / "deepspeed"), tag="state")
     if rank == 0:
-        weights = {k: v.detach().float().contiguous() for k, v in draft.trainable_state_dict().items()}
-        save_file(weights, str(tmp / "draft.safetensors"))
+        # fp32, not the shipped bf16: a resumed run continues from exactly these weights (token ids stay integers)
+        save_weights(draft.trainable_state_dict(), tmp / "draft.safetensors", torch.float32)
         (tmp / "draft_config.json").write_text(json.dumps({"kind": spec.draft, **draft.cfg.to_dict()}, indent=1))
         if engine is None:
             torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, tmp / "optimizer.pt")

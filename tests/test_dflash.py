@@ -140,10 +140,13 @@ def test_local_head_trains_without_the_target_layers(tiny_dir, monkeypatch, tmp_
         h = head.step(t, h)
         torch.testing.assert_close(head.logits(h), full[i], rtol=1e-4, atol=1e-4)
     monkeypatch.undo()
-    save_local_head(head, tmp_path / "head")
+    save_local_head(head, tmp_path / "head")  # stored in bf16, loaded as the fp32 head runs
     target = load_transformer(tiny_dir["llama"])
     again = load_local_head(tmp_path / "head", target)
-    torch.testing.assert_close(again.sequence_logits(toks.unsqueeze(0)), full.unsqueeze(0))
+    for name, t in head.state_dict().items():
+        loaded = again.state_dict()[name]
+        assert loaded.dtype == torch.float32 and torch.equal(loaded, t.bfloat16().float()), name
+    torch.testing.assert_close(again.sequence_logits(toks.unsqueeze(0)), full.unsqueeze(0), rtol=0.05, atol=0.05)
 
 
 class _Checking(DFlashDrafter):

@@ -273,9 +273,9 @@ def test_heads_checkpoint_round_trip_and_wrong_model(tiny_dir, tmp_path):
     heads = TokenSwiftHeads(llama.args.hidden_size, 3)
     with torch.no_grad():
         heads.proj.normal_(0, 0.02)
-    heads.save(tmp_path / "h", llama)
+    heads.save(tmp_path / "h", llama)  # stored in bf16, loaded as the fp32 heads run
     loaded = load_heads(tmp_path / "h", llama)
-    assert torch.equal(loaded.proj, heads.proj)
+    assert loaded.proj.dtype == torch.float32 and torch.equal(loaded.proj, heads.proj.bfloat16().float())
     with pytest.raises(ValueError, match="trained for another model"):
         load_heads(tmp_path / "h", qwen)
     with pytest.raises(ValueError, match="not a TokenSwift heads checkpoint"):
@@ -441,7 +441,7 @@ def test_heads_on_a_reduced_vocabulary_score_only_it_and_ship_it(tiny_target, tm
 
     heads.save(tmp_path / "h", tiny_target)
     loaded = load_heads(tmp_path / "h", tiny_target)
-    assert torch.equal(loaded.vocab_ids, heads.vocab_ids) and torch.equal(loaded.proj, heads.proj)
+    assert torch.equal(loaded.vocab_ids, heads.vocab_ids) and torch.equal(loaded.proj, heads.proj.bfloat16().float())
     drafter = TokenSwiftDrafter(loaded, budget=20, sinks=4, ngram_k=0, context_lookup=False)
     engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=1, max_context=128, controller="off"))
     prompt, params = [5, 6, 7, 8] * 6, SamplingParams(max_new_tokens=12, ignore_eos=True)

@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 from torch import nn
+
+from spyglass.drafters.weights import load_weights, save_weights
 
 
 @dataclass
@@ -144,7 +145,7 @@ def save_local_head(head: LocalHead, out: str | Path, card: dict | None = None) 
     out.mkdir(parents=True, exist_ok=True)
     cfg = {"kind": "dels-local-head", **head.cfg.to_dict(), **({"card": card} if card else {})}
     (out / "head_config.json").write_text(json.dumps(cfg, indent=1))
-    save_file({k: v.detach().float().contiguous() for k, v in head.state_dict().items()}, str(out / "head.safetensors"))
+    save_weights(head.state_dict(), out / "head.safetensors")
 
 
 def load_local_head(checkpoint: str | Path, target) -> LocalHead:
@@ -163,7 +164,7 @@ def load_local_head(checkpoint: str | Path, target) -> LocalHead:
         raise ValueError(f"local head {root} does not fit the target: {(c.embed_dim, c.vocab_size)}")
     head = LocalHead(c, target.embed.weight, target.lm_head.weight)
     try:
-        head.load_state_dict(load_file(str(weights)))
+        head.load_state_dict(load_weights(weights, torch.float32))  # the head runs in fp32 whatever the target
     except RuntimeError as e:
         raise ValueError(f"local head {root}: {e}") from e
     return head.eval()

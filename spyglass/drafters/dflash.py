@@ -39,11 +39,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from spyglass.attention import tree_attention
 from spyglass.drafters.base import ProposesSubset, VocabSubset, choose_draft_token, draft_generator, load_once
+from spyglass.drafters.weights import STORED_DTYPE, load_weights, save_weights
 from spyglass.models.linear import Linear, set_linear_backend
 from spyglass.models.llama import ModelArgs, RMSNorm, Transformer, apply_rope
 from spyglass.sequence import Sequence
@@ -354,16 +354,16 @@ def dflash_loss(
 # --------------------------------------------------------------------------- checkpoints
 
 
-def save_dflash(draft: DFlashDraft, out: str | Path, dtype: torch.dtype = torch.bfloat16, card: dict | None = None):
-    """`draft_config.json` + `draft.safetensors` (trained tensors only, in `dtype`)."""
+def save_dflash(draft: DFlashDraft, out: str | Path, dtype: torch.dtype = STORED_DTYPE, card: dict | None = None):
+    """`draft_config.json` + `draft.safetensors` (trained tensors only, in `dtype`; token ids as integers)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = {"kind": "dflash", **draft.cfg.to_dict(), **({"card": card} if card else {})}
     (out / "draft_config.json").write_text(json.dumps(cfg, indent=1))
-    state = {k: v.detach().to(dtype).contiguous() for k, v in draft.state_dict().items()}
+    state = dict(draft.state_dict())
     if draft.vocab_ids is not None:
-        state["vocab_ids"] = draft.vocab_ids.contiguous()
-    save_file(state, str(out / "draft.safetensors"))
+        state["vocab_ids"] = draft.vocab_ids
+    save_weights(state, out / "draft.safetensors", dtype)
 
 
 def load_dflash(checkpoint: str | Path, target: Transformer) -> DFlashDraft:
@@ -383,7 +383,7 @@ def load_dflash(checkpoint: str | Path, target: Transformer) -> DFlashDraft:
     if wrong or max(cfg["target_layers"]) >= a.n_layers:
         raise ValueError(f"DFlash checkpoint {root} does not fit the target (draft, target): {wrong or 'layers'}")
     draft = DFlashDraft.from_target(target, **cfg)
-    state = load_file(str(weights))
+    state = load_weights(weights, target.dtype)
     vocab_ids = state.pop("vocab_ids", None)
     try:
         draft.load_state_dict(state)

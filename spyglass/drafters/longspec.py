@@ -43,9 +43,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from spyglass.drafters.base import choose_draft_token, draft_generator, requested_depth
+from spyglass.drafters.weights import load_weights
 from spyglass.kv_cache import KVCache
 from spyglass.models.linear import set_linear_backend
 from spyglass.models.llama import Transformer
@@ -107,7 +107,7 @@ def load_longspec_draft(checkpoint: str | Path | None, target: Transformer, ship
     cfg.pop("init_layer", None)  # an initialisation choice, not a shape: the weights below replace it
     # the embedding and full LM head are the target's own tensors (no copy): a checkpoint must not write them
     draft = LongSpecDraft.from_target(target, share_io=True, **{k: v for k, v in cfg.items() if k not in shape})
-    state = load_file(str(weights))
+    state = load_weights(weights, target.dtype)
     shared = {p.data_ptr() for p in target.parameters()}
     frozen = sorted(k for k, t in draft.state_dict(keep_vars=True).items() if k in state and t.data_ptr() in shared)
     if frozen:

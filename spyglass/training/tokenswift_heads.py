@@ -16,10 +16,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from spyglass.drafters.base import ProposesSubset, VocabSubset
+from spyglass.drafters.weights import load_weights, save_weights
 from spyglass.sampling import SamplingParams, apply_repetition_penalty, process
 
 CONFIG_FILE, WEIGHTS_FILE = "heads_config.json", "heads.safetensors"
@@ -85,10 +85,10 @@ class TokenSwiftHeads(ProposesSubset, nn.Module):
         out.mkdir(parents=True, exist_ok=True)
         cfg = {"kind": "tokenswift-heads", "gamma": self.gamma, "eps": self.eps, "target": target_signature(target)}
         cfg.update(extra or {})
-        state = {k: v.detach().to(torch.float32).contiguous() for k, v in self.state_dict().items()}
+        state = dict(self.state_dict())
         if self.vocab_ids is not None:
-            state["vocab_ids"] = self.vocab_ids.contiguous()
-        save_file(state, str(out / WEIGHTS_FILE))
+            state["vocab_ids"] = self.vocab_ids
+        save_weights(state, out / WEIGHTS_FILE)
         (out / CONFIG_FILE).write_text(json.dumps(cfg, indent=1))
 
 
@@ -104,7 +104,7 @@ def load_heads(checkpoint: str | Path, target) -> TokenSwiftHeads:
     if bad:
         raise ValueError(f"TokenSwift heads {root} were trained for another model ({'; '.join(bad)})")
     heads = TokenSwiftHeads(target.args.hidden_size, int(cfg["gamma"]), float(cfg.get("eps", 1e-6)))
-    state = load_file(str(root / WEIGHTS_FILE))
+    state = load_weights(root / WEIGHTS_FILE, torch.float32)  # the heads run in fp32 whatever the target
     vocab_ids = state.pop("vocab_ids", None)
     try:
         heads.load_state_dict(state)

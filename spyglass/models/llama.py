@@ -177,10 +177,8 @@ class Block(nn.Module):
                 ks = k[offset : offset + n].transpose(0, 1)
                 vs = v[offset : offset + n].transpose(0, 1)
                 cache.write(seg.slot, layer, seg.start, ks, vs)
-                if n == 1 and backend in (
-                    "cpu",
-                    "triton",
-                ):  # a decode step: prefix + itself in one call (written above)
+                # a decode step: prefix + itself in one call (its K/V written just above)
+                if n == 1 and backend in ("cpu", "triton"):
                     k_all, v_all = cache.layer(seg.slot, layer)
                     o1 = single_token_attention(qs, k_all[:, : seg.start + 1], v_all[:, : seg.start + 1])
                 else:

@@ -91,10 +91,12 @@ def main() -> None:
     weights = load_file(str(ckpt / "draft.safetensors"))
     if "vocab_ids" in weights:  # token ids (older checkpoints hold them as floats): exact integers
         weights["vocab_ids"] = weights["vocab_ids"].round().long()
-    save_weights(weights, args.out_dir / "draft.safetensors")
+    shipped = args.out_dir / "draft.safetensors.xz"  # the package's form (spyglass.drafters.weights)
+    save_weights(weights, shipped)
+    (args.out_dir / "draft.safetensors").unlink(missing_ok=True)  # a stale uncompressed copy would load first
     (args.out_dir / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot(args.run_dir / args.train_dir / "metrics.jsonl", summary["evals"], args.out_dir / "training.png")
-    size = (args.out_dir / "draft.safetensors").stat().st_size
+    size = shipped.stat().st_size
     print(f"shipped {ckpt.name} to {args.out_dir} ({size / 1e6:.1f} MB)")
 
 

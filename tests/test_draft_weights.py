@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import lzma
 import struct
 from pathlib import Path
 
@@ -10,15 +11,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from spyglass.drafters.weights import load_weights, save_weights
+from spyglass.drafters.weights import load_weights, save_weights, weights_path
 
 DRAFTS = Path(__file__).resolve().parents[1] / "spyglass" / "drafts"
 
 
 def stored_dtypes(path: Path) -> dict[str, str]:
-    """Each tensor's dtype as the safetensors header records it (nothing else is read)."""
-    with open(path, "rb") as f:
-        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    """Each tensor's dtype as the safetensors header records it (of the file, or of the file inside a .xz)."""
+    data = lzma.decompress(path.read_bytes()) if path.suffix == ".xz" else path.read_bytes()
+    header = json.loads(data[8 : 8 + struct.unpack("<Q", data[:8])[0]])
     return {name: entry["dtype"] for name, entry in header.items() if name != "__metadata__"}
 
 
@@ -47,9 +48,25 @@ def test_a_tensor_of_the_wrong_kind_is_a_clear_error(tmp_path):
         load_weights(tmp_path / "w.safetensors", torch.float32)
 
 
-def test_shipped_drafts_are_stored_in_bf16():
-    files = sorted(DRAFTS.glob("*/*.safetensors"))
-    assert len(files) >= 6
+def test_xz_form_is_the_same_weights_and_either_name_loads_it(tmp_path):
+    w, ids = torch.randn(64, 8), torch.arange(64)
+    save_weights({"w": w, "vocab_ids": ids}, tmp_path / "a.safetensors")
+    save_weights({"w": w, "vocab_ids": ids}, tmp_path / "b.safetensors.xz")
+    assert lzma.decompress((tmp_path / "b.safetensors.xz").read_bytes()) == (tmp_path / "a.safetensors").read_bytes()
+    plain, packed = (
+        load_weights(tmp_path / "a.safetensors", torch.float32),
+        load_weights(tmp_path / "b.safetensors", torch.float32),
+    )
+    assert plain.keys() == packed.keys() and all(torch.equal(plain[k], packed[k]) for k in plain)
+    assert weights_path(tmp_path / "b.safetensors") == tmp_path / "b.safetensors.xz"
+    (tmp_path / "c.safetensors.xz").write_bytes(b"not xz")
+    with pytest.raises(lzma.LZMAError):
+        load_weights(tmp_path / "c.safetensors", torch.float32)
+
+
+def test_shipped_drafts_are_stored_in_bf16_and_compressed():
+    files = sorted(DRAFTS.glob("*/*.safetensors*"))
+    assert len(files) >= 6 and all(f.suffix == ".xz" for f in files), files
     for f in files:
         kinds = stored_dtypes(f)
         assert {d for n, d in kinds.items() if n != "vocab_ids"} == {"BF16"}, f

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from actors.trainer import warm_start
 from spyglass.drafters.longspec import LongSpecDrafter
+from spyglass.drafters.weights import load_weights, save_weights
 from spyglass.models.llama import load_transformer
 from spyglass.sampling import SamplingParams
 from spyglass.sequence import Sequence
@@ -163,13 +164,13 @@ def test_export_in_bf16_halves_the_file_and_loads(target_and_cache, tmp_path, mo
     argv = ["export_draft", str(tmp_path / "run"), str(out), "--train-dir", "train-glide"]
     monkeypatch.setattr(sys, "argv", argv)
     export_draft.main()
-    assert (out / "draft.safetensors").stat().st_size < 0.55 * (ckpt / "draft.safetensors").stat().st_size
+    assert (out / "draft.safetensors.xz").stat().st_size < 0.55 * (ckpt / "draft.safetensors").stat().st_size
+    assert not (out / "draft.safetensors").exists()
     assert json.loads((out / "training.json").read_text())["steps"] == 2
-    shipped = load_file(str(out / "draft.safetensors"))["vocab_ids"]  # ids above 256 are not exact in bf16
+    state = load_weights(out / "draft.safetensors.xz", torch.bfloat16)
+    shipped = state["vocab_ids"]  # ids above 256 are not exact in bf16
     assert shipped.dtype == torch.int64 and torch.equal(shipped, draft.vocab_ids + 1000)
-    save_file(
-        {**load_file(str(out / "draft.safetensors")), "vocab_ids": draft.vocab_ids}, str(out / "draft.safetensors")
-    )
+    save_weights({**state, "vocab_ids": draft.vocab_ids}, out / "draft.safetensors.xz")
     loaded = load_longspec_draft(out, target)
     assert loaded.cfg.n_layers == 2 and loaded.dtype == target.dtype
     w, w16 = draft.layers[1].w_down.weight, loaded.layers[1].w_down.weight

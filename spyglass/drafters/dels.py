@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from spyglass.drafters.weights import load_weights, save_weights
+from spyglass.drafters.weights import load_weights, save_weights, weights_path
 
 
 @dataclass
@@ -151,9 +151,9 @@ def save_local_head(head: LocalHead, out: str | Path, card: dict | None = None) 
 def load_local_head(checkpoint: str | Path, target) -> LocalHead:
     """A local head on `target`'s frozen embedding and head (a Transformer). ValueError if it does not fit."""
     root = Path(checkpoint)
-    cfg_file, weights = root / "head_config.json", root / "head.safetensors"
+    cfg_file, weights = root / "head_config.json", weights_path(root / "head.safetensors")
     if not cfg_file.is_file() or not weights.is_file():
-        raise ValueError(f"{root} is not a DeLS local head (needs head_config.json and head.safetensors)")
+        raise ValueError(f"{root} is not a DeLS local head (needs head_config.json and head.safetensors[.xz])")
     cfg = json.loads(cfg_file.read_text())
     if cfg.pop("kind", None) != "dels-local-head":
         raise ValueError(f"{root} does not hold a DeLS local head")

@@ -43,7 +43,7 @@ from torch import nn
 
 from spyglass.attention import tree_attention
 from spyglass.drafters.base import ProposesSubset, VocabSubset, choose_draft_token, draft_generator, load_once
-from spyglass.drafters.weights import STORED_DTYPE, load_weights, save_weights
+from spyglass.drafters.weights import STORED_DTYPE, load_weights, save_weights, weights_path
 from spyglass.models.linear import Linear, set_linear_backend
 from spyglass.models.llama import ModelArgs, RMSNorm, Transformer, apply_rope
 from spyglass.sequence import Sequence
@@ -369,9 +369,9 @@ def save_dflash(draft: DFlashDraft, out: str | Path, dtype: torch.dtype = STORED
 def load_dflash(checkpoint: str | Path, target: Transformer) -> DFlashDraft:
     """A DFlash checkpoint on top of `target`'s frozen embedding and head. ValueError if it does not fit."""
     root = Path(checkpoint)
-    cfg_file, weights = root / "draft_config.json", root / "draft.safetensors"
+    cfg_file, weights = root / "draft_config.json", weights_path(root / "draft.safetensors")
     if not cfg_file.is_file() or not weights.is_file():
-        raise ValueError(f"{root} is not a DFlash checkpoint (needs draft_config.json and draft.safetensors)")
+        raise ValueError(f"{root} is not a DFlash checkpoint (needs draft_config.json and draft.safetensors[.xz])")
     cfg = json.loads(cfg_file.read_text())
     kind = cfg.pop("kind", None)
     cfg.pop("card", None)

@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from spyglass.drafters.base import choose_draft_token, draft_generator, requested_depth
-from spyglass.drafters.weights import load_weights
+from spyglass.drafters.weights import load_weights, weights_path
 from spyglass.kv_cache import KVCache
 from spyglass.models.linear import set_linear_backend
 from spyglass.models.llama import Transformer
@@ -92,9 +92,9 @@ def load_longspec_draft(checkpoint: str | Path | None, target: Transformer, ship
     embedding and head; None = `shipped`, a draft that comes with the package. Raises ValueError naming what does
     not fit."""
     root = Path(checkpoint) if checkpoint is not None else shipped
-    cfg_file, weights = root / "draft_config.json", root / "draft.safetensors"
+    cfg_file, weights = root / "draft_config.json", weights_path(root / "draft.safetensors")
     if not cfg_file.is_file() or not weights.is_file():
-        raise ValueError(f"{root} is not a draft checkpoint (needs draft_config.json and draft.safetensors)")
+        raise ValueError(f"{root} is not a draft checkpoint (needs draft_config.json and draft.safetensors[.xz])")
     cfg = json.loads(cfg_file.read_text())
     kind = cfg.pop("kind", "longspec")
     if kind != "longspec":

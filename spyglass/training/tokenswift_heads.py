@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from spyglass.drafters.base import ProposesSubset, VocabSubset
-from spyglass.drafters.weights import load_weights, save_weights
+from spyglass.drafters.weights import load_weights, save_weights, weights_path
 from spyglass.sampling import SamplingParams, apply_repetition_penalty, process
 
 CONFIG_FILE, WEIGHTS_FILE = "heads_config.json", "heads.safetensors"
@@ -95,8 +95,8 @@ class TokenSwiftHeads(ProposesSubset, nn.Module):
 def load_heads(checkpoint: str | Path, target) -> TokenSwiftHeads:
     """Heads from a checkpoint directory, checked against `target`; ValueError says what does not fit."""
     root = Path(checkpoint)
-    if not (root / CONFIG_FILE).is_file() or not (root / WEIGHTS_FILE).is_file():
-        raise ValueError(f"{root} is not a TokenSwift heads checkpoint (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
+    if not (root / CONFIG_FILE).is_file() or not weights_path(root / WEIGHTS_FILE).is_file():
+        raise ValueError(f"{root} is not a TokenSwift heads checkpoint (needs {CONFIG_FILE} and {WEIGHTS_FILE}[.xz])")
     cfg = json.loads((root / CONFIG_FILE).read_text())
     if cfg.get("kind") != "tokenswift-heads":
         raise ValueError(f"{root} holds a {cfg.get('kind')!r} checkpoint, not TokenSwift heads")

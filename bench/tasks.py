@@ -294,6 +294,18 @@ def _titles(text: str) -> list[tuple[int, str]]:
     return out
 
 
+def _doc_task(tokenizer, start: int, length: int, kind: str, ask, pick, what: str) -> HeldOutTask:
+    """Documentation pages from `start` filling `length` tokens with the request `ask(key)` after them, where `key` is
+    what `pick(text)` finds about two thirds of the way in (ValueError naming `what` if nothing)."""
+    frame = len(_chat(tokenizer, ask("x " * 8)))
+    text, groups = _doc_run(tokenizer, start, length - frame - _LONG_MARGIN)
+    key = pick(text)
+    if key is None:
+        raise ValueError(f"no {what} in the documentation run starting at page {start}")
+    prompt = _chat(tokenizer, f"{text.rstrip()}\n\n{ask(key)}")
+    return HeldOutTask(f"{kind}:{groups[0].split(':', 1)[1]}", kind, prompt, "+".join(groups))
+
+
 def long_quote(tokenizer, start: int, length: int) -> HeldOutTask:
     """Documentation pages and a request to quote, word for word, a paragraph about two thirds of the way in."""
 
@@ -303,15 +315,11 @@ def long_quote(tokenizer, start: int, length: int) -> HeldOutTask:
             "paragraph after it. Output only the quoted text."
         )
 
-    frame = len(_chat(tokenizer, ask("x " * 8)))
-    text, groups = _doc_run(tokenizer, start, length - frame - _LONG_MARGIN)
-    para = _deep(_paragraphs(text), len(text))
-    if para is None:
-        raise ValueError(f"no prose paragraph in the documentation run starting at page {start}")
-    opening = re.match(r"\s*((?:\S+[ \t]+){0,7}\S+)", para).group(1)  # its first words, spaced as in the text
-    request = ask(opening)
-    prompt = _chat(tokenizer, f"{text.rstrip()}\n\n{request}")
-    return HeldOutTask(f"quote:{groups[0].split(':', 1)[1]}", "quote", prompt, "+".join(groups))
+    def opening(text: str) -> str | None:  # the paragraph's first words, spaced as in the text
+        para = _deep(_paragraphs(text), len(text))
+        return None if para is None else re.match(r"\s*((?:\S+[ \t]+){0,7}\S+)", para).group(1)
+
+    return _doc_task(tokenizer, start, length, "quote", ask, opening, "prose paragraph")
 
 
 def long_qa(tokenizer, start: int, length: int) -> HeldOutTask:
@@ -323,13 +331,7 @@ def long_qa(tokenizer, start: int, length: int) -> HeldOutTask:
             "the documentation's own wording where you can."
         )
 
-    frame = len(_chat(tokenizer, ask("x " * 8)))
-    text, groups = _doc_run(tokenizer, start, length - frame - _LONG_MARGIN)
-    title = _deep(_titles(text), len(text))
-    if title is None:
-        raise ValueError(f"no section title in the documentation run starting at page {start}")
-    prompt = _chat(tokenizer, f"{text.rstrip()}\n\n{ask(title)}")
-    return HeldOutTask(f"qa:{groups[0].split(':', 1)[1]}", "qa", prompt, "+".join(groups))
+    return _doc_task(tokenizer, start, length, "qa", ask, lambda text: _deep(_titles(text), len(text)), "section title")
 
 
 def long_task(tokenizer, kind: str, source: str | int, length: int) -> HeldOutTask:

@@ -157,7 +157,8 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, segments: list[Segment], cache: KVCache, layer: int, backend: str):
         on_cpu = backend == "cpu" or (backend == "auto" and x.device.type == "cpu")  # "auto" is "cpu" there
-        if on_cpu and self.native and x.dtype == torch.float32 and (ops := cpu_kernels.native()):
+        native = x.device.type == "cpu" and x.dtype == torch.float32  # the kernels take CPU fp32 tensors only
+        if on_cpu and native and self.native and (ops := cpu_kernels.native()):
             return self._forward_native(ops, x, cos, sin, segments, cache, layer)
         a = self.a
         t = x.shape[0]

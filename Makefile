@@ -121,24 +121,24 @@ train-smollm2-135m-glide: setup
 # DFlash v2 -> v3 -> v4 -> v5 -> v6 -> v7 -> v9 -> v11, in one process each (no extraction).
 train-smollm2-135m-dflash: setup
 	$(call train-steps,$(DFLASH_CHAIN))
-	$(PY) -m spyglass.drafters.weights .cache/runs/smollm2-135m-dflash/08-v11-last/draft/draft.safetensors \
+	$(PY) -m spyglass.weights .cache/runs/smollm2-135m-dflash/08-v11-last/draft/draft.safetensors \
 		spyglass/drafts/smollm2-135m-dflash/draft.safetensors.xz
 	cp .cache/runs/smollm2-135m-dflash/08-v11-last/draft/draft_config.json spyglass/drafts/smollm2-135m-dflash/
 	cp .cache/runs/smollm2-135m-dflash/08-v11-last/dflash-loss.png spyglass/drafts/smollm2-135m-dflash/loss.png
 train-smollm2-135m-dels: setup
 	$(call train-steps,configs/smollm2-135m-dels.yaml)
-	$(PY) -m spyglass.drafters.weights .cache/runs/smollm2-135m-dels/head/head.safetensors \
+	$(PY) -m spyglass.weights .cache/runs/smollm2-135m-dels/head/head.safetensors \
 		spyglass/drafts/smollm2-135m-dels/head.safetensors.xz
 	cp .cache/runs/smollm2-135m-dels/head/head_config.json spyglass/drafts/smollm2-135m-dels/
 	cp .cache/runs/smollm2-135m-dels/dels-loss.png spyglass/drafts/smollm2-135m-dels/loss.png
 train-smollm2-135m-tokenswift: setup
 	$(call train-steps,configs/smollm2-135m-tokenswift.yaml)
-	$(PY) -m spyglass.drafters.weights .cache/runs/smollm2-135m-tokenswift/heads/heads.safetensors \
+	$(PY) -m spyglass.weights .cache/runs/smollm2-135m-tokenswift/heads/heads.safetensors \
 		spyglass/drafts/smollm2-135m-tokenswift/heads.safetensors.xz
 	cp .cache/runs/smollm2-135m-tokenswift/heads/heads_config.json spyglass/drafts/smollm2-135m-tokenswift/
 train-qwen2.5-coder-0.5b-tokenswift: setup model-qwen
 	$(call train-steps,configs/qwen2.5-coder-0.5b-tokenswift.yaml)
-	$(PY) -m spyglass.drafters.weights .cache/runs/qwen2.5-coder-0.5b-tokenswift/heads/heads.safetensors \
+	$(PY) -m spyglass.weights .cache/runs/qwen2.5-coder-0.5b-tokenswift/heads/heads.safetensors \
 		spyglass/drafts/qwen2.5-coder-0.5b-tokenswift/heads.safetensors.xz
 	cp .cache/runs/qwen2.5-coder-0.5b-tokenswift/heads/heads_config.json spyglass/drafts/qwen2.5-coder-0.5b-tokenswift/
 # The LongSpec and GLIDE drafts together (the chains share their first three steps).

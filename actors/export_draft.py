@@ -19,8 +19,8 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from actors.trainer import latest_checkpoint
-from spyglass.drafters.weights import save_weights
 from spyglass.training import repo_relative
+from spyglass.weights import save_weights
 
 
 def summarise(run_dir: Path, step: int | None = None, train_dir: str = "train") -> tuple[Path, dict]:
@@ -91,7 +91,7 @@ def main() -> None:
     weights = load_file(str(ckpt / "draft.safetensors"))
     if "vocab_ids" in weights:  # token ids (older checkpoints hold them as floats): exact integers
         weights["vocab_ids"] = weights["vocab_ids"].round().long()
-    shipped = args.out_dir / "draft.safetensors.xz"  # the package's form (spyglass.drafters.weights)
+    shipped = args.out_dir / "draft.safetensors.xz"  # the package's form (spyglass.weights)
     save_weights(weights, shipped)
     (args.out_dir / "draft.safetensors").unlink(missing_ok=True)  # a stale uncompressed copy would load first
     (args.out_dir / "training.json").write_text(json.dumps(summary, indent=1) + "\n")

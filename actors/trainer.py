@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 from actors.extraction import build_section
 from actors.jobs import ensure_ray
-from spyglass.drafters.weights import save_weights
+from spyglass.weights import save_weights
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from spyglass.drafters.weights import load_weights, save_weights, weights_path
+from spyglass.weights import load_weights, save_weights, weights_path
 
 DRAFTS = Path(__file__).resolve().parents[1] / "spyglass" / "drafts"
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from spyglass.drafters.weights import load_weights, save_weights, weights_path
+from spyglass.weights import load_weights, save_weights, weights_path
 
 
 @dataclass

@@ -43,7 +43,6 @@ from torch import nn
 
 from spyglass.attention import tree_attention
 from spyglass.drafters.base import ProposesSubset, VocabSubset, choose_draft_token, draft_generator, load_once
-from spyglass.drafters.weights import STORED_DTYPE, load_weights, save_weights, weights_path
 from spyglass.models.linear import Linear, set_linear_backend
 from spyglass.models.llama import ModelArgs, RMSNorm, Transformer, apply_rope
 from spyglass.sequence import Sequence
@@ -51,6 +50,7 @@ from spyglass.spans import continuation, copied_score, copy_source, next_pointer
 from spyglass.training.draft_models import add_copies_log, init_copy_gate, read_copies
 from spyglass.tree import COPY_SOURCE, DRAFT_SOURCE, SPAN_SOURCE, DraftTree
 from spyglass.verify import Accepted
+from spyglass.weights import STORED_DTYPE, load_weights, save_weights, weights_path
 
 PACKAGED = Path(__file__).resolve().parents[1] / "drafts"
 DEFAULT_DFLASH = PACKAGED / "smollm2-135m-dflash"

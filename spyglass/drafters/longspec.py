@@ -45,7 +45,6 @@ from pathlib import Path
 import torch
 
 from spyglass.drafters.base import choose_draft_token, draft_generator, requested_depth
-from spyglass.drafters.weights import load_weights, weights_path
 from spyglass.kv_cache import KVCache
 from spyglass.models.linear import set_linear_backend
 from spyglass.models.llama import Transformer
@@ -62,6 +61,7 @@ from spyglass.spans import (
 from spyglass.training.draft_models import LongSpecDraft
 from spyglass.tree import COPY_SOURCE, DRAFT_SOURCE, SPAN_SOURCE, DraftTree
 from spyglass.verify import Accepted
+from spyglass.weights import load_weights, weights_path
 
 SHIPPED = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-longspec"
 SHIPPED_GLIDE = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-glide"

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from spyglass.drafters.base import ProposesSubset, VocabSubset
-from spyglass.drafters.weights import load_weights, save_weights, weights_path
 from spyglass.sampling import SamplingParams, apply_repetition_penalty, process
+from spyglass.weights import load_weights, save_weights, weights_path
 
 CONFIG_FILE, WEIGHTS_FILE = "heads_config.json", "heads.safetensors"
 

@@ -6,7 +6,7 @@ fp32.
 
 The drafts shipped in the package are xz-compressed safetensors (`draft.safetensors.xz`: bf16 weights lose about
 30% more, losslessly), which keeps the repository small enough to travel; every loader takes `name` or `name.xz`
-(`weights_path`). `python -m spyglass.drafters.weights SRC DST.xz` writes one (the `make train-<draft>` targets)."""
+(`weights_path`). `python -m spyglass.weights SRC DST.xz` writes one (the `make train-<draft>` targets)."""
 
 from __future__ import annotations
 

@@ -132,7 +132,7 @@ def test_the_replica_times_its_cost_curve_with_the_threads_it_decodes_with():
     import torch
 
     from services.verifier import Verifier
-    from spyglass.controller import measured_curve
+    from spyglass.cost import measured_curve
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # what Ray leaves a 1-CPU replica with

@@ -74,11 +74,10 @@ bench-dflash: setup
 .PHONY: bench-dflash-bound
 bench-dflash-bound: setup
 	$(PY) bench/probes/dflash_bound.py
-# The controller's rules on and off: keep drafting after a step that did not pay while drafting pays on average
-# (persist, off by default), and calibrating a composite's sources each on its own (per_source, on by default).
+# A tuned constant of the controller (ControllerConfig) against its default: at most 16 plain steps between probes
+# instead of 64 (short_backoff).
 bench-controller: setup
-	$(PY) bench/probes/controller_rules.py --rule persist
-	$(PY) bench/probes/controller_rules.py --rule per_source --methods composite --baselines suffix --kinds code,edit,summary
+	$(PY) bench/probes/controller_rules.py --rule short_backoff
 # The issue's full run (2K prefix, 6K generated, 13 variants one after another) takes about an hour on 2 CPU cores.
 bench-tokenswift: setup
 	$(PY) bench/tokenswift.py --prefix 2048 --gen 6144

@@ -225,7 +225,7 @@ def environment() -> dict[str, Any]:
     try:
         import torch
 
-        from spyglass.controller import cpu_model
+        from spyglass.cost import cpu_model
 
         env["cpu"] = cpu_model()
         env["torch"] = torch.__version__

@@ -39,7 +39,7 @@ import torch  # noqa: E402
 from bench.common import RESULTS_DIR, machine_load, median, plot_panels, wait_for_quiet, write_results  # noqa: E402
 from bench.drafting import median_runs  # noqa: E402
 from bench.tasks import HeldOutTask, heldout_tasks  # noqa: E402
-from spyglass.controller import measured_curve  # noqa: E402
+from spyglass.cost import measured_curve  # noqa: E402
 from spyglass.drafters import COMPOSITES  # noqa: E402
 from spyglass.drafters.composite import CompositeDrafter  # noqa: E402
 from spyglass.drafters.dels import load_local_head  # noqa: E402

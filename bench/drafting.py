@@ -25,7 +25,8 @@ import torch  # noqa: E402
 from bench.common import RESULTS_DIR, machine_load, median, plot_panels, wait_for_quiet, write_results  # noqa: E402
 from bench.tasks import STDLIB, HeldOutTask, _chat, _fit, heldout_tasks  # noqa: E402
 from spyglass.context_cache import ContextCache  # noqa: E402
-from spyglass.controller import measured_curve, measured_curves  # noqa: E402
+from spyglass.controller import ControllerConfig  # noqa: E402
+from spyglass.cost import measured_curve, measured_curves  # noqa: E402
 from spyglass.drafters.base import StatelessDrafter  # noqa: E402
 from spyglass.drafters.ngram import NgramDrafter  # noqa: E402
 from spyglass.drafters.suffix import SuffixDrafter  # noqa: E402
@@ -85,15 +86,18 @@ def median_runs(
     cache: ContextCache | None = None,
     controller_off: tuple[str, ...] = (),
     run: Callable[[SpecEngine, HeldOutTask, SamplingParams], dict] = run_task,
+    controls: dict[str, ControllerConfig] | None = None,
 ) -> dict[str, dict]:
     """`task` through plain decoding (`ar`) and each drafter, `repeats` times, interleaved so that a change in the
     machine's speed hits every method alike. Per method: the run with the median decode speed (tokens kept), every
-    run's speed (`tok_s_runs`) and `identical` (every run's output equal to ar's first)."""
+    run's speed (`tok_s_runs`) and `identical` (every run's output equal to ar's first). `controls`: a method's
+    controller constants, where not the defaults."""
     runs: dict[str, list[dict]] = {}
     for _ in range(repeats):
         for name, make in {"ar": lambda: None, **drafters}.items():
             controller = "off" if name in controller_off else "measure"
-            conf = EngineConfig(max_batch=1, max_context=8192, controller=controller)
+            control = (controls or {}).get(name, ControllerConfig())
+            conf = EngineConfig(max_batch=1, max_context=8192, controller=controller, control=control)
             runs.setdefault(name, []).append(run(SpecEngine(target, make(), conf, context_cache=cache), task, params))
     row = {}
     for name, rs in runs.items():
@@ -112,13 +116,14 @@ def compare(
     controller_off: tuple[str, ...] = (),
     log=print,
     repeats: int = 1,
+    controls: dict[str, ControllerConfig] | None = None,
 ) -> dict[str, dict[str, dict]]:
     """Every task through plain decoding (`ar`) and each drafter, side by side, `repeats` times; returns
     results[task][method] (the median run) with `speedup` (median decode tok/s over ar's on the same prompt) and
-    `identical` (greedy output equal to plain decoding's in every run)."""
+    `identical` (greedy output equal to plain decoding's in every run). `controls`: as median_runs'."""
     results: dict[str, dict[str, dict]] = {}
     for task in tasks:
-        row = median_runs(target, task, drafters, params, repeats, cache, controller_off)
+        row = median_runs(target, task, drafters, params, repeats, cache, controller_off, controls=controls)
         base = row["ar"]["tok_s"]
         for r in row.values():
             r["speedup"] = r["tok_s"] / base if base else None

@@ -72,7 +72,7 @@ from bench.common import (  # noqa: E402
 )
 from bench.tasks import LONG_KINDS, HeldOutTask, long_tasks  # noqa: E402
 from spyglass.context_cache import ContextCache  # noqa: E402
-from spyglass.controller import CostCurve, cpu_model  # noqa: E402
+from spyglass.cost import CostCurve, cpu_model  # noqa: E402
 from spyglass.drafters import COMPOSITES, METHODS, build_drafter  # noqa: E402
 from spyglass.engine import EngineConfig, SpecEngine  # noqa: E402
 from spyglass.kv_cache import kv_bytes_per_token  # noqa: E402

@@ -531,7 +531,7 @@ def main() -> int:
     unknown = set(only) - set(SECTIONS)
     if unknown:
         ap.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
-    from spyglass.controller import cpu_model
+    from spyglass.cost import cpu_model
 
     report: dict = {"cpu": cpu_model(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "sections": {}}
     out_path = Path(args.out)

@@ -54,7 +54,7 @@ from bench.common import (  # noqa: E402
     wait_for_quiet,
     write_results,
 )
-from spyglass.controller import CostCurve, cpu_model  # noqa: E402
+from spyglass.cost import CostCurve, cpu_model  # noqa: E402
 from spyglass.drafters.ngram import NgramDrafter  # noqa: E402
 from spyglass.drafters.streaming import StreamingDrafter  # noqa: E402
 from spyglass.drafters.suffix import SuffixDrafter  # noqa: E402

@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ray import serve
@@ -508,6 +508,7 @@ def build_engine(cfg: VerifierConfig) -> tuple[Any, Any, dict[str, Any]]:
     curve = next((c.curve for c in engine.controllers.values() if c is not None), None)
     if curve is not None:  # what verifying k tokens cost at start-up (one per process): every tree is sized by it
         info["cost_curve"] = curve.to_dict()
+        info["controller_config"] = asdict(econf.control)  # the constants every tree is sized with
     return engine, tokenizer, info
 
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from spyglass.context_cache import ContextCache, kv_blocks_from_cache, load_blocks_into_cache
-from spyglass.controller import CostCurve, SpeculationController, controller_for, measured_curve
+from spyglass.controller import Controller, ControllerConfig, controller_for
+from spyglass.cost import CostCurve, measured_curve
 from spyglass.detokenize import TextStream
 from spyglass.drafters.base import Drafter, NullDrafter
 from spyglass.kv_cache import context_capacity
@@ -35,6 +36,7 @@ class EngineConfig:
     # Tree sizing: "measure" = the speculation controller with the verify-cost curve measured at start-up on
     # this machine; "off" = verify every node the drafter proposes. A CostCurve here is used as given.
     controller: str | CostCurve = "measure"
+    control: ControllerConfig = field(default_factory=ControllerConfig)  # the controller's tuned constants
 
 
 @dataclass
@@ -101,14 +103,14 @@ class SpecEngine:
             curve = measured_curve(target, self.cache)  # one curve per process: every method sizes trees by it
         elif curve not in ("measure", "off") and not isinstance(curve, CostCurve):
             raise ValueError(f"controller must be 'measure', 'off' or a CostCurve, not {curve!r}")
-        self.controllers: dict[str, SpeculationController | None] = {}
+        self.controllers: dict[str, Controller | None] = {}
         n_layers = target.args.n_layers
         capture: set[int] = set()
         for method, d in self.drafters.items():
             d.bind(target, self.cache)
             capture.update(i % n_layers for i in getattr(d, "hidden_layers", ()))
             drafts = named[method] is not None and self.config.controller != "off"
-            self.controllers[method] = controller_for(d, curve) if drafts else None
+            self.controllers[method] = controller_for(d, curve, cfg.control) if drafts else None
         self._capture = tuple(sorted(capture))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -120,7 +122,7 @@ class SpecEngine:
         return self.drafters[self.default_method]
 
     @property
-    def controller(self) -> SpeculationController | None:
+    def controller(self) -> Controller | None:
         """The default method's speculation controller (None: plain decoding, or sizing off)."""
         return self.controllers[self.default_method]
 

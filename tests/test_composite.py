@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from spyglass.controller import CostCurve, SpeculationController
+from spyglass.controller import SpeculationController
+from spyglass.cost import CostCurve
 from spyglass.drafters.base import StatelessDrafter
 from spyglass.drafters.composite import CompositeDrafter, first_level_confidence, merge_trees
 from spyglass.sampling import SamplingParams

@@ -4,10 +4,14 @@ right, and never changes the output."""
 
 from __future__ import annotations
 
+from dataclasses import FrozenInstanceError, replace
+
 import pytest
 import torch
 
-from spyglass.controller import ChainDepthController, CostCurve, SpeculationController
+from spyglass.chain_controller import ChainDepthController
+from spyglass.controller import ControllerConfig, SpeculationController
+from spyglass.cost import CostCurve
 from spyglass.drafters.base import StatelessDrafter
 from spyglass.engine import EngineConfig, SpecEngine, plain_generate
 from spyglass.sampling import SamplingParams
@@ -145,24 +149,17 @@ def test_a_depth_left_untried_forgets_its_old_misses():
 
 
 def test_each_source_of_a_merged_tree_is_calibrated_on_its_own_acceptance():
-    """Two drafters' candidates for the next token score the same, but only one source's are ever accepted: per
-    source, the controller learns to verify that source's node alone; pooled, both sources share one factor."""
+    """Two drafters' candidates for the next token score the same, but only one source's are ever accepted: the
+    controller learns to verify that source's node alone (one factor for both would keep them equal)."""
     tree = DraftTree(torch.tensor([5, 1, 2]), [-1, 0, 0], scores=[1.0, 0.45, 0.45], sources=[0, 1, 2])
     taken = Accepted([0, 1], [1, 7])  # source 1's token accepted
-    pooled = SpeculationController(CostCurve.linear(1.0, 0.4))
-    pooled.per_source = False
-    results = {}
-    for ctl in (SpeculationController(CostCurve.linear(1.0, 0.4)), pooled):
-        seq = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
-        for _ in range(20):
-            ctl.observe(seq, tree, taken)
-        results[ctl.per_source] = (ctl.scores(seq, tree), ctl.size(seq, tree, batch=1).tokens.tolist())
-    scores, kept = results[True]
+    ctl = SpeculationController(CostCurve.linear(1.0, 0.4))
+    seq = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
+    for _ in range(20):
+        ctl.observe(seq, tree, taken)
+    scores = ctl.scores(seq, tree)
     assert scores[1] > 0.9 and scores[2] < 0.1
-    assert kept == [5, 1]
-    scores, kept = results[False]
-    assert scores[1] == scores[2]
-    assert kept == [5, 1, 2]  # at 0.45 each after pooling, nothing tells them apart: both are verified
+    assert ctl.size(seq, tree, batch=1).tokens.tolist() == [5, 1]
 
 
 def test_a_source_first_seen_deep_in_the_tree_is_calibrated_from_there():
@@ -206,18 +203,16 @@ def test_greedy_identity_batch4_with_controller(tiny_target):
 def test_a_drafter_slower_than_its_gain_is_dropped():
     """Right half the time but costing a whole step to draft: plain decoding is faster, so the controller stops
     running the drafter until a probe. The tree already drafted is still verified where that pays by itself
-    (its drafting is spent; verifying is free on this curve); without the `marginal` rule it was not."""
+    (its drafting is spent; verifying is free on this curve)."""
     tree = DraftTree.chain(5, [1, 2], scores=[1.0, 0.5, 0.25])
-    for marginal, kept in ((True, 3), (False, 1)):
-        ctl = SpeculationController(CostCurve.linear(1.0, 0.0))
-        ctl.marginal = marginal
-        seq = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
-        assert len(ctl.size(seq, tree, batch=1)) == 3  # free drafting: verify it
-        assert ctl.wants_draft(seq)
-        seq2 = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
-        ctl.note_draft_time(seq2, 2.0)
-        assert len(ctl.size(seq2, tree, batch=1)) == kept
-        assert not ctl.wants_draft(seq2)  # and it stops running the drafter until a probe
+    ctl = SpeculationController(CostCurve.linear(1.0, 0.0))
+    seq = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
+    assert len(ctl.size(seq, tree, batch=1)) == 3  # free drafting: verify it
+    assert ctl.wants_draft(seq)
+    seq2 = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
+    ctl.note_draft_time(seq2, 2.0)
+    assert len(ctl.size(seq2, tree, batch=1)) == 3
+    assert not ctl.wants_draft(seq2)  # and it stops running the drafter until a probe
 
 
 def test_a_depth_costed_drafter_is_charged_for_the_depth_it_keeps():
@@ -304,38 +299,27 @@ def test_small_lm_draft_from_a_loaded_model_or_the_targets_layers(tiny_dir):
     assert build_drafter("small-lm", target, draft_model=other).draft is other
 
 
-def test_a_drafter_that_pays_on_average_keeps_drafting_through_an_unsure_step():
-    """With `persist`, a learned draft sure of every other token (drafting 5% of a step): the unsure steps decode
-    plainly, but the drafter runs again on the next step instead of backing off until a probe. One that never
-    pays stops; without `persist` one unsure step stops it too."""
+def test_one_step_that_does_not_pay_stops_a_costly_drafter_until_a_probe():
+    """A learned draft (drafting 5% of a step) that paid on its first step, then proposes an unsure tree: that step
+    is decoded plainly and the drafter waits for a probe, even though drafting has paid on average; a sequence whose
+    first tree did not pay waits too."""
     curve = CostCurve.linear(1.0, 0.05)
     sure, unsure = DraftTree.chain(5, [1], scores=[1.0, 0.9]), DraftTree.chain(5, [1], scores=[1.0, 0.02])
     ctl = SpeculationController(curve, cost_by_depth=True)
-    ctl.persist = True
-    seq = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
-    ctl.note_draft_time(seq, 0.05)
-    for _ in range(6):
-        assert ctl.wants_draft(seq)
-        kept = ctl.size(seq, sure, batch=1)
-        assert len(kept) == 2
-        ctl.observe(seq, kept, Accepted([0, 1], [1, 7]))
-        assert ctl.wants_draft(seq) and seq.draft_depth == 2  # one level beyond the depth that paid
-        assert len(ctl.size(seq, unsure, batch=1)) == 1  # this step is decoded plainly
-    assert ctl.wants_draft(seq)
-    assert seq.stats.control.plain_steps == 6 and seq.stats.control.probe_steps == 0
+    once = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
+    ctl.note_draft_time(once, 0.05)
+    kept = ctl.size(once, sure, batch=1)
+    assert len(kept) == 2
+    ctl.observe(once, kept, Accepted([0, 1], [1, 7]))
+    assert ctl.wants_draft(once) and once.draft_depth == 2  # one level beyond the depth that paid
+    assert len(ctl.size(once, unsure, batch=1)) == 1  # this step is decoded plainly
+    assert ctl._state(once).value > 0 and not ctl.wants_draft(once)
 
     never = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
     ctl.note_draft_time(never, 0.05)
     assert ctl.wants_draft(never)
     assert len(ctl.size(never, unsure, batch=1)) == 1
     assert not ctl.wants_draft(never)  # no evidence that drafting pays: back off until a probe
-
-    default = SpeculationController(curve, cost_by_depth=True)
-    once = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
-    default.note_draft_time(once, 0.05)
-    default.observe(once, default.size(once, sure, batch=1), Accepted([0, 1], [1, 7]))
-    default.size(once, unsure, batch=1)
-    assert not default.wants_draft(once)
 
 
 def test_short_backoff_caps_the_plain_steps_between_failed_probes():
@@ -345,8 +329,8 @@ def test_short_backoff_caps_the_plain_steps_between_failed_probes():
     tree = DraftTree.chain(5, [1, 2], scores=[1.0, 0.9, 0.8])
 
     def waits(short: bool) -> list[int]:
-        ctl = SpeculationController(curve, cost_by_depth=True)
-        ctl.max_backoff = 16 if short else 64
+        config = replace(ControllerConfig(), max_backoff=16) if short else ControllerConfig()
+        ctl = SpeculationController(curve, config, cost_by_depth=True)
         seq = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
         ctl.note_draft_time(seq, 5.0)  # five steps per depth: it never pays, only probes verify
         out, plain = [], 0
@@ -452,10 +436,10 @@ def test_an_unverified_chain_counts_token_by_token_as_the_target_commits():
     st.pending = [(seq.num_tokens - 1, [11, 12, 13], 1, [(None, True)] * 3)]
     seq.append(11)
     ctl.wants_draft(seq)
-    assert len(st.accepted) == 1 and st.accepted[0][0] > ctl.prior and len(st.pending) == 1
+    assert len(st.accepted) == 1 and st.accepted[0][0] > ctl.config.chain_prior and len(st.pending) == 1
     seq.append(99)  # the second drafted token was wrong: counted, and the third is never scored
     ctl.wants_draft(seq)
-    assert len(st.accepted) == 2 and st.accepted[1][0] < ctl.prior and st.pending == []
+    assert len(st.accepted) == 2 and st.accepted[1][0] < ctl.config.chain_prior and st.pending == []
 
 
 def test_a_copied_token_is_sized_as_a_span_and_counted_for_both():
@@ -507,21 +491,18 @@ def test_probes_of_a_sampled_chain_verify_their_first_token(temperature, probe_d
 
 
 def test_only_chain_drafters_get_the_profile_controller(tiny_target):
+    """Each with the engine's controller constants; the constants are fixed once given."""
     curve = CostCurve.linear(1.0, 0.05)
+    config = replace(ControllerConfig(), max_backoff=16, chain_probe=4)
     tree_drafter = OracleDrafter([1], 1, 2, True)
-    assert type(SpecEngine(tiny_target, tree_drafter, EngineConfig(1, 64, controller=curve)).controller) is (
-        SpeculationController
-    )
+    tree_ctl = SpecEngine(tiny_target, tree_drafter, EngineConfig(1, 64, controller=curve, control=config)).controller
+    assert type(tree_ctl) is SpeculationController and tree_ctl.config is config
     chain = ChainOracle([1], 1, 2, True)
-    assert type(SpecEngine(tiny_target, chain, EngineConfig(1, 64, controller=curve)).controller) is (
-        ChainDepthController
-    )
-    SpeculationController.chain_profile = False  # the rule off: chains sized per step as before
-    try:
-        engine = SpecEngine(tiny_target, chain, EngineConfig(1, 64, controller=curve))
-        assert type(engine.controller) is SpeculationController
-    finally:
-        SpeculationController.chain_profile = True
+    chain_ctl = SpecEngine(tiny_target, chain, EngineConfig(1, 64, controller=curve, control=config)).controller
+    assert type(chain_ctl) is ChainDepthController and chain_ctl.config is config
+    assert SpecEngine(tiny_target, chain, EngineConfig(1, 64, controller=curve)).controller.config == ControllerConfig()
+    with pytest.raises(FrozenInstanceError):
+        config.max_backoff = 64
 
 
 def test_a_chain_ending_in_a_span_is_sized_by_the_spans_scores():

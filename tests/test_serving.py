@@ -128,11 +128,15 @@ def test_engine_loop_graceful_shutdown_finishes_short_and_aborts_long_requests()
 
 def test_the_replica_times_its_cost_curve_with_the_threads_it_decodes_with():
     """Ray starts a replica with OMP_NUM_THREADS = its num_cpus (often 1) and the verifier decodes with `threads`:
-    the cost curve that sizes every tree is timed at construction, so it must be timed with `threads` too."""
+    the cost curve that sizes every tree is timed at construction, so it must be timed with `threads` too. The
+    replica's info reports that curve and the controller's constants."""
+    from dataclasses import asdict
+
     import torch
 
     from services.verifier import Verifier
-    from spyglass.controller import measured_curve
+    from spyglass.controller import ControllerConfig
+    from spyglass.cost import measured_curve
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # what Ray leaves a 1-CPU replica with
@@ -144,6 +148,10 @@ def test_the_replica_times_its_cost_curve_with_the_threads_it_decodes_with():
             assert torch.get_num_threads() == 1  # the engine was built on the loop's thread, at its count
             torch.set_num_threads(2)  # so the curve it uses is the one measured with 2 threads
             assert engine.controller.curve is measured_curve(engine.target, engine.cache)
+            info = asyncio.run(verifier.info())
+            assert info["cost_curve"] == engine.controller.curve.to_dict()
+            assert info["controller_config"] == asdict(ControllerConfig()) == asdict(engine.controller.config)
+            assert info["controller_config"]["max_backoff"] == 64
         finally:
             verifier.loop.stop(drain_timeout_s=1.0)
     finally:

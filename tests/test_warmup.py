@@ -9,7 +9,7 @@ import redis
 
 from services.verifier import VerifierConfig, encode_prompt, warm_up
 from spyglass.context_cache import ContextCache
-from spyglass.controller import CostCurve
+from spyglass.cost import CostCurve
 from spyglass.drafters import build_drafter
 from spyglass.engine import EngineConfig, SpecEngine, plain_generate
 from spyglass.sampling import SamplingParams

@@ -131,7 +131,7 @@ def free_tokens_curve():
     is negligible beside it: the engine's controller then keeps every node a drafter proposes, so lossless tests
     exercise drafting whatever the machine's load does to measured times (a slow draft on a loaded CI machine
     would otherwise, rightly, be switched off and leave the identity check vacuous)."""
-    from spyglass.controller import CostCurve
+    from spyglass.cost import CostCurve
 
     return CostCurve.linear(1.0e4, 0.0)
 

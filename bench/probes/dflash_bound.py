@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import RESULTS_DIR, median, plot_panels, write_results  # noqa: E402
-from spyglass.controller import CostCurve  # noqa: E402
+from spyglass.cost import CostCurve  # noqa: E402
 from spyglass.training import repo_relative  # noqa: E402
 
 BLOCKS = (4, 16)

@@ -37,7 +37,6 @@ right (both, one, neither):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
@@ -49,7 +48,8 @@ import torch  # noqa: E402
 
 from bench.common import median, write_results  # noqa: E402
 from bench.tasks import code_completion, code_edit, summary  # noqa: E402
-from spyglass.controller import CostCurve, SpeculationController, controller_for  # noqa: E402
+from spyglass.controller import controller_for  # noqa: E402
+from spyglass.cost import CostCurve  # noqa: E402
 from spyglass.drafters.base import StatelessDrafter  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
 from spyglass.sequence import Sequence  # noqa: E402
@@ -75,7 +75,7 @@ def dev_setup(threads: int) -> tuple:
 
 
 def record(max_new_tokens: int, threads: int) -> None:
-    from spyglass.controller import measured_curve
+    from spyglass.cost import measured_curve
     from spyglass.engine import EngineConfig, SpecEngine
 
     target, tasks = dev_setup(threads)
@@ -236,7 +236,7 @@ def load_recording(tag: str, curve_from: str | None) -> tuple[dict, CostCurve, b
 
 
 def record_drafts(method: str, tag: str, checkpoint: str | None, max_new_tokens: int, threads: int) -> None:
-    from spyglass.controller import measured_curve
+    from spyglass.cost import measured_curve
     from spyglass.drafters import build_drafter
     from spyglass.engine import EngineConfig, SpecEngine
 
@@ -260,29 +260,21 @@ def record_drafts(method: str, tag: str, checkpoint: str | None, max_new_tokens:
 
 def policies(tag: str, curve_from: str | None, draft_ms: float, max_depth: int, out: str | None = None) -> None:
     """Speculation policies over the recorded trees, by modelled decode speedup: the controller as the engine
-    builds it, per-step sizing from the draft's scores, a tree drafter's first chain alone sized by its acceptance
-    profile, and every fixed depth of the first chain."""
+    builds it, per-step sizing from the draft's scores (the tree policy, whatever the drafter drafts), a tree
+    drafter's first chain alone sized by its acceptance profile, and every fixed depth of the first chain."""
     data, curve, by_depth, chain, spans = load_recording(tag, curve_from)
-    # name -> (controller, fixed depth, first chain only, SpeculationController rules changed from the defaults)
-    per_step = {"chain_profile": False}
-    variants = {
-        "controller": (True, None, False, {}),
-        "per-step": (True, None, False, per_step),
-        "per-step-sunk": (True, None, False, per_step | {"marginal": False}),  # drafting time charged to the tree
-    }
+    # name -> (controller, fixed depth, first chain only, sized as a chain)
+    variants = {"controller": (True, None, False, chain), "per-step": (True, None, False, False)}
     if not chain:
-        variants["chain-profile"] = (True, None, True, {})
-    variants |= {f"depth-{d}": (False, d, True, {}) for d in range(1, max_depth + 1)}
+        variants["chain-profile"] = (True, None, True, True)
+    variants |= {f"depth-{d}": (False, d, True, True) for d in range(1, max_depth + 1)}
     rows: dict = {}
     for t in data["tasks"]:
         trees = {int(k): v for k, v in t["trees"].items()}
         rows[t["name"]] = {}
-        for name, (control, depth, chain_only, rules) in variants.items():
-            with controller_rules(rules):
-                drafter = ReplayedDrafter(
-                    trees, draft_ms / 1e3, depth, by_depth, chain or chain_only, chain_only, spans
-                )
-                rows[t["name"]][name] = replay(drafter, t["prompt"], t["output"], curve, controller=control)
+        for name, (control, depth, chain_only, as_chain) in variants.items():
+            drafter = ReplayedDrafter(trees, draft_ms / 1e3, depth, by_depth, as_chain, chain_only, spans)
+            rows[t["name"]][name] = replay(drafter, t["prompt"], t["output"], curve, controller=control)
         _print_row(t["name"], rows[t["name"]])
     meta = {"what": f"speculation policies replayed over {tag}'s recorded trees (modelled, not timed)",
             "method": data["method"], "checkpoint": data.get("checkpoint"),
@@ -293,26 +285,25 @@ def policies(tag: str, curve_from: str | None, draft_ms: float, max_depth: int, 
 
 def composite_policies(tag: str, curve_from: str | None, draft_ms: float, out: str | None = None) -> None:
     """The composite (suffix + the recorded learned drafter, as `--method composite` builds it) against suffix
-    alone, under the controller's current rules and with the rules named in `variants` changed."""
+    alone."""
     from spyglass.drafters.composite import CompositeDrafter
     from spyglass.drafters.suffix import SuffixDrafter
 
     data, curve, by_depth, chain, spans = load_recording(tag, curve_from)
-    variants = {"suffix": {}, "composite": {}, "composite-sunk": {"marginal": False}}
+    variants = ["suffix", "composite"]
     rows: dict = {}
     for t in data["tasks"]:
         trees = {int(k): v for k, v in t["trees"].items()}
         rows[t["name"]] = {}
-        for name, rules in variants.items():
-            with controller_rules(rules):
-                learned = ReplayedDrafter(trees, draft_ms / 1e3, None, by_depth, chain, spans=spans)
-                drafter = SuffixDrafter() if name == "suffix" else CompositeDrafter([SuffixDrafter(), learned])
-                rows[t["name"]][name] = replay(drafter, t["prompt"], t["output"], curve)
+        for name in variants:
+            learned = ReplayedDrafter(trees, draft_ms / 1e3, None, by_depth, chain, spans=spans)
+            drafter = SuffixDrafter() if name == "suffix" else CompositeDrafter([SuffixDrafter(), learned])
+            rows[t["name"]][name] = replay(drafter, t["prompt"], t["output"], curve)
         _print_row(t["name"], rows[t["name"]])
     meta = {"what": f"suffix + {tag}'s recorded trees as a composite, replayed (modelled, not timed)",
             "method": data["method"], "checkpoint": data.get("checkpoint"), "curve": curve.to_dict(),
             "curve_from": curve_from, "draft_ms": draft_ms, "dev_prompts": DEV_CODE + DEV_DOCS}  # fmt: skip
-    print(write_results(out or f"replay_composite_{tag}", _figures(rows, list(variants)), rows, meta))
+    print(write_results(out or f"replay_composite_{tag}", _figures(rows, variants), rows, meta))
 
 
 def complement(tags: list[str], out: str | None = None) -> None:
@@ -352,19 +343,6 @@ def complement(tags: list[str], out: str | None = None) -> None:
     meta = {"what": "first-token right: learned draft vs suffix lookups along recorded greedy outputs",
             "dev_prompts": DEV_CODE + DEV_DOCS}  # fmt: skip
     print(write_results(out or "replay_complement", figures, rows, meta))
-
-
-@contextlib.contextmanager
-def controller_rules(rules: dict):
-    """SpeculationController's class-level rules changed for the duration (restored after)."""
-    defaults = {rule: getattr(SpeculationController, rule) for rule in rules}
-    try:
-        for rule, value in rules.items():
-            setattr(SpeculationController, rule, value)
-        yield
-    finally:
-        for rule, value in defaults.items():
-            setattr(SpeculationController, rule, value)
 
 
 def _print_row(name: str, row: dict) -> None:

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import machine_load, plot_panels, wait_for_quiet, write_results  # noqa: E402
 from bench.tokenswift import eval_prose_prompt  # noqa: E402
-from spyglass.controller import CostCurve  # noqa: E402
+from spyglass.cost import CostCurve  # noqa: E402
 from spyglass.drafters.tokenswift import build_tokenswift  # noqa: E402
 from spyglass.engine import EngineConfig, SpecEngine  # noqa: E402
 from spyglass.models.llama import load_transformer  # noqa: E402

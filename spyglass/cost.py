@@ -1,0 +1,185 @@
+"""The cost model of speculation: what verifying k tokens costs on this machine, and what a step earns.
+
+Each extra verified token costs target time, by an amount that depends on the machine (fp32 vs bf16, AMX or
+not), the context length and the batch. So the engine measures that cost once at start-up (`CostCurve`), and
+the controller (spyglass/controller.py) prices every step by it (`StepCost`): a step that verifies k tokens and
+expects `gain` of them (the root's 1 + the drafted nodes' acceptance probabilities) makes
+
+    gain / (this sequence's share of the verify forward of k tokens + drafting time)
+
+expected tokens per second; plain decoding makes 1 / (its share of a 1-token forward).
+"""
+
+from __future__ import annotations
+
+import bisect
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+
+def cpu_model() -> str:
+    """The CPU model name, with family/model and the vector extensions that change matmul speed (a VM may show
+    only "AMD EPYC" for both Zen 3 and Zen 4): recorded with every measurement, as the cost curve differs."""
+    info: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+            if key.strip() == "flags":
+                break
+    except OSError:
+        pass
+    name = info.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" not in info:
+        return name
+    flags = set(info.get("flags", "").split())
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
+    return f"{name} (family {info['cpu family']} model {info.get('model', '?')}, {' '.join(isa) or 'no avx2'})"
+
+
+@dataclass
+class CostCurve:
+    """Seconds of one target forward with `sizes[j]` new tokens over a `contexts[i]`-token prefix."""
+
+    contexts: list[int]
+    sizes: list[int]
+    seconds: list[list[float]]  # [context][size]
+    cpu: str = field(default_factory=cpu_model)
+
+    @classmethod
+    def linear(cls, base: float = 1.0, per_token: float = 0.1, max_size: int = 64) -> CostCurve:
+        """A synthetic curve (tests, or a machine where measuring is not wanted)."""
+        sizes = [1, 2, 4, 8, 16, 32, max_size]
+        return cls([1], sizes, [[base + per_token * (s - 1) for s in sizes]], cpu="synthetic")
+
+    @classmethod
+    @torch.inference_mode()
+    def measure(
+        cls,
+        target,
+        cache,
+        contexts: tuple[int, ...] = (256, 2048, 6144),
+        sizes: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 64),
+        repeats: int = 3,
+    ) -> CostCurve:
+        """Time verify-shaped forwards on this machine: per context, `repeats` rounds over every size after a
+        warm-up round, and each size's median round. Rounds interleave the sizes and the median ignores one
+        lucky or unlucky pass: the controller compares the sizes' ratios, and a best-of-2 run was seen to
+        price the 1-token step 10-20% below the decode steps that followed (so drafting looked dearer than it
+        was: n-gram 0.98x against 1.62x on the same prompt in the next run). The prefix K/V are zeros: the
+        attention's cost does not depend on their values. The
+        sizes are dense where BLAS switches kernels (on one Sapphire Rapids: 3 tokens cost about 1.1 decode steps,
+        4 about 1.5, 12 more than 16; on Zen 4 at 5.6K: 3 cost more than 4, and 5 as much as 6), which
+        interpolating between neighbours would miss."""
+        from spyglass.models.llama import Segment
+
+        slot = cache.allocate()
+        try:
+            sizes = tuple(n for n in sizes if n <= cache.capacity // 2) or (1,)
+            ctxs = sorted({min(c, cache.capacity - max(sizes)) for c in contexts if c > 0})
+            for layer in range(cache.n_layers):
+                k, v = cache.layer(slot, layer)
+                k[:, : ctxs[-1]].zero_()
+                v[:, : ctxs[-1]].zero_()
+            vocab = target.args.vocab_size
+            table = []
+            for ctx in ctxs:
+                cache.lengths[slot] = ctx
+                segs = [Segment(slot, ctx, torch.randint(0, vocab, (n,)), torch.arange(ctx, ctx + n), None, "all")
+                        for n in sizes]  # fmt: skip
+                rounds = []
+                for _ in range(repeats + 1):  # the first round warms up every shape
+                    times = []
+                    for seg in segs:
+                        t0 = time.perf_counter()
+                        target([seg], cache)
+                        if cache.device.type == "cuda":  # the forward only queued its kernels
+                            torch.cuda.synchronize(cache.device)
+                        times.append(time.perf_counter() - t0)
+                    rounds.append(times)
+                table.append([statistics.median(col) for col in zip(*rounds[1:], strict=True)])
+        finally:
+            cache.lengths[slot] = 0
+            cache.release(slot)
+        return cls(ctxs, list(sizes), table)
+
+    def time(self, tokens: int, context: int) -> float:
+        """Interpolated forward time (linear in tokens and context; extrapolated past the largest size)."""
+        rows = [self._in_size(r, tokens) for r in self.seconds]
+        if len(rows) == 1 or context <= self.contexts[0]:
+            return rows[0]
+        if context >= self.contexts[-1]:
+            c0, c1 = self.contexts[-2], self.contexts[-1]
+            i = len(self.contexts) - 2
+        else:
+            i = bisect.bisect_right(self.contexts, context) - 1
+            c0, c1 = self.contexts[i], self.contexts[i + 1]
+        w = (context - c0) / (c1 - c0)
+        return max(1e-9, rows[i] + w * (rows[i + 1] - rows[i]))
+
+    def _in_size(self, row: list[float], tokens: int) -> float:
+        s = self.sizes
+        if tokens <= s[0]:
+            return row[0]
+        j = min(bisect.bisect_right(s, tokens) - 1, len(s) - 2)
+        w = (tokens - s[j]) / (s[j + 1] - s[j])
+        return row[j] + w * (row[j + 1] - row[j])
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Prices one sequence's speculative step on `curve`. `cost_by_depth`: the drafter runs one step per depth and
+    drafts only as deep as asked (LongSpec, GLIDE), so drafting is charged per drafted depth, not per step."""
+
+    curve: CostCurve
+    cost_by_depth: bool = False
+
+    def verify(self, tokens: int, context: int, batch: int) -> float:
+        """This sequence's share of a step in which every sequence of the batch verifies about as many tokens."""
+        return self.curve.time(tokens * batch, context) / batch
+
+    def drafting(self, draft_s: float, depth: int) -> float:
+        """Drafting time of a tree `depth` deep, from the recent drafting time `draft_s` (per depth or per step)."""
+        return draft_s * depth if self.cost_by_depth else draft_s
+
+    def per_draft(self, seconds: float, depth: int) -> float:
+        """One step's drafting time as `draft_s` counts it (per drafted depth or per step)."""
+        return seconds / max(depth, 1) if self.cost_by_depth else seconds
+
+    @staticmethod
+    def rate(gain: float, verify: float, drafting: float = 0.0) -> float:
+        """Expected tokens per second of a step that expects `gain` tokens."""
+        return gain / (verify + drafting)
+
+
+_CURVES: dict[tuple, CostCurve] = {}
+
+
+def measured_curves(target) -> list[CostCurve]:
+    """Every cost curve measured in this process for `target` (results files record them)."""
+    return [curve for key, curve in _CURVES.items() if key[0] == target.model_id]
+
+
+def measured_curve(target, cache) -> CostCurve:
+    """The cost curve for this model, dtype, thread count and capacity, measured once per process."""
+    key = (
+        target.model_id,
+        str(target.dtype),
+        target.linear_backend,
+        getattr(target, "attention_plan", 1),
+        bool(getattr(target.layers[0], "native", False)),  # the CPU kernels on or off (kernels/cpu.py)
+        torch.get_num_threads(),
+        cache.capacity,
+        str(cache.device),
+    )
+    if key not in _CURVES:
+        _CURVES[key] = CostCurve.measure(target, cache)
+    return _CURVES[key]

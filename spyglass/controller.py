@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from spyglass.drafters.base import DraftRequest
 from spyglass.sequence import Sequence
 from spyglass.tree import DRAFT_SOURCE, SPAN_SOURCE, DraftTree
 from spyglass.verify import Accepted
@@ -159,6 +160,7 @@ class _SeqControl:
     draft_s: float = 0.0  # recent drafting time per step (per drafted depth with `cost_by_depth`), decayed mean
     kept_depth: int = 0  # depth of the subtree verified at the last step that kept one
     value: float = 0.0  # decayed mean gain of a step where every part drafted over a plain one, in plain steps
+    free_only: bool = False  # this step asked for the free part alone (`DraftRequest.free_only`)
 
 
 class SpeculationController:
@@ -196,10 +198,10 @@ class SpeculationController:
         cost_by_depth: bool = False,
         free_part: bool = False,
     ) -> None:
-        """`cost_by_depth`: the drafter runs one step per depth and drafts only as deep as `seq.draft_depth` asks
-        (LongSpec, GLIDE), so a shallow tree costs a fraction of a probe's deep one: charge drafting per kept
+        """`cost_by_depth`: the drafter runs one step per depth and drafts only as deep as `DraftRequest.depth`
+        asks (LongSpec, GLIDE), so a shallow tree costs a fraction of a probe's deep one: charge drafting per kept
         depth. Otherwise drafting costs what it cost recently, whatever is kept. `free_part`: the drafter can
-        propose from its model-free parts alone (`seq.draft_free_only`), which it does between probes."""
+        propose from its model-free parts alone (`DraftRequest.free_only`), which it does between probes."""
         self.curve = curve
         self.cost_by_depth = cost_by_depth
         self.free_part = free_part
@@ -211,27 +213,25 @@ class SpeculationController:
             seq.control = _SeqControl()
         return seq.control
 
-    def wants_draft(self, seq: Sequence) -> bool:
-        """False while a sequence decodes plainly between probes: its drafter need not run at all (a drafter with a
-        model-free part still proposes from that part alone, `seq.draft_free_only`)."""
+    def wants_draft(self, seq: Sequence) -> DraftRequest | None:
+        """What the drafter should propose for `seq` this step; None while a sequence decodes plainly between probes:
+        its drafter need not run at all (a drafter with a model-free part still proposes from that part alone,
+        `DraftRequest.free_only`)."""
         st = self._state(seq)
-        seq.draft_free_only = False
+        st.free_only = False
         if st.plain_streak == 0:
             # one level deeper than what paid last time (room to grow); drafting deeper would only be pruned
-            seq.draft_depth = st.kept_depth + 1 if st.kept_depth else None
-            return True
+            return DraftRequest(st.kept_depth + 1 if st.kept_depth else None)
         st.probing = st.plain_streak >= st.backoff
-        seq.draft_depth = None
         # A drafter that costs almost nothing (model-free lookups) proposes every step: the sizing then decides
         # from its scores whether this step's tree pays (a long fresh match often does, right after a miss).
         if st.probing or st.draft_s <= CHEAP_DRAFT * self.curve.time(1, seq.committed):
-            return True
+            return DraftRequest()
         if self.persist and st.value > 0:  # drafting has paid on average: one step that did not is no reason to stop
-            seq.draft_depth = st.kept_depth + 1 if st.kept_depth else None
-            return True
+            return DraftRequest(st.kept_depth + 1 if st.kept_depth else None)
         # A composite's suffix lookup is as free as suffix drafting alone: only its learned part waits for a probe.
-        seq.draft_free_only = self.free_part
-        return self.free_part
+        st.free_only = self.free_part
+        return DraftRequest(free_only=True) if self.free_part else None
 
     def skip(self, seq: Sequence) -> None:
         """The sequence decodes plainly this step without drafting."""
@@ -290,7 +290,7 @@ class SpeculationController:
         order = sorted(range(1, len(tree)), key=lambda i: -scores[i])[: self.max_nodes]
         ctx = seq.committed
         plain_rate = 1.0 / self._cost(1, ctx, batch)
-        free = seq.draft_free_only
+        free = st.free_only
         draft_s = 0.0 if free else st.draft_s  # a model-free part alone costs next to nothing
         best_k, best_rate, best_total, gain, depth = 0, plain_rate, 0.0, 1.0, 0
         for k, i in enumerate(order, start=1):
@@ -329,9 +329,9 @@ class SpeculationController:
     def note_draft_time(self, seq: Sequence, seconds: float, depth: int = 1) -> None:
         """The drafter's time for this sequence in this step (a tree `depth` deep): a slow drafter must earn its
         own cost too. Not from a step where only a model-free part drafted: it says nothing of the whole cost."""
-        if seq.draft_free_only:
-            return
         st = self._state(seq)
+        if st.free_only:
+            return
         cost = seconds / max(depth, 1) if self.cost_by_depth else seconds
         st.draft_s = cost if st.draft_s == 0.0 else 0.7 * st.draft_s + 0.3 * cost
 
@@ -401,6 +401,7 @@ class _ChainControl:
     drafted: int = 0  # drafted steps so far (every `explore`-th drafts one depth deeper)
     plain_streak: int = 0
     draft_s: float = 0.0  # drafting time (per depth with `cost_by_depth`), decayed mean
+    free_only: bool = False  # this step asked for the free part alone (`DraftRequest.free_only`)
 
 
 class ChainDepthController(SpeculationController):
@@ -515,23 +516,20 @@ class ChainDepthController(SpeculationController):
                 best, best_rate = d, rate
         return best
 
-    def wants_draft(self, seq: Sequence) -> bool:
+    def wants_draft(self, seq: Sequence) -> DraftRequest | None:
         st = self._state(seq)
         self._resolve(seq, st)
-        seq.draft_free_only = False
+        st.free_only = False
         if st.deepest == 0:  # the first step drafts as deep as the drafter goes: evidence for every depth
-            seq.draft_depth = None
-            return True
+            return DraftRequest()
         depth = self._best_depth(st, seq.committed, 1, st.deepest)
         if depth == 0:
-            seq.draft_depth = 1
             if st.plain_streak >= self.probe:
-                return True
-            seq.draft_free_only = self.free_part  # a model-free part (a copy that goes on) still proposes
-            return self.free_part
+                return DraftRequest(1)
+            st.free_only = self.free_part  # a model-free part (a copy that goes on) still proposes
+            return DraftRequest(1, free_only=True) if self.free_part else None
         st.drafted += 1
-        seq.draft_depth = min(st.deepest, depth + (st.drafted % self.explore == 0))
-        return True
+        return DraftRequest(min(st.deepest, depth + (st.drafted % self.explore == 0)))
 
     def skip(self, seq: Sequence) -> None:
         self._state(seq).plain_streak += 1
@@ -543,7 +541,7 @@ class ChainDepthController(SpeculationController):
         stats.proposed_nodes += len(tree) - 1
         st.deepest = max(st.deepest, tree.max_depth)
         st.nodes = self._nodes(tree)
-        st.verified = self._best_depth(st, seq.committed, batch, tree.max_depth, st.nodes, seq.draft_free_only)
+        st.verified = self._best_depth(st, seq.committed, batch, tree.max_depth, st.nodes, st.free_only)
         probe = st.verified == 0 and st.plain_streak >= self.probe
         if probe and not seq.params.greedy:
             # A sampled token matches the one the target then samples less often than rejection sampling would
@@ -582,11 +580,10 @@ class ChainDepthController(SpeculationController):
 def controller_for(drafter, curve: CostCurve) -> SpeculationController:
     """The controller a drafter gets: ChainDepthController for a chain (`drafts_chain`, unless `chain_profile` is
     off), SpeculationController otherwise."""
-    chain = getattr(drafter, "drafts_chain", False) and SpeculationController.chain_profile
+    traits = drafter.traits
+    chain = traits.drafts_chain and SpeculationController.chain_profile
     return (ChainDepthController if chain else SpeculationController)(
-        curve,
-        cost_by_depth=getattr(drafter, "cost_by_depth", False),
-        free_part=getattr(drafter, "has_free_part", False),
+        curve, cost_by_depth=traits.cost_by_depth, free_part=traits.free == "part"
     )
 
 

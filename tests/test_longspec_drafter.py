@@ -287,3 +287,38 @@ def test_the_pointer_follows_what_is_committed_along_a_copy(tiny_target):
     w.chain, w.origins = [7, 30], [-1, 3]
     drafter.commit(seq, Accepted([0], [30]))
     assert w.pointer == 3
+
+
+def test_composite_span_proposes_its_span_parts_free_continuation_between_probes(tiny_target):
+    """Between the controller's probes (`free_only`) `composite-span`'s span part still proposes where the last copy
+    goes on, with no draft step, beside its lookup's tree: the copy is followed on plain steps too, as by
+    `longspec-span` alone. Outside a copy the span part proposes nothing then."""
+    from spyglass.drafters.composite import CompositeDrafter
+    from spyglass.drafters.suffix import SuffixDrafter
+
+    spans = LongSpecDrafter(layer_copy_draft(tiny_target, copy_head=True), gamma=3, span=4, token_matched=True)
+    composite = CompositeDrafter([SuffixDrafter(), spans], name="composite-span", confident=None)
+    assert composite.traits.free == "part"
+    engine = SpecEngine(tiny_target, composite, EngineConfig(max_batch=1, max_context=256, controller="off"))
+    phrase = [21, 22, 23, 24, 25, 26, 27]
+    seq = engine.add_request([5, 6, *phrase, 9, 8, 21, 22, 23], SamplingParams(max_new_tokens=16, ignore_eos=True))
+    engine.step()  # prefill: the root is the target's first token
+    w = seq.drafter_state[1]  # the span part's state
+    steps = []
+    step = spans.draft.draft_step
+    spans.draft.draft_step = lambda *a, **k: steps.append(1) or step(*a, **k)
+    w.pointer = 5  # the last copy went on to position 5 ("24"), and the target's next token is that one
+    seq.tokens[seq.num_tokens - 1] = 24
+
+    def span_path(tree) -> list[int]:
+        """The span part's tokens down the tree's first path of its nodes (source bit 2: the second part)."""
+        out, node, kids = [], 0, tree.children()
+        while (node := next((c for c in kids[node] if tree.sources[c] & 2), None)) is not None:
+            out.append(int(tree.tokens[node]))
+        return out
+
+    (tree,) = composite.propose([seq], [DraftRequest(free_only=True)])
+    assert span_path(tree) == [25, 26, 27, 9] and not steps
+    seq.tokens[seq.num_tokens - 1] = 99  # the root departs from the context: no copy goes on
+    (tree,) = composite.propose([seq], [DraftRequest(free_only=True)])
+    assert span_path(tree) == [] and not steps

@@ -5,9 +5,9 @@ places: merged, each path keeps the best score any drafter gave it, and the engi
 that pay. A later part drafts for a sequence only while the earlier parts are unsure of its next token (their
 best first-level score below `confident`, discounted by how often their best first token has come true for the
 sequence): where copying is likely right, the learned draft's few extra candidates rarely pay for its
-step-by-step drafting. Between the controller's probes (`DraftRequest.free_only`) only the model-free parts
-propose (`DrafterTraits.free` "all": suffix lookups): they cost nothing, so they should never wait for the learned
-part to pay again. Sampling is verified by token matching (merged trees carry no
+step-by-step drafting. Between the controller's probes (`DraftRequest.free_only`) only the parts with a free part
+propose, that part alone (`DrafterTraits.free`: suffix lookups, a span that goes on): they cost nothing, so they
+should never wait for the learned part to pay again. Sampling is verified by token matching (merged trees carry no
 single proposal distribution), which keeps the target's distribution exactly: every part must draft for it
 (`DrafterTraits.token_matched`; `build_drafter` builds a composite's parts so).
 """
@@ -99,12 +99,13 @@ class CompositeDrafter:
                 part.observe_hidden(seq, start, hidden, kept)
 
     def propose(self, batch: list[Sequence], wants: list[DraftRequest]) -> list[DraftTree]:
-        """Each part proposes with the sequence's request: between probes (`free_only`) only the model-free parts."""
+        """Each part proposes with the sequence's request: between probes (`free_only`) the parts with a free part
+        propose that part alone (a span part its copy that goes on), the others not at all."""
         saved = [s.drafter_state for s in batch]
         trees: list[list[DraftTree]] = [[] for _ in batch]
         drafted: list[list[int]] = [[] for _ in batch]  # which part drafted each of them
         for i, part in enumerate(self.parts):
-            free = part.traits.free == "all"
+            free = part.traits.free != "none"
             # what the earlier parts claim for each sequence's next token: their best first token and its score
             claims = [max(map(best_first, ts), key=lambda c: c[1], default=(-1, 0.0)) for ts in trees]
             if i == len(self.parts) - 1:  # the gate's evidence, checked against the target in `commit`

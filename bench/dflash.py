@@ -221,9 +221,11 @@ def main() -> None:
     if draft.cfg.copy_head:  # a copied drafted token brings its context's continuation
         makers["dflash-span"] = lambda: DFlashDrafter(draft, span=SPAN)
         makers["dflash-dels-span"] = lambda: DFlashDrafter(draft, head, span=SPAN)
-    # as `--method composite-dflash` builds it, from this run's drafts
-    parts = COMPOSITES["composite-dflash"]
-    makers["composite-dflash"] = lambda: CompositeDrafter([makers[m]() for m in parts], "composite-dflash")
+    # as `--method composite-dflash` builds it, from this run's drafts (its learned part drafts for token matching)
+    parts = {"suffix": SuffixDrafter, "dflash-dels": lambda: DFlashDrafter(draft, head, token_matched=True)}
+    makers["composite-dflash"] = lambda: CompositeDrafter(
+        [parts[m]() for m in COMPOSITES["composite-dflash"]], "composite-dflash"
+    )
     load_before = machine_load()
     greedy = SamplingParams(max_new_tokens=args.max_new_tokens)
     results: dict[str, dict] = {}

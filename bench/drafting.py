@@ -46,7 +46,7 @@ class PromptLookupDrafter(StatelessDrafter):
     def __init__(self, max_ngram: int = 2, num_tokens: int = 10) -> None:
         self.max_ngram, self.num_tokens = max_ngram, num_tokens
 
-    def propose(self, batch):
+    def propose(self, batch, wants):
         trees = []
         for seq in batch:
             toks = seq.tokens

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from spyglass.controller import BasePolicy
+from spyglass.drafters.base import DraftRequest
 from spyglass.sequence import Sequence
 from spyglass.tree import DRAFT_SOURCE, SPAN_SOURCE, DraftTree
 from spyglass.verify import Accepted
@@ -32,6 +33,7 @@ class _ChainControl:
     drafted: int = 0  # drafted steps so far (every `chain_explore`-th drafts one depth deeper)
     plain_streak: int = 0
     draft_s: float = 0.0  # drafting time (per depth with `cost_by_depth`), decayed mean
+    free_only: bool = False  # this step asked for the free part alone (`DraftRequest.free_only`)
 
 
 class ChainDepthController(BasePolicy):
@@ -138,23 +140,20 @@ class ChainDepthController(BasePolicy):
                 best, best_rate = d, rate
         return best
 
-    def wants_draft(self, seq: Sequence) -> bool:
+    def wants_draft(self, seq: Sequence) -> DraftRequest | None:
         st = self._state(seq)
         self._resolve(seq, st)
-        seq.draft_free_only = False
+        st.free_only = False
         if st.deepest == 0:  # the first step drafts as deep as the drafter goes: evidence for every depth
-            seq.draft_depth = None
-            return True
+            return DraftRequest()
         depth = self._best_depth(st, seq.committed, 1, st.deepest)
         if depth == 0:
-            seq.draft_depth = 1
             if st.plain_streak >= self.config.chain_probe:
-                return True
-            seq.draft_free_only = self.free_part  # a model-free part (a copy that goes on) still proposes
-            return self.free_part
+                return DraftRequest(1)
+            st.free_only = self.free_part  # a model-free part (a copy that goes on) still proposes
+            return DraftRequest(1, free_only=True) if self.free_part else None
         st.drafted += 1
-        seq.draft_depth = min(st.deepest, depth + (st.drafted % self.config.chain_explore == 0))
-        return True
+        return DraftRequest(min(st.deepest, depth + (st.drafted % self.config.chain_explore == 0)))
 
     def size(self, seq: Sequence, tree: DraftTree, batch: int) -> DraftTree:
         st = self._state(seq)
@@ -162,7 +161,7 @@ class ChainDepthController(BasePolicy):
         stats.proposed_nodes += len(tree) - 1
         st.deepest = max(st.deepest, tree.max_depth)
         st.nodes = self._nodes(tree)
-        st.verified = self._best_depth(st, seq.committed, batch, tree.max_depth, st.nodes, seq.draft_free_only)
+        st.verified = self._best_depth(st, seq.committed, batch, tree.max_depth, st.nodes, st.free_only)
         probe = st.verified == 0 and st.plain_streak >= self.config.chain_probe
         if probe and not seq.params.greedy:
             # A sampled token matches the one the target then samples less often than rejection sampling would

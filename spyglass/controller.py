@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from spyglass.cost import CostCurve, StepCost
+from spyglass.drafters.base import DraftRequest
 from spyglass.sequence import Sequence
 from spyglass.tree import DraftTree
 from spyglass.verify import Accepted
@@ -53,13 +54,13 @@ DEFAULT_CONFIG = ControllerConfig()
 
 class Controller(Protocol):
     """What the engine asks a sizing policy per sequence and step: whether the drafter runs (`wants_draft`, which
-    also sets `seq.draft_depth` and `seq.draft_free_only`) or the sequence decodes plainly without drafting
+    returns the `DraftRequest` for it) or the sequence decodes plainly without drafting
     (`skip`); the drafting time (`note_draft_time`); the subtree to verify (`size`; the root alone: plain
     decoding); and the verdict to learn from (`observe`)."""
 
     curve: CostCurve
 
-    def wants_draft(self, seq: Sequence) -> bool: ...
+    def wants_draft(self, seq: Sequence) -> DraftRequest | None: ...
 
     def skip(self, seq: Sequence) -> None: ...
 
@@ -74,10 +75,10 @@ class BasePolicy:
     """What both policies share: the cost model, the drafter's traits, and per sequence the drafting time and
     the plain steps in a row (`plain_streak`, `draft_s` of the policy's state, made by `_new_state`).
 
-    `cost_by_depth`: the drafter runs one step per depth and drafts only as deep as `seq.draft_depth` asks
+    `cost_by_depth`: the drafter runs one step per depth and drafts only as deep as `DraftRequest.depth` asks
     (LongSpec, GLIDE), so a shallow tree costs a fraction of a probe's deep one: drafting is charged per kept
     depth. Otherwise drafting costs what it cost recently, whatever is kept. `free_part`: the drafter can propose
-    from its model-free parts alone (`seq.draft_free_only`), which it does between probes."""
+    from its model-free parts alone (`DraftRequest.free_only`), which it does between probes."""
 
     def __init__(
         self,
@@ -104,9 +105,9 @@ class BasePolicy:
     def note_draft_time(self, seq: Sequence, seconds: float, depth: int = 1) -> None:
         """The drafter's time for this sequence in this step (a tree `depth` deep): a slow drafter must earn its
         own cost too. Not from a step where only a model-free part drafted: it says nothing of the whole cost."""
-        if seq.draft_free_only:
-            return
         st = self._state(seq)
+        if st.free_only:
+            return
         cost, w = self.cost.per_draft(seconds, depth), self.config.draft_time_weight
         st.draft_s = cost if st.draft_s == 0.0 else (1 - w) * st.draft_s + w * cost
 
@@ -121,6 +122,7 @@ class _SeqControl:
     draft_s: float = 0.0  # recent drafting time per step (per drafted depth with `cost_by_depth`), decayed mean
     kept_depth: int = 0  # depth of the subtree verified at the last step that kept one
     value: float = 0.0  # decayed mean gain of a step where every part drafted over a plain one, in plain steps
+    free_only: bool = False  # this step asked for the free part alone (`DraftRequest.free_only`)
 
 
 class SpeculationController(BasePolicy):
@@ -134,26 +136,25 @@ class SpeculationController(BasePolicy):
     def _new_state(self) -> _SeqControl:
         return _SeqControl(backoff=self.config.first_backoff)
 
-    def wants_draft(self, seq: Sequence) -> bool:
-        """False while a sequence decodes plainly between probes: its drafter need not run at all (a drafter with a
-        model-free part still proposes from that part alone, `seq.draft_free_only`)."""
+    def wants_draft(self, seq: Sequence) -> DraftRequest | None:
+        """What the drafter should propose for `seq` this step; None while a sequence decodes plainly between probes:
+        its drafter need not run at all (a drafter with a model-free part still proposes from that part alone,
+        `DraftRequest.free_only`)."""
         st = self._state(seq)
-        seq.draft_free_only = False
+        st.free_only = False
         if st.plain_streak == 0:
             # one level deeper than what paid last time (room to grow); drafting deeper would only be pruned
-            seq.draft_depth = st.kept_depth + 1 if st.kept_depth else None
-            return True
+            return DraftRequest(st.kept_depth + 1 if st.kept_depth else None)
         st.probing = st.plain_streak >= st.backoff
-        seq.draft_depth = None
         # A drafter that costs almost nothing (model-free lookups) proposes every step: the sizing then decides
         # from its scores whether this step's tree pays (a long fresh match often does, right after a miss).
         if st.probing or st.draft_s <= self.config.cheap_draft * self.curve.time(1, seq.committed):
-            return True
+            return DraftRequest()
         # Else wait for a probe, even if drafting has paid on average (drafting on through such steps never engaged
         # for LongSpec or DFlash on one Zen 4 machine, and moved the composite's tau by +0.2 / +0.06 / -0.6 on three
         # prompts). A composite's suffix lookup is as free as suffix drafting alone: only its learned part waits.
-        seq.draft_free_only = self.free_part
-        return self.free_part
+        st.free_only = self.free_part
+        return DraftRequest(free_only=True) if self.free_part else None
 
     def calibration(self, seq: Sequence, depth: int, source: int = 0) -> float:
         """Observed / predicted acceptance of a source's nodes at a depth (1 with no evidence; deeper depths borrow
@@ -211,7 +212,7 @@ class SpeculationController(BasePolicy):
         order = sorted(range(1, len(tree)), key=lambda i: -scores[i])[: max(self.curve.sizes) - 1]
         ctx, cost = seq.committed, self.cost
         plain_rate = cost.rate(1.0, cost.verify(1, ctx, batch))
-        free = seq.draft_free_only
+        free = st.free_only
         draft_s = 0.0 if free else st.draft_s  # a model-free part alone costs next to nothing
         best_k, best_rate, best_total, gain, depth = 0, plain_rate, 0.0, 1.0, 0
         for k, i in enumerate(order, start=1):
@@ -296,10 +297,7 @@ def controller_for(drafter, curve: CostCurve, config: ControllerConfig = DEFAULT
     bench/probes/replay.py policies), SpeculationController otherwise."""
     from spyglass.chain_controller import ChainDepthController  # it builds on this module's BasePolicy
 
-    chain = getattr(drafter, "drafts_chain", False)
-    return (ChainDepthController if chain else SpeculationController)(
-        curve,
-        config,
-        cost_by_depth=getattr(drafter, "cost_by_depth", False),
-        free_part=getattr(drafter, "has_free_part", False),
+    traits = drafter.traits
+    return (ChainDepthController if traits.drafts_chain else SpeculationController)(
+        curve, config, cost_by_depth=traits.cost_by_depth, free_part=traits.free == "part"
     )

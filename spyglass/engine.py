@@ -18,7 +18,7 @@ from spyglass.context_cache import ContextCache, kv_blocks_from_cache, load_bloc
 from spyglass.controller import Controller, ControllerConfig, controller_for
 from spyglass.cost import CostCurve, measured_curve
 from spyglass.detokenize import TextStream
-from spyglass.drafters.base import Drafter, NullDrafter
+from spyglass.drafters.base import Drafter, DraftRequest, NullDrafter
 from spyglass.kv_cache import context_capacity
 from spyglass.limits import RequestError, check_method, check_prompt_ids
 from spyglass.models.llama import Segment, Transformer
@@ -108,7 +108,7 @@ class SpecEngine:
         capture: set[int] = set()
         for method, d in self.drafters.items():
             d.bind(target, self.cache)
-            capture.update(i % n_layers for i in getattr(d, "hidden_layers", ()))
+            capture.update(i % n_layers for i in d.traits.hidden_layers)
             drafts = named[method] is not None and self.config.controller != "off"
             self.controllers[method] = controller_for(d, curve, cfg.control) if drafts else None
         self._capture = tuple(sorted(capture))
@@ -234,10 +234,10 @@ class SpecEngine:
         """Fill the slot from the context cache's longest cached prefix (leaving >= 1 token to compute).
 
         The cache holds K/V only. A drafter that reads the target's hidden states of the prompt (DFlash, TokenSwift:
-        `hidden_layers`) would see none for a cached part, and so draft from a shorter context on a hit than on a
-        miss; its requests prefill the whole prompt instead (they still store it for the other methods)."""
+        `traits.hidden_layers`) would see none for a cached part, and so draft from a shorter context on a hit than
+        on a miss; its requests prefill the whole prompt instead (they still store it for the other methods)."""
         cc = self.context_cache
-        if cc is None or getattr(self._drafter(seq), "hidden_layers", ()):
+        if cc is None or self._drafter(seq).traits.hidden_layers:
             return 0
         blocks = cc.lookup(seq.tokens, max_tokens=seq.num_tokens - 1)
         return load_blocks_into_cache(self.cache, seq.slot, blocks, cc.block_size)
@@ -260,11 +260,13 @@ class SpecEngine:
         proposed: dict[int, DraftTree] = {}
         for method, group in self._by_method(batch).items():
             ctl = self.controllers[method]
-            drafting = [s for s in group if ctl is None or ctl.wants_draft(s)]
+            wants = {id(s): DraftRequest() if ctl is None else ctl.wants_draft(s) for s in group}
+            drafting = [s for s in group if wants[id(s)] is not None]
             if not drafting:
                 continue
             t = time.perf_counter()
-            proposed.update(zip(map(id, drafting), self.drafters[method].propose(drafting), strict=True))
+            drafted = self.drafters[method].propose(drafting, [wants[id(s)] for s in drafting])
+            proposed.update(zip(map(id, drafting), drafted, strict=True))
             if ctl is not None:
                 share = (time.perf_counter() - t) / len(drafting)
                 for seq in drafting:
@@ -333,7 +335,7 @@ class SpecEngine:
     def _hidden(self, seq: Sequence, start: int, index: int, kept: list[int]) -> None:
         """Hand the drafter the target's hidden states of the tokens just committed (if it reads them)."""
         drafter = self._drafter(seq)
-        if getattr(drafter, "hidden_layers", ()):
+        if drafter.traits.hidden_layers:
             drafter.observe_hidden(seq, start, self.target.captured[index], kept)
 
     def _append(self, seq: Sequence, tokens: list[int]) -> list[int]:

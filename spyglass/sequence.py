@@ -112,10 +112,6 @@ class Sequence:
         self.drafter_state: object = None  # owned by the drafter
         self.text_stream: TextStream | None = None  # the output's text as it grows (set by an engine with a tokenizer)
         self.control: object = None  # owned by the engine's speculation controller
-        # Set by the controller each step: how deep a tree is worth drafting (None = the drafter's own limit).
-        self.draft_depth: int | None = None
-        # Set by the controller between probes: propose only from model-free parts (a composite's suffix lookup).
-        self.draft_free_only = False
         self.drafted_before = False  # the engine does not time a sequence's first drafting step (one-off costs)
 
     @property

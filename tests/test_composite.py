@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from spyglass.controller import SpeculationController
 from spyglass.cost import CostCurve
-from spyglass.drafters.base import StatelessDrafter
+from spyglass.drafters.base import DrafterTraits, DraftRequest, StatelessDrafter
 from spyglass.drafters.composite import CompositeDrafter, first_level_confidence, merge_trees
 from spyglass.sampling import SamplingParams
 from spyglass.sequence import Sequence
@@ -17,10 +18,12 @@ class ChainDrafter(StatelessDrafter):
     """Proposes the chain [1, 2] (or `tokens`) with a first-level score looked up by the sequence's root, and
     records which sequences it drafted for."""
 
+    traits = DrafterTraits(token_matched=True)
+
     def __init__(self, first_score: dict[int, float], tokens: tuple[int, ...] = (1, 2)) -> None:
         self.first_score, self.tokens, self.seen = first_score, list(tokens), []
 
-    def propose(self, batch: list[Sequence]) -> list[DraftTree]:
+    def propose(self, batch: list[Sequence], wants: list[DraftRequest]) -> list[DraftTree]:
         self.seen.append([s.root for s in batch])
         return [
             DraftTree.chain(
@@ -52,14 +55,14 @@ def test_later_parts_draft_only_for_sequences_the_earlier_ones_are_unsure_of():
     composite = CompositeDrafter([ChainDrafter({9: 0.8, 8: 0.2}), learned])  # default: confident = 0.25
     for s in (sure, unsure):
         composite.start(s)
-    trees = composite.propose([sure, unsure])
+    trees = composite.propose([sure, unsure], [DraftRequest()] * 2)
     assert learned.seen == [[8]]
     assert trees[0].tokens.tolist() == [9, 1, 2]
     assert trees[1].tokens.tolist() == [8, 1, 2, 3]
     assert first_level_confidence(trees[0]) == 0.8
 
     composite.confident = None  # every part drafts for every sequence
-    composite.propose([sure, unsure])
+    composite.propose([sure, unsure], [DraftRequest()] * 2)
     assert learned.seen[-1] == [9, 8]
 
 
@@ -76,7 +79,7 @@ def test_the_gate_trusts_the_earlier_parts_only_as_far_as_they_come_true():
         drafted = []
         for _ in range(8):
             n = len(learned.seen)
-            composite.propose([seq])
+            composite.propose([seq], [DraftRequest()])
             drafted.append(len(learned.seen) - n)
             composite.commit(seq, Accepted([0], [next_token]))  # the target's next token, as verification says
         composite.release(seq)
@@ -89,7 +92,7 @@ def test_the_gate_trusts_the_earlier_parts_only_as_far_as_they_come_true():
 
 
 class LookupDrafter(ChainDrafter):
-    model_free = True
+    traits = DrafterTraits(free="all", token_matched=True)
 
 
 def test_between_probes_only_the_model_free_part_proposes():
@@ -99,7 +102,7 @@ def test_between_probes_only_the_model_free_part_proposes():
     does not propose between probes."""
     learned = ChainDrafter({8: 0.9}, tokens=(3,))
     composite = CompositeDrafter([LookupDrafter({8: 0.2}), learned])
-    assert composite.has_free_part and not CompositeDrafter([learned]).has_free_part
+    assert composite.traits.free == "part" and CompositeDrafter([learned]).traits.free == "none"
     curve = CostCurve.linear(base=1.0, per_token=0.1)
 
     def plain_phase(ctl: SpeculationController) -> Sequence:
@@ -111,31 +114,50 @@ def test_between_probes_only_the_model_free_part_proposes():
 
     ctl = SpeculationController(curve, free_part=True)
     seq = plain_phase(ctl)
-    assert ctl.wants_draft(seq) and seq.draft_free_only
-    (tree,) = composite.propose([seq])
+    assert (want := ctl.wants_draft(seq)) and want.free_only
+    (tree,) = composite.propose([seq], [want])
     assert learned.seen == [] and tree.tokens.tolist() == [8, 1, 2]
     for _ in range(3):
         ctl.skip(seq)
-    assert ctl.wants_draft(seq) and not seq.draft_free_only  # the probe: every part drafts
-    composite.propose([seq])
+    assert (want := ctl.wants_draft(seq)) and not want.free_only  # the probe: every part drafts
+    composite.propose([seq], [want])
     assert learned.seen == [[8]]
 
     seq = plain_phase(ctl)
-    assert ctl.wants_draft(seq) and seq.draft_free_only
+    assert (want := ctl.wants_draft(seq)) and want.free_only
     sized = ctl.size(seq, DraftTree.chain(8, [1, 2], scores=[1.0, 0.99, 0.98]), batch=1)
     assert len(sized) == 3  # nearly sure free tokens pay (charged three steps of drafting they would not)
-    assert ctl.wants_draft(seq) and not seq.draft_free_only  # they paid: back to drafting with every part
+    assert (want := ctl.wants_draft(seq)) and not want.free_only  # they paid: back to drafting with every part
 
     seq = _seq(8)  # but not while drafting with every part has been losing time (TokenSwift's pass at T=1)
     composite.start(seq)
     ctl._state(seq).draft_s = 3.0
-    assert ctl.wants_draft(seq) and not seq.draft_free_only
+    assert (want := ctl.wants_draft(seq)) and not want.free_only
     ctl.size(seq, DraftTree.chain(8, [1], scores=[1.0, 0.3]), batch=1)  # does not pay three steps of drafting
     assert ctl._state(seq).value < 0
-    assert ctl.wants_draft(seq) and seq.draft_free_only
+    assert (want := ctl.wants_draft(seq)) and want.free_only
     assert len(ctl.size(seq, DraftTree.chain(8, [1, 2], scores=[1.0, 0.99, 0.98]), batch=1)) == 3
-    assert ctl.wants_draft(seq) and seq.draft_free_only  # the free tree paid; the learned part waits for its probe
+    assert (want := ctl.wants_draft(seq)) and want.free_only  # the free tree paid; the learned part waits for its probe
 
     plain = SpeculationController(curve)
     seq = plain_phase(plain)
-    assert not plain.wants_draft(seq) and not seq.draft_free_only
+    assert not plain.wants_draft(seq)
+
+
+def test_a_composite_composes_its_parts_traits_and_refuses_a_sampled_part():
+    """Its traits come from its parts' (which it leaves as they are): free between probes where a part is, the
+    hidden layers any part reads; a part that draws sampled chains would lose their distributions in the merge."""
+
+    class Reader(ChainDrafter):
+        traits = DrafterTraits(token_matched=True, hidden_layers=(-1, 2))
+
+    class Sampled(ChainDrafter):
+        traits = DrafterTraits(drafts_chain=True)
+
+    lookup, reader = LookupDrafter({8: 0.2}), Reader({8: 0.9})
+    composite = CompositeDrafter([lookup, reader, LookupDrafter({8: 0.2})])
+    assert composite.traits == DrafterTraits(free="part", token_matched=True, hidden_layers=(-1, 2))
+    assert lookup.traits == LookupDrafter.traits and reader.traits == Reader.traits
+    assert CompositeDrafter([lookup, LookupDrafter({8: 0.2})]).traits.free == "all"
+    with pytest.raises(ValueError, match="token matching"):
+        CompositeDrafter([lookup, Sampled({8: 0.9})])

@@ -12,7 +12,7 @@ import torch
 from spyglass.chain_controller import ChainDepthController
 from spyglass.controller import ControllerConfig, SpeculationController
 from spyglass.cost import CostCurve
-from spyglass.drafters.base import StatelessDrafter
+from spyglass.drafters.base import DrafterTraits, DraftRequest, StatelessDrafter
 from spyglass.engine import EngineConfig, SpecEngine, plain_generate
 from spyglass.sampling import SamplingParams
 from spyglass.sequence import Sequence
@@ -29,7 +29,7 @@ class OracleDrafter(StatelessDrafter):
         self.reference, self.prompt_len, self.n, self.right = reference, prompt_len, n, right
         self.calls = 0
 
-    def propose(self, batch):
+    def propose(self, batch, wants):
         self.calls += 1
         trees = []
         for seq in batch:
@@ -226,7 +226,7 @@ def test_a_depth_costed_drafter_is_charged_for_the_depth_it_keeps():
         seq = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
         ctl.note_draft_time(seq, 0.8, depth=4)
         kept.append(len(ctl.size(seq, tree, batch=1)) - 1)
-        again.append(ctl.wants_draft(seq))
+        again.append(ctl.wants_draft(seq) is not None)
     assert kept == [1, 1] and again == [False, True]
 
 
@@ -247,16 +247,16 @@ def test_the_depth_that_paid_bounds_the_next_draft():
     pruned); a probe or a sequence it has no evidence on asks for the drafter's own depth (None)."""
     ctl = SpeculationController(CostCurve.linear(1.0, 0.5))
     seq = Sequence(_prompt(), SamplingParams(max_new_tokens=4))
-    assert ctl.wants_draft(seq) and seq.draft_depth is None
+    assert (want := ctl.wants_draft(seq)) and want.depth is None
     tree = DraftTree.chain(5, [1, 2, 3, 4, 5, 6], scores=[1.0, 0.95, 0.9, 0.5, 0.2, 0.1, 0.05])
     kept = ctl.size(seq, tree, batch=1)
     assert 1 <= kept.max_depth < tree.max_depth
-    assert ctl.wants_draft(seq) and seq.draft_depth == kept.max_depth + 1
+    assert (want := ctl.wants_draft(seq)) and want.depth == kept.max_depth + 1
     ctl.size(seq, DraftTree.chain(5, [1], scores=[1.0, 0.01]), batch=1)  # not worth verifying: plain decoding
     ctl.skip(seq)
-    while not ctl.wants_draft(seq):
+    while not (want := ctl.wants_draft(seq)):
         ctl.skip(seq)
-    assert seq.draft_depth is None  # the probe drafts at full depth
+    assert want.depth is None  # the probe drafts at full depth
 
 
 @pytest.mark.parametrize("kind", ["longspec", "small-lm"])
@@ -271,15 +271,14 @@ def test_depth_costed_drafters_draft_only_as_deep_as_the_controller_asks(tiny_ta
         drafter = LongSpecDrafter(layer_copy_draft(tiny_target), gamma=5)
     else:
         drafter = SmallLMDrafter(truncated_draft(tiny_target, 1), gamma=5, max_batch=2, max_context=128)
-    assert drafter.cost_by_depth
+    assert drafter.traits.cost_by_depth
     engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=2, max_context=128, controller="off"))
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     prompts = [_prompt(), _prompt(seed=2)]
     seqs = [engine.add_request(p, params) for p in prompts]
     engine.step()
-    assert [t.max_depth for t in drafter.propose(seqs)] == [5, 5]
-    seqs[0].draft_depth = 2
-    assert [t.max_depth for t in drafter.propose(seqs)] == [2, 5]
+    assert [t.max_depth for t in drafter.propose(seqs, [DraftRequest()] * 2)] == [5, 5]
+    assert [t.max_depth for t in drafter.propose(seqs, [DraftRequest(2), DraftRequest()])] == [2, 5]
     while engine.has_work:
         engine.step()
     for seq, prompt in zip(seqs, prompts, strict=True):
@@ -311,7 +310,7 @@ def test_one_step_that_does_not_pay_stops_a_costly_drafter_until_a_probe():
     kept = ctl.size(once, sure, batch=1)
     assert len(kept) == 2
     ctl.observe(once, kept, Accepted([0, 1], [1, 7]))
-    assert ctl.wants_draft(once) and once.draft_depth == 2  # one level beyond the depth that paid
+    assert (want := ctl.wants_draft(once)) and want.depth == 2  # one level beyond the depth that paid
     assert len(ctl.size(once, unsure, batch=1)) == 1  # this step is decoded plainly
     assert ctl._state(once).value > 0 and not ctl.wants_draft(once)
 
@@ -353,14 +352,13 @@ def test_short_backoff_caps_the_plain_steps_between_failed_probes():
 class ChainOracle(OracleDrafter):
     """An OracleDrafter that drafts one depth at a time, only as deep as the controller asks."""
 
-    cost_by_depth = True
-    drafts_chain = True
+    traits = DrafterTraits(drafts_chain=True, cost_by_depth=True)
 
-    def propose(self, batch):
-        trees = super().propose(batch)
+    def propose(self, batch, wants):
+        trees = super().propose(batch, wants)
         out = []
-        for seq, t in zip(batch, trees, strict=True):
-            depth = min(d for d in (seq.draft_depth, t.max_depth) if d is not None)
+        for want, t in zip(wants, trees, strict=True):
+            depth = min(d for d in (want.depth, t.max_depth) if d is not None)
             out.append(t.subtree(list(range(depth + 1))))
         return out
 
@@ -456,14 +454,14 @@ def test_a_copied_token_is_sized_as_a_span_and_counted_for_both():
 
 def test_a_free_part_proposes_between_probes_and_is_not_charged_for_drafting():
     """A chain drafter with a model-free part (a copy that goes on) still proposes while its drafted tokens do not
-    pay (`seq.draft_free_only`), and that proposal is sized without the draft step's time."""
+    pay (`DraftRequest.free_only`), and that proposal is sized without the draft step's time."""
     ctl, seq, st = _chain_control(free_part=True)
     st.deepest, st.accepted, st.draft_s = 4, [[0.0, 10.0]], 100.0  # drafted tokens never right, drafting costly
     st.span = [10.0, 10.0]  # spans as good as their scores say
-    assert ctl.wants_draft(seq) and seq.draft_free_only
+    assert (want := ctl.wants_draft(seq)) and want.free_only
     spans = _chain_7_to_10([0] + [SPAN_SOURCE] * 3)
     assert ctl.size(seq, spans, batch=1).max_depth == 3
-    seq.draft_free_only = False  # the same tree from a draft step costs its 100 s
+    st.free_only = False  # the same tree from a draft step costs its 100 s
     assert ctl.size(seq, spans, batch=1).max_depth == 0
 
 

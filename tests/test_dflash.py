@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from spyglass.drafters.base import DraftRequest
 from spyglass.drafters.dels import (
     LocalHead,
     LocalHeadConfig,
@@ -160,7 +161,7 @@ class _Checking(DFlashDrafter):
         st = seq.drafter_state
         committed = seq.committed
         assert st.n == committed and st.pos[: st.n].tolist() == list(range(committed))
-        feats = full_features(self.target, seq.tokens[:committed], self.hidden_layers)
+        feats = full_features(self.target, seq.tokens[:committed], self.traits.hidden_layers)
         want = self.draft.context_kv(feats, torch.arange(committed))
         for (k, v), (wk, wv) in zip(st.view(), want, strict=True):
             torch.testing.assert_close(k, wk, rtol=1e-4, atol=1e-4)
@@ -183,7 +184,7 @@ def test_feature_cache_is_cropped_exactly_on_rejection(tiny_dir):
     seq = engine.add_request(prompts[0], SamplingParams(max_new_tokens=1))
     st_drafter = DFlashDrafter(draft)
     tokens = torch.tensor(prompts[0])
-    feats = {i: full_features(target, tokens, (i,)) for i in drafter.hidden_layers}
+    feats = {i: full_features(target, tokens, (i,)) for i in drafter.traits.hidden_layers}
     st_drafter.observe_hidden(seq, 0, feats, list(range(len(tokens))))
     st_drafter.observe_hidden(seq, 3, {i: f[3:5] for i, f in feats.items()}, [0, 1])
     assert seq.drafter_state.pos[: seq.drafter_state.n].tolist() == [0, 1, 2, 3, 4]
@@ -199,8 +200,8 @@ def test_feature_cache_is_cropped_exactly_on_rejection(tiny_dir):
 class _Recording(DFlashDrafter):
     trees: list = []
 
-    def propose(self, batch):
-        out = super().propose(batch)
+    def propose(self, batch, wants):
+        out = super().propose(batch, wants)
         _Recording.trees.extend(zip([s.params.greedy for s in batch], out, strict=True))
         return out
 
@@ -243,10 +244,10 @@ def test_in_a_composite_sampled_requests_get_the_argmax_chain_and_plain_sampling
         engine = SpecEngine(target, drafter, EngineConfig(max_batch=1, max_context=256, controller="off"))
         seq = engine.add_request(prompt, sampled)
         engine.step()
-        return [tuple(drafter.propose([seq])[0].tokens.tolist()) for _ in range(n)]
+        return [tuple(drafter.propose([seq], [DraftRequest()])[0].tokens.tolist()) for _ in range(n)]
 
-    composite = CompositeDrafter([DFlashDrafter(draft, head)])
-    assert composite.parts[0].token_matched
+    composite = CompositeDrafter([DFlashDrafter(draft, head, token_matched=True)])
+    assert composite.parts[0].traits.token_matched
     assert len(set(proposals(composite, 4))) == 1
     assert len(set(proposals(DFlashDrafter(draft, head), 8))) > 1
     engine = SpecEngine(target, composite, EngineConfig(max_batch=1, max_context=256, controller="off"))
@@ -351,8 +352,8 @@ def test_reduced_vocabulary_proposes_only_its_tokens_and_stays_lossless(tiny_dir
     proposed: list[int] = []
 
     class Recording(DFlashDrafter):
-        def propose(self, batch):
-            trees = super().propose(batch)
+        def propose(self, batch, wants):
+            trees = super().propose(batch, wants)
             proposed.extend(t for tree in trees for t in tree.tokens[1:].tolist())
             return trees
 
@@ -515,16 +516,15 @@ def test_a_copied_first_token_brings_the_contexts_continuation(tiny_dir):
     seq.append(27)
     drafter.commit(seq, Accepted([0], [27]))  # nothing proposed this step
     assert st.pointer == 8
-    seq.draft_free_only = True  # between probes: the copy's continuation, no block forward
-    (free,) = drafter.propose([seq])
+    between_probes = [DraftRequest(free_only=True)]  # the copy's continuation, no block forward
+    (free,) = drafter.propose([seq], between_probes)
     assert free.tokens.tolist()[:3] == [27, 9, 8] and set(free.sources[1:]) == {SPAN_SOURCE} and not forwards
     # a root that departs from the context, or too little mass: no span (and between probes, nothing)
     seq.append(99)
     drafter.commit(seq, Accepted([0], [99]))
     assert st.pointer == -1 and drafter._follow_pointer(seq, cap=256) is None
-    (free,) = drafter.propose([seq])
+    (free,) = drafter.propose([seq], between_probes)
     assert len(free) == 1 and not forwards
-    seq.draft_free_only = False
     engine2, seq2 = _after_prefill(DFlashDrafter(with_copy_head(draft), span=4, span_mass=0.3), target, COPY_PROMPT)
     plain = engine2.drafter._span_tree(seq2, rows, _mass_on_22(drafter, c, 0.25), cap=256)
     assert plain.sources is None and len(plain) == drafter.block
@@ -589,7 +589,7 @@ def test_packaged_drafts_serve_the_default_model(smollm2):
     assert {"dflash-span", "dflash-dels-span"} <= set(METHODS)
     for method in ("dflash", "dflash-dels", "dflash-span"):
         drafter = build_drafter(method, target)
-        assert drafter.name == method and drafter.hidden_layers == (1, 14, 29)
+        assert drafter.name == method and drafter.traits.hidden_layers == (1, 14, 29)
         assert drafter.draft.vocab_ids.numel() == 8192  # served over the rows it was trained on
         assert drafter.draft.cfg.copy_head and bool(drafter.span) == method.endswith("-span")
         assert (drafter.local is not None) == (method == "dflash-dels")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from spyglass.drafters.base import DraftRequest
 from spyglass.models.llama import load_transformer
 from spyglass.training.draft_models import LongSpecDraft
 from spyglass.tree import DraftTree
@@ -166,11 +167,11 @@ def test_serving_drafter_equals_training_forward_per_depth(target_and_kv, window
     seq.slot = slot
     by_layer = layer_hidden(target, tokens[:COMMITTED], layers) if feed_hidden else {}
     hidden = torch.cat(list(by_layer.values()), -1) if feed_hidden else None  # side by side, in `layers` order
-    assert drafter.hidden_layers == (layers if feed_hidden else ())
+    assert drafter.traits.hidden_layers == (layers if feed_hidden else ())
     if feed_hidden:  # as the engine does after a prefill: before start()
         drafter.observe_hidden(seq, 0, by_layer, list(range(COMMITTED)))
     drafter.start(seq)
-    tree = drafter.propose([seq])[0]
+    tree = drafter.propose([seq], [DraftRequest()])[0]
     assert tree.is_chain and len(tree) == 5
     full = torch.cat([tokens[: COMMITTED + 1], tree.tokens[1:]])
     kk = torch.cat([k[:, :COMMITTED], torch.zeros(k.shape[0], 5, k.shape[2])], dim=1)  # unseen: masked anyway
@@ -184,7 +185,7 @@ def test_serving_drafter_equals_training_forward_per_depth(target_and_kv, window
         assert abs(got_p - float(want[tok])) < 1e-4, f"window {window} depth {d}: {got_p} vs {float(want[tok])}"
     for i in by_layer:  # each layer's hidden state matters: another one changes the proposal's probabilities
         drafter.observe_hidden(seq, 0, {**by_layer, i: -by_layer[i]}, list(range(COMMITTED)))
-        other = drafter.propose([seq])[0]
+        other = drafter.propose([seq], [DraftRequest()])[0]
         assert abs(other.scores[1] - tree.scores[1]) > 1e-4, f"layer {i}'s hidden state is not read"
     if inputs == "prev-token":  # the predecessor matters at every depth, the root's included
         plain = make_draft(target, window=window, feed_hidden=True, feed_own_hidden=True)

@@ -34,9 +34,12 @@ def drafters(target):
     span_draft = layer_copy_draft(target, copy_head=True)
     yield "longspec-span", LongSpecDrafter(span_draft, gamma=3, span=6, span_mass=1e-6)
     yield "glide", LongSpecDrafter(layer_copy_draft(target, feed_hidden=True, n_layers=2), gamma=4)
-    parts = [SuffixDrafter(max_depth=6), LongSpecDrafter(layer_copy_draft(target, feed_hidden=True), gamma=3)]
+    learned = LongSpecDrafter(layer_copy_draft(target, feed_hidden=True), gamma=3, token_matched=True)
+    parts = [SuffixDrafter(max_depth=6), learned]
     yield "composite", CompositeDrafter(parts)
-    spans = LongSpecDrafter(layer_copy_draft(target, copy_head=True), gamma=3, span=6, span_mass=1e-6)
+    spans = LongSpecDrafter(
+        layer_copy_draft(target, copy_head=True), gamma=3, span=6, span_mass=1e-6, token_matched=True
+    )
     yield "composite-span", CompositeDrafter([SuffixDrafter(max_depth=6), spans])  # its pointer reads merged trees
     draft, head = trained_tiny(target)  # briefly trained tiny DFlash draft and DeLS head
     yield "dflash", DFlashDrafter(draft)  # a chain, sized by its acceptance profile
@@ -44,7 +47,8 @@ def drafters(target):
     yield "dflash-dels", DFlashDrafter(draft, head)
     # a random pointer's mass is thin: any mass at all makes a span; the rows mix in its copies
     yield "dflash-dels-span", DFlashDrafter(with_copy_head(draft), head, span=6, span_mass=1e-6)
-    yield "composite-dflash", CompositeDrafter([SuffixDrafter(max_depth=6), DFlashDrafter(draft, head)])
+    matched = DFlashDrafter(draft, head, token_matched=True)
+    yield "composite-dflash", CompositeDrafter([SuffixDrafter(max_depth=6), matched])
     # partial KV budgets below most prompts' lengths, so selection, replacement and rebuilds all happen
     yield "tokenswift", build_tokenswift(target, "untrained", budget=24, sinks=4)
     yield "streaming", StreamingDrafter(budget=24, sinks=4, gamma=4)

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from actors.trainer import warm_start
+from spyglass.drafters.base import DraftRequest
 from spyglass.drafters.longspec import LongSpecDrafter
 from spyglass.models.llama import load_transformer
 from spyglass.sampling import SamplingParams
@@ -70,7 +71,7 @@ def test_chain_root_equals_training_forward(target_and_cache, window, chunks):
                 drafter.start(seq)
                 state = seq.drafter_state
             seq.drafter_state = state
-            tree = drafter.propose([seq])[0]
+            tree = drafter.propose([seq], [DraftRequest()])[0]
     finally:
         cache.lengths[slot] = full_length
     assert state.filled == min(window - 1, chunks[-1])

@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 
 from spyglass.cli import main
 from spyglass.drafters import build_drafter
+from spyglass.drafters.base import DraftRequest
 from spyglass.drafters.longspec import LongSpecDrafter, load_longspec_draft
 from spyglass.engine import EngineConfig, SpecEngine, plain_generate
 from spyglass.sampling import SamplingParams
@@ -117,7 +118,7 @@ def test_reduced_head_checkpoint_round_trip(tiny_target, tmp_path):
     engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=1, max_context=256, controller="off"))
     seq = engine.add_request(list(range(3, 40)), SamplingParams(max_new_tokens=6, ignore_eos=True))
     engine.step()
-    tree = drafter.propose([seq])[0]
+    tree = drafter.propose([seq], [DraftRequest()])[0]
     assert set(tree.tokens[1:].tolist()) <= set(ids.tolist())
 
 
@@ -135,14 +136,14 @@ def test_a_chain_in_a_composite_drafts_its_argmax_when_sampling(tiny_target):
         engine.step()
         return seq
 
-    part = LongSpecDrafter(layer_copy_draft(tiny_target, window=16), gamma=3)
+    part = LongSpecDrafter(layer_copy_draft(tiny_target, window=16), gamma=3, token_matched=True)
     composite = CompositeDrafter([part])
     seq = after_prefill(composite)
-    drawn = [composite.propose([seq])[0] for _ in range(4)]
+    drawn = [composite.propose([seq], [DraftRequest()])[0] for _ in range(4)]
     assert len(drawn[0]) == 4 and all(t.probs is None for t in drawn)
     assert all(t.tokens.tolist() == drawn[0].tokens.tolist() for t in drawn)
     seq.params = SamplingParams(max_new_tokens=8)  # greedy: the draft's argmax chain
-    assert composite.propose([seq])[0].tokens.tolist() == drawn[0].tokens.tolist()
+    assert composite.propose([seq], [DraftRequest()])[0].tokens.tolist() == drawn[0].tokens.tolist()
     # nothing drawn at random while drafting: the output is plain sampling's, token for token, with the same seed
     engine = SpecEngine(tiny_target, composite, EngineConfig(max_batch=1, max_context=256, controller="off"))
     prompt = [3 + i % 50 for i in range(40)]
@@ -151,7 +152,7 @@ def test_a_chain_in_a_composite_drafts_its_argmax_when_sampling(tiny_target):
 
     alone = LongSpecDrafter(layer_copy_draft(tiny_target, window=16), gamma=3)
     seq = after_prefill(alone)
-    drawn = [alone.propose([seq])[0] for _ in range(8)]
+    drawn = [alone.propose([seq], [DraftRequest()])[0] for _ in range(8)]
     assert all(t.probs is not None for t in drawn)
     assert len({tuple(t.tokens.tolist()) for t in drawn}) > 1
 
@@ -229,14 +230,14 @@ def test_span_options_are_checked(tiny_target):
     with pytest.raises(ValueError, match="not a cape tree"):
         LongSpecDrafter(layer_copy_draft(tiny_target, copy_head=True), span=4, mode="cape")
     drafter = LongSpecDrafter(layer_copy_draft(tiny_target, copy_head=True), span=4)
-    assert drafter.name == "longspec-span" and drafter.drafts_chain and drafter.token_matched
-    assert not drafter.cost_by_depth  # a span costs no draft step: the controller prices whole steps
+    assert drafter.name == "longspec-span" and drafter.traits.drafts_chain and drafter.traits.token_matched
+    assert not drafter.traits.cost_by_depth  # a span costs no draft step: the controller prices whole steps
 
 
 def test_the_pointer_follows_what_is_committed_along_a_copy(tiny_target):
     """After a step whose committed tokens (accepted copied ones, then the target's own) go along the copy, the
     pointer sits at the new root's place in the context; while the root is the context's token there, the next
-    chain is the context's continuation, proposed with no draft step (also between probes, `draft_free_only`,
+    chain is the context's continuation, proposed with no draft step (also between probes, `free_only`,
     where nothing else is proposed). Committed tokens that leave the copy, or a root that departs from the
     context, leave it to the draft."""
     from spyglass.tree import SPAN_SOURCE
@@ -267,17 +268,16 @@ def test_the_pointer_follows_what_is_committed_along_a_copy(tiny_target):
     assert after_copy([0, 1, 2], [21, 99, 30]) == -1
     assert after_copy([0, 1, 2, 3], [21, 22, 23, 24]) == 5
     seq.tokens[seq.num_tokens - 1] = 24  # as if the target's next token were the context's "24"
-    (tree,) = drafter.propose([seq])
+    (tree,) = drafter.propose([seq], [DraftRequest()])
     assert tree.tokens[1:].tolist() == [25, 26, 27, 9] and not steps
     assert tree.sources[1:] == [SPAN_SOURCE] * 4 and tree.scores[1] > tree.scores[4] > 0
     assert w.origins == [5, 6, 7, 8, 9]
-    seq.draft_free_only = True  # between probes: the same continuation, still no draft step
-    assert drafter.propose([seq])[0].tokens.tolist() == tree.tokens.tolist() and not steps
+    between_probes = [DraftRequest(free_only=True)]  # the same continuation, still no draft step
+    assert drafter.propose([seq], between_probes)[0].tokens.tolist() == tree.tokens.tolist() and not steps
     # the root departs from the context: nothing between probes, and the draft drafts otherwise
     seq.tokens[seq.num_tokens - 1] = 99
-    assert len(drafter.propose([seq])[0]) == 1 and not steps
-    seq.draft_free_only = False
-    drafter.propose([seq])
+    assert len(drafter.propose([seq], between_probes)[0]) == 1 and not steps
+    drafter.propose([seq], [DraftRequest()])
     assert steps
     # a drafted token accepted and the target's own leaving the copy: no pointer
     w.chain, w.origins = [7, 30, 40], [-1, -1, 7]
@@ -287,3 +287,38 @@ def test_the_pointer_follows_what_is_committed_along_a_copy(tiny_target):
     w.chain, w.origins = [7, 30], [-1, 3]
     drafter.commit(seq, Accepted([0], [30]))
     assert w.pointer == 3
+
+
+def test_composite_span_proposes_its_span_parts_free_continuation_between_probes(tiny_target):
+    """Between the controller's probes (`free_only`) `composite-span`'s span part still proposes where the last copy
+    goes on, with no draft step, beside its lookup's tree: the copy is followed on plain steps too, as by
+    `longspec-span` alone. Outside a copy the span part proposes nothing then."""
+    from spyglass.drafters.composite import CompositeDrafter
+    from spyglass.drafters.suffix import SuffixDrafter
+
+    spans = LongSpecDrafter(layer_copy_draft(tiny_target, copy_head=True), gamma=3, span=4, token_matched=True)
+    composite = CompositeDrafter([SuffixDrafter(), spans], name="composite-span", confident=None)
+    assert composite.traits.free == "part"
+    engine = SpecEngine(tiny_target, composite, EngineConfig(max_batch=1, max_context=256, controller="off"))
+    phrase = [21, 22, 23, 24, 25, 26, 27]
+    seq = engine.add_request([5, 6, *phrase, 9, 8, 21, 22, 23], SamplingParams(max_new_tokens=16, ignore_eos=True))
+    engine.step()  # prefill: the root is the target's first token
+    w = seq.drafter_state[1]  # the span part's state
+    steps = []
+    step = spans.draft.draft_step
+    spans.draft.draft_step = lambda *a, **k: steps.append(1) or step(*a, **k)
+    w.pointer = 5  # the last copy went on to position 5 ("24"), and the target's next token is that one
+    seq.tokens[seq.num_tokens - 1] = 24
+
+    def span_path(tree) -> list[int]:
+        """The span part's tokens down the tree's first path of its nodes (source bit 2: the second part)."""
+        out, node, kids = [], 0, tree.children()
+        while (node := next((c for c in kids[node] if tree.sources[c] & 2), None)) is not None:
+            out.append(int(tree.tokens[node]))
+        return out
+
+    (tree,) = composite.propose([seq], [DraftRequest(free_only=True)])
+    assert span_path(tree) == [25, 26, 27, 9] and not steps
+    seq.tokens[seq.num_tokens - 1] = 99  # the root departs from the context: no copy goes on
+    (tree,) = composite.propose([seq], [DraftRequest(free_only=True)])
+    assert span_path(tree) == [] and not steps

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from spyglass.drafters.base import DraftRequest
 from spyglass.drafters.ngram import NgramDrafter
 from spyglass.sampling import SamplingParams
 from spyglass.sequence import Sequence
@@ -97,11 +98,11 @@ def test_propose_batch_uses_sequence_tokens() -> None:
     a = Sequence([1, 5, 6, 1], params)
     b = Sequence([3, 4], params)
     drafter = NgramDrafter(draft_len=2)
-    trees = drafter.propose([a, b])
+    trees = drafter.propose([a, b], [DraftRequest()] * 2)
     assert [tr.tokens.tolist() for tr in trees] == [[1, 5, 6], [4]]
     assert all(int(tr.tokens[0]) == s.root for tr, s in zip(trees, [a, b], strict=True))
     a.append(5)  # the output extends the context: now the 2-gram (1, 5) matches
-    assert drafter.propose([a])[0].tokens.tolist() == [5, 6, 1]
+    assert drafter.propose([a], [DraftRequest()])[0].tokens.tolist() == [5, 6, 1]
     assert drafter.state_bytes(a) == 0
 
 

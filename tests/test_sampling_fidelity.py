@@ -176,13 +176,15 @@ def test_first_three_tokens_match_plain_sampling(sampling_model, model, prompt, 
         "composite": lambda: CompositeDrafter(
             [
                 SuffixDrafter(max_depth=3, max_nodes=8),
-                LongSpecDrafter(layer_copy_draft(model, feed_hidden=True), gamma=3),
+                LongSpecDrafter(layer_copy_draft(model, feed_hidden=True), gamma=3, token_matched=True),
             ]
         ),
         "composite-span": lambda: CompositeDrafter(
             [
                 SuffixDrafter(max_depth=3, max_nodes=8),
-                LongSpecDrafter(layer_copy_draft(model, copy_head=True), gamma=3, span=3, span_mass=1e-6),
+                LongSpecDrafter(
+                    layer_copy_draft(model, copy_head=True), gamma=3, span=3, span_mass=1e-6, token_matched=True
+                ),
             ]
         ),
         # budgets below the prompt's length: the drafts come from a partial cache
@@ -202,7 +204,7 @@ def test_first_three_tokens_match_plain_sampling(sampling_model, model, prompt, 
         "composite-dflash": lambda: CompositeDrafter(
             [
                 SuffixDrafter(max_depth=3, max_nodes=8),
-                DFlashDrafter(*trained_tiny(model, block=4, steps=240, prefix=prompt)),
+                DFlashDrafter(*trained_tiny(model, block=4, steps=240, prefix=prompt), token_matched=True),
             ]
         ),
     }[method]()

@@ -6,6 +6,7 @@ import random
 
 import torch
 
+from spyglass.drafters.base import DraftRequest
 from spyglass.drafters.suffix import GlobalIndex, Matcher, SuffixAutomaton, SuffixDrafter
 from spyglass.sampling import SamplingParams
 from spyglass.sequence import Sequence
@@ -115,7 +116,7 @@ def test_drafts_the_continuation_of_a_repeat_with_scores():
     seq = _seq(text)
     d = SuffixDrafter(use_global=False)
     d.start(seq)
-    tree = d.propose([seq])[0]
+    tree = d.propose([seq], [DraftRequest()])[0]
     assert tree.tokens[1:6].tolist() == [20, 21, 22, 23, 24]  # what followed 10..19 before
     s = tree.scores
     assert s[0] == 1.0 and all(0 < s[i] <= s[tree.parents[i]] for i in range(1, len(tree)))
@@ -131,11 +132,11 @@ def test_global_index_drafts_what_an_earlier_request_generated():
     d.release(first)
     second = _seq([9, 9, 3, 4, 100, 101, 102])
     d.start(second)
-    tree = d.propose([second])[0]
+    tree = d.propose([second], [DraftRequest()])[0]
     assert tree.tokens[1:4].tolist() == [103, 104, 105]
     no_global = SuffixDrafter(use_global=False)
     no_global.start(second)
-    assert len(no_global.propose([second])[0]) == 1
+    assert len(no_global.propose([second], [DraftRequest()])[0]) == 1
 
 
 def test_state_grows_linearly_not_quadratically():
@@ -157,7 +158,7 @@ def test_never_drafts_past_the_end_of_an_earlier_output():
     d.release(first)
     second = _seq([7, 50, 51, 52])  # matches the whole earlier output, whose continuation is its end marker
     d.start(second)
-    tree = d.propose([second])[0]
+    tree = d.propose([second], [DraftRequest()])[0]
     assert (tree.tokens >= 0).all()
 
 
@@ -173,7 +174,7 @@ def test_scores_follow_how_reliable_each_match_length_was_in_this_text():
     d.start(noisy)
     sure, unsure = periodic.drafter_state.reliability, noisy.drafter_state.reliability
     assert sure(30) > 0.95 and unsure(2) < 0.5
-    t_sure, t_unsure = d.propose([periodic, noisy])
+    t_sure, t_unsure = d.propose([periodic, noisy], [DraftRequest()] * 2)
     assert t_sure.tokens[1:4].tolist() == block[12:15] and t_sure.scores[3] > 0.8
     assert max(t_unsure.scores[1:]) < 0.6
 

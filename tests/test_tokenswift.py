@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from spyglass.drafters.base import DraftRequest
 from spyglass.drafters.streaming import StreamingDrafter
 from spyglass.drafters.tokenswift import CONTEXT_SOURCE, NgramTable, TokenSwiftDrafter, build_tokenswift
 from spyglass.engine import EngineConfig, SpecEngine, plain_generate
@@ -155,8 +156,7 @@ def test_free_tree_reaches_ngram_depth_on_a_repeating_passage(tiny_target):
         engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=1, max_context=3 * vocab, controller="off"))
         seq = engine.add_request(prompt, SamplingParams(max_new_tokens=50, ignore_eos=True))
         engine.step()
-        seq.draft_free_only = True
-        tree = drafter.propose([seq])[0]
+        tree = drafter.propose([seq], [DraftRequest(free_only=True)])[0]
         assert tree.max_depth == expected
         assert all(tree.scores[i] <= tree.scores[p] for i, p in enumerate(tree.parents) if p >= 0)
         (out,) = engine.run([prompt], SamplingParams(max_new_tokens=30))
@@ -168,7 +168,7 @@ def test_tree_is_1_3_3_3_plus_ngrams_with_scores(tiny_target):
     engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=1, max_context=128, controller="off"))
     seq = engine.add_request([5, 6, 7, 8] * 6, SamplingParams(max_new_tokens=50, ignore_eos=True))
     engine.step()
-    tree = drafter.propose([seq])[0]
+    tree = drafter.propose([seq], [DraftRequest()])[0]
     assert len(tree) == 41 and tree.max_depth == 4
     assert [tree.depths.count(d) for d in range(5)] == [1, 1, 3, 9, 27]
     assert all(tree.scores[i] <= tree.scores[p] + 1e-9 for i, p in enumerate(tree.parents) if p >= 0)
@@ -176,7 +176,7 @@ def test_tree_is_1_3_3_3_plus_ngrams_with_scores(tiny_target):
     engine = SpecEngine(tiny_target, with_ngrams, EngineConfig(max_batch=1, max_context=128, controller="off"))
     seq = engine.add_request([5, 6, 7, 8] * 6, SamplingParams(max_new_tokens=50, ignore_eos=True))
     engine.step()
-    tree = with_ngrams.propose([seq])[0]
+    tree = with_ngrams.propose([seq], [DraftRequest()])[0]
     assert len(tree) >= 41 and len(set(zip(tree.parents, tree.tokens.tolist(), strict=True))) == len(tree)
 
     # sources: every [1,3,3,3] node carries bit 1, the n-gram paths' nodes bit 2 (nodes on both: 3); a prompt with
@@ -185,24 +185,23 @@ def test_tree_is_1_3_3_3_plus_ngrams_with_scores(tiny_target):
     engine = SpecEngine(tiny_target, with_ngrams, EngineConfig(max_batch=1, max_context=3 * vocab, controller="off"))
     seq = engine.add_request(list(range(vocab)) * 2, SamplingParams(max_new_tokens=8, ignore_eos=True))
     engine.step()
-    tree = with_ngrams.propose([seq])[0]
+    tree = with_ngrams.propose([seq], [DraftRequest()])[0]
     assert tree.sources[0] == 0 and all(s in (1, 2, 3) for s in tree.sources[1:])
     assert sum(s & 1 for s in tree.sources) == 40 and any(s == 2 for s in tree.sources)
 
 
 def test_between_probes_only_the_ngram_table_drafts_from_the_root(tiny_target):
-    """With `seq.draft_free_only` (the controller between probes) the tree is the table's most frequent
+    """With `DraftRequest.free_only` (the controller between probes) the tree is the table's most frequent
     continuations of the root, with no partial-cache pass; greedy and sampled output stay plain decoding's."""
     drafter = build_tokenswift(tiny_target, "untrained", budget=20, sinks=4, ngram_k=3, context_lookup=False)
     no_lookups = build_tokenswift(tiny_target, "untrained", budget=20, ngram_k=0, context_lookup=False)
-    assert drafter.has_free_part and not no_lookups.has_free_part
+    assert drafter.traits.free == "part" and no_lookups.traits.free == "none"
     vocab = tiny_target.args.vocab_size  # a prompt with every token: the root has continuations in the table
     engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=1, max_context=3 * vocab, controller="off"))
     seq = engine.add_request(list(range(vocab)) * 2, SamplingParams(max_new_tokens=50, ignore_eos=True))
     engine.step()
     synced = seq.drafter_state.partial.synced
-    seq.draft_free_only = True
-    tree = drafter.propose([seq])[0]
+    tree = drafter.propose([seq], [DraftRequest(free_only=True)])[0]
     assert seq.drafter_state.partial.synced == synced  # the partial cache was not run
     expected = [cont for cont, _ in seq.drafter_state.ngrams.top(seq.root, 3)]
 
@@ -236,9 +235,8 @@ def test_context_lookup_drafts_what_followed_the_repeated_suffix(tiny_target):
         engine = SpecEngine(tiny_target, drafter, cfg)
         seq = engine.add_request(prompt, SamplingParams(max_new_tokens=50, ignore_eos=True))
         engine.step()
-        seq.draft_free_only = free_only
         synced, drafted = seq.drafter_state.partial.synced, drafter.drafted
-        tree = drafter.propose([seq])[0]
+        tree = drafter.propose([seq], [DraftRequest(free_only=free_only)])[0]
         assert (seq.drafter_state.partial.synced == synced) == (confident < 1)  # the pass ran only where unsure
         assert drafter.drafted - drafted == (confident > 1)
         assert any(s & 1 for s in tree.sources) == (confident > 1)
@@ -447,7 +445,7 @@ def test_heads_on_a_reduced_vocabulary_score_only_it_and_ship_it(tiny_target, tm
     prompt, params = [5, 6, 7, 8] * 6, SamplingParams(max_new_tokens=12, ignore_eos=True)
     seq = engine.add_request(prompt, params)
     engine.step()
-    tree = drafter.propose([seq])[0]
+    tree = drafter.propose([seq], [DraftRequest()])[0]
     assert set(tree.tokens[1:].tolist()) <= set(heads.vocab_ids.tolist())
     while not seq.finished:
         engine.step()
@@ -489,7 +487,7 @@ def test_sampled_requests_get_a_chain_with_its_proposal(tiny_target):
         engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=1, max_context=256, controller="off"))
         seq = engine.add_request(prompt, SamplingParams(max_new_tokens=8, temperature=1.0, seed=1))
         engine.step()
-        tree = drafter.propose([seq])[0]
+        tree = drafter.propose([seq], [DraftRequest()])[0]
         if not chained:
             assert tree.probs is None and not tree.is_chain
             continue

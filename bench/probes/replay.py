@@ -50,7 +50,7 @@ from bench.common import median, write_results  # noqa: E402
 from bench.tasks import code_completion, code_edit, summary  # noqa: E402
 from spyglass.controller import controller_for  # noqa: E402
 from spyglass.cost import CostCurve  # noqa: E402
-from spyglass.drafters.base import StatelessDrafter  # noqa: E402
+from spyglass.drafters.base import DrafterTraits, DraftRequest, StatelessDrafter  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
 from spyglass.sequence import Sequence  # noqa: E402
 from spyglass.tree import SPAN_SOURCE, DraftTree  # noqa: E402
@@ -100,9 +100,9 @@ class RecordingDrafter:
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
 
-    def propose(self, batch: list[Sequence]) -> list[DraftTree]:
+    def propose(self, batch: list[Sequence], wants: list[DraftRequest]) -> list[DraftTree]:
         t0 = time.perf_counter()
-        trees = self.inner.propose(batch)
+        trees = self.inner.propose(batch, wants)
         ms = 1e3 * (time.perf_counter() - t0) / len(batch)
         for seq, t in zip(batch, trees, strict=True):
             self.trees[seq.num_generated] = {"tokens": t.tokens.tolist(), "parents": t.parents,
@@ -131,6 +131,7 @@ class ReplayedDrafter(StatelessDrafter):
         self.trees, self.draft_s, self.max_depth, self.chain_only = trees, draft_s, max_depth, chain_only
         self.spans = spans
         self.cost_by_depth, self.drafts_chain = cost_by_depth, drafts_chain
+        self.traits = DrafterTraits(token_matched=True, drafts_chain=drafts_chain, cost_by_depth=cost_by_depth)
         self.spent = 0.0  # modelled drafting seconds of the trees proposed since the caller last reset it
 
     def seconds(self, tree: DraftTree) -> float:
@@ -138,15 +139,15 @@ class ReplayedDrafter(StatelessDrafter):
             return self.draft_s * sum(1 for s in (tree.sources or [0] * len(tree))[1:] if s != SPAN_SOURCE)
         return self.draft_s * (tree.max_depth if self.cost_by_depth else 1)
 
-    def propose(self, batch: list[Sequence]) -> list[DraftTree]:
+    def propose(self, batch: list[Sequence], wants: list[DraftRequest]) -> list[DraftTree]:
         out = []
-        for seq in batch:
+        for seq, want in zip(batch, wants, strict=True):
             r = self.trees[seq.num_generated]
             tree = DraftTree(torch.tensor(r["tokens"]), r["parents"], None, r["scores"], r.get("sources"))
             if self.chain_only:
                 n = next((i for i, p in enumerate(tree.parents[1:], start=1) if p != i - 1), len(tree))
                 tree = tree.subtree(list(range(n)))
-            depth = min(d for d in (seq.draft_depth, self.max_depth, tree.max_depth) if d is not None)
+            depth = min(d for d in (want.depth, self.max_depth, tree.max_depth) if d is not None)
             if self.spans and tree.sources is not None and self.max_depth is None:
                 # a chain of drafted nodes (root first), then maybe a span: the drafter stops drafting at the asked
                 # depth, and a span hangs only below its last drafted node, so cut before the first drafted node
@@ -188,8 +189,8 @@ def replay(
         for part in replayed:
             part.spent = 0.0
         t0 = time.perf_counter()
-        wants = ctl is None or ctl.wants_draft(seq)
-        tree = drafter.propose([seq])[0] if wants else None
+        want = DraftRequest() if ctl is None else ctl.wants_draft(seq)
+        tree = drafter.propose([seq], [want])[0] if want is not None else None
         real = 0.0 if drafter in replayed else time.perf_counter() - t0
         dt = real + sum(part.spent for part in replayed)
         if ctl is not None:
@@ -245,8 +246,8 @@ def record_drafts(method: str, tag: str, checkpoint: str | None, max_new_tokens:
     engine = SpecEngine(target, drafter, EngineConfig(max_batch=1, max_context=8192, controller="off"))
     out = {"method": method, "checkpoint": checkpoint, "tasks": [],
            "curve": measured_curve(target, engine.cache).to_dict(),
-           "cost_by_depth": getattr(drafter.inner, "cost_by_depth", False),
-           "drafts_chain": getattr(drafter.inner, "drafts_chain", False),
+           "cost_by_depth": drafter.inner.traits.cost_by_depth,
+           "drafts_chain": drafter.inner.traits.drafts_chain,
            "spans": bool(getattr(drafter.inner, "span", 0))}  # fmt: skip
     for t in tasks:
         drafter.trees = {}

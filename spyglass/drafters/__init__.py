@@ -35,12 +35,20 @@ COMPOSITES = {
 
 
 def build_drafter(
-    method: str, target, *, max_batch: int = 4, max_context: int = 8192, loaded: dict | None = None, **options
+    method: str,
+    target,
+    *,
+    max_batch: int = 4,
+    max_context: int = 8192,
+    loaded: dict | None = None,
+    token_matched: bool = False,
+    **options,
 ) -> Drafter | None:
     """The drafter for `method` ("ar" = plain decoding, no drafter). Unknown names raise ValueError. `loaded`: a
     memo shared by the drafters of one replica (one dict for all its build_drafter calls), so methods that use
     the same draft checkpoint (the longspec variants and the composites built on them, the dflash variants) load
-    it once and share its weights; None loads afresh."""
+    it once and share its weights; None loads afresh. `token_matched`: a learned chain drafts its argmax under
+    sampling (a composite's part: its merged tree is verified by token matching)."""
     if method == "ar":
         return None
     if method == "ngram":
@@ -63,7 +71,9 @@ def build_drafter(
         from spyglass.drafters.composite import CompositeDrafter
 
         parts = [
-            build_drafter(m, target, max_batch=max_batch, max_context=max_context, loaded=loaded, **options)
+            build_drafter(
+                m, target, max_batch=max_batch, max_context=max_context, loaded=loaded, token_matched=True, **options
+            )
             for m in COMPOSITES[method]
         ]
         return CompositeDrafter(parts, name=method)
@@ -78,7 +88,9 @@ def build_drafter(
         draft = load_once(loaded, "longspec", checkpoint, lambda path: load_longspec_draft(path, target))
         span = SPAN if mode == "span" else 0  # a chain whose copied tokens bring their context's continuation
         mode = "chain" if mode in ("", "span") else mode
-        return LongSpecDrafter(draft, gamma=options.get("gamma") or 5, mode=mode, span=span)
+        return LongSpecDrafter(
+            draft, gamma=options.get("gamma") or 5, mode=mode, span=span, token_matched=token_matched
+        )
     if method in ("dflash", "dflash-dels", "dflash-span", "dflash-dels-span"):
         from spyglass.drafters.dflash import build_dflash_drafter
         from spyglass.spans import SPAN
@@ -93,6 +105,7 @@ def build_drafter(
             beta=options.get("beta"),
             span=SPAN if method.endswith("-span") else None,  # a copied token brings its context's continuation
             loaded=loaded,
+            token_matched=token_matched,
         )
     if method == "tokenswift":
         from spyglass.drafters.tokenswift import build_tokenswift

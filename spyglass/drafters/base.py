@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -19,9 +20,53 @@ if TYPE_CHECKING:
     from spyglass.models.llama import Transformer
 
 
+FREE_KINDS = ("none", "part", "all")
+
+
+@dataclass(frozen=True)
+class DrafterTraits:
+    """What the engine, its speculation controller and a composite know of a drafter: declared once, as the class's
+    `traits` (or, where they follow its configuration, set once in `__init__`), and never changed afterwards.
+
+    - `free`: what it proposes with no draft step (a lookup, a copied span that goes on), costing next to nothing
+      beside a target step. "none": every proposal runs its draft; "all": every proposal is free (model-free:
+      suffix, n-gram; timed like any drafter, which shows it); "part": asked `DraftRequest.free_only`, it proposes
+      its free part alone (root-only where that has nothing), which the controller asks between its probes. A
+      composite's parts that are not "none" keep proposing between probes.
+    - `token_matched`: its trees carry no proposal distributions, so a sampled request's tree is verified by token
+      matching: it drafts argmaxes (or top candidates) and draws from no random stream. A composite's parts must be.
+    - `drafts_chain`: one token per depth (the controller sizes it by its acceptance profile: ChainDepthController).
+    - `cost_by_depth`: one draft step per depth, and only as deep as `DraftRequest.depth` asks (the controller then
+      charges drafting per kept depth).
+    - `hidden_layers`: the target layers whose hidden states it reads (indices, negative from the end; the output
+      of that layer, before the final norm): the engine then calls `observe_hidden` (below). Empty: none."""
+
+    free: Literal["none", "part", "all"] = "none"
+    token_matched: bool = False
+    drafts_chain: bool = False
+    cost_by_depth: bool = False
+    hidden_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.free not in FREE_KINDS:
+            raise ValueError(f"free must be one of {', '.join(FREE_KINDS)}, got {self.free!r}")
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """What the engine's speculation controller wants from the drafter for one sequence at this step."""
+
+    # How deep a tree is worth drafting (one level deeper than what it verified last time; deeper nodes would only
+    # be pruned); None: as deep as the drafter goes. A `cost_by_depth` drafter stops there.
+    depth: int | None = None
+    # Between the controller's probes: propose only the free part (`DrafterTraits.free`), no draft step.
+    free_only: bool = False
+
+
 @runtime_checkable
 class Drafter(Protocol):
     name: str
+    traits: DrafterTraits
 
     def bind(self, target: Transformer, cache: KVCache) -> None:
         """Called once by the engine with its target and KVCache, for drafters that read the target's K/V in
@@ -30,8 +75,9 @@ class Drafter(Protocol):
     def start(self, seq: Sequence) -> None:
         """Called once after the target's prefill (the sequence holds the prompt and its first token)."""
 
-    def propose(self, batch: list[Sequence]) -> list[DraftTree]:
-        """One draft tree per sequence, rooted at `seq.root`."""
+    def propose(self, batch: list[Sequence], wants: list[DraftRequest]) -> list[DraftTree]:
+        """One draft tree per sequence, rooted at `seq.root`; `wants[i]` is what the controller wants for
+        `batch[i]` (a plain `DraftRequest()` without one)."""
 
     def commit(self, seq: Sequence, accepted: Accepted) -> None:
         """Called after verification, once `accepted.tokens` have been appended to `seq`."""
@@ -43,32 +89,22 @@ class Drafter(Protocol):
         """Memory the drafter holds for this sequence."""
 
 
-# Optional: `seq.draft_depth` (None or an int) is how deep the engine's controller expects a tree to be worth
-# drafting this step (one level deeper than what it verified last time); a drafter whose cost grows with depth
-# (LongSpec) may stop there. Deeper nodes would only be pruned.
-
-
-def requested_depth(seq: Sequence, gamma: int, capacity: int) -> int:
+def requested_depth(seq: Sequence, want: DraftRequest, gamma: int, capacity: int) -> int:
     """How deep to draft for `seq`: the drafter's own `gamma`, the controller's hint and the room left in the cache."""
-    return max(0, min(gamma, seq.draft_depth or gamma, capacity - seq.num_tokens))
+    return max(0, min(gamma, want.depth or gamma, capacity - seq.num_tokens))
 
 
-# Optional: a drafter with `has_free_part = True` (a composite with a model-free part) keeps proposing between
-# the controller's probes with `seq.draft_free_only` set: only its model-free parts draft then.
-
-
-# Optional, for drafters that read the target's hidden states (TokenSwift, DFlash). A drafter with a non-empty
-# `hidden_layers: tuple[int, ...]` (layer indices, negative from the end; the output of that layer, before the
-# final norm) gets, after every target forward that commits tokens of a sequence (prefill chunks and verify
-# passes), `observe_hidden(seq, start, hidden, kept)`: `hidden[layer]` holds one row per token of that forward
-# and rows `kept[j]` are now committed at position `start + j` (verify: the accepted path, root first).
-# It is called before `commit` (verify) and before `start` (prefill).
+# For a drafter with `traits.hidden_layers`: after every target forward that commits tokens of a sequence (prefill
+# chunks and verify passes) the engine calls `observe_hidden(seq, start, hidden, kept)`: `hidden[layer]` holds one
+# row per token of that forward and rows `kept[j]` are now committed at position `start + j` (verify: the accepted
+# path, root first). It is called before `commit` (verify) and before `start` (prefill).
 
 
 class StatelessDrafter:
     """Defaults for drafters that keep no per-sequence state."""
 
     name = "stateless"
+    traits = DrafterTraits()
 
     def bind(self, target: Transformer, cache: KVCache) -> None:
         pass
@@ -90,8 +126,9 @@ class NullDrafter(StatelessDrafter):
     """Proposes nothing: the engine then does plain decoding through the full speculative machinery."""
 
     name = "null"
+    traits = DrafterTraits(free="all", token_matched=True)
 
-    def propose(self, batch: list[Sequence]) -> list[DraftTree]:
+    def propose(self, batch: list[Sequence], wants: list[DraftRequest]) -> list[DraftTree]:
         return [DraftTree.root_only(s.root) for s in batch]
 
 

@@ -5,15 +5,16 @@ places: merged, each path keeps the best score any drafter gave it, and the engi
 that pay. A later part drafts for a sequence only while the earlier parts are unsure of its next token (their
 best first-level score below `confident`, discounted by how often their best first token has come true for the
 sequence): where copying is likely right, the learned draft's few extra candidates rarely pay for its
-step-by-step drafting. Between the controller's probes only the model-free parts
-propose (`seq.draft_free_only`): suffix lookups cost nothing, so they should never wait for the learned part to
-pay again. Sampling is verified by token matching (merged trees carry no single proposal distribution), which
-keeps the target's distribution exactly.
+step-by-step drafting. Between the controller's probes (`DraftRequest.free_only`) only the parts with a free part
+propose, that part alone (`DrafterTraits.free`: suffix lookups, a span that goes on): they cost nothing, so they
+should never wait for the learned part to pay again. Sampling is verified by token matching (merged trees carry no
+single proposal distribution), which keeps the target's distribution exactly: every part must draft for it
+(`DrafterTraits.token_matched`; `build_drafter` builds a composite's parts so).
 """
 
 from __future__ import annotations
 
-from spyglass.drafters.base import Drafter
+from spyglass.drafters.base import Drafter, DrafterTraits, DraftRequest
 from spyglass.sequence import Sequence
 from spyglass.tree import DraftTree, TrieBuilder
 from spyglass.verify import Accepted
@@ -46,6 +47,8 @@ def best_first(tree: DraftTree) -> tuple[int, float]:
 
 
 class CompositeDrafter:
+    traits: DrafterTraits  # set in __init__, composed from its parts' (never changing them)
+
     # The gate reads the earlier parts' scores as far as they come true for the sequence: their best first token
     # against the target's next one, decayed by this much per step, scales the score the gate compares (a lookup
     # that keeps claiming long matches where the output departs from the context stops holding the learned part off).
@@ -59,14 +62,17 @@ class CompositeDrafter:
         suffix has nothing; suffix alone 2.59x)."""
         if not parts:
             raise ValueError("a composite drafter needs at least one part")
+        sampled = [p.name for p in parts if not p.traits.token_matched]
+        if sampled:  # merged trees carry no proposal distributions: a sampled chain would draw for nothing
+            raise ValueError(f"a composite's parts must draft for token matching (token_matched), not {sampled}")
         self.parts, self.name, self.confident = parts, name, confident
-        for part in parts:  # merged trees carry no proposal distributions: sampled chains draft their argmax
-            if hasattr(part, "token_matched"):
-                part.token_matched = True
-        self.free_parts = tuple(getattr(p, "model_free", False) for p in parts)  # these draft between probes too
-        self.has_free_part = any(self.free_parts)
-        layers = {i for p in parts for i in getattr(p, "hidden_layers", ())}
-        self.hidden_layers = tuple(sorted(layers))
+        frees = {p.traits.free for p in parts}
+        self.traits = DrafterTraits(
+            # free as a whole if every part is, else its free parts propose alone between probes
+            free="all" if frees == {"all"} else "none" if frees == {"none"} else "part",
+            token_matched=True,
+            hidden_layers=tuple(sorted({i for p in parts for i in p.traits.hidden_layers})),
+        )
         self._claims: dict[str, tuple[int, float]] = {}  # seq_id -> the gating parts' best first token, score
         self._record: dict[str, list[float]] = {}  # seq_id -> decayed [right, claimed] (a neutral prior of 1, 1)
 
@@ -89,28 +95,31 @@ class CompositeDrafter:
 
     def observe_hidden(self, seq: Sequence, start: int, hidden, kept) -> None:
         for part in self._each(seq):
-            if getattr(part, "hidden_layers", ()):
+            if part.traits.hidden_layers:
                 part.observe_hidden(seq, start, hidden, kept)
 
-    def propose(self, batch: list[Sequence]) -> list[DraftTree]:
+    def propose(self, batch: list[Sequence], wants: list[DraftRequest]) -> list[DraftTree]:
+        """Each part proposes with the sequence's request: between probes (`free_only`) the parts with a free part
+        propose that part alone (a span part its copy that goes on), the others not at all."""
         saved = [s.drafter_state for s in batch]
         trees: list[list[DraftTree]] = [[] for _ in batch]
         drafted: list[list[int]] = [[] for _ in batch]  # which part drafted each of them
-        for i, (part, free) in enumerate(zip(self.parts, self.free_parts, strict=True)):
+        for i, part in enumerate(self.parts):
+            free = part.traits.free != "none"
             # what the earlier parts claim for each sequence's next token: their best first token and its score
             claims = [max(map(best_first, ts), key=lambda c: c[1], default=(-1, 0.0)) for ts in trees]
             if i == len(self.parts) - 1:  # the gate's evidence, checked against the target in `commit`
                 self._claims.update((s.seq_id, c) for s, c in zip(batch, claims, strict=True))
             rows = [
                 j
-                for j, (s, (_, score)) in enumerate(zip(batch, claims, strict=True))
-                if not self._sure(s, score) and (free or not s.draft_free_only)
+                for j, (s, w, (_, score)) in enumerate(zip(batch, wants, claims, strict=True))
+                if not self._sure(s, score) and (free or not w.free_only)
             ]
             if not rows:
                 break
             for j in rows:
                 batch[j].drafter_state = saved[j][i]
-            for j, tree in zip(rows, part.propose([batch[j] for j in rows]), strict=True):
+            for j, tree in zip(rows, part.propose([batch[j] for j in rows], [wants[j] for j in rows]), strict=True):
                 saved[j][i] = batch[j].drafter_state
                 trees[j].append(tree)
                 drafted[j].append(i)

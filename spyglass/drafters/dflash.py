@@ -20,7 +20,7 @@ keys (read in place from the engine's KV cache), each position proposing the tok
 requests) uses it as `longspec-span` does (`spyglass.spans`): the chain ends at its first copied token and
 goes on with the context's text after that token's source, and while the target's tokens keep agreeing with that
 text (verified, or its own on a step the controller kept plain) the next chain continues it with no block forward
-at all, also between the controller's probes (`has_free_part`). A copied token whose preceding text agrees with its
+at all, also between the controller's probes (its free part). A copied token whose preceding text agrees with its
 source's is tagged COPY_SOURCE and priced like the span behind it.
 
 Greedy requests get the block's top-1 chain plus, at low-confidence positions, a few alternative leaves; every
@@ -42,7 +42,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from spyglass.attention import tree_attention
-from spyglass.drafters.base import ProposesSubset, VocabSubset, choose_draft_token, draft_generator, load_once
+from spyglass.drafters.base import (
+    DrafterTraits,
+    DraftRequest,
+    ProposesSubset,
+    VocabSubset,
+    choose_draft_token,
+    draft_generator,
+    load_once,
+)
 from spyglass.models.linear import Linear, set_linear_backend
 from spyglass.models.llama import ModelArgs, RMSNorm, Transformer, apply_rope
 from spyglass.sequence import Sequence
@@ -443,9 +451,7 @@ def _grow(t: torch.Tensor, cap: int) -> torch.Tensor:
 class DFlashDrafter:
     """DFlash block drafting (`local_head` None) or DFlash + DeLS-Spec fusion (a `LocalHead`)."""
 
-    # Set by a composite, whose merged tree is verified by token matching: sampled requests then get the chain of
-    # the processed rows' argmaxes (what token matching accepts most often), drawn from no random stream.
-    token_matched = False
+    traits: DrafterTraits  # set in __init__: they follow the draft's layers, the tree shape and the spans
 
     def __init__(
         self,
@@ -459,6 +465,7 @@ class DFlashDrafter:
         max_alt_positions: int = 4,
         span: int = 0,
         span_mass: float = DFLASH_SPAN_MASS,
+        token_matched: bool = False,
     ) -> None:
         """`max_alternatives` > 0 adds up to that many runner-up tokens at block positions whose top token has
         less than `alt_threshold` probability, making a tree the controller sizes step by step from its scores.
@@ -466,7 +473,10 @@ class DFlashDrafter:
         prompts (bench/probes/replay.py policies) the two make the same mean, but the per-step sizing stalls where the
         first drafts miss (median 1.18x vs 1.26x, worst prompt 1.03x vs 1.09x).
         `span` > 0 (a copy-head draft, greedy requests): the chain ends at its first copied token and goes on with
-        up to `span` tokens of the context that followed that token's source."""
+        up to `span` tokens of the context that followed that token's source.
+        `token_matched` (a composite's part, whose merged tree is verified by token matching): sampled requests get
+        the chain of the processed rows' argmaxes (what token matching accepts most often), drawn from no random
+        stream."""
         self.draft = draft.eval()
         self.local = local_head.eval() if local_head is not None else None
         self.alpha, self.beta = alpha, beta
@@ -483,17 +493,16 @@ class DFlashDrafter:
         if span and max_alternatives:
             raise ValueError("spans continue a chain: max_alternatives must be 0")
         self.span, self.span_mass = span, span_mass
-        self.has_free_part = bool(span)  # a copy that goes on costs no draft step: proposed between probes too
+        self.traits = DrafterTraits(
+            free="part" if span else "none",  # a copy that goes on costs no draft step: proposed between probes too
+            token_matched=token_matched,
+            drafts_chain=max_alternatives == 0,  # one token per block position: sized by its acceptance profile
+            hidden_layers=tuple(draft.cfg.target_layers),
+        )
         self.name = ("dflash-dels" if local_head is not None else "dflash") + ("-span" if span else "")
-        self.hidden_layers = tuple(draft.cfg.target_layers)
         self.capacity: int | None = None
         self.cache = None
         self.keys_layer = -1
-
-    @property
-    def drafts_chain(self) -> bool:
-        """One token per block position (the controller then sizes it by its acceptance profile)."""
-        return self.max_alternatives == 0
 
     def bind(self, target: Transformer, cache) -> None:
         self.capacity, self.cache = cache.capacity, cache
@@ -509,7 +518,7 @@ class DFlashDrafter:
             dtype, device = self.draft.dtype, self.draft.fc.weight.device
             k = [torch.empty(c.n_kv_heads, cap, c.head_dim, dtype=dtype, device=device) for _ in range(c.n_layers)]
             v = [torch.empty_like(t) for t in k]
-            gen = None if self.token_matched else draft_generator(seq)  # no draw: plain sampling's stream kept
+            gen = None if self.traits.token_matched else draft_generator(seq)  # no draw: plain sampling's kept
             seq.drafter_state = _Context(k, v, torch.zeros(cap, dtype=torch.long), gen)
         return seq.drafter_state
 
@@ -518,7 +527,7 @@ class DFlashDrafter:
         st = self._state(seq)
         st.crop(start)
         idx = torch.tensor(kept, dtype=torch.long)
-        feats = torch.cat([hidden[i][idx] for i in self.hidden_layers], dim=-1)
+        feats = torch.cat([hidden[i][idx] for i in self.traits.hidden_layers], dim=-1)
         positions = torch.arange(start, start + len(kept))
         st.append(self.draft.context_kv(feats, positions), positions)
 
@@ -526,11 +535,11 @@ class DFlashDrafter:
         self._state(seq)
 
     @torch.inference_mode()
-    def propose(self, batch: list[Sequence]) -> list[DraftTree]:
+    def propose(self, batch: list[Sequence], wants: list[DraftRequest]) -> list[DraftTree]:
         cap = self.capacity or 1 << 30
         trees: list[DraftTree | None] = [None] * len(batch)
         drafted, hiddens = [], []  # (index, block size) of the sequences the block runs for
-        for i, seq in enumerate(batch):
+        for i, (seq, want) in enumerate(zip(batch, wants, strict=True)):
             b = max(1, min(self.block, cap - seq.num_tokens + 1))
             if b < 2:
                 trees[i] = DraftTree.root_only(seq.root)
@@ -538,7 +547,7 @@ class DFlashDrafter:
             if self.span and seq.params.greedy and (tree := self._follow_pointer(seq, cap)) is not None:
                 trees[i] = tree  # the last accepted copy goes on: its continuation, no draft step
                 continue
-            if seq.draft_free_only:  # between the controller's probes: only a copy that goes on, for free
+            if want.free_only:  # between the controller's probes: only a copy that goes on, for free
                 trees[i] = DraftTree.root_only(seq.root)
                 continue
             p = seq.committed
@@ -633,12 +642,12 @@ class DFlashDrafter:
 
     def _sampled_chain(self, seq: Sequence, long_logits: torch.Tensor) -> DraftTree:
         """A chain sampled from the processed (fused) draft rows, which are the verifier's proposal q (their
-        argmaxes when `token_matched`)."""
+        argmaxes when `traits.token_matched`)."""
         chain, rows, h = [], [], None
         gen = self._state(seq).generator
         for _ in range(long_logits.shape[0]):
             logits, h = self._position_logits(long_logits, chain, h)
-            tok, row = choose_draft_token(seq, chain, logits[None], gen, top=self.token_matched)
+            tok, row = choose_draft_token(seq, chain, logits[None], gen, top=self.traits.token_matched)
             chain.append(tok)
             rows.append(row)
         # no per-node scores: the controller sizes a rejection-sampled chain from its shape and history only

@@ -20,7 +20,7 @@ context supplies the rest (what n-gram lookup guesses from the last few tokens, 
 keys). A copied token whose preceding text agrees with its source's is priced as a span's token (COPY_SOURCE). The
 pointer follows the copy through whatever is committed along it (`spans.next_pointer`: accepted copied tokens or
 the target's own): while the root is the context's token there, the next chain is that place's continuation with no
-draft step at all, also between the controller's probes (`has_free_part`); otherwise the draft drafts.
+draft step at all, also between the controller's probes (its free part); otherwise the draft drafts.
 
 Drafting is incremental and batched: one `draft_step` per depth for every sequence of the step, each node's
 own K/V kept for its descendants (nothing is re-run). Tree shapes:
@@ -32,7 +32,7 @@ A node that gets a span is not drafted further (its span continues it).
 Every node carries its cumulative draft probability as its score; the engine's controller decides how much of
 the tree pays on this machine. Sampling: a chain is drawn from the draft's processed distribution and carries
 it for rejection sampling; beam and CAPE trees (the draft's top candidates), trees with spans, and a chain merged
-into a composite's tree (`token_matched`: its argmax), are verified by token matching. Both keep the target's
+into a composite's tree (built `token_matched`: its argmax), are verified by token matching. Both keep the target's
 distribution exactly.
 """
 
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from spyglass.drafters.base import choose_draft_token, draft_generator, requested_depth
+from spyglass.drafters.base import DrafterTraits, DraftRequest, choose_draft_token, draft_generator, requested_depth
 from spyglass.kv_cache import KVCache
 from spyglass.models.linear import set_linear_backend
 from spyglass.models.llama import Transformer
@@ -128,10 +128,7 @@ def load_longspec_draft(checkpoint: str | Path | None, target: Transformer, ship
 
 class LongSpecDrafter:
     name = "longspec"
-    cost_by_depth = True  # one draft step per depth, and only as deep as the controller asks (`seq.draft_depth`)
-    # A sampled chain is verified by token matching (a composite merges it, dropping its proposal distributions):
-    # draft the argmax, which token matching accepts most often, not a sample.
-    token_matched = False
+    traits: DrafterTraits  # set in __init__: they follow the tree mode and the spans
 
     def __init__(
         self,
@@ -142,7 +139,10 @@ class LongSpecDrafter:
         cape_bins: tuple[int, ...] | None = None,
         span: int = 0,
         span_mass: float = SPAN_MASS,
+        token_matched: bool = False,
     ) -> None:
+        """`token_matched`: a sampled chain is verified by token matching (a composite merges it, dropping its
+        proposal distributions): draft the argmax, which token matching accepts most often, not a sample."""
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
         if mode not in MODES:
@@ -159,22 +159,23 @@ class LongSpecDrafter:
             cape_bins = CAPE_BINS if draft.layers[0].wqkv.weight.is_cuda else CAPE_BINS_CPU
         self.draft, self.gamma, self.mode, self.width, self.cape_bins = draft, gamma, mode, width, cape_bins
         self.span, self.span_mass = span, span_mass
-        self.has_free_part = bool(span)  # a copy that goes on costs no draft step: proposed between probes too
-        if span:  # a tree, verified by token matching (so the argmax, not a sample), priced per step: draft steps
-            self.token_matched, self.cost_by_depth = True, False  # stop where a span starts, so depth is no measure
+        self.traits = DrafterTraits(
+            free="part" if span else "none",  # a copy that goes on costs no draft step: proposed between probes too
+            # beam and CAPE trees, and a chain with spans, carry no proposal distributions: their argmaxes
+            token_matched=token_matched or bool(span) or mode != "chain",
+            drafts_chain=mode == "chain",  # one token per depth (the controller sizes it by its acceptance profile)
+            # one draft step per depth, only as deep as the controller asks (`DraftRequest.depth`); with spans, priced
+            # per step: draft steps stop where a span starts, so depth is no measure
+            cost_by_depth=not span,
+            # the target layers whose outputs the engine hands to observe_hidden
+            hidden_layers=tuple(draft.cfg.hidden_layers or [-1]) if draft.cfg.feed_hidden else (),
+        )
         self.ring = draft.cfg.window - 1  # + the token being drafted from = the training window
         self.cache: KVCache | None = None
         family = "longspec" if draft.cfg.n_layers == 1 else "glide"
         self.name = family if mode == "chain" else f"{family}-{mode}"
         self.name += "-span" if span else ""
-        # the target layers whose outputs the engine hands to observe_hidden
-        self.hidden_layers = tuple(draft.cfg.hidden_layers or [-1]) if draft.cfg.feed_hidden else ()
         self._pending: dict[int, torch.Tensor] = {}  # prefill's hidden state, until start()
-
-    @property
-    def drafts_chain(self) -> bool:
-        """One token per depth (the controller then sizes it by its acceptance profile)."""
-        return self.mode == "chain"
 
     def bind(self, target: Transformer, cache: KVCache) -> None:
         self.cache = cache
@@ -188,7 +189,7 @@ class LongSpecDrafter:
         empty = torch.zeros(c.n_layers, c.n_kv_heads, self.ring, c.head_dim, dtype=self.draft.dtype, device=device)
         pos = torch.full((self.ring,), -1, dtype=torch.long)
         hidden = self._pending.pop(seq.seq_id, None)
-        sampled = self.mode == "chain" and not self.token_matched  # the only trees drawn at random
+        sampled = not self.traits.token_matched  # the only trees drawn at random: a chain's
         gen = draft_generator(seq) if sampled else None  # (taking no draw otherwise keeps plain sampling's stream)
         seq.drafter_state = _Window(empty, torch.zeros_like(empty), pos, 0, gen, hidden)
 
@@ -214,7 +215,7 @@ class LongSpecDrafter:
             w.pos[slots] = torch.arange(lo, committed)
         w.synced = committed
 
-    def propose(self, batch: list[Sequence]) -> list[DraftTree]:
+    def propose(self, batch: list[Sequence], wants: list[DraftRequest]) -> list[DraftTree]:
         if self.cache is None:
             raise RuntimeError("LongSpecDrafter is not bound to an engine's KV cache")
         if not batch:
@@ -224,11 +225,11 @@ class LongSpecDrafter:
         targets = [[self.cache.prefix(s.slot, layer) for layer in self.layers_read] for s in batch]
         for seq, w, c, t in zip(batch, states, committed, targets, strict=True):
             self._sync(seq, w, c, t)
-        depth_cap = [requested_depth(s, self.gamma, self.cache.capacity) for s in batch]
+        depth_cap = [requested_depth(s, w, self.gamma, self.cache.capacity) for s, w in zip(batch, wants, strict=True)]
         trees = [_Growing(int(s.root)) for s in batch]
         if self.span:  # where the last copy goes on, its continuation instead of a draft step
             for i, (s, w, c) in enumerate(zip(batch, states, committed, strict=True)):
-                if s.draft_free_only:  # between the controller's probes: only a copy that goes on, for free
+                if wants[i].free_only:  # between the controller's probes: only a copy that goes on, for free
                     depth_cap[i] = 0
                 span = pointer_continuation(s, w.pointer, c, min(self.span, self.cache.capacity - s.num_tokens))
                 if span is not None:
@@ -288,7 +289,7 @@ class LongSpecDrafter:
         crosses = [
             (rs, [k for k, _ in targets[i]], [v for _, v in targets[i]], after[i]) for i, rs in cross_groups.items()
         ]
-        hidden = torch.stack([states[i].hidden for i, _ in rows]) if self.hidden_layers else None
+        hidden = torch.stack([states[i].hidden for i, _ in rows]) if self.traits.hidden_layers else None
         own = None
         if self.draft.cfg.feed_own_hidden:  # each node reads its parent's output (the root: zeros)
             zero = torch.zeros(self.draft.cfg.hidden_size, dtype=self.draft.dtype, device=self.draft.inv_freq.device)
@@ -336,9 +337,10 @@ class LongSpecDrafter:
         """Add the node's children to the tree; returns those to expand further."""
         if self.mode == "chain":
             drafted = g.tokens_to(node)
-            tok, dist = choose_draft_token(seq, drafted, logits.unsqueeze(0), gen, top=self.token_matched)
+            matched = self.traits.token_matched
+            tok, dist = choose_draft_token(seq, drafted, logits.unsqueeze(0), gen, top=matched)
             p = float(dist[tok]) if not seq.params.greedy else float(torch.softmax(logits, -1)[tok])
-            sampled = not (seq.params.greedy or self.token_matched)
+            sampled = not (seq.params.greedy or matched)
             child = g.add(node, tok, g.scores[node] * p, dist if sampled else None)
             return [child]
         probs = torch.softmax(logits, -1)

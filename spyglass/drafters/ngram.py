@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from spyglass.drafters.base import StatelessDrafter
+from spyglass.drafters.base import DrafterTraits, DraftRequest, StatelessDrafter
 from spyglass.sequence import Sequence
 from spyglass.tree import DraftTree
 from spyglass.verify import Accepted
@@ -23,7 +23,7 @@ SCAN_MATCHES = 64  # most recent occurrences considered per step (bounds the cos
 
 class NgramDrafter(StatelessDrafter):
     name = "ngram"
-    model_free = True  # a lookup: proposing costs next to nothing beside a target step
+    traits = DrafterTraits(free="all", token_matched=True)  # a lookup: costs next to nothing beside a target step
 
     def __init__(
         self, n_min: int = 1, n_max: int = 3, draft_len: int = 12, max_candidates: int = 2, adaptive: bool = True
@@ -40,7 +40,7 @@ class NgramDrafter(StatelessDrafter):
     def start(self, seq: Sequence) -> None:
         seq.drafter_state = [min(4, self.draft_len) if self.adaptive else self.draft_len, 0]  # budget, depth
 
-    def propose(self, batch: list[Sequence]) -> list[DraftTree]:
+    def propose(self, batch: list[Sequence], wants: list[DraftRequest]) -> list[DraftTree]:
         trees = []
         for seq in batch:
             state = seq.drafter_state or [self.draft_len, 0]

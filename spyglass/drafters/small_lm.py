@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spyglass.drafters.base import choose_draft_token, draft_generator, requested_depth
+from spyglass.drafters.base import DrafterTraits, DraftRequest, choose_draft_token, draft_generator, requested_depth
 from spyglass.kv_cache import KVCache
 from spyglass.models.llama import Segment, Transformer
 from spyglass.sequence import Sequence
@@ -28,8 +28,8 @@ class _DraftState:
 
 class SmallLMDrafter:
     name = "small-lm"
-    cost_by_depth = True  # one draft forward per depth, and only as deep as the controller asks (`seq.draft_depth`)
-    drafts_chain = True  # one token per depth
+    # one token per depth, one draft forward per depth, and only as deep as the controller asks (`DraftRequest.depth`)
+    traits = DrafterTraits(drafts_chain=True, cost_by_depth=True)
 
     def __init__(self, draft: Transformer, gamma: int = 4, max_batch: int = 4, max_context: int = 8192) -> None:
         if gamma < 1:
@@ -47,11 +47,11 @@ class SmallLMDrafter:
         # The draft holds every token but the root; the root is fed with the next proposal.
         self.draft.prefill(self.cache, state.slot, seq.tokens[:-1].clone())
 
-    def propose(self, batch: list[Sequence]) -> list[DraftTree]:
+    def propose(self, batch: list[Sequence], wants: list[DraftRequest]) -> list[DraftTree]:
         states: list[_DraftState] = [s.drafter_state for s in batch]
         for s, st in zip(batch, states, strict=True):  # drop what an earlier, unverified proposal drafted
             self.cache.truncate(st.slot, s.committed)
-        depth = [requested_depth(s, self.gamma, self.cache.capacity) for s in batch]
+        depth = [requested_depth(s, w, self.gamma, self.cache.capacity) for s, w in zip(batch, wants, strict=True)]
         drafted: list[list[int]] = [[] for _ in batch]
         dists: list[list[torch.Tensor]] = [[] for _ in batch]
         # Step 0 feeds every token the draft has not seen yet (the root plus any catch-up).

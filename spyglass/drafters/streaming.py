@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spyglass.drafters.base import choose_draft_token, draft_generator
+from spyglass.drafters.base import DrafterTraits, DraftRequest, choose_draft_token, draft_generator
 from spyglass.kv_cache import KVCache
 from spyglass.models.llama import Segment, Transformer
 from spyglass.partial_kv import PartialKV, PartialState
@@ -30,6 +30,7 @@ class _State:
 
 class StreamingDrafter:
     name = "streaming"
+    traits = DrafterTraits()  # gamma passes whatever depth is asked; a sampled chain carries its distributions
 
     def __init__(self, budget: int | None = None, sinks: int = 4, gamma: int = 4, policy: str = "window") -> None:
         if gamma < 1:
@@ -48,7 +49,7 @@ class StreamingDrafter:
         seq.drafter_state = _State(self.pkv.start(seq.slot), draft_generator(seq))
 
     @torch.inference_mode()
-    def propose(self, batch: list[Sequence]) -> list[DraftTree]:
+    def propose(self, batch: list[Sequence], wants: list[DraftRequest]) -> list[DraftTree]:
         if self.pkv is None:
             raise RuntimeError("StreamingDrafter is not bound to an engine")
         states: list[_State] = [s.drafter_state for s in batch]

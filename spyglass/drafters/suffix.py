@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spyglass.drafters.base import StatelessDrafter
+from spyglass.drafters.base import DrafterTraits, DraftRequest, StatelessDrafter
 from spyglass.sequence import Sequence
 from spyglass.tree import DraftTree
 from spyglass.verify import Accepted
@@ -221,7 +221,7 @@ class _SuffixState:
 
 class SuffixDrafter(StatelessDrafter):
     name = "suffix"
-    model_free = True  # a lookup: proposing costs next to nothing beside a target step
+    traits = DrafterTraits(free="all", token_matched=True)  # a lookup: costs next to nothing beside a target step
 
     def __init__(
         self,
@@ -277,7 +277,7 @@ class SuffixDrafter(StatelessDrafter):
         return 0 if st is None else st.sam.nbytes()
 
     # --- drafting ---------------------------------------------------------------------------------
-    def propose(self, batch: list[Sequence]) -> list[DraftTree]:
+    def propose(self, batch: list[Sequence], wants: list[DraftRequest]) -> list[DraftTree]:
         return [self.propose_one(seq) for seq in batch]
 
     def propose_one(self, seq: Sequence) -> DraftTree:

@@ -15,7 +15,7 @@ Per step and sequence:
    match length was right in this text), are merged into one trie; every node is scored with an estimate of
    P(accepted) (product of the draft probabilities along the path, or the n-gram's relative frequency when
    larger), and the engine's speculation controller prunes the tree by the measured verify cost.
-Between the controller's probes (`seq.draft_free_only`: the partial-cache pass costs about a decode step on a CPU,
+Between the controller's probes (`DraftRequest.free_only`: the partial-cache pass costs about a decode step on a CPU,
 where the weights, not the KV cache, dominate a step) only the lookups propose, at no cost: the context lookup and
 the table's most frequent n-grams that start at the root itself. Where the context lookup's best next token is
 likely (score >= `confident`), a step skips the pass too: the heads' few candidates rarely pay for it there. The
@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from spyglass.drafters.base import choose_draft_token, draft_generator
+from spyglass.drafters.base import DrafterTraits, DraftRequest, choose_draft_token, draft_generator
 from spyglass.drafters.composite import best_first
 from spyglass.drafters.suffix import SuffixDrafter
 from spyglass.kv_cache import KVCache
@@ -141,7 +141,7 @@ EXTENDED = 2  # n-gram candidates chained on past their n tokens (as many as n-g
 
 class TokenSwiftDrafter:
     name = "tokenswift"
-    hidden_layers = (-1,)  # the engine hands over the target's last hidden states (observe_hidden)
+    traits: DrafterTraits  # set in __init__: they follow the lookups and the sampled chain
 
     def __init__(
         self,
@@ -179,7 +179,11 @@ class TokenSwiftDrafter:
         self.sampled_chain = sampled_chain
         self.lookup = SuffixDrafter() if context_lookup else None
         self.confident = confident
-        self.has_free_part = ngram_k > 0 or context_lookup  # the lookups draft between probes, for free
+        self.traits = DrafterTraits(
+            free="part" if ngram_k > 0 or context_lookup else "none",  # the lookups draft between probes, for free
+            token_matched=not sampled_chain,  # a tree of top candidates and lookups, verified by token matching
+            hidden_layers=(-1,),  # the engine hands over the target's last hidden states (observe_hidden)
+        )
         self.pkv: PartialKV | None = None
         self.drafted = 0  # sequence-steps that ran the heads (and the partial-cache pass): what the lookups spared
         self.target: Transformer | None = None
@@ -248,12 +252,14 @@ class TokenSwiftDrafter:
             t.capture_layers = saved
         return self.heads.logits(t, h, slice(len(self.widths)))
 
-    def propose(self, batch: list[Sequence]) -> list[DraftTree]:
+    def propose(self, batch: list[Sequence], wants: list[DraftRequest]) -> list[DraftTree]:
         if self.target is None:
             raise RuntimeError("TokenSwiftDrafter is not bound to an engine")
         lookups = {id(s): self._in_lookup(s, "propose_one") for s in batch}
         trees = {
-            id(s): self._free_tree(s, lookups[id(s)]) for s in batch if s.draft_free_only or self._sure(lookups[id(s)])
+            id(s): self._free_tree(s, lookups[id(s)])
+            for s, w in zip(batch, wants, strict=True)
+            if w.free_only or self._sure(lookups[id(s)])
         }
         drafted = [s for s in batch if id(s) not in trees]
         if drafted:

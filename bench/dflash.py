@@ -42,24 +42,18 @@ from bench.tasks import HeldOutTask, heldout_tasks  # noqa: E402
 from spyglass.controller import measured_curve  # noqa: E402
 from spyglass.drafters import COMPOSITES  # noqa: E402
 from spyglass.drafters.composite import CompositeDrafter  # noqa: E402
-from spyglass.drafters.dels import load_local_head  # noqa: E402
-from spyglass.drafters.dflash import (  # noqa: E402
-    DEFAULT_DELS,
-    DEFAULT_DFLASH,
-    DFlashDrafter,
-    fuse,
-    load_dflash,
-    mix_copies,
-    training_mask,
-)
+from spyglass.drafters.dflash import DEFAULT_DELS, DEFAULT_DFLASH, DFlashDrafter, fuse, mix_copies  # noqa: E402
 from spyglass.drafters.ngram import NgramDrafter  # noqa: E402
 from spyglass.drafters.suffix import SuffixDrafter  # noqa: E402
 from spyglass.engine import SpecEngine  # noqa: E402
+from spyglass.models.drafts.dels import load_local_head  # noqa: E402
+from spyglass.models.drafts.dflash import load_dflash  # noqa: E402
 from spyglass.models.llama import Segment, load_transformer  # noqa: E402
 from spyglass.models.loader import load_tokenizer, resolve_model  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
 from spyglass.spans import SPAN  # noqa: E402
 from spyglass.training import repo_relative  # noqa: E402
+from spyglass.training.losses import training_mask  # noqa: E402
 
 GRID = (0.1, 0.3, 0.5)
 

@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 
-from spyglass.drafters.dels import (
+from spyglass.drafters.dflash import DFlashDrafter, fuse, mix_copies
+from spyglass.engine import EngineConfig, SpecEngine, plain_generate
+from spyglass.models.drafts.dels import (
     LocalHead,
     LocalHeadConfig,
     load_local_head,
@@ -16,20 +18,11 @@ from spyglass.drafters.dels import (
     save_local_head,
     token_counts,
     unigram_log_prior,
-    window_weights,
 )
-from spyglass.drafters.dflash import (
-    DFlashDraft,
-    DFlashDrafter,
-    dflash_loss,
-    fuse,
-    load_dflash,
-    mix_copies,
-    save_dflash,
-)
-from spyglass.engine import EngineConfig, SpecEngine, plain_generate
+from spyglass.models.drafts.dflash import DFlashDraft, load_dflash, save_dflash
 from spyglass.models.llama import load_transformer
 from spyglass.sampling import SamplingParams
+from spyglass.training.losses import dflash_loss, window_weights
 from tests.tiny import fit_local_head, full_features, make_prompts, trained_tiny, with_copy_head
 
 # Greedy identity (batch 1 and 4) and sampling fidelity: DFlash and DFlash + DeLS run in the shared suites,
@@ -117,7 +110,7 @@ def test_local_head_trains_without_the_target_layers(tiny_dir, monkeypatch, tmp_
             read.append(name)
             return self.inner.get_tensor(name)
 
-    monkeypatch.setattr("spyglass.drafters.dels.safe_open", Recording)
+    monkeypatch.setattr("spyglass.models.drafts.dels.safe_open", Recording)
     embed, head_w = read_frozen_io(tiny_dir["llama"])
     assert set(read) == {"model.embed_tokens.weight", "lm_head.weight"}
     assert embed.shape == (128, 64) and head_w.shape == (128, 64)

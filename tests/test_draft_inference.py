@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from spyglass.models.drafts.longspec import LongSpecDraft
 from spyglass.models.llama import load_transformer
-from spyglass.training.draft_models import LongSpecDraft
 from spyglass.tree import DraftTree
 
 LENGTH, COMMITTED = 40, 36

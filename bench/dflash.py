@@ -40,7 +40,7 @@ from bench.common import RESULTS_DIR, machine_load, median, plot_panels, wait_fo
 from bench.drafting import median_runs  # noqa: E402
 from bench.tasks import HeldOutTask, heldout_tasks  # noqa: E402
 from spyglass.controller import measured_curve  # noqa: E402
-from spyglass.drafters import COMPOSITES  # noqa: E402
+from spyglass.drafters import METHODS  # noqa: E402
 from spyglass.drafters.composite import CompositeDrafter  # noqa: E402
 from spyglass.drafters.dflash import DEFAULT_DELS, DEFAULT_DFLASH, DFlashDrafter, fuse, mix_copies  # noqa: E402
 from spyglass.drafters.ngram import NgramDrafter  # noqa: E402
@@ -216,7 +216,7 @@ def main() -> None:
         makers["dflash-span"] = lambda: DFlashDrafter(draft, span=SPAN)
         makers["dflash-dels-span"] = lambda: DFlashDrafter(draft, head, span=SPAN)
     # as `--method composite-dflash` builds it, from this run's drafts
-    parts = COMPOSITES["composite-dflash"]
+    parts = METHODS["composite-dflash"].options["parts"]
     makers["composite-dflash"] = lambda: CompositeDrafter([makers[m]() for m in parts], "composite-dflash")
     load_before = machine_load()
     greedy = SamplingParams(max_new_tokens=args.max_new_tokens)

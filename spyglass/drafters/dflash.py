@@ -20,12 +20,12 @@ text (verified, or its own on a step the controller kept plain) the next chain c
 at all, also between the controller's probes (`has_free_part`). A copied token whose preceding text agrees with its
 source's is tagged COPY_SOURCE and priced like the span behind it.
 
-Greedy requests get the block's top-1 chain plus, at low-confidence positions, a few alternative leaves; every
-node carries P(accepted) as the product of the draft's probabilities along its path (`DraftTree.scores`), and
-the engine's speculation controller prunes it by the measured verify-cost curve. Sampled requests get a chain
-sampled position by position from the (fused) draft distribution under the request's sampling parameters, and
-that distribution is handed to the verifier as the proposal `q` (rejection sampling: lossless, and it accepts
-more than matching target samples against argmax drafts when the draft is close to the target).
+Greedy requests get the block's top-1 chain; every node carries P(accepted) as the product of the draft's
+probabilities along its path (`DraftTree.scores`), and the engine's speculation controller sizes the chain by its
+acceptance profile. Sampled requests get a chain sampled position by position from the (fused) draft distribution
+under the request's sampling parameters, and that distribution is handed to the verifier as the proposal `q`
+(rejection sampling: lossless, and it accepts more than matching target samples against argmax drafts when the
+draft is close to the target).
 """
 
 from __future__ import annotations
@@ -119,17 +119,13 @@ class DFlashDrafter:
         alpha: float = 0.3,
         beta: float = 0.3,
         block_size: int | None = None,
-        alt_threshold: float = 0.6,
-        max_alternatives: int = 0,
-        max_alt_positions: int = 4,
         span: int = 0,
         span_mass: float = DFLASH_SPAN_MASS,
     ) -> None:
-        """`max_alternatives` > 0 adds up to that many runner-up tokens at block positions whose top token has
-        less than `alt_threshold` probability, making a tree the controller sizes step by step from its scores.
-        The default, a chain, is sized by its acceptance profile instead: replayed over v6's drafts on the dev
-        prompts (bench/probes/replay.py policies) the two make the same mean, but the per-step sizing stalls where the
-        first drafts miss (median 1.18x vs 1.26x, worst prompt 1.03x vs 1.09x).
+        """A chain, sized by its acceptance profile: replayed over v6's drafts on the dev prompts
+        (bench/probes/replay.py policies), a tree of runner-up tokens at low-confidence positions sized step by step
+        from its scores made the same mean, but that per-step sizing stalls where the first drafts miss (median
+        1.18x vs 1.26x, worst prompt 1.03x vs 1.09x).
         `span` > 0 (a copy-head draft, greedy requests): the chain ends at its first copied token and goes on with
         up to `span` tokens of the context that followed that token's source."""
         self.draft = draft.eval()
@@ -138,15 +134,10 @@ class DFlashDrafter:
         self.block = block_size or draft.cfg.block_size
         if self.block < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block}")
-        self.alt_threshold = alt_threshold
-        self.max_alternatives = max_alternatives
-        self.max_alt_positions = max_alt_positions
         if span < 0 or not 0 < span_mass <= 1:
             raise ValueError(f"span must be >= 0 and span_mass in (0, 1], got {span}, {span_mass}")
         if span and not draft.cfg.copy_head:
             raise ValueError("spans follow the copy head's pointer: this DFlash draft has no copy head")
-        if span and max_alternatives:
-            raise ValueError("spans continue a chain: max_alternatives must be 0")
         self.span, self.span_mass = span, span_mass
         self.has_free_part = bool(span)  # a copy that goes on costs no draft step: proposed between probes too
         self.name = ("dflash-dels" if local_head is not None else "dflash") + ("-span" if span else "")
@@ -155,10 +146,7 @@ class DFlashDrafter:
         self.cache = None
         self.keys_layer = -1
 
-    @property
-    def drafts_chain(self) -> bool:
-        """One token per block position (the controller then sizes it by its acceptance profile)."""
-        return self.max_alternatives == 0
+    drafts_chain = True  # one token per block position (the controller sizes it by its acceptance profile)
 
     def bind(self, target: Transformer, cache) -> None:
         self.capacity, self.cache = cache.capacity, cache
@@ -311,29 +299,15 @@ class DFlashDrafter:
         return DraftTree.sampled_chain(seq.root, chain, rows)
 
     def _tree(self, root: int, long_logits: torch.Tensor) -> DraftTree:
-        """Chain of argmaxes (fused with the local head after the first position) + alternative leaves."""
-        chain, probs, h = [], [], None
+        """Chain of argmaxes (fused with the local head after the first position), each node scored by the product
+        of the probabilities along its path."""
+        chain, scores, h = [], [1.0], None
         for _ in range(long_logits.shape[0]):
             logits, h = self._position_logits(long_logits, chain, h)
             p = torch.softmax(logits, dim=-1)
             chain.append(int(p.argmax()))
-            probs.append(p)
-        tokens, parents, scores = [root, *chain], list(range(-1, len(chain))), [1.0]
-        for p, tok in zip(probs, chain, strict=True):
-            scores.append(scores[-1] * float(p[tok]))
-        alt_positions = 0
-        for j, p in enumerate(probs):
-            if alt_positions >= self.max_alt_positions or self.max_alternatives == 0:
-                break
-            if float(p[chain[j]]) >= self.alt_threshold:
-                continue
-            alt_positions += 1
-            top = torch.topk(p, self.max_alternatives + 1)
-            for prob, tok in zip(top.values.tolist()[1:], top.indices.tolist()[1:], strict=True):
-                tokens.append(tok)
-                parents.append(j)  # the chain node before position j (node j), root for j = 0
-                scores.append(scores[j] * prob)
-        return DraftTree(torch.tensor(tokens), parents, None, scores)
+            scores.append(scores[-1] * float(p[chain[-1]]))
+        return DraftTree.chain(root, chain, scores=scores)
 
     def commit(self, seq: Sequence, accepted: Accepted) -> None:
         """`observe_hidden` already appended the accepted rows (and cropped before them). With spans, the pointer

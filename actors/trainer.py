@@ -90,7 +90,7 @@ class TrainSpec:
     def feature_layers(self, manifest: dict) -> list[int]:
         """The extracted target layers whose hidden states a `feed_hidden` draft reads (`hidden_layers`, default
         the last one), in the draft's order; [] for other drafts."""
-        from spyglass.training.draft_models import feature_layers
+        from spyglass.models.drafts.longspec import feature_layers
 
         if not self.draft_options.get("feed_hidden"):
             return []
@@ -255,8 +255,8 @@ def _train_loop(config: dict[str, Any]) -> None:
     import ray.train
     import torch.distributed as dist
 
+    from spyglass.models.drafts.longspec import DRAFT_MODELS
     from spyglass.models.llama import load_transformer
-    from spyglass.training.draft_models import DRAFT_MODELS
 
     spec = TrainSpec.from_dict(config["train"])
     torch.set_num_threads(spec.threads)

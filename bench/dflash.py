@@ -40,26 +40,20 @@ from bench.common import RESULTS_DIR, machine_load, median, plot_panels, wait_fo
 from bench.drafting import median_runs  # noqa: E402
 from bench.tasks import HeldOutTask, heldout_tasks  # noqa: E402
 from spyglass.cost import measured_curve  # noqa: E402
-from spyglass.drafters import COMPOSITES  # noqa: E402
+from spyglass.drafters import METHODS  # noqa: E402
 from spyglass.drafters.composite import CompositeDrafter  # noqa: E402
-from spyglass.drafters.dels import load_local_head  # noqa: E402
-from spyglass.drafters.dflash import (  # noqa: E402
-    DEFAULT_DELS,
-    DEFAULT_DFLASH,
-    DFlashDrafter,
-    fuse,
-    load_dflash,
-    mix_copies,
-    training_mask,
-)
+from spyglass.drafters.dflash import DEFAULT_DELS, DEFAULT_DFLASH, DFlashDrafter, fuse, mix_copies  # noqa: E402
 from spyglass.drafters.ngram import NgramDrafter  # noqa: E402
 from spyglass.drafters.suffix import SuffixDrafter  # noqa: E402
 from spyglass.engine import SpecEngine  # noqa: E402
+from spyglass.models.drafts.dels import load_local_head  # noqa: E402
+from spyglass.models.drafts.dflash import load_dflash  # noqa: E402
 from spyglass.models.llama import Segment, load_transformer  # noqa: E402
 from spyglass.models.loader import load_tokenizer, resolve_model  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
 from spyglass.spans import SPAN  # noqa: E402
 from spyglass.training import repo_relative  # noqa: E402
+from spyglass.training.losses import training_mask  # noqa: E402
 
 GRID = (0.1, 0.3, 0.5)
 
@@ -222,10 +216,9 @@ def main() -> None:
         makers["dflash-span"] = lambda: DFlashDrafter(draft, span=SPAN)
         makers["dflash-dels-span"] = lambda: DFlashDrafter(draft, head, span=SPAN)
     # as `--method composite-dflash` builds it, from this run's drafts (its learned part drafts for token matching)
-    parts = {"suffix": SuffixDrafter, "dflash-dels": lambda: DFlashDrafter(draft, head, token_matched=True)}
-    makers["composite-dflash"] = lambda: CompositeDrafter(
-        [parts[m]() for m in COMPOSITES["composite-dflash"]], "composite-dflash"
-    )
+    part_makers = {"suffix": SuffixDrafter, "dflash-dels": lambda: DFlashDrafter(draft, head, token_matched=True)}
+    parts = METHODS["composite-dflash"].options["parts"]
+    makers["composite-dflash"] = lambda: CompositeDrafter([part_makers[m]() for m in parts], "composite-dflash")
     load_before = machine_load()
     greedy = SamplingParams(max_new_tokens=args.max_new_tokens)
     results: dict[str, dict] = {}

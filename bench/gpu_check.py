@@ -274,7 +274,7 @@ def shipped_features(name: str, target: Transformer) -> dict[str, Any]:
 def random_longspec(target: Transformer):
     """A LongSpec draft with the shipped one's features, untrained: its layer starts as the target's first
     (`init_layer`), its other weights random, so it agrees with the target now and then."""
-    from spyglass.training.draft_models import LongSpecDraft
+    from spyglass.models.drafts.longspec import LongSpecDraft
 
     opts = shipped_features("smollm2-135m-longspec", target)
     draft = LongSpecDraft.from_target(target, init_layer=0, window=64, qkv_bias=target.args.qkv_bias, **opts)
@@ -287,7 +287,7 @@ def random_longspec(target: Transformer):
 def random_dflash(target: Transformer):
     """A DFlash draft with the shipped one's features (copy head, block size, layers), untrained: layers copied from
     the target's last ones (`init_from_target`), the rest random."""
-    from spyglass.drafters.dflash import DFlashDraft
+    from spyglass.models.drafts.dflash import DFlashDraft
 
     opts = shipped_features("smollm2-135m-dflash", target)
     torch.manual_seed(5)

@@ -73,7 +73,7 @@ from bench.common import (  # noqa: E402
 from bench.tasks import LONG_KINDS, HeldOutTask, long_tasks  # noqa: E402
 from spyglass.context_cache import ContextCache  # noqa: E402
 from spyglass.cost import CostCurve, cpu_model  # noqa: E402
-from spyglass.drafters import COMPOSITES, METHODS, build_drafter  # noqa: E402
+from spyglass.drafters import METHODS, build_drafter  # noqa: E402
 from spyglass.engine import EngineConfig, SpecEngine  # noqa: E402
 from spyglass.kv_cache import kv_bytes_per_token  # noqa: E402
 from spyglass.models.llama import load_transformer  # noqa: E402
@@ -138,7 +138,7 @@ def method_builders(methods: list[str], target, capacity: int) -> tuple[dict[str
     def builder(m: str) -> Callable | str:
         """A builder, or why `m` cannot run here."""
         options = {}
-        if m.startswith("longspec") or any(p.startswith("longspec") for p in COMPOSITES.get(m, ())):
+        if m.startswith("longspec") or any(p.startswith("longspec") for p in METHODS[m].options.get("parts", ())):
             if draft is None:
                 return no_draft
             options["draft_checkpoint"] = str(draft)  # (other learned drafts fit SmolLM2 only: ValueError below)

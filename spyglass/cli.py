@@ -125,10 +125,12 @@ def _encode(tokenizer, text: str, raw: bool) -> list[int]:
 def _run_generate(args) -> int:
     if args.server:
         return _run_remote_generate(args)
-    from spyglass.drafters import METHODS
+    from spyglass.drafters import resolve_method
 
-    if args.method not in METHODS:
-        raise CliError(f"unknown method {args.method!r}; available: {', '.join(METHODS)}")
+    try:
+        resolve_method(args.method)
+    except ValueError as e:
+        raise CliError(str(e)) from e
     params = _params(args)
     prompt = _read_prompt(args)
 

@@ -8,7 +8,7 @@ import torch
 from spyglass.controller import SpeculationController
 from spyglass.cost import CostCurve
 from spyglass.drafters.base import DrafterTraits, DraftRequest, StatelessDrafter
-from spyglass.drafters.composite import CompositeDrafter, first_level_confidence, merge_trees
+from spyglass.drafters.composite import CompositeDrafter, best_first, merge_trees
 from spyglass.sampling import SamplingParams
 from spyglass.sequence import Sequence
 from spyglass.tree import DraftTree
@@ -59,7 +59,7 @@ def test_later_parts_draft_only_for_sequences_the_earlier_ones_are_unsure_of():
     assert learned.seen == [[8]]
     assert trees[0].tokens.tolist() == [9, 1, 2]
     assert trees[1].tokens.tolist() == [8, 1, 2, 3]
-    assert first_level_confidence(trees[0]) == 0.8
+    assert best_first(trees[0]) == (1, 0.8)
 
     composite.confident = None  # every part drafts for every sequence
     composite.propose([sure, unsure], [DraftRequest()] * 2)

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from spyglass.drafters.base import DraftRequest
-from spyglass.drafters.dels import (
+from spyglass.drafters.dflash import DFlashDrafter, fuse, mix_copies
+from spyglass.engine import EngineConfig, SpecEngine, plain_generate
+from spyglass.models.drafts.dels import (
     LocalHead,
     LocalHeadConfig,
     load_local_head,
@@ -17,20 +19,11 @@ from spyglass.drafters.dels import (
     save_local_head,
     token_counts,
     unigram_log_prior,
-    window_weights,
 )
-from spyglass.drafters.dflash import (
-    DFlashDraft,
-    DFlashDrafter,
-    dflash_loss,
-    fuse,
-    load_dflash,
-    mix_copies,
-    save_dflash,
-)
-from spyglass.engine import EngineConfig, SpecEngine, plain_generate
+from spyglass.models.drafts.dflash import DFlashDraft, load_dflash, save_dflash
 from spyglass.models.llama import load_transformer
 from spyglass.sampling import SamplingParams
+from spyglass.training.losses import dflash_loss, window_weights
 from tests.tiny import fit_local_head, full_features, make_prompts, trained_tiny, with_copy_head
 
 # Greedy identity (batch 1 and 4) and sampling fidelity: DFlash and DFlash + DeLS run in the shared suites,
@@ -76,15 +69,13 @@ def test_fusion_position_by_position_first_from_dflash_alone(tiny_dir):
     target = load_transformer(tiny_dir["llama"])
     draft = DFlashDraft.from_target(target, target_layers=(0, 1), n_layers=1, block_size=5)
     stub = _StubHead(target.args.vocab_size, fav=7)
-    drafter = DFlashDrafter(draft, stub, alpha=0.3, beta=0.3, max_alternatives=0)
+    drafter = DFlashDrafter(draft, stub, alpha=0.3, beta=0.3)
     long = torch.zeros(4, target.args.vocab_size)
     long[:, 3] = 5.0  # DFlash alone would pick 3 everywhere
     tree = drafter._tree(11, long)
     assert tree.tokens.tolist() == [11, 3, 7, 7, 7]  # 0.3 * 100 beats 5 from the second drafted position on
     assert stub.seen == [3, 7, 7]  # the head reads the drafted tokens only (never the root), left to right
     assert tree.scores[0] == 1.0 and all(a >= b for a, b in zip(tree.scores, tree.scores[1:], strict=False))
-    plain = DFlashDrafter(draft, None, max_alternatives=2, alt_threshold=1.1, max_alt_positions=1)._tree(11, long)
-    assert len(plain) == 5 + 2 and plain.parents[5:] == [0, 0]  # two alternatives to the first position
 
 
 def test_local_head_trains_without_the_target_layers(tiny_dir, monkeypatch, tmp_path):
@@ -118,7 +109,7 @@ def test_local_head_trains_without_the_target_layers(tiny_dir, monkeypatch, tmp_
             read.append(name)
             return self.inner.get_tensor(name)
 
-    monkeypatch.setattr("spyglass.drafters.dels.safe_open", Recording)
+    monkeypatch.setattr("spyglass.models.drafts.dels.safe_open", Recording)
     embed, head_w = read_frozen_io(tiny_dir["llama"])
     assert set(read) == {"model.embed_tokens.weight", "lm_head.weight"}
     assert embed.shape == (128, 64) and head_w.shape == (128, 64)
@@ -208,10 +199,10 @@ class _Recording(DFlashDrafter):
 
 def test_sampled_requests_hand_the_fused_distribution_to_the_verifier(tiny_dir):
     """Under sampling the tree is a chain sampled from the fused rows, and those rows are its proposal q (the
-    verifier's rejection step); greedy requests keep argmax trees with alternatives and no proposal."""
+    verifier's rejection step); greedy requests keep argmax chains and no proposal."""
     target = load_transformer(tiny_dir["llama"])
     draft, head = trained_tiny(target)
-    drafter = _Recording(draft, head, alt_threshold=1.0, max_alternatives=2)  # greedy: alternatives everywhere
+    drafter = _Recording(draft, head)
     prompts = make_prompts(target.args.vocab_size, 4, seed=6)
     params = [
         SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.7 if i % 2 else 0.0, seed=i)
@@ -226,7 +217,7 @@ def test_sampled_requests_hand_the_fused_distribution_to_the_verifier(tiny_dir):
         assert tree.is_chain and tree.probs is not None and tree.probs.shape[0] == len(tree)
         torch.testing.assert_close(tree.probs[1:].sum(-1), torch.ones(len(tree) - 1))
         assert all(float(tree.probs[i, tok]) > 0 for i, tok in enumerate(tree.tokens.tolist()) if i > 0)
-    assert all(t.probs is None for t in greedy) and any(not t.is_chain for t in greedy)
+    assert all(t.probs is None and t.is_chain for t in greedy)
 
 
 def test_in_a_composite_sampled_requests_get_the_argmax_chain_and_plain_samplings_stream(tiny_dir):
@@ -552,8 +543,6 @@ def test_span_options_are_checked(tiny_dir):
         DFlashDrafter(draft, span=4)
     with pytest.raises(ValueError, match="span must be"):
         DFlashDrafter(with_copy_head(draft), span=4, span_mass=0.0)
-    with pytest.raises(ValueError, match="max_alternatives must be 0"):
-        DFlashDrafter(with_copy_head(draft), span=4, max_alternatives=2)
     assert DFlashDrafter(with_copy_head(draft), span=4).name == "dflash-span"
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from spyglass.drafters.base import DraftRequest
+from spyglass.models.drafts.longspec import LongSpecDraft
 from spyglass.models.llama import load_transformer
-from spyglass.training.draft_models import LongSpecDraft
 from spyglass.tree import DraftTree
 
 LENGTH, COMMITTED = 40, 36

@@ -75,11 +75,12 @@ def test_shipped_drafts_are_stored_in_bf16_and_compressed():
 
 @pytest.mark.slow
 def test_shipped_drafts_load_into_an_fp32_target_as_fp32(smollm2):
-    from spyglass.drafters.dels import load_local_head
-    from spyglass.drafters.dflash import DEFAULT_DELS, DEFAULT_DFLASH, load_dflash
+    from spyglass.drafters.dflash import DEFAULT_DELS, DEFAULT_DFLASH
     from spyglass.drafters.longspec import SHIPPED, SHIPPED_GLIDE, load_longspec_draft
     from spyglass.drafters.tokenswift import shipped_heads_for
-    from spyglass.training.tokenswift_heads import load_heads
+    from spyglass.models.drafts.dels import load_local_head
+    from spyglass.models.drafts.dflash import load_dflash
+    from spyglass.models.drafts.tokenswift import load_heads
 
     target, _ = smollm2
     assert target.dtype == torch.float32

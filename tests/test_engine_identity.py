@@ -43,7 +43,6 @@ def drafters(target):
     yield "composite-span", CompositeDrafter([SuffixDrafter(max_depth=6), spans])  # its pointer reads merged trees
     draft, head = trained_tiny(target)  # briefly trained tiny DFlash draft and DeLS head
     yield "dflash", DFlashDrafter(draft)  # a chain, sized by its acceptance profile
-    yield "dflash-tree", DFlashDrafter(draft, max_alternatives=2)  # runner-ups too, sized step by step
     yield "dflash-dels", DFlashDrafter(draft, head)
     # a random pointer's mass is thin: any mass at all makes a span; the rows mix in its copies
     yield "dflash-dels-span", DFlashDrafter(with_copy_head(draft), head, span=6, span_mass=1e-6)
@@ -61,11 +60,12 @@ def llama_target(tiny_dir):
 
 # Drafters that read nothing of the target's internals (or read them exactly as another listed drafter does): on
 # the second model family they would repeat the first family's run, so only the family-sensitive ones run there.
-# (DFlash reads the target's hidden states, so one DFlash variant runs on both: the tree, whose runner-ups get
-# something accepted from the briefly trained draft on the Qwen2 model, where its top-1 chain never is.)
+# (DFlash reads the target's hidden states, so one DFlash variant runs on both: the composite, which drafts with
+# DFlash wherever its suffix lookup is unsure and gets something accepted on the Qwen2 model, where the briefly
+# trained draft's top-1 chain never is.)
 FAMILY_INDEPENDENT = {
     "ngram", "suffix", "longspec-beam", "longspec-cape", "longspec-span", "composite", "composite-span", "dflash",
-    "dflash-dels", "dflash-dels-span", "composite-dflash",
+    "dflash-dels", "dflash-dels-span",
 }  # fmt: skip
 
 

@@ -17,10 +17,10 @@ from safetensors.torch import save_file
 from actors.trainer import warm_start
 from spyglass.drafters.base import DraftRequest
 from spyglass.drafters.longspec import LongSpecDrafter
+from spyglass.models.drafts.longspec import LongSpecDraft
 from spyglass.models.llama import load_transformer
 from spyglass.sampling import SamplingParams
 from spyglass.sequence import Sequence
-from spyglass.training.draft_models import LongSpecDraft
 from spyglass.weights import load_weights, save_weights
 
 LENGTH = 40

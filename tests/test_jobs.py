@@ -158,7 +158,7 @@ def test_train_dispatches_single_process_trainers(smollm2, tmp_path, capsys):
     import yaml
 
     from spyglass.cli import main
-    from spyglass.drafters.dels import load_local_head
+    from spyglass.models.drafts.dels import load_local_head
 
     cfg = yaml.safe_load((ROOT / "configs" / "smollm2-135m-dels.yaml").read_text())
     cfg["out"] = str(tmp_path / "head")

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from spyglass.drafters.base import VocabSubset
 from spyglass.models import linear as linear_mod
+from spyglass.models.drafts.vocab import VocabSubset
 from spyglass.models.linear import (
     KERNELS,
     ROW_BUCKETS,

@@ -104,7 +104,7 @@ def test_cli_with_a_bad_checkpoint_is_a_clear_error(capsys, tmp_path):
 
 def test_reduced_head_checkpoint_round_trip(tiny_target, tmp_path):
     """A draft with a frequency-ranked head keeps its token ids through a checkpoint and proposes only them."""
-    from spyglass.training.draft_models import LongSpecDraft
+    from spyglass.models.drafts.longspec import LongSpecDraft
 
     torch.manual_seed(0)
     draft = LongSpecDraft.from_target(tiny_target, window=16, draft_vocab=24, init_std=0.2)

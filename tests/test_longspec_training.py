@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from actors.trainer import diagnose_line, rank_vocab
+from spyglass.models.drafts.longspec import LongSpecDraft
 from spyglass.models.llama import load_transformer
-from spyglass.training.draft_models import LongSpecDraft
 from spyglass.training.losses import LongSpecLoss, soft_topk_ce
 from tests.tiny import make_tiny_model
 

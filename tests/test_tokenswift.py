@@ -13,9 +13,9 @@ from spyglass.drafters.base import DraftRequest
 from spyglass.drafters.streaming import StreamingDrafter
 from spyglass.drafters.tokenswift import CONTEXT_SOURCE, NgramTable, TokenSwiftDrafter, build_tokenswift
 from spyglass.engine import EngineConfig, SpecEngine, plain_generate
+from spyglass.models.drafts.tokenswift import TokenSwiftHeads, load_heads
 from spyglass.partial_kv import PartialKV
 from spyglass.sampling import SamplingParams
-from spyglass.training.tokenswift_heads import TokenSwiftHeads, load_heads
 
 
 def _filled_cache(target, length: int, seed: int = 0):
@@ -336,7 +336,7 @@ def test_heads_extraction_cache_never_pairs_states_with_other_contexts(tiny_targ
 def test_distilled_heads_loss_is_cross_entropy_against_the_targets_own_next_token_distribution(tiny_target):
     """Head i at t learns token t+1+i; distilled, its label is the target's distribution there, which the target's
     head gives from the stored hidden state at t+i (no extra extraction)."""
-    from spyglass.training.tokenswift_heads import heads_loss
+    from spyglass.training.losses import heads_loss
 
     g = torch.Generator().manual_seed(0)
     d = tiny_target.args.hidden_size
@@ -368,7 +368,7 @@ def test_heads_loss_under_sampling_matches_what_serving_computes(tiny_target):
     head's logits are penalised over the window ending at token t+1, the drafter's start-of-step context. On a
     reduced vocabulary both are the same computation restricted to those columns."""
     from spyglass.sampling import SamplingParams, process_in_context
-    from spyglass.training.tokenswift_heads import heads_loss, window_mask
+    from spyglass.training.losses import heads_loss, window_mask
 
     g = torch.Generator().manual_seed(1)
     d, vocab_size = tiny_target.args.hidden_size, tiny_target.args.vocab_size

@@ -96,7 +96,7 @@ def layer_copy_draft(
     so lossless tests exercise acceptance."""
     from torch import nn
 
-    from spyglass.training.draft_models import LongSpecDraft
+    from spyglass.models.drafts.longspec import LongSpecDraft
 
     a = target.args
     draft = LongSpecDraft.from_target(
@@ -170,10 +170,11 @@ def trained_tiny(target, block: int = 6, steps: int = 120, prefix: list[int] | N
     """A DFlash draft and a local head trained for a few seconds on the target's own text (greedy continuations
     of random prompts, plus sampled continuations of `prefix` if given), so the lossless suites exercise
     acceptance: random weights would almost never be accepted. Cached per target and prompt."""
-    from spyglass.drafters.dels import LocalHead, LocalHeadConfig, token_counts, unigram_log_prior
-    from spyglass.drafters.dflash import DFlashDraft, dflash_loss
     from spyglass.engine import plain_generate
+    from spyglass.models.drafts.dels import LocalHead, LocalHeadConfig, token_counts, unigram_log_prior
+    from spyglass.models.drafts.dflash import DFlashDraft
     from spyglass.sampling import SamplingParams
+    from spyglass.training.losses import dflash_loss
 
     key = (id(target), tuple(prefix or ()))
     if key in _TRAINED:
@@ -211,11 +212,13 @@ def trained_tiny(target, block: int = 6, steps: int = 120, prefix: list[int] | N
 
 def fit_local_head(head, data: torch.Tensor, steps: int, window: int, batch: int, lr: float = 1e-2) -> list[float]:
     """A DeLS local head trained on random windows of `data`; returns the loss per step."""
+    from spyglass.training.losses import local_head_loss
+
     opt = torch.optim.AdamW(head.parameters(), lr=lr)
     losses = []
     for _ in range(steps):
         starts = torch.randint(0, data.shape[0] - window, (batch,))
-        loss = head.window_loss(data[starts.unsqueeze(1) + torch.arange(window)])
+        loss = local_head_loss(head, data[starts.unsqueeze(1) + torch.arange(window)])
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -227,7 +230,7 @@ def with_copy_head(draft):
     """A DFlash `draft` plus a fresh copy head (its pointer random, about a fifth of the mass copied)."""
     from dataclasses import replace
 
-    from spyglass.drafters.dflash import DFlashDraft
+    from spyglass.models.drafts.dflash import DFlashDraft
 
     torch.manual_seed(1)
     out = DFlashDraft(replace(draft.cfg, copy_head=True), draft.embed, draft.lm_head, draft.inv_freq,

@@ -28,8 +28,8 @@ def main() -> None:
     ap.add_argument("--checkpoint", default=None, help="a draft directory with draft.safetensors")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    from spyglass.models.drafts.longspec import DRAFT_MODELS
     from spyglass.models.llama import load_transformer
-    from spyglass.training.draft_models import DRAFT_MODELS
 
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config)

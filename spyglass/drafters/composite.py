@@ -33,11 +33,6 @@ def merge_trees(trees: list[DraftTree], parts: list[int] | None = None) -> Draft
     return trie.tree()
 
 
-def first_level_confidence(tree: DraftTree) -> float:
-    """The best score among the root's children (0 for a root-only or unscored tree: no evidence)."""
-    return best_first(tree)[1]
-
-
 def best_first(tree: DraftTree) -> tuple[int, float]:
     """The root's best-scored child's token and score ((-1, 0) for a root-only or unscored tree)."""
     if tree.scores is None:

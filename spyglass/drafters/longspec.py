@@ -1,4 +1,4 @@
-"""LongSpec and GLIDE drafter: a trained draft (`spyglass.training.draft_models.LongSpecDraft`: LongSpec's one
+"""LongSpec and GLIDE drafter: a trained draft (`spyglass.models.drafts.longspec.LongSpecDraft`: LongSpec's one
 layer, or GLIDE's N, layer m reading target layer L - N + m) grows a tree.
 
 Per sequence it keeps only the self-attention K/V of the last `window - 1` committed tokens, per layer, in a ring
@@ -46,6 +46,7 @@ import torch
 
 from spyglass.drafters.base import DrafterTraits, DraftRequest, choose_draft_token, draft_generator, requested_depth
 from spyglass.kv_cache import KVCache
+from spyglass.models.drafts.longspec import LongSpecDraft
 from spyglass.models.linear import set_linear_backend
 from spyglass.models.llama import Transformer
 from spyglass.sequence import Sequence
@@ -58,7 +59,6 @@ from spyglass.spans import (
     pointer_continuation,
     text_before,
 )
-from spyglass.training.draft_models import LongSpecDraft
 from spyglass.tree import COPY_SOURCE, DRAFT_SOURCE, SPAN_SOURCE, DraftTree
 from spyglass.verify import Accepted
 from spyglass.weights import load_weights, weights_path

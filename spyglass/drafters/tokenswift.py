@@ -5,7 +5,7 @@ Per step and sequence:
 1. the partial cache (`spyglass.partial_kv.PartialKV`, budget |B| with |S| sinks, dynamic importance updates) takes in
    the tokens committed since the last step;
 2. one target forward of the root over the partial cache gives the last hidden state h_0; the gamma = 3 heads
-   (`training.tokenswift_heads`) turn it into 4 next-token distributions p_0..p_3 through the target's final
+   (`models.drafts.tokenswift`) turn it into 4 next-token distributions p_0..p_3 through the target's final
    norm and LM head, processed with the request's sampling parameters (penalties included);
 3. the static tree [1,3,3,3] (top-1 of p_0, top-3 of p_1..p_3, a Cartesian product) plus the top-k most
    frequent n-grams that start with argmax p_0, taken from an incrementally maintained n-gram table (the top two
@@ -52,11 +52,11 @@ from spyglass.drafters.base import DrafterTraits, DraftRequest, choose_draft_tok
 from spyglass.drafters.composite import best_first
 from spyglass.drafters.suffix import SuffixDrafter
 from spyglass.kv_cache import KVCache
+from spyglass.models.drafts.tokenswift import CONFIG_FILE, TokenSwiftHeads, load_heads, signature_mismatch
 from spyglass.models.llama import Segment, Transformer
 from spyglass.partial_kv import PartialKV, PartialState
 from spyglass.sampling import process_in_context
 from spyglass.sequence import Sequence
-from spyglass.training.tokenswift_heads import CONFIG_FILE, TokenSwiftHeads, load_heads, signature_mismatch
 from spyglass.tree import DraftTree, TrieBuilder
 from spyglass.verify import Accepted
 

@@ -1,4 +1,5 @@
-"""Training-side library code (no Ray here): offline corpora, Anchor-Offset positions, draft models, losses.
+"""Training-side library code (no Ray here): offline corpora, Anchor-Offset positions, the draft networks' losses
+(the networks themselves: `spyglass.models.drafts`) and the DFlash / DeLS and TokenSwift trainers.
 
 The Ray parts (extraction actors, the Ray Train trainer, job entry points) live in `actors/`.
 """

@@ -12,7 +12,7 @@ import hashlib
 import json
 import logging
 import sysconfig
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -235,8 +235,3 @@ def build_corpus(cfg: CorpusConfig, tokenizer: Any, out_dir: Path) -> dict[str, 
 
 def load_contexts(out_dir: Path, split: str = "train") -> torch.Tensor:
     return load_file(str(Path(out_dir) / f"contexts-{split}.safetensors"))["tokens"]
-
-
-def iter_batches(n: int, batch: int) -> Iterator[range]:
-    for i in range(0, n, batch):
-        yield range(i, min(n, i + batch))

@@ -91,7 +91,7 @@ def warm_start(draft, checkpoint: str | Path, target) -> None:
     block size or loss weighting) starts from what an earlier run learned. Tapping as many target layers but other
     ones keeps `fc` as it is, each new layer taking the columns of the old one in its place (the residual stream of
     nearby layers is alike). ValueError if the draft's layers or the number of tapped layers differ."""
-    from spyglass.drafters.dflash import load_dflash
+    from spyglass.models.drafts.dflash import load_dflash
 
     warm = load_dflash(checkpoint, target)
     mine, theirs = draft.cfg, warm.cfg
@@ -152,10 +152,11 @@ def write_model_card(out: Path, title: str, what: str, summary: dict) -> None:
 def train_dflash(args) -> dict:
     from tqdm import tqdm
 
-    from spyglass.drafters.dflash import DFlashDraft, dflash_loss, save_dflash
     from spyglass.drafters.small_lm import truncated_draft
+    from spyglass.models.drafts.dflash import DFlashDraft, save_dflash
     from spyglass.models.llama import load_transformer
     from spyglass.models.loader import resolve_model
+    from spyglass.training.losses import dflash_loss
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -286,7 +287,7 @@ def train_dflash(args) -> dict:
         write_model_card(
             Path(args.out),
             "DFlash block drafter for SmolLM2-135M(-Instruct)",
-            "Block drafter (spyglass/drafters/dflash.py): [root, MASK x (b-1)] through "
+            "Block drafter (spyglass/models/drafts/dflash.py): [root, MASK x (b-1)] through "
             f"{draft.cfg.n_layers} non-causal layers whose keys/values also cover the context stream "
             f"(target layers {list(draft.cfg.target_layers)} concatenated -> fc -> RMSNorm); the target's "
             "embedding and LM head are shared and frozen (not in this checkpoint). Weights in bf16.",
@@ -298,7 +299,7 @@ def train_dflash(args) -> dict:
 def train_dels(args) -> dict:
     from tqdm import tqdm
 
-    from spyglass.drafters.dels import (
+    from spyglass.models.drafts.dels import (
         LocalHead,
         LocalHeadConfig,
         read_frozen_io,
@@ -307,6 +308,7 @@ def train_dels(args) -> dict:
         unigram_log_prior,
     )
     from spyglass.models.loader import resolve_model
+    from spyglass.training.losses import local_head_loss
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -338,7 +340,7 @@ def train_dels(args) -> dict:
         windows = flat[starts.unsqueeze(1) + torch.arange(cfg.window)]
         for g in opt.param_groups:
             g["lr"] = _lr(step, args.max_steps, args.lr)
-        loss = head.window_loss(windows)
+        loss = local_head_loss(head, windows)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -360,7 +362,7 @@ def train_dels(args) -> dict:
     with torch.no_grad():
         ev = evals.reshape(-1)
         starts = torch.arange(0, ev.shape[0] - cfg.window, 97)[:512]
-        ev_loss = float(head.window_loss(ev[starts.unsqueeze(1) + torch.arange(cfg.window)]))
+        ev_loss = float(local_head_loss(head, ev[starts.unsqueeze(1) + torch.arange(cfg.window)]))
     _plot(log, work / "dels-loss.png", "DeLS local head, SmolLM2-135M")
     tail = log[-50:]
     summary = {
@@ -381,7 +383,7 @@ def train_dels(args) -> dict:
         write_model_card(
             Path(args.out),
             "DeLS-Spec local head for SmolLM2-135M(-Instruct)",
-            "Short-context expert (spyglass/drafters/dels.py): the target's frozen embeddings -> bias-free GRU "
+            "Short-context expert (spyglass/models/drafts/dels.py): the target's frozen embeddings -> bias-free GRU "
             f"({cfg.gru_hidden}) -> rank {cfg.rank} (SiLU) -> w_up -> the target's frozen LM head, plus the "
             "unigram log-prior of the train split (add-one smoothing). Trained without the target's layers "
             "(only its embedding and head matrices are read). Fused into DFlash's block as "

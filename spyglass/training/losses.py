@@ -1,14 +1,22 @@
-"""Drafter-specific loss modules. The trainer loop is drafter-agnostic: it hands a batch (a dict of
-tensors read from extraction shards) to a loss module, which runs the draft and returns the loss and
-the metrics to log.
+"""The draft networks' training losses (the networks: `spyglass.models.drafts`).
+
+LongSpec / GLIDE (`LOSSES`): the Ray trainer loop is drafter-agnostic: it hands a batch (a dict of tensors read from
+extraction shards) to a loss module, which runs the draft and returns the loss and the metrics to log. DFlash and
+the DeLS local head (`dflash_loss`, `local_head_loss`: `spyglass.training.dflash`) and TokenSwift's heads
+(`heads_loss`: `spyglass.training.tokenswift_train`) are trained by their own loops.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from spyglass.training.draft_models import CopyMix
+from spyglass.models.drafts.copy_head import CopyMix
+from spyglass.models.drafts.dels import LocalHead
+from spyglass.models.drafts.dflash import DFlashDraft
+from spyglass.models.drafts.tokenswift import TokenSwiftHeads
+from spyglass.sampling import SamplingParams, apply_repetition_penalty, process
 
 
 def soft_topk_ce(picked: torch.Tensor, scored: torch.Tensor, topk_logprobs: torch.Tensor) -> torch.Tensor:
@@ -233,3 +241,186 @@ def _weighted_nll(picked: torch.Tensor, rows: torch.Tensor, weights: torch.Tenso
 
 
 LOSSES = {"longspec": LongSpecLoss}
+
+
+# --------------------------------------------------------------------------- DFlash and the DeLS local head
+
+
+def training_mask(anchors: torch.Tensor, ctx_len: int, block: int) -> torch.Tensor:
+    """`[A*block, ctx_len + A*block]` bool: a block anchored at position a sees context positions < a (what the
+    target's hidden states cover when the root at a is drafted from) and every token of its own block."""
+    a = anchors.shape[0]
+    q_anchor = anchors.repeat_interleave(block).unsqueeze(1)
+    ctx_ok = torch.arange(ctx_len).unsqueeze(0) < q_anchor
+    blk = torch.arange(a).repeat_interleave(block)
+    blk_ok = blk.unsqueeze(1) == blk.unsqueeze(0)
+    return torch.cat([ctx_ok, blk_ok], dim=1)
+
+
+def dflash_loss(
+    draft: DFlashDraft,
+    feats: torch.Tensor,
+    tokens: torch.Tensor,
+    anchors: torch.Tensor,
+    gamma: float = 7.0,
+    vocab_ids: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    keys: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """Block loss on one context: `feats [L, layers*H]` target hidden states, `tokens [L]`, `anchors [A]` with
+    a + block <= L. Block position k >= 1 predicts tokens[a+k] with weight exp(-(k-1)/gamma) (DFlash's decay:
+    early positions matter most, as acceptance stops at the first miss). `vocab_ids` (frequency-ranked token
+    ids) restricts the softmax to those rows of the shared head, a CPU saving: targets outside are skipped (unless
+    the copy head can copy them); serving always uses the full head. `labels [L]` (the target's greedy next token
+    at each position) replace the text as targets: position k then learns the target's choice after the true
+    prefix a+k-1 (distillation). A copy-head draft needs `keys`, the target's last-layer keys `[kvh, L, D]`: the
+    loss is then the mixture's, its pointer seeing the positions before the anchor."""
+    b = draft.cfg.block_size
+    length = tokens.shape[0]
+    ctx = draft.context_kv(feats, torch.arange(length))
+    x = draft.block_input(tokens[anchors], b)
+    pos = (anchors.unsqueeze(1) + torch.arange(b)).reshape(-1)
+    mask = training_mask(anchors, length, b)
+    out = draft.blocks_hidden(x, pos, ctx, mask).view(anchors.shape[0], b, -1)
+    hid = out[:, 1:].reshape(-1, out.shape[-1])
+    if labels is None:
+        targets = tokens[(anchors.unsqueeze(1) + torch.arange(1, b)).reshape(-1)]
+    else:
+        targets = labels[(anchors.unsqueeze(1) + torch.arange(0, b - 1)).reshape(-1)]
+    if vocab_ids is None:
+        logits = draft.logits(hid)
+    else:
+        logits = F.linear(hid.to(draft.lm_head.weight.dtype), draft.lm_head.weight[vocab_ids]).float()
+    if draft.cfg.copy_head:
+        if keys is None:
+            raise ValueError("a copy-head draft's loss needs the target's last-layer keys")
+        row_anchor = anchors.repeat_interleave(b - 1)
+        visible = torch.arange(length).unsqueeze(0) < row_anchor.unsqueeze(1)
+        queries = out[:, :-1].reshape(-1, out.shape[-1])  # each token's copy is pointed from the position before it
+        keep, mass = draft.copy_read(queries, (anchors.unsqueeze(1) + torch.arange(b - 1)).reshape(-1), keys, visible)
+        head_p = torch.softmax(logits, -1) * keep.exp().unsqueeze(-1)
+        p = head_p.new_zeros(head_p.shape[0], draft.cfg.vocab_size)
+        p = p.index_copy(1, vocab_ids, head_p) if vocab_ids is not None else head_p
+        after = torch.cat([tokens[1:], tokens[-1:]])
+        p = p.scatter_add(-1, after.expand(mass.shape), mass)
+        picked = p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        ok = picked > 0
+        ce = -picked.clamp_min(1e-30).log() * ok
+        hit_rows = p.detach().argmax(-1) == targets
+    else:
+        if vocab_ids is not None:
+            remap = torch.full((draft.cfg.vocab_size,), -100, dtype=torch.long)
+            remap[vocab_ids] = torch.arange(vocab_ids.shape[0])
+            targets = remap[targets]
+        ok = targets != -100
+        ce = F.cross_entropy(logits, targets, reduction="none", ignore_index=-100)
+        hit_rows = logits.detach().argmax(-1) == targets
+    ce = ce.view(anchors.shape[0], b - 1)
+    w = torch.exp(-torch.arange(b - 1, dtype=torch.float32) / gamma) * ok.view(ce.shape).float()
+    loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
+    with torch.no_grad():
+        hit = hit_rows.view(anchors.shape[0], b - 1).float()
+        run = hit.cumprod(dim=1).sum(dim=1).mean()  # accepted drafted tokens if verified greedily as a chain
+    return loss, {"acc_first": float(hit[:, 0].mean()), "accepted_chain": float(run)}
+
+
+def window_weights(n: int, gamma: float = 7.0) -> torch.Tensor:
+    """exp(-k/gamma) for targets k = 0..n-1 of a window: later positions are reached less often at drafting."""
+    return torch.exp(-torch.arange(n, dtype=torch.float32) / gamma)
+
+
+def local_head_loss(head: LocalHead, windows: torch.Tensor) -> torch.Tensor:
+    """The DeLS local head's next-token loss over `windows [B, window]` (inputs [:, :-1], targets [:, 1:], each read
+    from a zero state), the k-th target of a window weighted by exp(-k/gamma)."""
+    logits = head.sequence_logits(windows[:, :-1])
+    n = windows.shape[1] - 1
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1), reduction="none")
+    w = window_weights(n, head.cfg.gamma)
+    return (ce.view(-1, n) * w).sum() / (w.sum() * windows.shape[0])
+
+
+# --------------------------------------------------------------------------- TokenSwift's heads
+
+
+def window_mask(
+    tokens: torch.Tensor, ctx: torch.Tensor, end: torch.Tensor, window: int, vocab: torch.Tensor | None, n_cols: int
+) -> torch.Tensor:
+    """`[m, n_cols]` bool: the tokens among `tokens[ctx, end - window : end]` (row by row), as columns of the
+    reduced vocabulary `vocab` (sorted ids; tokens outside it are dropped) or of the full one."""
+    idx = end[:, None] - window + torch.arange(window)
+    toks = tokens[ctx[:, None], idx.clamp(min=0)]
+    valid = idx >= 0
+    if vocab is not None:
+        col = torch.searchsorted(vocab, toks).clamp(max=len(vocab) - 1)
+        valid &= vocab[col] == toks
+        toks = col
+    mask = torch.zeros(len(ctx), n_cols + 1, dtype=torch.bool)
+    mask.scatter_(1, torch.where(valid, toks, n_cols), True)  # invalid entries land in the spare last column
+    return mask[:, :n_cols]
+
+
+def heads_loss(
+    heads: TokenSwiftHeads,
+    target,
+    h0: torch.Tensor,
+    tokens: torch.Tensor,
+    pos: torch.Tensor,
+    vocab: torch.Tensor | None = None,
+    distill: float = 0.0,
+    sampling: SamplingParams | None = None,
+):
+    """Sum over heads i = 1..gamma of the loss of head i at position t on token t + 1 + i, through the frozen norm
+    and head: (1 - distill) x CE against the corpus token + distill x CE against the target's own distribution
+    there (its logits at t + i, computed from the stored hidden state: acceptance means matching the target, not
+    the corpus, and the soft label carries what a sampled continuation would make of it).
+
+    `sampling` (a sampled request's parameters) trains for serving under them: the teacher is the distribution
+    the target samples from there (contextual penalty over the window before token t + 1 + i, temperature,
+    min-p...), and the head's logits get the penalty the drafter applies, over the window ending at token t + 1
+    (the step's root: a drafter processes every depth with the start-of-step context).
+
+    `h0` `[n, L, d]` last-layer hidden states, `tokens` `[n, L]`, `pos` `[m, 2]` (context, t) rows with
+    t + 1 + gamma < L. `vocab` (sorted token ids): a cheaper training loss over only those rows of the LM head,
+    positions whose corpus token lies outside dropped (the head is most of the cost on a CPU). Returns (loss,
+    per-head corpus CE list, per-head metrics: top-1 vs the corpus, top-1 vs the target's argmax, and the target's
+    probability of the head's top-1 token, i.e. its acceptance rate at T=1)."""
+    ctx, t = pos[:, 0], pos[:, 1]
+    h = h0[ctx, t].float()
+    ces, losses = [], []
+    metrics = {"top1": [], "target_top1": [], "target_prob": []}
+    streams = heads(h)
+    weight = target.lm_head.weight if vocab is None else target.lm_head.weight[vocab]
+    penalised = sampling is not None and sampling.contextual_penalty != 1.0
+    if penalised:
+        draft_window = window_mask(tokens, ctx, t + 2, sampling.penalty_window, vocab, weight.shape[0])
+    for i in range(1, heads.gamma + 1):
+        logits = (target.norm(streams[i]) @ weight.T).float()
+        with torch.no_grad():
+            teacher = (target.norm(h0[ctx, t + i].float()) @ weight.T).float()
+            if sampling is None:
+                teacher = teacher.softmax(-1)
+            else:
+                window = (
+                    window_mask(tokens, ctx, t + i + 1, sampling.penalty_window, vocab, weight.shape[0])
+                    if penalised
+                    else None
+                )
+                teacher = process(teacher, sampling, None, window)
+                if sampling.greedy:  # process gives the penalised logits: the teacher is their softmax
+                    teacher = teacher.softmax(-1)
+        if penalised:
+            logits = apply_repetition_penalty(logits, draft_window, sampling.contextual_penalty)
+        want = tokens[ctx, t + 1 + i]
+        if vocab is not None:
+            idx = torch.searchsorted(vocab, want).clamp(max=len(vocab) - 1)
+            keep = vocab[idx] == want
+            logits, want, teacher = logits[keep], idx[keep], teacher[keep]
+        ce = nn.functional.cross_entropy(logits, want)
+        ces.append(ce)
+        soft = -(teacher * logits.log_softmax(-1)).sum(-1).mean() if distill else 0.0
+        losses.append((1 - distill) * ce + distill * soft)
+        pick = logits.argmax(-1)
+        metrics["top1"].append(float((pick == want).float().mean()))
+        metrics["target_top1"].append(float((pick == teacher.argmax(-1)).float().mean()))
+        metrics["target_prob"].append(float(teacher.gather(1, pick[:, None]).mean()))
+    return sum(losses), [float(c.detach()) for c in ces], metrics

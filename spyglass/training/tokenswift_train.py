@@ -26,9 +26,10 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
+from spyglass.models.drafts.tokenswift import CONFIG_FILE, TokenSwiftHeads, load_heads
 from spyglass.sampling import SamplingParams
 from spyglass.training.data import CorpusConfig, build_corpus, load_contexts
-from spyglass.training.tokenswift_heads import CONFIG_FILE, TokenSwiftHeads, heads_loss, load_heads
+from spyglass.training.losses import heads_loss
 
 DEFAULTS = {
     "model": None,

@@ -1,4 +1,5 @@
-"""TokenSwift's multi-token heads: gamma residual linear layers on the target's last hidden state.
+"""TokenSwift's multi-token heads (trained by `spyglass.training.tokenswift_train`, served by
+`spyglass.drafters.tokenswift`): gamma residual linear layers on the target's last hidden state.
 
 h_0 is the output of the target's last layer (before the final norm); head i computes
 h_i = h_{i-1} + W_i rmsnorm_i(h_{i-1}) and its logits go through the target's own frozen final norm and LM
@@ -18,8 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from spyglass.drafters.base import ProposesSubset, VocabSubset
-from spyglass.sampling import SamplingParams, apply_repetition_penalty, process
+from spyglass.models.drafts.vocab import ProposesSubset, VocabSubset
 from spyglass.weights import load_weights, save_weights, weights_path
 
 CONFIG_FILE, WEIGHTS_FILE = "heads_config.json", "heads.safetensors"
@@ -113,87 +113,3 @@ def load_heads(checkpoint: str | Path, target) -> TokenSwiftHeads:
     if vocab_ids is not None:
         heads.vocab_ids = VocabSubset.checked(vocab_ids, target.args.vocab_size, f"TokenSwift heads {root}")
     return heads.eval()
-
-
-def window_mask(
-    tokens: torch.Tensor, ctx: torch.Tensor, end: torch.Tensor, window: int, vocab: torch.Tensor | None, n_cols: int
-) -> torch.Tensor:
-    """`[m, n_cols]` bool: the tokens among `tokens[ctx, end - window : end]` (row by row), as columns of the
-    reduced vocabulary `vocab` (sorted ids; tokens outside it are dropped) or of the full one."""
-    idx = end[:, None] - window + torch.arange(window)
-    toks = tokens[ctx[:, None], idx.clamp(min=0)]
-    valid = idx >= 0
-    if vocab is not None:
-        col = torch.searchsorted(vocab, toks).clamp(max=len(vocab) - 1)
-        valid &= vocab[col] == toks
-        toks = col
-    mask = torch.zeros(len(ctx), n_cols + 1, dtype=torch.bool)
-    mask.scatter_(1, torch.where(valid, toks, n_cols), True)  # invalid entries land in the spare last column
-    return mask[:, :n_cols]
-
-
-def heads_loss(
-    heads: TokenSwiftHeads,
-    target,
-    h0: torch.Tensor,
-    tokens: torch.Tensor,
-    pos: torch.Tensor,
-    vocab: torch.Tensor | None = None,
-    distill: float = 0.0,
-    sampling: SamplingParams | None = None,
-):
-    """Sum over heads i = 1..gamma of the loss of head i at position t on token t + 1 + i, through the frozen norm
-    and head: (1 - distill) x CE against the corpus token + distill x CE against the target's own distribution
-    there (its logits at t + i, computed from the stored hidden state: acceptance means matching the target, not
-    the corpus, and the soft label carries what a sampled continuation would make of it).
-
-    `sampling` (a sampled request's parameters) trains for serving under them: the teacher is the distribution
-    the target samples from there (contextual penalty over the window before token t + 1 + i, temperature,
-    min-p...), and the head's logits get the penalty the drafter applies, over the window ending at token t + 1
-    (the step's root: a drafter processes every depth with the start-of-step context).
-
-    `h0` `[n, L, d]` last-layer hidden states, `tokens` `[n, L]`, `pos` `[m, 2]` (context, t) rows with
-    t + 1 + gamma < L. `vocab` (sorted token ids): a cheaper training loss over only those rows of the LM head,
-    positions whose corpus token lies outside dropped (the head is most of the cost on a CPU). Returns (loss,
-    per-head corpus CE list, per-head metrics: top-1 vs the corpus, top-1 vs the target's argmax, and the target's
-    probability of the head's top-1 token, i.e. its acceptance rate at T=1)."""
-    ctx, t = pos[:, 0], pos[:, 1]
-    h = h0[ctx, t].float()
-    ces, losses = [], []
-    metrics = {"top1": [], "target_top1": [], "target_prob": []}
-    streams = heads(h)
-    weight = target.lm_head.weight if vocab is None else target.lm_head.weight[vocab]
-    penalised = sampling is not None and sampling.contextual_penalty != 1.0
-    if penalised:
-        draft_window = window_mask(tokens, ctx, t + 2, sampling.penalty_window, vocab, weight.shape[0])
-    for i in range(1, heads.gamma + 1):
-        logits = (target.norm(streams[i]) @ weight.T).float()
-        with torch.no_grad():
-            teacher = (target.norm(h0[ctx, t + i].float()) @ weight.T).float()
-            if sampling is None:
-                teacher = teacher.softmax(-1)
-            else:
-                window = (
-                    window_mask(tokens, ctx, t + i + 1, sampling.penalty_window, vocab, weight.shape[0])
-                    if penalised
-                    else None
-                )
-                teacher = process(teacher, sampling, None, window)
-                if sampling.greedy:  # process gives the penalised logits: the teacher is their softmax
-                    teacher = teacher.softmax(-1)
-        if penalised:
-            logits = apply_repetition_penalty(logits, draft_window, sampling.contextual_penalty)
-        want = tokens[ctx, t + 1 + i]
-        if vocab is not None:
-            idx = torch.searchsorted(vocab, want).clamp(max=len(vocab) - 1)
-            keep = vocab[idx] == want
-            logits, want, teacher = logits[keep], idx[keep], teacher[keep]
-        ce = nn.functional.cross_entropy(logits, want)
-        ces.append(ce)
-        soft = -(teacher * logits.log_softmax(-1)).sum(-1).mean() if distill else 0.0
-        losses.append((1 - distill) * ce + distill * soft)
-        pick = logits.argmax(-1)
-        metrics["top1"].append(float((pick == want).float().mean()))
-        metrics["target_top1"].append(float((pick == teacher.argmax(-1)).float().mean()))
-        metrics["target_prob"].append(float(teacher.gather(1, pick[:, None]).mean()))
-    return sum(losses), [float(c.detach()) for c in ces], metrics

@@ -1,4 +1,4 @@
-"""DeLS-Spec local head: the short-context expert fused into DFlash's block drafts.
+"""DeLS-Spec local head: the short-context expert fused into DFlash's block drafts (`spyglass.drafters.dflash`).
 
 DFlash predicts every block position from the context alone; the local head sees only the tokens drafted so
 far inside the block (a GRU from a zero state over the target's frozen embeddings), so fusing the two adds the
@@ -7,9 +7,9 @@ intra-block dependency DFlash lacks. The output is tied to the target: GRU state
 trained and shipped. A unigram log-prior from corpus counts is subtracted once in the fusion, since both
 experts already contain token frequency (`spyglass.drafters.dflash.fuse`).
 
-Training needs only the target's embedding and head matrices (`read_frozen_io` reads those two tensors from
-the safetensors files, never the transformer layers): next-token prediction in short windows from a zero
-state, loss weighted by exp(-k/7) for the k-th target of a window.
+Training (`spyglass.training.dflash`) needs only the target's embedding and head matrices (`read_frozen_io` reads
+those two tensors from the safetensors files, never the transformer layers): next-token prediction in short windows
+from a zero state (`spyglass.training.losses.local_head_loss`).
 """
 
 from __future__ import annotations
@@ -49,11 +49,6 @@ def token_counts(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.bincount(tokens.reshape(-1), minlength=vocab_size)[:vocab_size]
 
 
-def window_weights(n: int, gamma: float = 7.0) -> torch.Tensor:
-    """exp(-k/gamma) for targets k = 0..n-1 of a window: later positions are reached less often at drafting."""
-    return torch.exp(-torch.arange(n, dtype=torch.float32) / gamma)
-
-
 class LocalHead(nn.Module):
     def __init__(self, cfg: LocalHeadConfig, embed_weight: torch.Tensor, head_weight: torch.Tensor) -> None:
         super().__init__()
@@ -80,14 +75,6 @@ class LocalHead(nn.Module):
         out, _ = self.gru(x)
         r = F.silu(self.w_rank(out))
         return r @ self._vocab().T
-
-    def window_loss(self, windows: torch.Tensor) -> torch.Tensor:
-        """Weighted next-token loss over `windows [B, window]`: inputs [:, :-1], targets [:, 1:]."""
-        logits = self.sequence_logits(windows[:, :-1])
-        n = windows.shape[1] - 1
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1), reduction="none")
-        w = window_weights(n, self.cfg.gamma)
-        return (ce.view(-1, n) * w).sum() / (w.sum() * windows.shape[0])
 
     # -- inference: one token at a time --------------------------------------------------------
     def train(self, mode: bool = True):
@@ -178,5 +165,4 @@ __all__ = [
     "save_local_head",
     "token_counts",
     "unigram_log_prior",
-    "window_weights",
 ]

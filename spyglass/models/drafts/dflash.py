@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spyglass.attention import tree_attention
+from spyglass.models.drafts import target_shape
 from spyglass.models.drafts.copy_head import init_copy_gate, read_copies
 from spyglass.models.drafts.vocab import ProposesSubset, VocabSubset
 from spyglass.models.linear import Linear
@@ -58,18 +59,9 @@ class DFlashConfig:
 
     @classmethod
     def from_target(cls, a: ModelArgs, **overrides) -> DFlashConfig:
-        base = dict(
-            hidden_size=a.hidden_size,
-            n_heads=a.n_heads,
-            n_kv_heads=a.n_kv_heads,
-            head_dim=a.head_dim,
-            intermediate_size=a.intermediate_size,
-            vocab_size=a.vocab_size,
-            rms_eps=a.rms_eps,
-            qkv_bias=a.qkv_bias,
-            target_layers=default_target_layers(a.n_layers),
-        )
-        base.update({k: v for k, v in overrides.items() if v is not None})
+        base = target_shape(a, qkv_bias=a.qkv_bias, target_layers=default_target_layers(a.n_layers)) | {
+            k: v for k, v in overrides.items() if v is not None
+        }
         base["target_layers"] = tuple(int(i) % a.n_layers for i in base["target_layers"])
         return cls(**base)
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spyglass.attention import cross_attention, tree_attention
+from spyglass.models.drafts import target_shape
 from spyglass.models.drafts.copy_head import CopyMix, add_copies_log, init_copy_gate, read_copies
 from spyglass.models.linear import Linear
 from spyglass.models.llama import ModelArgs, RMSNorm, Transformer, apply_rope
@@ -59,17 +60,7 @@ class LongSpecDraftConfig:
 
     @classmethod
     def from_target(cls, a: ModelArgs, **overrides) -> LongSpecDraftConfig:
-        base = dict(
-            hidden_size=a.hidden_size,
-            n_heads=a.n_heads,
-            n_kv_heads=a.n_kv_heads,
-            head_dim=a.head_dim,
-            intermediate_size=a.intermediate_size,
-            vocab_size=a.vocab_size,
-            rms_eps=a.rms_eps,
-        )
-        base.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**base)
+        return cls(**target_shape(a, **overrides))
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -210,4 +210,5 @@ def test_serving_drafter_equals_training_forward_per_depth(target_and_kv, window
             assert not torch.allclose(without, with_own, atol=1e-3), f"depth {d}: the parent's output is not read"
         root_without = training_logits(plain, full, kk, vv, lag=1, hidden=hh)[COMMITTED]
         root_with = training_logits(draft, full, kk, vv, lag=1, hidden=hh)[COMMITTED]
-        assert torch.allclose(root_without, root_with, atol=1e-5), "the root has no parent to read"
+        # the two drafts time their own linear kernels (spyglass.models.linear): equal up to fp32 rounding
+        assert torch.allclose(root_without, root_with, atol=1e-4), "the root has no parent to read"

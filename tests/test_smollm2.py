@@ -106,8 +106,8 @@ def test_longspec_spans_equal_plain_decoding_on_a_copying_prompt(smollm2, prompt
         firsts = []
         propose = drafter.propose
 
-        def watched(seqs, propose=propose, firsts=firsts):
-            trees = propose(seqs)
+        def watched(seqs, wants, propose=propose, firsts=firsts):
+            trees = propose(seqs, wants)
             firsts += [t.sources[1] for t in trees if t.sources is not None]
             return trees
 

@@ -146,7 +146,7 @@ def method_builders(methods: list[str], target, capacity: int) -> tuple[dict[str
         try:
             make()  # a learned part that does not fit this model raises ValueError
         except ValueError as e:
-            return str(e)
+            return str(e).replace(f"{ROOT}/", "")  # the results name repository paths, not this machine's
         return make
 
     for m in methods:

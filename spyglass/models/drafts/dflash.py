@@ -22,10 +22,10 @@ from torch import nn
 from spyglass.attention import tree_attention
 from spyglass.models.drafts import target_shape
 from spyglass.models.drafts.copy_head import init_copy_gate, read_copies
-from spyglass.models.drafts.vocab import ProposesSubset, VocabSubset
+from spyglass.models.drafts.vocab import ProposesSubset, load_draft_state
 from spyglass.models.linear import Linear
 from spyglass.models.llama import ModelArgs, RMSNorm, Transformer, apply_rope
-from spyglass.weights import STORED_DTYPE, load_weights, save_weights, weights_path
+from spyglass.weights import STORED_DTYPE, save_weights, weights_path
 
 
 def default_target_layers(n_target_layers: int, n: int = 3) -> tuple[int, ...]:
@@ -252,14 +252,7 @@ def load_dflash(checkpoint: str | Path, target: Transformer) -> DFlashDraft:
     if wrong or max(cfg["target_layers"]) >= a.n_layers:
         raise ValueError(f"DFlash checkpoint {root} does not fit the target (draft, target): {wrong or 'layers'}")
     draft = DFlashDraft.from_target(target, **cfg)
-    state = load_weights(weights, target.dtype)
-    vocab_ids = state.pop("vocab_ids", None)
-    try:
-        draft.load_state_dict(state)
-    except RuntimeError as e:
-        raise ValueError(f"DFlash checkpoint {root}: {e}") from e
-    if vocab_ids is not None:
-        draft.vocab_ids = VocabSubset.checked(vocab_ids, a.vocab_size, f"DFlash checkpoint {root}")
+    load_draft_state(draft, weights, target.dtype, f"DFlash checkpoint {root}", a.vocab_size)
     return draft.to(device=target.device, dtype=target.dtype).eval()
 
 

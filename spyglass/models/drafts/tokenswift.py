@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from spyglass.models.drafts.vocab import ProposesSubset, VocabSubset
-from spyglass.weights import load_weights, save_weights, weights_path
+from spyglass.models.drafts.vocab import ProposesSubset, load_draft_state
+from spyglass.weights import save_weights, weights_path
 
 CONFIG_FILE, WEIGHTS_FILE = "heads_config.json", "heads.safetensors"
 
@@ -104,12 +104,6 @@ def load_heads(checkpoint: str | Path, target) -> TokenSwiftHeads:
     if bad:
         raise ValueError(f"TokenSwift heads {root} were trained for another model ({'; '.join(bad)})")
     heads = TokenSwiftHeads(target.args.hidden_size, int(cfg["gamma"]), float(cfg.get("eps", 1e-6)))
-    state = load_weights(root / WEIGHTS_FILE, torch.float32)  # the heads run in fp32 whatever the target
-    vocab_ids = state.pop("vocab_ids", None)
-    try:
-        heads.load_state_dict(state)
-    except RuntimeError as e:
-        raise ValueError(f"TokenSwift heads {root}: {e}") from e
-    if vocab_ids is not None:
-        heads.vocab_ids = VocabSubset.checked(vocab_ids, target.args.vocab_size, f"TokenSwift heads {root}")
+    # the heads run in fp32 whatever the target
+    load_draft_state(heads, root / WEIGHTS_FILE, torch.float32, f"TokenSwift heads {root}", target.args.vocab_size)
     return heads.eval()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from spyglass.models.linear import planned_linear
+from spyglass.weights import load_weights
 
 
 class VocabSubset:
@@ -53,3 +54,16 @@ class ProposesSubset:
         if self._subset is not None:
             return self._subset.logits(hidden, lm_head)
         return lm_head(hidden.to(lm_head.weight.dtype)).float()
+
+
+def load_draft_state(module: torch.nn.Module, weights, dtype: torch.dtype, what: str, vocab_size: int) -> None:
+    """A checkpoint's weights into `module` (ValueError naming `what` if a tensor does not fit), with its proposal
+    vocabulary (`vocab_ids`) checked against the target's when it has one."""
+    state = load_weights(weights, dtype)
+    vocab_ids = state.pop("vocab_ids", None)
+    try:
+        module.load_state_dict(state)
+    except RuntimeError as e:
+        raise ValueError(f"{what}: {e}") from e
+    if vocab_ids is not None:
+        module.vocab_ids = VocabSubset.checked(vocab_ids, vocab_size, what)

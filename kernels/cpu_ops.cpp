@@ -384,6 +384,13 @@ namespace {
 constexpr int kMR = 6;               // query rows per register tile
 constexpr int64_t kNB = 64;          // keys per block: a whole number of score tiles in either build
 constexpr int64_t kItemTokens = 96;  // most new tokens per work item (their rows share each packed key block)
+// Every row's softmax runs per chunk of kChunkKeys keys (from key 0), and the chunks fold in key order (fold_chunk).
+// Up to kSplitTokens new tokens (a decode step, a draft tree) there would be too few (KV head, token block) items to
+// keep the threads busy, each streaming the whole cache for a few rows: the items are then (KV head, chunk), holding
+// every token's rows, and the fold runs after them; past it an item folds its own chunks as it goes. Either way a
+// row goes through the same operations, so its result depends only on its query and its keys.
+constexpr int64_t kSplitTokens = 64;
+constexpr int64_t kChunkKeys = 512;
 // A score tile is kMR rows x kNV vectors of keys, a P @ V tile kMR rows x kCV vectors of head dims: with AVX-512,
 // 24 accumulators + 4 loaded vectors + 1 broadcast of the 32 registers; with 16 registers (AVX2), 12 + 2 + 1.
 #if defined(__AVX512F__)
@@ -529,31 +536,51 @@ inline void pack_keys(const float* K, int64_t valid, int64_t D, float* Kt) {
     for (int64_t d = 0; d < D; d++) std::fill(Kt + d * kNB + valid, Kt + (d + 1) * kNB, 0.0f);
 }
 
+// Folds a key chunk's softmax state (mc, lc, oc: max, sum, unnormalised out) into a row's running one (m, l, o), chunk
+// after chunk in key order; one arithmetic wherever it runs, so a row's bits do not depend on how its call is split.
+inline void fold_chunk(float& m, float& l, float* o, float mc, float lc, const float* oc, int64_t D) {
+  if (lc == 0.0f) return;  // the row saw no key of the chunk
+  const float mx = std::max(m, mc);
+  const float a = m == kNegInf ? 0.0f : exp_nonpos(m - mx), b = exp_nonpos(mc - mx);
+  l = std::fma(lc, b, l * a);
+  for (int64_t d = 0; d < D; d++) o[d] = std::fma(oc[d], b, o[d] * a);
+  m = mx;
+}
+
 }  // namespace
 
 // Attention of n new tokens over one layer's cache: the same call, semantics and result layout as cache_attention
-// ([n, H * D]), computed by the tiled kernel above. Work items are (KV head, block of new tokens), largest first,
-// taken by the threads from a shared counter (a causal chunk's last tokens see the most keys).
+// ([n, H * D]), computed by the tiled kernel above. Work items are (KV head, block of new tokens) or, up to
+// kSplitTokens tokens, (KV head, key chunk); largest first, taken by the threads from a shared counter (a causal
+// chunk's last tokens see the most keys).
 torch::Tensor tile_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, int64_t start,
                              c10::optional<torch::Tensor> mask, double scale) {
   const CacheCall c = check_cache_call("tile_attention", q, k_cache, v_cache, start, mask);
   const int64_t H = c.H, n = c.n, D = c.D, hkv = c.hkv, g = c.g, length = start + n;
   const int64_t Dp = (D + kCV * L - 1) / (kCV * L) * (kCV * L);  // O rows padded to whole P @ V tiles
   const bool* mp = c.mp;
-  // tokens per item: a multiple of kMR, at most kItemTokens, few enough for ~4 items per thread
+  // tokens per item: a multiple of kMR, at most kItemTokens, few enough for ~4 items per thread; split: all of them
   const int64_t threads = at::get_num_threads();
   const int64_t per_head = std::max<int64_t>(1, (4 * threads + hkv - 1) / hkv);
-  const int64_t TB = std::clamp<int64_t>(((n + per_head - 1) / per_head + kMR - 1) / kMR * kMR, kMR, kItemTokens);
+  const bool split = n <= kSplitTokens;
+  const int64_t TB = split ? n : std::clamp<int64_t>(((n + per_head - 1) / per_head + kMR - 1) / kMR * kMR, kMR,
+                                                      kItemTokens);
+  const int64_t chunks = split ? (length + kChunkKeys - 1) / kChunkKeys : 1;
   struct Item {
-    int64_t kv, t0, t1, cost;
+    int64_t kv, t0, t1, chunk, cost;
   };
   std::vector<Item> items;
   for (int64_t kv = 0; kv < hkv; kv++)
     for (int64_t t0 = 0; t0 < n; t0 += TB) {
-      const int64_t t1 = std::min(n, t0 + TB);
-      items.push_back({kv, t0, t1, (mp ? length : start + t1) * (t1 - t0)});
+      const int64_t t1 = std::min(n, t0 + TB), kend = mp ? length : start + t1;
+      for (int64_t ch = 0; ch < chunks && ch * kChunkKeys < kend; ch++)
+        items.push_back({kv, t0, t1, ch, (split ? std::min(kChunkKeys, kend - ch * kChunkKeys) : kend) * (t1 - t0)});
     }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  // split: each (KV head, chunk)'s rows as (max, sum, unnormalised out), merged below; chunks no row reached stay empty
+  const int64_t R = g * n;
+  std::vector<float> part_m(split ? hkv * chunks * R : 0, kNegInf), part_l(split ? hkv * chunks * R : 0, 0.0f);
+  std::vector<float> part_o(split ? hkv * chunks * R * D : 0);
 
   auto y = torch::empty({n, H * D}, c.q.options());
   const float* qp = c.q.data_ptr<float>();
@@ -568,7 +595,9 @@ torch::Tensor tile_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const int64_t rows_max = (g * TB + kMR - 1) / kMR * kMR;
     std::vector<float> Kt(D * kNB), Vp(kNB * Dp, 0.0f), S(kMR * kNB), P(kMR * kNB), alpha(kMR);
-    std::vector<float> Q(rows_max * D), O(rows_max * Dp), M(rows_max), Ls(rows_max);
+    std::vector<float> Q(rows_max * D), O(rows_max * Dp), M(rows_max), Ls(rows_max);  // the chunk's softmax state
+    std::vector<float> RO(rows_max * D), RM(rows_max), RL(rows_max);                   // the folded chunks'
+
     std::vector<int64_t> token(rows_max);
     for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(items.size());) {
       const Item it = items[i];
@@ -585,11 +614,18 @@ torch::Tensor tile_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
         const float* src = qp + ((it.kv * g + r / tb) * n + token[r]) * D;
         for (int64_t d = 0; d < D; d++) dst[d] = src[d] * sc;
       }
-      std::fill(O.begin(), O.begin() + rows * Dp, 0.0f);
-      std::fill(M.begin(), M.begin() + rows, kNegInf);
-      std::fill(Ls.begin(), Ls.begin() + rows, 0.0f);
-      const int64_t kend = mp ? length : start + it.t1;  // keys any row of the item sees lie below
-      for (int64_t kb = 0; kb < kend; kb += kNB) {
+      const auto new_chunk = [&] {
+        std::fill(O.begin(), O.begin() + rows * Dp, 0.0f);
+        std::fill(M.begin(), M.begin() + rows, kNegInf);
+        std::fill(Ls.begin(), Ls.begin() + rows, 0.0f);
+      };
+      new_chunk();
+      std::fill(RO.begin(), RO.begin() + rows * D, 0.0f);
+      std::fill(RM.begin(), RM.begin() + rows, kNegInf);
+      std::fill(RL.begin(), RL.begin() + rows, 0.0f);
+      // keys any row of the item sees lie below kend; split: the chunk's only
+      const int64_t kend = std::min(mp ? length : start + it.t1, split ? (it.chunk + 1) * kChunkKeys : length);
+      for (int64_t kb = it.chunk * kChunkKeys * split; kb < kend; kb += kNB) {
         const int64_t valid = std::min(kNB, length - kb);
         pack_keys(kc + it.kv * ksh + kb * D, valid, D, Kt.data());
         const float* Vb = vc + it.kv * vsh + kb * D;
@@ -629,18 +665,51 @@ torch::Tensor tile_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
           softmax_tile(S.data(), nvec, P.data(), M.data() + row0, Ls.data() + row0, alpha.data());
           pv_tile(P.data(), alpha.data(), Vb, ldv, jn, Dp, O.data() + row0 * Dp);
         }
+        if (!split && ((kb + kNB) % kChunkKeys == 0 || kb + kNB >= kend)) {  // the chunk's end: fold it
+          for (int64_t r = 0; r < real; r++)
+            fold_chunk(RM[r], RL[r], RO.data() + r * D, M[r], Ls[r], O.data() + r * Dp, D);
+          new_chunk();
+        }
+      }
+      if (split) {
+        const int64_t at = (it.kv * chunks + it.chunk) * R;
+        for (int64_t r = 0; r < real; r++) {
+          part_m[at + r] = M[r];
+          part_l[at + r] = Ls[r];
+          std::copy(O.data() + r * Dp, O.data() + r * Dp + D, part_o.data() + (at + r) * D);
+        }
+        continue;
       }
       for (int64_t r = 0; r < real; r++) {
-        if (Ls[r] == 0.0f) {
+        if (RL[r] == 0.0f) {
           unseen = true;
           continue;
         }
-        const float inv = 1.0f / Ls[r];
+        const float inv = 1.0f / RL[r];
         float* out = yp + token[r] * H * D + (it.kv * g + r / tb) * D;
-        for (int64_t d = 0; d < D; d++) out[d] = O[r * Dp + d] * inv;
+        for (int64_t d = 0; d < D; d++) out[d] = RO[r * D + d] * inv;
       }
     }
   });
+  if (split)  // row r of KV head kv: query head kv * g + r / n, token r % n
+    at::parallel_for(0, hkv * R, 16, [&](int64_t a, int64_t e) {
+      for (int64_t kr = a; kr < e; kr++) {
+        const int64_t kv = kr / R, r = kr % R;
+        float m = kNegInf, l = 0.0f;
+        float* out = yp + (r % n) * H * D + (kv * g + r / n) * D;
+        std::fill(out, out + D, 0.0f);
+        for (int64_t ch = 0; ch < chunks; ch++) {
+          const int64_t t = (kv * chunks + ch) * R + r;
+          fold_chunk(m, l, out, part_m[t], part_l[t], part_o.data() + t * D, D);
+        }
+        if (l == 0.0f) {
+          unseen = true;
+          continue;
+        }
+        const float inv = 1.0f / l;
+        for (int64_t d = 0; d < D; d++) out[d] *= inv;
+      }
+    });
   TORCH_CHECK(!unseen, "tile_attention: a query row sees no key (a mask row without its own token?)");
   return y;
 }

@@ -109,7 +109,7 @@ def _random_tree(n: int, g: torch.Generator) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (14, 2)])  # SmolLM2-135M, Qwen2.5-0.5B (head_dim 64)
-@pytest.mark.parametrize("n", [1, 5, 64, 300, 512])
+@pytest.mark.parametrize("n", [1, 5, 64, 65, 300, 512])
 def test_tile_attention_matches_reference(heads, kv_heads, n):
     """A prefill chunk (causal) and a tree (random ancestors) over no, one and 700 committed keys: partial key blocks,
     partial register tiles and tiles across heads included."""

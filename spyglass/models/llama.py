@@ -140,7 +140,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Block(nn.Module):
     native = True  # run the CPU kernels of kernels/cpu_ops.cpp where they are built (fp32 on the CPU)
     # up to this many new tokens of a sequence, attention runs in the kernels' cache_attention (row by row, split
-    # over the keys), past it in their tile_attention (register tiles, split over query rows); set per model by
+    # over the keys), past it in their tile_attention (register tiles; split over the keys up to 64 tokens, over the
+    # query rows past that); set per model by
     # `set_attention_plan`, measured at load
     native_attention_max = 1
 

@@ -15,8 +15,8 @@ For each prompt every engine's methods run in turn, each request after the CPU i
 IdleGate), and the CPU time of every other engine process is read around it (idle engines must use none). Time to
 first token and decode speed ((new tokens - 1) / time after the first token) come from the workers, measured the same
 way. Every output is checked against its engine's plain decoding and against spyglass's (identical, or the first
-differing index). The physical-limit readout, measured in the same run: memory read bandwidth (a sum over a 1 GiB
-tensor, the engines' thread count) and fp32 matmul peak; each plain decoder's achieved bandwidth, (weight bytes + KV
+differing index). The physical-limit readout, measured before each prompt's runs: memory read bandwidth (a sum over
+a 1 GiB tensor, the engines' thread count) and fp32 matmul peak; each plain decoder's achieved bandwidth, (weight bytes + KV
 bytes at the context) / step time, as a share of it; prefill FLOP/s (model FLOPs / time to first token)
 against the peak.
 """
@@ -398,7 +398,7 @@ def med(values: list[float | None]) -> float | None:
     return median(values)
 
 
-def make_figures(rows: dict[str, dict], setup: Setup, probe: dict | None) -> dict[str, Any]:
+def make_figures(rows: dict[str, dict], setup: Setup) -> dict[str, Any]:
     lanes = {lane.label for lane in setup.lanes}
     names = list(rows)
 
@@ -440,8 +440,9 @@ def make_figures(rows: dict[str, dict], setup: Setup, probe: dict | None) -> dic
     # The physical-limit readout at the prompt nearest 2K tokens of context.
     near = min(names, key=lambda n: abs(rows[n]["prompt_tokens"] - 2048))
     figures["bandwidth_context_tokens"] = rows[near]["prompt_tokens"]
-    figures["memory_read_bandwidth_gbs"] = probe["read_bandwidth_gbs"] if probe else None
-    figures["matmul_peak_gflops"] = probe["matmul_peak_gflops"] if probe else None
+    probe = rows[near]["probe"]  # the probe taken just before that prompt's runs
+    figures["memory_read_bandwidth_gbs"] = probe["read_bandwidth_gbs"]
+    figures["matmul_peak_gflops"] = probe["matmul_peak_gflops"]
     for engine, plain in PLAIN.items():
         run = rows[near]["runs"].get(f"{engine}:{plain}")
         key = "decode_bandwidth_fraction" + ("" if engine == "spyglass" else f"_{engine}")
@@ -722,17 +723,24 @@ def main(argv: list[str] | None = None) -> None:
         log(f"idle engines' CPU (cores): {idle_check}")
         gate = IdleGate(max_cores=0.3, per_wait_s=30.0 if not args.smoke else 0.0, budget_s=600.0, log=log)
         gate()
-        probe = setup.peers["spyglass"].request(
-            {"cmd": "probe", "bytes": (256 if args.smoke else 1024) << 20}, args.request_timeout
-        )
-        probe.pop("ok", None)
-        log(
-            f"memory read bandwidth {probe['read_bandwidth_gbs']:.1f} GB/s, fp32 matmul peak "
-            f"{probe['matmul_peak_gflops']:.0f} GFLOP/s ({probe['threads']} threads)"
-        )
+
+        def probe_machine() -> dict:
+            """The machine's read bandwidth and matmul peak now: a VM's memory bandwidth was seen to move between
+            30 and 53 GB/s within an hour, so each prompt's runs are measured against a probe taken just before."""
+            probe = setup.peers["spyglass"].request(
+                {"cmd": "probe", "bytes": (256 if args.smoke else 1024) << 20}, args.request_timeout
+            )
+            probe.pop("ok", None)
+            log(
+                f"memory read bandwidth {probe['read_bandwidth_gbs']:.1f} GB/s, fp32 matmul peak "
+                f"{probe['matmul_peak_gflops']:.0f} GFLOP/s ({probe['threads']} threads)"
+            )
+            return probe
+
         load_before = machine_load()
         rows: dict[str, dict] = {}
         for task in tasks:
+            probe = probe_machine()
             runs: dict[str, list[dict]] = {}
             for _ in range(args.repeats):
                 for lane in setup.lanes:
@@ -761,7 +769,7 @@ def main(argv: list[str] | None = None) -> None:
                     probe,
                     plain=lane.method == PLAIN[lane.engine],
                 )
-            rows[task.name] = {"kind": task.kind, "prompt_tokens": len(task.prompt_ids), "runs": row}
+            rows[task.name] = {"kind": task.kind, "prompt_tokens": len(task.prompt_ids), "probe": probe, "runs": row}
             log(f"{task.name} ({len(task.prompt_ids)} tok):")
             for label, r in row.items():
                 tok_s = f"{r['tok_s']:.1f}" if r["tok_s"] is not None else "-"
@@ -772,7 +780,7 @@ def main(argv: list[str] | None = None) -> None:
                     f"  {label:26s} {tok_s:>7s} tok/s  ttft {r['ttft_s']:.2f} s  vs own plain {same}, "
                     f"vs spyglass {vs_sg}{bw}  idle engines quiet: {r['cpu']['idle_engines_quiet']}"
                 )
-        figures = make_figures(rows, setup, probe)
+        figures = make_figures(rows, setup)
         meta = {
             "what": "spyglass vs vLLM vs llama.cpp, the same held-out prompt ids, greedy, fp32, batch 1, "
             f"{args.threads} threads each, interleaved per prompt",
@@ -793,7 +801,7 @@ def main(argv: list[str] | None = None) -> None:
                 "gguf": gguf.name if "llamacpp" not in setup.skipped else None,
                 **facts,
             },
-            "probe": probe,
+            "probes": {name: row["probe"] for name, row in rows.items()},
             "idle_check_cores": idle_check,
             "runs_contended": sum(
                 not r["cpu"]["clean"] for row in rows.values() for r in row["runs"].values()

@@ -46,7 +46,8 @@ def test_peers_smoke_without_peers(tmp_path):
     assert meta["lanes"] == [f"spyglass:{m}" for m in SPYGLASS_METHODS]
     assert set(meta["skipped"]) == {"vllm", "llamacpp"}
     assert all("make peers" in why for why in meta["skipped"].values())
-    assert meta["cpu"] and meta["probe"]["read_bandwidth_gbs"] > 0 and meta["probe"]["matmul_peak_gflops"] > 0
+    assert meta["cpu"] and set(meta["probes"]) == set(doc["raw"]["per_prompt"])  # a probe before each prompt
+    assert all(p["read_bandwidth_gbs"] > 0 and p["matmul_peak_gflops"] > 0 for p in meta["probes"].values())
 
     # Skipped peers: their figures are null and named in `skipped`, not reported as met.
     assert set(figures["skipped"]) == {"vllm", "llamacpp"}

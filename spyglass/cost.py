@@ -63,7 +63,7 @@ class CostCurve:
         cls,
         target,
         cache,
-        contexts: tuple[int, ...] = (256, 2048, 6144),
+        contexts: tuple[int, ...] | None = None,
         sizes: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 64),
         repeats: int = 3,
     ) -> CostCurve:
@@ -75,8 +75,13 @@ class CostCurve:
         attention's cost does not depend on their values. The
         sizes are dense where BLAS switches kernels (on one Sapphire Rapids: 3 tokens cost about 1.1 decode steps,
         4 about 1.5, 12 more than 16; on Zen 4 at 5.6K: 3 cost more than 4, and 5 as much as 6), which
-        interpolating between neighbours would miss."""
+        interpolating between neighbours would miss. `contexts` by default: 256, 2K and 6K tokens, then half the
+        cache's capacity and the capacity itself where it is longer (a 32K window is priced at 16K and 32K, not
+        extrapolated from 6K)."""
         from spyglass.models.llama import Segment
+
+        if contexts is None:
+            contexts = (256, 2048, 6144, *(c for c in (cache.capacity // 2, cache.capacity) if c > 6144))
 
         slot = cache.allocate()
         try:

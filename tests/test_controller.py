@@ -64,6 +64,15 @@ def test_measured_curve_grows_with_tokens(tiny_target):
     assert curve.cpu
 
 
+def test_the_default_curve_is_measured_up_to_the_cache_capacity(tiny_target):
+    """A long window is priced where it is used: at half the capacity and at the capacity (less the largest tree),
+    not extrapolated from 6K tokens; a short cache caps the default contexts at what it holds."""
+    long = CostCurve.measure(tiny_target, tiny_target.new_cache(16384, 1), sizes=(1, 4), repeats=1)
+    assert long.contexts == [256, 2048, 6144, 8192, 16384 - 4]
+    short = CostCurve.measure(tiny_target, tiny_target.new_cache(1024, 1), sizes=(1, 4), repeats=1)
+    assert short.contexts == [256, 1024 - 4]
+
+
 def test_pruning_keeps_best_valid_subtree():
     tree = DraftTree(torch.tensor([9, 1, 2, 3, 4]), [-1, 0, 0, 1, 3], scores=[1.0, 0.9, 0.05, 0.8, 0.7])
     keep = tree.best_nodes(tree.scores, 3)

@@ -597,7 +597,6 @@ torch::Tensor tile_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
     std::vector<float> Kt(D * kNB), Vp(kNB * Dp, 0.0f), S(kMR * kNB), P(kMR * kNB), alpha(kMR);
     std::vector<float> Q(rows_max * D), O(rows_max * Dp), M(rows_max), Ls(rows_max);  // the chunk's softmax state
     std::vector<float> RO(rows_max * D), RM(rows_max), RL(rows_max);                   // the folded chunks'
-
     std::vector<int64_t> token(rows_max);
     for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(items.size());) {
       const Item it = items[i];
@@ -625,7 +624,7 @@ torch::Tensor tile_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
       std::fill(RL.begin(), RL.begin() + rows, 0.0f);
       // keys any row of the item sees lie below kend; split: the chunk's only
       const int64_t kend = std::min(mp ? length : start + it.t1, split ? (it.chunk + 1) * kChunkKeys : length);
-      for (int64_t kb = it.chunk * kChunkKeys * split; kb < kend; kb += kNB) {
+      for (int64_t kb = split ? it.chunk * kChunkKeys : 0; kb < kend; kb += kNB) {
         const int64_t valid = std::min(kNB, length - kb);
         pack_keys(kc + it.kv * ksh + kb * D, valid, D, Kt.data());
         const float* Vb = vc + it.kv * vsh + kb * D;

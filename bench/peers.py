@@ -16,8 +16,8 @@ IdleGate), and the CPU time of every other engine process is read around it (idl
 first token and decode speed ((new tokens - 1) / time after the first token) come from the workers, measured the same
 way. Every output is checked against its engine's plain decoding and against spyglass's (identical, or the first
 differing index). The physical-limit readout, measured before each prompt's runs: memory read bandwidth (a sum over
-a 1 GiB tensor, the engines' thread count) and fp32 matmul peak; each plain decoder's achieved bandwidth, (weight bytes + KV
-bytes at the context) / step time, as a share of it; prefill FLOP/s (model FLOPs / time to first token)
+a 1 GiB tensor, the engines' thread count) and fp32 matmul peak; each plain decoder's achieved bandwidth, (weight
+bytes + KV bytes at the context) / step time, as a share of it; prefill FLOP/s (model FLOPs / time to first token)
 against the peak.
 """
 

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -580,7 +581,8 @@ torch::Tensor tile_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
   // split: each (KV head, chunk)'s rows as (max, sum, unnormalised out), merged below; chunks no row reached stay empty
   const int64_t R = g * n;
   std::vector<float> part_m(split ? hkv * chunks * R : 0, kNegInf), part_l(split ? hkv * chunks * R : 0, 0.0f);
-  std::vector<float> part_o(split ? hkv * chunks * R * D : 0);
+  // part_o is left uninitialised: fold_chunk reads a chunk's out only where its sum is set (> 0), i.e. written
+  const std::unique_ptr<float[]> part_o(new float[split ? hkv * chunks * R * D : 0]);
 
   auto y = torch::empty({n, H * D}, c.q.options());
   const float* qp = c.q.data_ptr<float>();
@@ -675,7 +677,7 @@ torch::Tensor tile_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
         for (int64_t r = 0; r < real; r++) {
           part_m[at + r] = M[r];
           part_l[at + r] = Ls[r];
-          std::copy(O.data() + r * Dp, O.data() + r * Dp + D, part_o.data() + (at + r) * D);
+          std::copy(O.data() + r * Dp, O.data() + r * Dp + D, part_o.get() + (at + r) * D);
         }
         continue;
       }
@@ -699,7 +701,7 @@ torch::Tensor tile_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
         std::fill(out, out + D, 0.0f);
         for (int64_t ch = 0; ch < chunks; ch++) {
           const int64_t t = (kv * chunks + ch) * R + r;
-          fold_chunk(m, l, out, part_m[t], part_l[t], part_o.data() + t * D, D);
+          fold_chunk(m, l, out, part_m[t], part_l[t], part_o.get() + t * D, D);
         }
         if (l == 0.0f) {
           unseen = true;

@@ -235,9 +235,11 @@ class SpecEngine:
 
         The cache holds K/V only. A drafter that reads the target's hidden states of the prompt (DFlash, TokenSwift:
         `traits.hidden_layers`) would see none for a cached part, and so draft from a shorter context on a hit than
-        on a miss; its requests prefill the whole prompt instead (they still store it for the other methods)."""
+        on a miss; its requests prefill the whole prompt instead (they still store it for the other methods). One
+        that keeps only the last token's (LongSpec: `traits.newest_hidden_only`) gets it from the computed tail."""
         cc = self.context_cache
-        if cc is None or self._drafter(seq).traits.hidden_layers:
+        traits = self._drafter(seq).traits
+        if cc is None or (traits.hidden_layers and not traits.newest_hidden_only):
             return 0
         blocks = cc.lookup(seq.tokens, max_tokens=seq.num_tokens - 1)
         return load_blocks_into_cache(self.cache, seq.slot, blocks, cc.block_size)

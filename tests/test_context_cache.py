@@ -74,6 +74,31 @@ def test_hidden_state_drafter_prefills_whole_prompt_and_stores_it(tiny_target, r
     assert first.output_ids == again.output_ids == plain.output_ids == plain_generate(tiny_target, prompt, params)
 
 
+def test_newest_hidden_drafter_uses_a_hit(tiny_target, redis_server):
+    """A LongSpec draft fed the target's hidden state keeps only the newest committed token's: on a hit the computed
+    tail ends with the prompt's last token, so the hit is used and the draft starts from the same vector."""
+    from spyglass.drafters.longspec import LongSpecDrafter
+    from spyglass.models.drafts.longspec import LongSpecDraft
+
+    torch.manual_seed(1)
+    draft = LongSpecDraft.from_target(tiny_target, window=16, init_std=0.2, feed_hidden=True).eval()
+    torch.nn.init.normal_(draft.hidden_proj.weight, std=0.2)
+    drafter = LongSpecDrafter(draft, gamma=3)
+    assert drafter.traits.hidden_layers and drafter.traits.newest_hidden_only
+    cc = ContextCache(redis_server.url, f"newest-{id(tiny_target)}", block_size=16, async_writes=False)
+    prompt = torch.randint(3, tiny_target.args.vocab_size, (70,), generator=torch.Generator().manual_seed(5)).tolist()
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=2, max_context=256), context_cache=cc)
+    seen = []
+    start = drafter.start
+    drafter.start = lambda seq: (start(seq), seen.append(seq.drafter_state.hidden.clone()))
+    (miss,) = engine.run([prompt], params)
+    (hit,) = engine.run([prompt], params)
+    assert miss.stats.cached_prefix_tokens == 0 and hit.stats.cached_prefix_tokens == 64
+    torch.testing.assert_close(seen[1], seen[0], rtol=1e-5, atol=1e-5)
+    assert miss.output_ids == hit.output_ids == plain_generate(tiny_target, prompt, params)
+
+
 def test_size_limit_evicts_oldest(redis_server):
     cc = ContextCache(redis_server.url, "evict", block_size=4, max_bytes=3000, async_writes=False)
     client = redis.Redis.from_url(redis_server.url)

@@ -38,13 +38,17 @@ class DrafterTraits:
     - `cost_by_depth`: one draft step per depth, and only as deep as `DraftRequest.depth` asks (the controller then
       charges drafting per kept depth).
     - `hidden_layers`: the target layers whose hidden states it reads (indices, negative from the end; the output
-      of that layer, before the final norm): the engine then calls `observe_hidden` (below). Empty: none."""
+      of that layer, before the final norm): the engine then calls `observe_hidden` (below). Empty: none.
+    - `newest_hidden_only`: of the prompt's hidden states it keeps only the last token's (LongSpec's feed_hidden),
+      so a context-cache hit, which still computes the prompt's last token, gives it what a miss does; without it a
+      drafter with `hidden_layers` gets its whole prompt prefilled (the cache holds K/V only)."""
 
     free: Literal["none", "part", "all"] = "none"
     token_matched: bool = False
     drafts_chain: bool = False
     cost_by_depth: bool = False
     hidden_layers: tuple[int, ...] = ()
+    newest_hidden_only: bool = False
 
     def __post_init__(self) -> None:
         if self.free not in FREE_KINDS:

@@ -67,6 +67,7 @@ class CompositeDrafter:
             free="all" if frees == {"all"} else "none" if frees == {"none"} else "part",
             token_matched=True,
             hidden_layers=tuple(sorted({i for p in parts for i in p.traits.hidden_layers})),
+            newest_hidden_only=all(p.traits.newest_hidden_only for p in parts if p.traits.hidden_layers),
         )
         self._claims: dict[str, tuple[int, float]] = {}  # seq_id -> the gating parts' best first token, score
         self._record: dict[str, list[float]] = {}  # seq_id -> decayed [right, claimed] (a neutral prior of 1, 1)

@@ -169,6 +169,7 @@ class LongSpecDrafter:
             cost_by_depth=not span,
             # the target layers whose outputs the engine hands to observe_hidden
             hidden_layers=tuple(draft.cfg.hidden_layers or [-1]) if draft.cfg.feed_hidden else (),
+            newest_hidden_only=True,  # observe_hidden keeps the newest committed token's row only
         )
         self.ring = draft.cfg.window - 1  # + the token being drafted from = the training window
         self.cache: KVCache | None = None

@@ -113,16 +113,13 @@ def model_tag(model_id: str) -> str:
 
 
 def longspec_draft_for(target) -> Path | None:
-    """The shipped LongSpec draft that fits `target` (spyglass/drafts/*-longspec*), None if none does."""
-    from spyglass.drafters.longspec import SHIPPED, load_longspec_draft
+    """The shipped LongSpec draft that fits `target` (spyglass/drafts/*-longspec), None if none does."""
+    from spyglass.drafters.longspec import shipped_draft
 
-    for path in sorted(SHIPPED.parent.glob("*-longspec*")):
-        try:
-            load_longspec_draft(path, target)
-        except ValueError:
-            continue  # another model's draft, or not a draft directory
-        return path
-    return None
+    try:
+        return shipped_draft(target)
+    except ValueError:
+        return None
 
 
 def method_builders(methods: list[str], target, capacity: int) -> tuple[dict[str, Callable], dict[str, str]]:

@@ -76,7 +76,7 @@ def test_shipped_drafts_are_stored_in_bf16_and_compressed():
 @pytest.mark.slow
 def test_shipped_drafts_load_into_an_fp32_target_as_fp32(smollm2):
     from spyglass.drafters.dflash import DEFAULT_DELS, DEFAULT_DFLASH
-    from spyglass.drafters.longspec import SHIPPED, SHIPPED_GLIDE, load_longspec_draft
+    from spyglass.drafters.longspec import SHIPPED, SHIPPED_GLIDE, load_longspec_draft, shipped_draft
     from spyglass.drafters.tokenswift import shipped_heads_for
     from spyglass.models.drafts.dels import load_local_head
     from spyglass.models.drafts.dflash import load_dflash
@@ -84,6 +84,7 @@ def test_shipped_drafts_load_into_an_fp32_target_as_fp32(smollm2):
 
     target, _ = smollm2
     assert target.dtype == torch.float32
+    assert shipped_draft(target) == SHIPPED and shipped_draft(target, "glide") == SHIPPED_GLIDE  # the model's own
     drafts = {
         "longspec": load_longspec_draft(SHIPPED, target),
         "glide": load_longspec_draft(SHIPPED_GLIDE, target),

@@ -64,8 +64,11 @@ def test_checkpoint_round_trip(tiny_target, tmp_path):
 def test_bad_checkpoints_are_refused(tiny_target, tmp_path):
     with pytest.raises(ValueError, match="not a draft checkpoint"):
         load_longspec_draft(tmp_path, tiny_target)
-    with pytest.raises(ValueError, match="smollm2-135m-longspec"):  # the shipped draft is for SmolLM2
+    # no checkpoint: the draft shipped for the target's model, and none ships for the tiny one (the error names them)
+    with pytest.raises(ValueError, match="no longspec draft ships for this model .*smollm2-135m-longspec"):
         build_drafter("longspec", tiny_target)
+    with pytest.raises(ValueError, match="no glide draft ships for this model .*smollm2-135m-glide"):
+        build_drafter("glide", tiny_target)
     root = tmp_path / "ckpt"
     save_checkpoint(layer_copy_draft(tiny_target), root)
     good = (root / "draft_config.json").read_text()

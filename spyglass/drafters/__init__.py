@@ -100,11 +100,12 @@ def _longspec(
     target, m: Method, options: dict, loaded: dict | None = None, token_matched: bool = False, **build
 ) -> Drafter:
     from spyglass.drafters.base import load_once
-    from spyglass.drafters.longspec import SHIPPED, SHIPPED_GLIDE, LongSpecDrafter, load_longspec_draft
+    from spyglass.drafters.longspec import LongSpecDrafter, load_longspec_draft, shipped_draft
     from spyglass.spans import SPAN
 
-    shipped = SHIPPED if m.family == "longspec" else SHIPPED_GLIDE  # used when no checkpoint is given
-    checkpoint = shipped if options.get("draft_checkpoint") is None else options["draft_checkpoint"]
+    checkpoint = options.get("draft_checkpoint")
+    if checkpoint is None:  # the draft of its family that ships for this model
+        checkpoint = shipped_draft(target, m.family)
     draft = load_once(loaded, "longspec", checkpoint, lambda path: load_longspec_draft(path, target))
     span = SPAN if m.options.get("span") else 0  # a chain whose copied tokens bring their context's continuation
     gamma = options.get("gamma") or 5

@@ -63,8 +63,9 @@ from spyglass.tree import COPY_SOURCE, DRAFT_SOURCE, SPAN_SOURCE, DraftTree
 from spyglass.verify import Accepted
 from spyglass.weights import load_weights, weights_path
 
-SHIPPED = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-longspec"
-SHIPPED_GLIDE = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-glide"
+DRAFTS = Path(__file__).resolve().parents[1] / "drafts"  # the drafts that ship, one directory per model and method
+SHIPPED = DRAFTS / "smollm2-135m-longspec"
+SHIPPED_GLIDE = DRAFTS / "smollm2-135m-glide"
 CAPE_BINS = (8, 8, 8, 6, 6, 6, 4, 4, 2, 2, 2)  # extra candidates by floor(10 * p_top1) (GPU default)
 CAPE_BINS_CPU = (3, 3, 3, 2, 2, 2, 1, 1, 1, 0, 0)  # on CPU every node costs verify time: fewer
 MODES = ("chain", "beam", "cape")
@@ -87,11 +88,33 @@ class _Window:
         return int((self.pos >= 0).sum())
 
 
-def load_longspec_draft(checkpoint: str | Path | None, target: Transformer, shipped: Path = SHIPPED) -> LongSpecDraft:
+def _target_shape(target: Transformer) -> dict:
+    a = target.args
+    return {"hidden_size": a.hidden_size, "n_heads": a.n_heads, "n_kv_heads": a.n_kv_heads, "head_dim": a.head_dim}
+
+
+def _misfit(cfg: dict, target: Transformer) -> dict | str | None:
+    """What of a draft config does not fit `target` ((draft, target) per field, or "vocab size"); None: it fits."""
+    wrong = {k: (cfg.get(k), v) for k, v in _target_shape(target).items() if cfg.get(k) != v}
+    return wrong or ("vocab size" if cfg.get("vocab_size") != target.args.vocab_size else None)
+
+
+def shipped_draft(target: Transformer, family: str = "longspec") -> Path:
+    """The draft of `family` ("longspec" or "glide") that ships for `target`'s model (spyglass/drafts/*-<family>);
+    ValueError names the shipped ones when none fits."""
+    shipped = [p for p in sorted(DRAFTS.glob(f"*-{family}")) if (p / "draft_config.json").is_file()]
+    for path in shipped:
+        if _misfit(json.loads((path / "draft_config.json").read_text()), target) is None:
+            return path
+    names = ", ".join(p.name for p in shipped) or "none in this tree"
+    raise ValueError(f"no {family} draft ships for this model (shipped: {names}): pass --draft-checkpoint DIR")
+
+
+def load_longspec_draft(checkpoint: str | Path | None, target: Transformer) -> LongSpecDraft:
     """A trainer checkpoint directory (`draft_config.json` + `draft.safetensors`) on top of `target`'s frozen
-    embedding and head; None = `shipped`, a draft that comes with the package. Raises ValueError naming what does
+    embedding and head; None = the LongSpec draft shipped for `target`'s model. Raises ValueError naming what does
     not fit."""
-    root = Path(checkpoint) if checkpoint is not None else shipped
+    root = Path(checkpoint) if checkpoint is not None else shipped_draft(target)
     cfg_file, weights = root / "draft_config.json", weights_path(root / "draft.safetensors")
     if not cfg_file.is_file() or not weights.is_file():
         raise ValueError(f"{root} is not a draft checkpoint (needs draft_config.json and draft.safetensors[.xz])")
@@ -99,11 +122,10 @@ def load_longspec_draft(checkpoint: str | Path | None, target: Transformer, ship
     kind = cfg.pop("kind", "longspec")
     if kind != "longspec":
         raise ValueError(f"{root} holds a {kind!r} draft, not a LongSpec one")
-    a = target.args
-    shape = {"hidden_size": a.hidden_size, "n_heads": a.n_heads, "n_kv_heads": a.n_kv_heads, "head_dim": a.head_dim}
-    wrong = {k: (cfg.get(k), v) for k, v in shape.items() if cfg.get(k) != v}
-    if wrong or cfg.get("vocab_size") != a.vocab_size:
-        raise ValueError(f"draft checkpoint {root} does not fit the target (draft, target): {wrong or 'vocab size'}")
+    shape = _target_shape(target)
+    wrong = _misfit(cfg, target)
+    if wrong:
+        raise ValueError(f"draft checkpoint {root} does not fit the target (draft, target): {wrong}")
     cfg.pop("init_layer", None)  # an initialisation choice, not a shape: the weights below replace it
     # the embedding and full LM head are the target's own tensors (no copy): a checkpoint must not write them
     draft = LongSpecDraft.from_target(target, share_io=True, **{k: v for k, v in cfg.items() if k not in shape})

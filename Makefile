@@ -100,7 +100,8 @@ bench-tokenswift-bound: setup model-qwen
 # resumable: rerun to continue; finished extraction shards and training steps are skipped) and copies the result
 # into the package; the model card is written by hand from the run's record.
 .PHONY: train-smollm2-135m-longspec train-smollm2-135m-glide train-smollm2-135m-dflash train-smollm2-135m-dels \
-	train-smollm2-135m-tokenswift train-qwen2.5-coder-0.5b-tokenswift train-longspec train-ablation
+	train-smollm2-135m-tokenswift train-qwen2.5-coder-0.5b-tokenswift train-qwen2.5-coder-0.5b-longspec train-longspec \
+	train-ablation
 # $(call train-steps,CONFIGS[,OPTIONS]): `spyglass train` on each config in order, stopping at the first failure.
 train-steps = for c in $(1); do $(VENV)/bin/spyglass train $$c $(2) || exit 1; done
 LONGSPEC_CHAIN := $(sort $(wildcard configs/smollm2-135m-longspec/*.yaml))
@@ -141,6 +142,10 @@ train-qwen2.5-coder-0.5b-tokenswift: setup model-qwen
 	$(PY) -m spyglass.weights .cache/runs/qwen2.5-coder-0.5b-tokenswift/heads/heads.safetensors \
 		spyglass/drafts/qwen2.5-coder-0.5b-tokenswift/heads.safetensors.xz
 	cp .cache/runs/qwen2.5-coder-0.5b-tokenswift/heads/heads_config.json spyglass/drafts/qwen2.5-coder-0.5b-tokenswift/
+# LongSpec for Qwen2.5-Coder-0.5B: one run from random init (extraction ~35 min, training ~25 min on 2 cores; resumable).
+train-qwen2.5-coder-0.5b-longspec: setup model-qwen
+	$(call train-steps,configs/qwen2.5-coder-0.5b-longspec.yaml,--diagnose)
+	$(PY) -m actors.export_draft .cache/runs/qwen2.5-coder-0.5b-longspec spyglass/drafts/qwen2.5-coder-0.5b-longspec
 # The LongSpec and GLIDE drafts together (the chains share their first three steps).
 train-longspec: train-smollm2-135m-longspec train-smollm2-135m-glide
 

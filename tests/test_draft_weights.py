@@ -71,6 +71,22 @@ def test_shipped_drafts_are_stored_in_bf16_and_compressed():
         kinds = stored_dtypes(f)
         assert {d for n, d in kinds.items() if n != "vocab_ids"} == {"BF16"}, f
         assert kinds.get("vocab_ids", "I64") == "I64", f
+        assert len(lzma.decompress(f.read_bytes())) <= 25_000_000, f"{f}: more than 25 MB of bf16 safetensors"
+
+
+@pytest.mark.parametrize("family", ["longspec", "glide"])
+def test_each_shipped_draft_is_the_one_found_for_its_models_shape(family):
+    """`shipped_draft` picks a draft by the target's shape: every one shipped is found for a target of its own."""
+    from types import SimpleNamespace
+
+    from spyglass.drafters.longspec import shipped_draft
+
+    dirs = sorted(DRAFTS.glob(f"*-{family}"))
+    assert dirs
+    for d in dirs:
+        cfg = json.loads((d / "draft_config.json").read_text())
+        shape = {k: cfg[k] for k in ("hidden_size", "n_heads", "n_kv_heads", "head_dim", "vocab_size")}
+        assert shipped_draft(SimpleNamespace(args=SimpleNamespace(**shape)), family) == d
 
 
 @pytest.mark.slow

@@ -184,6 +184,12 @@ PEERS_ARGS ?=
 .PHONY: peers bench-peers
 peers: setup
 	bash bench/peers_setup.sh all
+# The allocator and OpenMP runtime under spyglass (tcmalloc, jemalloc, Intel OpenMP preloaded; bench/runtime.py,
+# ~10 min): libiomp5 comes from vLLM's venv (`make peers`) or a pip `intel-openmp` in .venv, the allocators from the OS.
+.PHONY: bench-runtime
+bench-runtime: setup
+	$(PY) bench/runtime.py
+
 bench-peers: setup peers
 	$(PY) bench/peers.py $(PEERS_ARGS)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import RESULTS_DIR, median, plot_panels, wait_for_quiet, write_results  # noqa: E402
+from bench.common import median, plot_panels, wait_for_quiet, write_results  # noqa: E402
 from bench.peers import Peer, find_libiomp5, find_tcmalloc  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,7 +76,7 @@ def main() -> None:
         print(f"{name}: skipped ({why})")
     quiet = wait_for_quiet(timeout_s=300)
     threads = str(args.threads)
-    logs = RESULTS_DIR.parent / "logs" / args.name
+    logs = ROOT / ".cache" / "bench-logs" / args.name  # each worker's stderr
     workers: dict[str, Peer] = {}
     try:
         for name, libs in have.items():  # one at a time: each worker times its kernels at load

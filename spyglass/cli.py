@@ -40,7 +40,7 @@ def _add_generate(sub) -> None:
         "--draft-checkpoint",
         default=None,
         help="longspec, glide, dflash: a trained draft (trainer checkpoint dir); tokenswift: heads (default: the "
-        "shipped ones)",
+        "ones shipped for the model)",
     )
     p.add_argument(
         "--partial-budget", type=int, default=None, help="tokenswift, streaming: partial KV budget in tokens"

@@ -145,7 +145,8 @@ train-qwen2.5-coder-0.5b-tokenswift: setup model-qwen
 # LongSpec for Qwen2.5-Coder-0.5B: one run from random init (extraction ~35 min, training ~25 min on 2 cores; resumable).
 train-qwen2.5-coder-0.5b-longspec: setup model-qwen
 	$(call train-steps,configs/qwen2.5-coder-0.5b-longspec.yaml,--diagnose)
-	$(PY) -m actors.export_draft .cache/runs/qwen2.5-coder-0.5b-longspec spyglass/drafts/qwen2.5-coder-0.5b-longspec
+	$(PY) -m actors.export_draft .cache/runs/qwen2.5-coder-0.5b-longspec spyglass/drafts/qwen2.5-coder-0.5b-longspec \
+		--train-dir train
 # The LongSpec and GLIDE drafts together (the chains share their first three steps).
 train-longspec: train-smollm2-135m-longspec train-smollm2-135m-glide
 

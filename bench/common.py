@@ -12,6 +12,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -292,6 +293,16 @@ def time_interleaved(
     }
 
 
+_NUMBER_LIST = re.compile(r"\[\s*(-?[\d.eE+-]+(?:,\s*-?[\d.eE+-]+)*)\s*\]")
+
+
+def results_json(doc: dict[str, Any]) -> str:
+    """`doc` as a results file's text: indented, with each list of numbers on one line (per-token curves and token
+    ids stay a few bytes per entry, which keeps the tracked results small)."""
+    text = json.dumps(doc, indent=1, sort_keys=False)
+    return _NUMBER_LIST.sub(lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", text) + "\n"
+
+
 def write_results(
     name: str,
     figures: dict[str, Any],
@@ -308,7 +319,7 @@ def write_results(
     }
     path = results_dir / f"{name}.json"
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
+    tmp.write_text(results_json(doc))
     tmp.replace(path)
     return path
 

@@ -36,6 +36,11 @@ def libiomp5() -> Path | None:
     return None
 
 
+def shown(path: Path) -> str:
+    """A library's path as the results record it: relative to the repository when inside it (its .cache)."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def variants() -> tuple[dict[str, list[Path]], dict[str, str]]:
     """Each runtime variant's preloads, and the ones this machine lacks (with what is missing)."""
     tc, iomp = find_tcmalloc(), libiomp5()
@@ -116,7 +121,7 @@ def main() -> None:
     meta = {
         "task": task.name,
         "prompt_tokens": len(task.prompt_ids),
-        "preloads": {n: [str(p) for p in libs] for n, libs in have.items()},
+        "preloads": {n: [shown(p) for p in libs] for n, libs in have.items()},
         "quiet": quiet,
         "args": vars(args),
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -142,7 +142,7 @@ train-qwen2.5-coder-0.5b-tokenswift: setup model-qwen
 	$(PY) -m spyglass.weights .cache/runs/qwen2.5-coder-0.5b-tokenswift/heads/heads.safetensors \
 		spyglass/drafts/qwen2.5-coder-0.5b-tokenswift/heads.safetensors.xz
 	cp .cache/runs/qwen2.5-coder-0.5b-tokenswift/heads/heads_config.json spyglass/drafts/qwen2.5-coder-0.5b-tokenswift/
-# LongSpec for Qwen2.5-Coder-0.5B: one run from random init (extraction ~35 min, training ~25 min on 2 cores; resumable).
+# LongSpec for Qwen2.5-Coder-0.5B: one run from random init (extraction 38 min, training 20 min on 2 cores; resumable).
 train-qwen2.5-coder-0.5b-longspec: setup model-qwen
 	$(call train-steps,configs/qwen2.5-coder-0.5b-longspec.yaml,--diagnose)
 	$(PY) -m actors.export_draft .cache/runs/qwen2.5-coder-0.5b-longspec spyglass/drafts/qwen2.5-coder-0.5b-longspec \

@@ -43,22 +43,19 @@ def shown(path: Path) -> str:
 
 def variants() -> tuple[dict[str, list[Path]], dict[str, str]]:
     """Each runtime variant's preloads, and the ones this machine lacks (with what is missing)."""
-    tc, iomp = find_tcmalloc(), libiomp5()
-    je = next((Path(p) for p in JEMALLOC if Path(p).exists()), None)
-    wanted = {
-        "default": [],
-        "tcmalloc": [tc],
-        "jemalloc": [je],
-        "iomp5": [iomp],
-        "tcmalloc+iomp5": [tc, iomp],
+    libs = {
+        "tcmalloc": find_tcmalloc(),
+        "jemalloc": next((Path(p) for p in JEMALLOC if Path(p).exists()), None),
+        "iomp5": libiomp5(),
     }
-    names = {"tcmalloc": "libtcmalloc_minimal.so.4", "jemalloc": "libjemalloc.so.2", "iomp5": "libiomp5.so"}
     have, missing = {}, {}
-    for name, libs in wanted.items():
-        if all(libs):
-            have[name] = libs
+    for name in ("default", "tcmalloc", "jemalloc", "iomp5", "tcmalloc+iomp5"):
+        parts = [] if name == "default" else name.split("+")
+        absent = [p for p in parts if libs[p] is None]
+        if absent:
+            missing[name] = "not found: " + ", ".join(absent)
         else:
-            missing[name] = "not found: " + ", ".join(names[p] for p in name.split("+") if not wanted[p][0])
+            have[name] = [libs[p] for p in parts]
     return have, missing
 
 

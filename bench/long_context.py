@@ -34,6 +34,8 @@ Figures, per length label L (medians over the prompts of that length):
 - longspec_<model>_speedup_<longest> and longspec_<model>_tau_<longest>_vs_<shortest> where a LongSpec draft ships
   for the model; `skipped` names the methods that could not run and why (no draft for this model);
 - identical_all: every output of every method equal to plain decoding's.
+- output_copied_L: the share of plain decoding's output tokens that end a 4-gram found in the prompt (what a drafter
+  reading the prompt could propose at all; each prompt's `output_start` shows what the model wrote).
 
 Each finished prompt is kept in .cache/bench/<name>/ with the CPU model, the arguments and a hash of the code and
 shipped weights: a rerun resumes after the prompts already measured (--fresh starts over). The full run (4 lengths x
@@ -232,9 +234,20 @@ def run_one(target, drafter, task: HeldOutTask, params: SamplingParams, curve, c
     return out
 
 
-def run_prompt(target, task: HeldOutTask, builders: dict, params: SamplingParams, curve, cache: ContextCache, client):
+def copied_share(prompt: list[int], output: list[int], n: int = 4) -> float:
+    """The share of `output`'s tokens that end an n-gram (with the tokens before it) found in `prompt`: how much of
+    what the model wrote a drafter reading the prompt could have proposed at all."""
+    grams = {tuple(prompt[i : i + n]) for i in range(len(prompt) - n + 1)}
+    text = prompt[-(n - 1) :] + output
+    return sum(tuple(text[i : i + n]) in grams for i in range(len(output))) / max(1, len(output))
+
+
+def run_prompt(
+    target, task: HeldOutTask, builders: dict, params: SamplingParams, curve, cache: ContextCache, client, decode
+):
     """A cache miss (plain decoding's prefill alone), then every method on a hit; speedups against plain decoding.
-    `client`: a connection to the cache's Redis (emptied first)."""
+    `client`: a connection to the cache's Redis (emptied first); `decode`: token ids -> text (the output's start is
+    kept, to show what the model did with the task)."""
     client.flushdb()
     miss = run_one(target, None, task, SamplingParams(max_new_tokens=1), curve, cache)
     cache.flush(timeout=3600)  # the K/V blocks are written in the background, as a server writes them
@@ -268,12 +281,15 @@ def run_prompt(target, task: HeldOutTask, builders: dict, params: SamplingParams
         ),
         flush=True,
     )
+    output = ar["tokens"]
     for r in (miss, *runs.values()):
         r.pop("tokens")
     return {
         "prompt_tokens": len(task.prompt_ids),
         "kind": task.kind,
         "group": task.group,
+        "output_start": decode(output)[:160],
+        "output_copied": copied_share(task.prompt_ids, output),
         "miss": miss,
         "first_token_identical": identical_first,
         "methods": runs,
@@ -311,6 +327,7 @@ def summarise(rows: dict, tasks: list[HeldOutTask], lengths: list[tuple[str, int
             for key in ("speedup", "e2e_speedup", "tau", "draft_state_bytes"):
                 figures[f"{key}_{label}_{m}"] = med([r["methods"][m][key] for r in rs])
         figures[f"ar_tok_s_{label}"] = med([r["methods"]["ar"]["tok_s"] for r in rs])
+        figures[f"output_copied_{label}"] = med([r.get("output_copied") for r in rs])
         figures[f"ttft_miss_s_{label}"] = med([r["miss"]["ttft_s"] for r in rs])
         figures[f"ttft_hit_s_{label}"] = med([r["methods"]["ar"]["ttft_s"] for r in rs])
         figures[f"cache_hit_ttft_speedup_{label}"] = med(
@@ -492,7 +509,7 @@ def main(argv: list[str] | None = None) -> Path:
                 kept.append(task.name)
                 print(f"{task.name}: kept from an earlier run ({done})", flush=True)
                 continue
-            rows[task.name] = run_prompt(target, task, builders, params, curve, cache, client)
+            rows[task.name] = run_prompt(target, task, builders, params, curve, cache, client, tokenizer.decode)
             if not args.smoke:
                 kept_dir.mkdir(parents=True, exist_ok=True)
                 done.write_text(json.dumps({"same_run": same_run, "row": rows[task.name]}))

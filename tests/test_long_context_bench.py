@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench.long_context import main, method_builders, parse_lengths
+from bench.long_context import copied_share, main, method_builders, parse_lengths
 from bench.tasks import LONG_KINDS, long_tasks
 from spyglass.training.data import CorpusConfig, split_of
 
@@ -18,6 +18,14 @@ def test_lengths_parse_sort_and_fit_the_window():
     for bad in ("8x", "k", "40"):
         with pytest.raises(SystemExit):
             parse_lengths(bad, 100, 32)
+
+
+def test_copied_share_counts_output_tokens_that_end_a_prompt_ngram():
+    prompt = [1, 2, 3, 4, 5, 6]
+    assert copied_share(prompt, [7, 8]) == 0.0  # nothing of it in the prompt
+    assert copied_share([9, 9, 9, 1, 2, 3, 4], [1, 2, 3, 4]) == 0.25  # only the last one ends a prompt 4-gram
+    assert copied_share(prompt + [1, 2, 3], [4, 5, 6]) == 1.0  # the prompt's last tokens continue as they did
+    assert copied_share(prompt, []) == 0.0
 
 
 def test_long_tasks_are_held_out_and_sized(smollm2):
@@ -69,3 +77,4 @@ def test_smoke_run_writes_figures_and_every_output_is_plain_decoding(tmp_path):
             assert run["cached_prefix_tokens"] == (n - 1) // block * block  # the prefill came from the cache
             assert run["kv_bytes"] == per_token * (n + run["generated"] - 1)
         assert row["methods"]["suffix"]["draft_state_bytes"] > 0 and row["methods"]["ar"]["draft_state_bytes"] == 0
+        assert 0.0 <= row["output_copied"] <= 1.0 and isinstance(row["output_start"], str)

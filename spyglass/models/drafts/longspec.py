@@ -423,14 +423,18 @@ class LongSpecDraft(nn.Module):
                 top = m == c.n_layers - 1
                 if m:
                     x = x + self_attention(layer, x)
+                # the top layer's rows before logits_from feed nothing (no logits; a feed_own_hidden draft's next
+                # lag reads every row): its cross-attention, the part that grows with the context, skips them
+                lo = logits_from if top and not c.feed_own_hidden else 0
+                x, rows = x[:, lo:], slice(lo, length)
                 if top and c.feed_hidden:
-                    x = x + self.read_hidden(F.pad(target_h, (0, 0, one_lag, 0))[:, :length])
+                    x = x + self.read_hidden(F.pad(target_h, (0, 0, one_lag, 0))[:, rows])
                 if top and own is not None:
-                    x = x + self.read_own(F.pad(own, (0, 0, 1, 0))[:, :length])
-                qc = layer.cross_query(x, cos, sin).transpose(1, 2)
-                o = F.scaled_dot_product_attention(qc, tks[m], tvs[m], attn_mask=cmask, scale=scale)
-                x = x + layer.cross_o(o.masked_fill(empty, 0.0).transpose(1, 2).reshape(b, length, -1))
-                x = layer.mlp(x[:, logits_from:] if top and not c.feed_own_hidden else x)
+                    x = x + self.read_own(F.pad(own, (0, 0, 1, 0))[:, rows])
+                qc = layer.cross_query(x, cos[:, rows], sin[:, rows]).transpose(1, 2)
+                o = F.scaled_dot_product_attention(qc, tks[m], tvs[m], attn_mask=cmask[rows], scale=scale)
+                x = x + layer.cross_o(o.masked_fill(empty[:, :, rows], 0.0).transpose(1, 2).reshape(b, length - lo, -1))
+                x = layer.mlp(x)
             if c.feed_own_hidden:
                 own, x = x.detach(), x[:, logits_from:]
             if one_lag in lags:

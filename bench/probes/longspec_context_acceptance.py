@@ -5,6 +5,7 @@ accuracy, not a speed, and does not depend on the machine's load). Also the draf
 length. Writes bench/results/<name>.json.
 
     python bench/probes/longspec_context_acceptance.py [--length 32k] [--tails 4096,0] [--kinds repo,quote]
+                                                       [--draft-checkpoint DIR]
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def main() -> None:
     ap.add_argument("--tails", default="4096,0", help="prompt tails to keep, in tokens (0 = the whole prompt)")
     ap.add_argument("--kinds", default="repo,quote")
     ap.add_argument("--method", default="longspec")
+    ap.add_argument("--draft-checkpoint", help="a draft directory (default: the one shipped for the model)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--name", default="longspec_context_acceptance")
@@ -54,7 +56,8 @@ def main() -> None:
     for task in tasks:
         for tail in tails:
             prompt = task.prompt_ids[-tail:] if tail else task.prompt_ids
-            drafter = build_drafter(args.method, target, max_batch=1)
+            options = {"draft_checkpoint": args.draft_checkpoint} if args.draft_checkpoint else {}
+            drafter = build_drafter(args.method, target, max_batch=1, **options)
             engine = SpecEngine(target, drafter, EngineConfig(max_batch=1, controller="off"))
             seq = engine.add_request(prompt, params)
             engine.step()

@@ -142,10 +142,11 @@ train-qwen2.5-coder-0.5b-tokenswift: setup model-qwen
 	$(PY) -m spyglass.weights .cache/runs/qwen2.5-coder-0.5b-tokenswift/heads/heads.safetensors \
 		spyglass/drafts/qwen2.5-coder-0.5b-tokenswift/heads.safetensors.xz
 	cp .cache/runs/qwen2.5-coder-0.5b-tokenswift/heads/heads_config.json spyglass/drafts/qwen2.5-coder-0.5b-tokenswift/
-# LongSpec for Qwen2.5-Coder-0.5B: one run from random init (extraction 38 min, training 20 min on 2 cores; resumable).
+# LongSpec for Qwen2.5-Coder-0.5B: stage 1 from random init on 2K contexts (extraction 38 min, training 20 min on 2
+# cores), stage 2 on 8K contexts (extraction 43 min, training 31 min); resumable.
 train-qwen2.5-coder-0.5b-longspec: setup model-qwen
-	$(call train-steps,configs/qwen2.5-coder-0.5b-longspec.yaml,--diagnose)
-	$(PY) -m actors.export_draft .cache/runs/qwen2.5-coder-0.5b-longspec spyglass/drafts/qwen2.5-coder-0.5b-longspec \
+	$(call train-steps,$(sort $(wildcard configs/qwen2.5-coder-0.5b-longspec/*.yaml)),--diagnose)
+	$(PY) -m actors.export_draft .cache/runs/qwen2.5-coder-0.5b-longspec-long spyglass/drafts/qwen2.5-coder-0.5b-longspec \
 		--train-dir train
 # The LongSpec and GLIDE drafts together (the chains share their first three steps).
 train-longspec: train-smollm2-135m-longspec train-smollm2-135m-glide

@@ -53,6 +53,7 @@ __all__ = [
     "gpu_tree_attention",
     "gpu_tree_attention_batched",
     "prefix_attention",
+    "served_kernels",
     "triton_available",
 ]
 
@@ -211,3 +212,29 @@ def gpu_tree_attention_batched(
         out_p, lse_p = _aten_prefix_batched(q, k_cache, v_cache, lens, rows, scale)
     out, _ = merge_attention(out_p, lse_p, out_t.float(), lse_t)
     return out.to(q.dtype)
+
+
+def served_kernels(device: torch.device, dtype: torch.dtype, head_dim: int, backend: str = "auto") -> dict[str, str]:
+    """The attention kernels a model on `device` in `dtype` runs its verify passes with (a replica's `info()`):
+    `backend` ("auto": the model's `attention_backend`) resolved, the tree part and the prefix part with its LSE.
+
+    A GPU runs the Triton tree kernel with flash-attn's kvcache kernel for the prefix where flash-attn is installed
+    (fp16/bf16), else ATen's fused kernel (`choose_prefix_kernel`); without Triton the torch hybrid. The CPU runs the
+    kernels of kernels/cpu_ops.cpp in fp32 where they are built, else the torch hybrid on ATen's flash attention."""
+    from kernels import cpu as cpu_kernels
+    from spyglass.attention import choose_prefix_kernel, resolve_backend
+
+    resolved = resolve_backend(backend, device)
+    out = {"attention_backend": resolved}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        aten = "aten " + choose_prefix_kernel("cuda", dtype, head_dim, 1, (props.major, props.minor))
+        flash = dtype in _FLASH_DTYPES and flash_attn_available()
+        out["prefix"] = "flash_attn kvcache" if resolved == "triton" and flash else aten
+        out["tree"] = "triton fused_mask_attn" if resolved == "triton" else "torch masked attention"
+    elif device.type == "cpu" and resolved == "cpu" and dtype == torch.float32 and cpu_kernels.native() is not None:
+        out["prefix"] = out["tree"] = "cpu_ops (kernels/cpu_ops.cpp)"
+    else:
+        out["prefix"] = "aten " + choose_prefix_kernel(device.type, dtype, head_dim, 1 << 20)
+        out["tree"] = "triton fused_mask_attn" if resolved == "triton" else "torch masked attention"
+    return out

@@ -318,6 +318,7 @@ def serve_main(
     grpc_host: str | None = None,
     tls_cert: str | None = None,
     tls_key: str | None = None,
+    device: str | None = None,
 ) -> int:
     """`spyglass serve`: bring the stack up, run the demo, keep serving until Ctrl-C or SIGTERM (or exit with
     --once). SIGTERM (what Kubernetes and systemd send) shuts down like Ctrl-C: Serve drains its replicas
@@ -325,7 +326,8 @@ def serve_main(
     started that is still alive after a grace period is killed, so nothing is left behind.
 
     The gRPC port listens on `grpc_host` (default 127.0.0.1), with TLS when `tls_cert`/`tls_key` are given
-    (services/grpc_bind.py); this command's own requests then trust that certificate file."""
+    (services/grpc_bind.py); this command's own requests then trust that certificate file. `device` overrides the
+    verifiers' `device` ("cpu" also asks Ray for no GPU per replica)."""
     import signal
 
     terminated = []
@@ -340,6 +342,10 @@ def serve_main(
     grpc_bind.controller_env(grpc_host, tls_cert, tls_key)  # bad TLS files or host: fail before starting anything
     tls = Path(tls_cert).read_bytes() if tls_cert else False
     app_args = doc["applications"][0].setdefault("args", {})
+    if device is not None:
+        app_args.setdefault("verifier", {})["device"] = device
+        if device == "cpu":
+            app_args["verifier_num_gpus"] = 0
     token = auth_token(app_args)
     redis = None
     if not redis_url(app_args):

@@ -38,7 +38,10 @@ class VerifierConfig:
     """Everything a replica needs to build its engine (a plain dict crosses the Ray boundary)."""
 
     model: str | None = None  # None = the embedded default (SmolLM2-135M-Instruct)
-    dtype: str = "float32"
+    # where the target, the drafters, the KV pool and the controller's measurements live: "auto" = the GPU Ray gave
+    # the replica (else the CPU), or "cpu", "cuda", "cuda:N" (spyglass.device.resolve_device)
+    device: str = "auto"
+    dtype: str = "auto"  # "auto": bf16 on a GPU, the CPU's default there (spyglass.models.loader.resolve_dtype)
     methods: list[str] = field(default_factory=lambda: ["suffix", "ngram", "ar"])  # the first is the default
     max_batch: int = 4  # KV slots of the replica's one pool = sequences per verifier step, every method together
     max_context: int | None = None  # KV capacity per sequence: a cap in 2..the model's window (default: the window)
@@ -452,20 +455,25 @@ def build_engine(cfg: VerifierConfig) -> tuple[Any, Any, dict[str, Any]]:
     `max_batch` slots, one continuous batch and one target forward per step (sharing the context cache)."""
     import torch
 
+    from kernels.dispatch import served_kernels
     from spyglass.context_cache import ContextCache
+    from spyglass.device import device_name, resolve_device
     from spyglass.drafters import METHODS, build_drafter
     from spyglass.engine import EngineConfig, SpecEngine
     from spyglass.kv_cache import context_capacity, kv_bytes_per_token
     from spyglass.models.llama import load_transformer
-    from spyglass.models.loader import load_tokenizer, resolve_model
+    from spyglass.models.loader import load_tokenizer, resolve_dtype, resolve_model
 
     for m in cfg.methods:
         if m not in METHODS:
             raise ValueError(f"unknown method {m!r} in verifier config; available: {', '.join(METHODS)}")
     if len(set(cfg.methods)) != len(cfg.methods):
         raise ValueError(f"verifier config names a method twice: {cfg.methods}")
-    resolved = resolve_model(cfg.model, dtype=cfg.dtype)
-    target = load_transformer(resolved.path, dtype=getattr(torch, cfg.dtype))
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device, stored=None)
+    dtype_name = str(dtype).removeprefix("torch.")
+    resolved = resolve_model(cfg.model, dtype=dtype_name)
+    target = load_transformer(resolved.path, dtype=dtype, device=device)
     target.eval()
     tokenizer = load_tokenizer(resolved.path)
     # one pool of max_batch slots serves every method
@@ -476,7 +484,7 @@ def build_engine(cfg: VerifierConfig) -> tuple[Any, Any, dict[str, Any]]:
     if cfg.redis_url:
         cache = ContextCache(
             cfg.redis_url,
-            f"{resolved.model_id}:{cfg.dtype}",
+            f"{resolved.model_id}:{dtype_name}",  # the same keys on every device: blocks move as bytes
             block_size=cfg.cache_block_size,
             max_bytes=cfg.cache_max_bytes,
         )
@@ -500,7 +508,10 @@ def build_engine(cfg: VerifierConfig) -> tuple[Any, Any, dict[str, Any]]:
         "context_cache": cache is not None,
         "cache_block_size": cfg.cache_block_size if cache is not None else 0,
         "max_queued": cfg.max_queued,
-        "dtype": cfg.dtype,
+        "device": str(target.device),  # what `device` resolved to, and what it is
+        "device_name": device_name(target.device),
+        "dtype": dtype_name,  # what `dtype` resolved to
+        "kernels": served_kernels(target.device, target.dtype, target.args.head_dim, target.attention_backend),
         "linear_backend": target.linear_backend,  # the matmul kernel per row count measured at load
         "attention_plan": target.attention_plan,  # new tokens per sequence cache_attention takes (more: tile_attention)
         "threads": torch.get_num_threads(),
@@ -581,6 +592,9 @@ class Verifier:
             # cost curve (what a verify of k tokens costs) at construction, and a curve timed with Ray's
             # OMP_NUM_THREADS (the replica's num_cpus, often 1) sized every tree for a machine it was not running on.
             engine, tokenizer, self._info = build_engine(self.cfg)
+            import ray
+
+            self._info["ray_gpu_ids"] = [str(i) for i in ray.get_gpu_ids()]  # the accelerators Ray assigned
             if self.cfg.warmup_prompt_tokens > 0:
                 report = warm_up(engine, tokenizer, self.cfg, self.cfg.warmup_prompt_tokens)
                 self._info["warmup_s"] = report["seconds"]

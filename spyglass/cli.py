@@ -10,6 +10,8 @@ import os
 import sys
 import time
 
+from spyglass.device import DEVICE_HELP
+
 EXIT_BAD_INPUT = 2
 
 
@@ -29,6 +31,7 @@ def _add_generate(sub) -> None:
         help="local HF directory, .gguf file or qwen2.5-coder-0.5b (`make model-qwen`; default: embedded SmolLM2)",
     )
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--device", default="auto", help=f"where the model runs: {DEVICE_HELP} (default auto)")
     from spyglass.drafters import METHODS
 
     p.add_argument("--method", default="suffix", help=f"{' | '.join(METHODS)} (default suffix)")
@@ -136,6 +139,7 @@ def _run_generate(args) -> int:
 
     import torch
 
+    from spyglass.device import resolve_device
     from spyglass.drafters import build_drafter
     from spyglass.engine import EngineConfig, RequestError, SpecEngine
     from spyglass.kv_cache import context_capacity
@@ -145,8 +149,12 @@ def _run_generate(args) -> int:
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     dtype = getattr(torch, args.dtype)
     try:
+        device = resolve_device(args.device)
+    except ValueError as e:
+        raise CliError(str(e)) from e
+    try:
         resolved = resolve_model(args.model, dtype=args.dtype)
-        target = load_transformer(resolved.path, dtype=dtype)
+        target = load_transformer(resolved.path, dtype=dtype, device=device)
         tokenizer = load_tokenizer(resolved.path)
     except ModelLoadError as e:
         raise CliError(str(e)) from e
@@ -328,6 +336,9 @@ def _add_serve(sub) -> None:
     )
     p.add_argument("--tls-cert", default=None, help="PEM server certificate: TLS on the gRPC port ($SPYGLASS_TLS_CERT)")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert ($SPYGLASS_TLS_KEY)")
+    p.add_argument(
+        "--device", default=None, help=f"where each verifier replica computes: {DEVICE_HELP} (default: the config's)"
+    )
 
 
 def _run_serve(args) -> int:
@@ -335,6 +346,13 @@ def _run_serve(args) -> int:
         port = getattr(args, name)
         if port is not None and (not 0 < port < 65536 or 10002 <= port <= 19999):
             raise CliError(f"--{name.replace('_', '-')} must be in 1-65535 and outside Ray's worker range 10002-19999")
+    if args.device is not None:  # a device this machine lacks fails here, before Ray starts
+        from spyglass.device import resolve_device
+
+        try:
+            resolve_device(args.device)
+        except ValueError as e:
+            raise CliError(str(e)) from e
     try:
         from services.app import serve_main
     except ImportError as e:
@@ -350,6 +368,7 @@ def _run_serve(args) -> int:
             grpc_host=args.grpc_host,
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
+            device=args.device,
         )
     except (FileNotFoundError, ValueError) as e:
         raise CliError(str(e)) from e

@@ -18,6 +18,7 @@ from spyglass.context_cache import ContextCache, kv_blocks_from_cache, load_bloc
 from spyglass.controller import Controller, ControllerConfig, controller_for
 from spyglass.cost import CostCurve, measured_curve
 from spyglass.detokenize import TextStream
+from spyglass.device import synchronize
 from spyglass.drafters.base import Drafter, DraftRequest, NullDrafter
 from spyglass.kv_cache import context_capacity
 from spyglass.limits import RequestError, check_method, check_prompt_ids
@@ -270,6 +271,7 @@ class SpecEngine:
             drafted = self.drafters[method].propose(drafting, [wants[id(s)] for s in drafting])
             proposed.update(zip(map(id, drafting), drafted, strict=True))
             if ctl is not None:
+                synchronize(self.target.device)  # a drafter's GPU kernels may still be running: time them too
                 share = (time.perf_counter() - t) / len(drafting)
                 for seq in drafting:
                     # A sequence's first drafting step also pays one-off costs (its drafter state's buffers,

@@ -519,6 +519,18 @@ def resolve_model(
     raise ModelLoadError(f"unsupported model source (expected a .gguf file or an HF directory): {path}")
 
 
+def resolve_dtype(spec: str, device, stored=None):
+    """The torch dtype a model runs in: "float32" / "bfloat16" as named; "auto" = bf16 on a CUDA device, fp32
+    elsewhere (the CPU's default). `stored`: the checkpoint's own dtype, where known (not used by "auto" here)."""
+    import torch
+
+    if spec == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if spec in SUPPORTED_DTYPES:
+        return getattr(torch, spec)
+    raise ValueError(f"unknown dtype {spec!r}: expected auto or one of {', '.join(SUPPORTED_DTYPES)}")
+
+
 def load_tokenizer(path: Path) -> Any:
     """Load the tokenizer of a resolved directory, strictly offline (there is no hub here)."""
     path = Path(path)

@@ -195,11 +195,12 @@ bench-runtime: setup
 bench-peers: setup peers
 	$(PY) bench/peers.py $(PEERS_ARGS)
 
-# The GPU path in one run on a CUDA machine (bench/gpu_check.py, < 8 min on one H200, nothing fetched): kernels vs
-# references, the engine's lossless output on CUDA, speed at Llama-3.1-8B's shape with random weights; writes
+# The GPU path in one run on a CUDA machine (bench/gpu_check.py, ~8 min on one H200, nothing fetched): kernels vs
+# references, the engine's lossless output on CUDA, the verifier's served engine path (build_engine, device auto),
+# speed at Llama-3.1-8B's shape with random weights; writes
 # bench/results/gpu_check.json and .png. Runs on the machine's own python3 and torch (no venv, no setup: a GPU
 # machine has no network), or the venv's where there is one. Not part of `make test`, which runs its --tiny mode.
-# GPU_CHECK_ARGS passes options, e.g. GPU_CHECK_ARGS="--only kernels,engine" or "--layers 16".
+# GPU_CHECK_ARGS passes options, e.g. GPU_CHECK_ARGS="--only kernels,engine,served" or "--layers 16".
 GPU_CHECK_ARGS ?=
 GPU_PY := $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 .PHONY: gpu-check

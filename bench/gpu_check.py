@@ -1,5 +1,5 @@
 """The GPU path proven in one prepared run: kernels against references, the engine's lossless output, and speed at a
-real model's shape. `make gpu-check` on a GPU machine (one H200: a 7-minute budget, nothing fetched); `--tiny` runs
+real model's shape. `make gpu-check` on a GPU machine (one H200: an 8-minute budget, nothing fetched); `--tiny` runs
 the same code paths on the CPU with tiny shapes in well under a minute (tests/test_gpu_check.py, so this script cannot
 rot between device runs; its output goes under .cache/gpu_check, never bench/results; the Triton kernel runs
 interpreted where TRITON_INTERPRET=1, else its checks are skipped and the results say why).
@@ -19,17 +19,25 @@ file is rewritten after every section, so a run cut short still leaves what it m
    controller off (every proposed node is verified). fp32 is asserted. bf16 (batch 4) is reported: a verify pass and
    a decode step round differently in bf16, so a near-tie can flip; each divergence is listed with plain decoding's
    top-2 logit gap at that token.
-3. speed, at Llama-3.1-8B's shape (32 layers, 4096 hidden, 32 query / 8 KV heads, 14336 MLP, 128256 vocab, bf16;
+3. served: the engine path a verifier replica runs, `services.verifier.build_engine` with `device: auto` on a random
+   checkpoint at SmolLM2-135M's shape (written to a temporary directory with a word-level tokenizer; the shipped
+   LongSpec, DFlash + DeLS and TokenSwift drafts fit it): `suffix`, `ngram`, `ar`, `longspec-span`, `dflash-dels` and
+   `tokenswift` in one continuous batch, greedy output equal to plain decoding per method (fp32 asserted; `dtype:
+   auto`, bf16 on a GPU, reported as in 2.), a context-cache round trip (the prompts' blocks stored at their prefill
+   and loaded by a second request, through an in-process store with redis-py's interface where there is no Redis),
+   what the replica's `info()` says it serves with (device, dtype, kernels), and tokens/s per method at batch 1, 4
+   and 16 in `dtype: auto`. Tiny mode: a tiny shape and the three lookup methods.
+4. speed, at Llama-3.1-8B's shape (32 layers, 4096 hidden, 32 query / 8 KV heads, 14336 MLP, 128256 vocab, bf16;
    `--layers` fewer, scaled and said so): the plain decode step (tok/s, and the HBM bandwidth it achieves: weight and
    KV bytes read per step / time, as a fraction of 4.8 TB/s) at 4K, 32K and 128K context, eager, replayed as a CUDA
    graph, and with torch.compile'd blocks (graphed too); the verify-cost curve t(k)/t(1), k = 1..64 tree tokens, at
    those contexts and batch 1, 8 and 32 (where the KV cache fits in memory), and t(64)/t(1) at 32K replayed as CUDA
    graphs; one attention call of a 64-node tree at 32K and 128K: hybrid vs masked SDPA vs eager. The issue's goals
    are read off these figures (`figures.speed.goals`), not asserted.
-4. writes `gpu_check.json` (figures, device name, torch / triton versions, what failed or was skipped and why) and
+5. writes `gpu_check.json` (figures, device name, torch / triton versions, what failed or was skipped and why) and
    `gpu_check.png` (the cost curves, decode bandwidth, attention times).
 
-Run: `python bench/gpu_check.py [--tiny] [--budget S] [--only kernels,engine,speed] [--out DIR]`.
+Run: `python bench/gpu_check.py [--tiny] [--budget S] [--only kernels,engine,served,speed] [--out DIR]`.
 """
 
 from __future__ import annotations
@@ -58,7 +66,7 @@ from spyglass.tree import DraftTree  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 HBM_BYTES_PER_S = 4.8e12  # the H200's datasheet HBM3e bandwidth
-SECTIONS = ("kernels", "engine", "speed")
+SECTIONS = ("kernels", "engine", "served", "speed")
 
 # Llama-3.1-8B's shape (what the speed section runs; the weights are random)
 LLAMA_8B = ModelArgs(
@@ -90,10 +98,10 @@ TOL = {
 
 
 class Budget:
-    """Seconds left of the run's budget. `has(s)`: whether more than `s` seconds of a full run's 420 are left, in
+    """Seconds left of the run's budget. `has(s)`: whether more than `s` seconds of a full run's 480 are left, in
     proportion (a shorter budget keeps the same reserves, scaled)."""
 
-    FULL = 420.0
+    FULL = 480.0
 
     def __init__(self, seconds: float) -> None:
         self.total, self.t0 = seconds, time.monotonic()
@@ -579,7 +587,249 @@ def section_engine(report: Report, budget: Budget, device: torch.device, tiny: b
     fig["fp32_identical"] = all(c["ok"] for c in fp32) and bool(fp32)
 
 
-# ----------------------------------------------------------------------------------------------- 3. speed
+# ----------------------------------------------------------------------------------------------- 3. served
+
+# SmolLM2-135M-Instruct's shape (the embedded default model; the shipped drafts fit it), random weights
+SMOLLM2_135M = ModelArgs(vocab_size=49152, hidden_size=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
+                         intermediate_size=1536, rms_eps=1e-5, max_position=8192, tie_embeddings=True, qkv_bias=False,
+                         bos_token_id=1, eos_token_ids=(2,))  # fmt: skip
+SERVED_METHODS = ("suffix", "ngram", "ar", "longspec-span", "dflash-dels", "tokenswift")
+
+
+def random_checkpoint(path: Path, args: ModelArgs, rope_theta: float, seed: int = 0, std: float = 0.02) -> Path:
+    """A Llama checkpoint in Hugging Face's format at `args`' shape with random fp32 weights (norms at 1), and a
+    word-level tokenizer of its vocabulary (token i is "t<i>"): what `resolve_model` and `build_engine` take."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    q, kv, h = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.hidden_size
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    tensors = {"model.embed_tokens.weight": w(args.vocab_size, h), "model.norm.weight": torch.ones(h)}
+    if not args.tie_embeddings:
+        tensors["lm_head.weight"] = w(args.vocab_size, h)
+    for i in range(args.n_layers):
+        p = f"model.layers.{i}."
+        shapes = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+                  "self_attn.o_proj": (h, q), "mlp.gate_proj": (args.intermediate_size, h),
+                  "mlp.up_proj": (args.intermediate_size, h), "mlp.down_proj": (h, args.intermediate_size)}  # fmt: skip
+        tensors.update({f"{p}{name}.weight": w(*shape) for name, shape in shapes.items()})
+        tensors.update(
+            {f"{p}input_layernorm.weight": torch.ones(h), f"{p}post_attention_layernorm.weight": torch.ones(h)}
+        )
+    save_file(tensors, str(path / "model.safetensors"))
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": args.vocab_size,
+              "hidden_size": h, "intermediate_size": args.intermediate_size, "num_hidden_layers": args.n_layers,
+              "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
+              "max_position_embeddings": args.max_position, "rms_norm_eps": args.rms_eps, "rope_theta": rope_theta,
+              "tie_word_embeddings": args.tie_embeddings, "bos_token_id": args.bos_token_id,
+              "eos_token_id": args.eos_token_ids[0], "torch_dtype": "float32"}  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    vocab = {f"t{i}": i for i in range(args.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token=f"t{args.bos_token_id}",
+                                   eos_token=f"t{args.eos_token_ids[0]}")  # fmt: skip
+    fast.save_pretrained(str(path))
+    return path
+
+
+class MemoryStore:
+    """An in-process key-value store with the part of redis-py's interface the context cache uses (strings, one
+    sorted set, counters, non-transactional pipelines): the context cache's round trip where there is no Redis."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, Any] = {}
+        self.sorted: dict[str, dict[str, float]] = {}
+
+    def get(self, key: str) -> Any:
+        return self.values.get(key)
+
+    def set(self, key: str, value: Any) -> bool:
+        self.values[key] = value if isinstance(value, bytes) else str(value).encode()
+        return True
+
+    def exists(self, key: str) -> int:
+        return int(key in self.values)
+
+    def delete(self, key: str) -> int:
+        return int(self.values.pop(key, None) is not None)
+
+    def strlen(self, key: str) -> int:
+        return len(self.values.get(key, b""))
+
+    def incrby(self, key: str, amount: int) -> int:
+        value = int(self.values.get(key) or 0) + amount
+        self.values[key] = str(value).encode()
+        return value
+
+    def decrby(self, key: str, amount: int) -> int:
+        return self.incrby(key, -amount)
+
+    def zadd(self, key: str, mapping: dict[str, float]) -> int:
+        self.sorted.setdefault(key, {}).update(mapping)
+        return len(mapping)
+
+    def zrem(self, key: str, member: str) -> int:
+        return int(self.sorted.get(key, {}).pop(member, None) is not None)
+
+    def zpopmin(self, key: str, count: int = 1) -> list[tuple[str, float]]:
+        members = sorted(self.sorted.get(key, {}).items(), key=lambda kv: kv[1])[:count]
+        for member, _ in members:
+            del self.sorted[key][member]
+        return members
+
+    def pipeline(self, transaction: bool = False) -> _Pipeline:
+        return _Pipeline(self)
+
+
+class _Pipeline:
+    def __init__(self, store: MemoryStore) -> None:
+        self.store, self.calls = store, []
+
+    def __getattr__(self, name: str) -> Callable[..., _Pipeline]:
+        def queue(*args: Any, **kwargs: Any) -> _Pipeline:
+            self.calls.append((getattr(self.store, name), args, kwargs))
+            return self
+
+        return queue
+
+    def execute(self) -> list[Any]:
+        calls, self.calls = self.calls, []
+        return [fn(*args, **kwargs) for fn, args, kwargs in calls]
+
+
+def section_served(report: Report, budget: Budget, device: torch.device, tiny: bool) -> None:
+    import tempfile
+
+    from services.verifier import VerifierConfig, build_engine
+    from spyglass.context_cache import ContextCache
+    from spyglass.engine import plain_generate
+    from spyglass.sampling import SamplingParams
+
+    sec = "served"
+    fig: dict[str, Any] = {}
+    report.figures[sec] = fig
+    args = tiny_args("llama", vocab=256, hidden=128, layers=2, max_position=1024) if tiny else SMOLLM2_135M
+    methods = SERVED_METHODS[:3] if tiny else SERVED_METHODS
+    block = 16 if tiny else 64
+    max_new = 12 if tiny else 48
+    batches = (1, 4, 16)
+    tmp = tempfile.TemporaryDirectory(prefix="spyglass-served-")
+    path = random_checkpoint(Path(tmp.name) / "random-smollm2-shape", args, rope_theta=1e5, std=0.2 if tiny else 0.02)
+    fig["model"] = {"shape": "tiny" if tiny else "SmolLM2-135M", "layers": args.n_layers, "vocab": args.vocab_size,
+                    "weights": "random (fp32 checkpoint)", "methods": list(methods)}  # fmt: skip
+    prompts = [p * (1 if tiny else 4) for p in sample_prompts(args.vocab_size, 2 * len(methods), seed=4)]
+    per_method = [m for m in methods for _ in range(2)]
+    params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+
+    def replica(dtype: str):
+        cfg = VerifierConfig(model=str(path), device="auto", dtype=dtype, methods=list(methods), max_batch=max(batches),
+                             max_context=512 if tiny else 2048, cache_block_size=block)  # fmt: skip
+        engine, _, info = build_engine(cfg)
+        engine.context_cache = ContextCache(None, f"{info['model']}:{info['dtype']}", block_size=block,
+                                            async_writes=False, client=MemoryStore())  # fmt: skip
+        keep = ("device", "device_name", "dtype", "kernels", "linear_backend", "attention_plan", "context_length")
+        fig.setdefault("info", {})[dtype] = {k: info.get(k) for k in keep}
+        want = dtype if dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+        placed = info["device"].split(":")[0] == device.type and info["dtype"] == want
+        report.check(sec, f"replica {dtype}: on {info['device']} in {info['dtype']}", placed, kernels=info["kernels"])
+        return engine, info
+
+    def identity(engine, dtype: str) -> dict[str, Any]:
+        """Every method's prompts in one continuous batch (storing their blocks), each output against plain decoding;
+        then each prompt again (its blocks loaded from the store where its method reads the cache)."""
+        with torch.inference_mode():
+            plain = [plain_generate(engine.target, p, params) for p in prompts]
+            first = engine.run(prompts, params, method=per_method)
+            again = engine.run(prompts, params, method=per_method)
+        out: dict[str, Any] = {}
+        for m in methods:
+            rows = [i for i, pm in enumerate(per_method) if pm == m]
+            out[m] = {
+                "identical": sum(first[i].output_ids == plain[i] for i in rows),
+                "identical_after_cache": sum(again[i].output_ids == plain[i] for i in rows),
+                "of": len(rows),
+                "drafted": sum(first[i].stats.drafted_nodes for i in rows),
+                "accepted": sum(first[i].num_generated - 1 - first[i].stats.steps for i in rows),
+                "cached_prefix_tokens": [again[i].stats.cached_prefix_tokens for i in rows],
+            }
+        cc = engine.context_cache
+        out["cache"] = {"stored_blocks": cc.stats.stored_blocks, "hit_blocks": cc.stats.hits, "errors": cc.stats.errors}
+        return out
+
+    for dtype in ("float32", "auto"):
+        if not budget.has(60):
+            report.skip(sec, f"replica {dtype}", "time budget")
+            continue
+        got = guarded(report, sec, f"replica {dtype}", lambda dtype=dtype: replica(dtype))
+        if got is None:
+            continue
+        engine, info = got
+        label = info["dtype"] if dtype == info["dtype"] else f"{dtype} ({info['dtype']})"
+        row = guarded(report, sec, f"identity {dtype}", lambda engine=engine, dtype=dtype: identity(engine, dtype))
+        if row is not None:
+            fig.setdefault("identity", {})[dtype] = {"dtype": info["dtype"], **row}
+            cache = row["cache"]
+            loaded = sum(sum(row[m]["cached_prefix_tokens"]) for m in methods)
+            report.check(sec, f"context cache round trip {label}", cache["stored_blocks"] > 0 and loaded > 0
+                         and not cache["errors"], loaded_tokens=loaded, **cache)  # fmt: skip
+            for m in methods:
+                r = row[m]
+                what = f"{m} {label} served batch"
+                if dtype == "float32":  # asserted; bf16 reported (a verify pass and a decode step round differently)
+                    report.check(sec, what, r["identical"] == r["of"] == r["identical_after_cache"], **r)
+                else:
+                    print(f"[{sec}] info {what}: {r}", flush=True)
+        if dtype == "auto":
+            fig["speed"] = guarded(report, sec, "tokens/s", lambda engine=engine: served_speed(engine, budget, tiny))
+        report.write()
+        del engine
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    tmp.cleanup()
+
+
+def served_speed(engine, budget: Budget, tiny: bool) -> dict[str, Any]:
+    """Tokens/s per method at batch 1, 4 and 16 (that many requests together, the context cache detached): generated
+    tokens over the wall time of the batch (prefill included), and the decode rate (tokens after each first one over
+    the time from the batch's first first-token to its last token)."""
+    from spyglass.sampling import SamplingParams
+
+    vocab = engine.target.args.vocab_size
+    params = SamplingParams(max_new_tokens=8 if tiny else 64, ignore_eos=True)
+    saved, engine.context_cache = engine.context_cache, None
+    out: dict[str, Any] = {}
+    try:
+        for method in engine.methods:
+            with torch.inference_mode():
+                engine.run(sample_prompts(vocab, 1, seed=9), params, method=method)  # warm: this method's shapes
+            for batch in (1, 4, 16):
+                if not budget.has(30):
+                    break
+                prompts = sample_prompts(vocab, batch, seed=10 + batch)
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    seqs = engine.run(prompts, params, method=method)
+                wall = time.perf_counter() - t0
+                generated = sum(s.num_generated for s in seqs)
+                span = max(s.stats.t_end for s in seqs) - min(s.stats.t_first_token for s in seqs)
+                row = {"tok_s": round(generated / wall, 2), "wall_s": round(wall, 3),
+                       "decode_tok_s": round((generated - batch) / span, 2) if span > 0 else None,
+                       "tokens_per_step": round(generated / max(1, sum(s.stats.steps for s in seqs)), 3)}  # fmt: skip
+                out.setdefault(method, {})[f"batch{batch}"] = row
+                print(f"[served] {method} batch {batch}: {row}", flush=True)
+    finally:
+        engine.context_cache = saved
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- 4. speed
 
 
 def weight_bytes(model: Transformer) -> int:
@@ -912,7 +1162,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--tiny", action="store_true", help="tiny shapes, the same code paths (CPU: Triton interpreted or skipped)"
     )
-    ap.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 420; tiny 120)")
+    ap.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 480; tiny 120)")
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {SECTIONS}")
     ap.add_argument("--layers", type=int, default=None, help="fewer than 32 layers in the speed section")
     ap.add_argument(
@@ -923,7 +1173,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [s for s in only if s not in SECTIONS]
     if bad:
         ap.error(f"unknown sections {bad}; choose from {SECTIONS}")
-    budget = Budget(args.budget if args.budget is not None else (120.0 if args.tiny else 420.0))
+    budget = Budget(args.budget if args.budget is not None else (120.0 if args.tiny else 480.0))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     if not cuda and not args.tiny:
@@ -944,6 +1194,7 @@ def main(argv: list[str] | None = None) -> int:
     runners = {
         "kernels": lambda: section_kernels(report, budget, device, args.tiny),
         "engine": lambda: section_engine(report, budget, device, args.tiny),
+        "served": lambda: section_served(report, budget, device, args.tiny),
         "speed": lambda: section_speed(report, budget, device, args.tiny, args.layers),
     }
     for name in only:

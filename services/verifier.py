@@ -22,9 +22,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ray import serve
-
 from spyglass.limits import SAMPLING_RULES, check_max_new_tokens, check_method
+
+try:
+    from ray import serve
+except ImportError:  # the engine and its builder run without Ray (bench/gpu_check.py on a bare GPU machine)
+    serve = None
 
 log = logging.getLogger(__name__)
 
@@ -572,7 +575,12 @@ def _make_metrics(name: str) -> Callable[[str, float, dict[str, str] | None], No
     return emit
 
 
-@serve.deployment(
+def _deployment(**options):
+    """Serve's deployment decorator; without Ray the class stays a plain class (nothing can deploy it there)."""
+    return serve.deployment(**options) if serve is not None else (lambda cls: cls)
+
+
+@_deployment(
     ray_actor_options={"num_cpus": 1},
     max_ongoing_requests=32,
     graceful_shutdown_timeout_s=20,

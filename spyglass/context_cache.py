@@ -17,6 +17,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -71,7 +72,8 @@ class CacheStats:
 
 @dataclass
 class ContextCache:
-    """Prefix-block store. `url=None` disables it (every lookup misses, nothing is stored)."""
+    """Prefix-block store. `url=None` disables it (every lookup misses, nothing is stored), unless `client` gives a
+    store with redis-py's interface (bench/gpu_check.py's in-process one, where there is no Redis)."""
 
     url: str | None
     namespace: str
@@ -79,9 +81,10 @@ class ContextCache:
     max_bytes: int = 4 << 30
     async_writes: bool = True
     stats: CacheStats = field(default_factory=CacheStats)
+    client: Any = None
 
     def __post_init__(self) -> None:
-        self._redis = None
+        self._redis = self.client
         if self.url:
             import redis
 

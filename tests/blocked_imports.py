@@ -24,6 +24,8 @@ def install(names: tuple[str, ...] = BLOCKED) -> None:
     """Block `names` (and their submodules) for the rest of this process; modules already imported are dropped."""
     for mod in [m for m in sys.modules if m.split(".")[0] in names]:
         del sys.modules[mod]
+    for name in names:  # as when absent: `import` raises ModuleNotFoundError, `importlib.util.find_spec` gives None
+        sys.modules[name] = None
     sys.meta_path.insert(0, Blocker(names))
 
 

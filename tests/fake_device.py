@@ -142,8 +142,8 @@ class _Dispatch(TorchDispatchMode):
         def wrap(t):
             if not isinstance(t, torch.Tensor):
                 return t
-            if id(t) in owners:  # an in-place op returns its input
-                return owners[id(t)]
+            if id(t) in owners:  # an in-place op returns its input; so does `.to("cpu")` of these CPU values
+                return owners[id(t)] if to_fake or not devices else t.clone()  # (a copy to the CPU, as from CUDA)
             if func is aten.copy_.default:  # copy_ returns its destination, whatever the source
                 return args[0]
             return OnDevice(t) if to_fake else t

@@ -27,6 +27,10 @@ def test_the_stand_in_refuses_what_cuda_refuses():
         y = torch.zeros(3, 4)
         y.copy_(x)  # copies cross devices
         assert float(y.sum()) == 12.0 and not isinstance(y, OnDevice)
+        back = x.cpu()  # a copy on the CPU (what the context cache writes to Redis)
+        assert type(back) is torch.Tensor and back.numpy().sum() == 12.0
+        x.mul_(2)
+        assert float(back.sum()) == 12.0
         with pytest.raises(DeviceMixError):
             x + torch.ones(3, 4)
         with pytest.raises(DeviceMixError):

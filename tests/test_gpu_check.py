@@ -1,8 +1,8 @@
 """bench/gpu_check.py in its --tiny mode: the GPU check's code paths (kernels against references, the engine's
-lossless output for every drafter it covers, the speed section's measurements and the results file and plot) on the
-CPU with tiny shapes, so the script a GPU machine runs cannot rot between device runs. It runs in a subprocess with
-ray, redis, deepspeed and flash-attn made unimportable (the GPU machines' image has none of them) and the Triton
-kernel interpreted."""
+lossless output for every drafter it covers, the verifier's served engine path, the speed section's measurements and
+the results file and plot) on the CPU with tiny shapes, so the script a GPU machine runs cannot rot between device
+runs. It runs in a subprocess with ray, redis, deepspeed and flash-attn made unimportable (the GPU machines' image has
+none of them) and the Triton kernel interpreted."""
 
 from __future__ import annotations
 
@@ -37,6 +37,15 @@ def test_gpu_check_tiny(tmp_path):
             assert f"{method} llama float32 batch {batch}" in engine
     runs = fig["engine"]["float32"]["llama"]
     assert runs["ngram"]["batch4"]["accepted"] > 0  # the identity check verified drafts that were accepted
+    served = {c["what"]: c for c in doc["checks"] if c["section"] == "served"}  # the verifier's build_engine path
+    for method in ("suffix", "ngram", "ar"):
+        assert served[f"{method} float32 served batch"]["ok"]
+    assert served["replica auto: on cpu in float32"]["ok"]  # device and dtype "auto" resolved here
+    assert served["context cache round trip float32"]["loaded_tokens"] > 0  # through the in-process store
+    runs = fig["served"]["identity"]["float32"]
+    assert runs["suffix"]["drafted"] + runs["ngram"]["drafted"] > 0
+    assert fig["served"]["info"]["auto"]["kernels"]["attention_backend"] == "cpu"
+    assert set(fig["served"]["speed"]["ar"]) == {"batch1", "batch4", "batch16"}
     speed = fig["speed"]
     assert speed["decode"]["64"]["eager"]["ms"] > 0 and set(speed["verify_cost"]) == {
         f"ctx{c}_b{b}" for c in (64, 256) for b in (1, 2)

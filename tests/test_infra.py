@@ -261,7 +261,8 @@ def serve_override_problems(k8s_cfg: dict[str, Any], local_cfg: dict[str, Any]) 
 
 def serve_code_problems(cfg: dict[str, Any], gpus: bool = True) -> list[str]:
     """Import paths and servicer functions exist; args are accepted by the code; deployment options name the
-    deployments build_app creates and agree with its args; with `gpus`, one GPU per verifier replica."""
+    deployments build_app creates and agree with its args; with `gpus`, one GPU per verifier replica, which the
+    verifier config asks to compute on (`device: auto`: the GPU Ray assigned)."""
     from services.app import build_app
     from services.gateway import GatewayConfig
     from services.verifier import VerifierConfig
@@ -297,6 +298,9 @@ def serve_code_problems(cfg: dict[str, Any], gpus: bool = True) -> list[str]:
         options = {d["name"]: d for d in app.get("deployments", [])}
         for name in sorted(set(options) - set(bound)):
             problems.append(f"deployment options for {name}, which build_app does not create ({sorted(bound)})")
+        device = (args.get("verifier") or {}).get("device")
+        if gpus and device != "auto":
+            problems.append(f"args.verifier.device is {device!r}: a GPU replica needs `device: auto` (its GPU)")
         for name in sorted(n for n in bound if n.startswith("Verifier") and gpus):
             actor = (options.get(name) or {}).get("ray_actor_options")
             if actor is None:
@@ -645,6 +649,16 @@ def dockerfile_problems(path: Path, gpu: bool, pyproject: dict[str, Any]) -> lis
     torch_pin = next(d for d in pyproject["project"]["dependencies"] if d.startswith("torch=="))
     if torch_pin not in run:
         problems.append(f"{torch_pin} (pyproject) is not what the image installs")
+    # torch from PyTorch's CUDA index in the GPU image, its CPU index in the CPU one (PyPI's Linux wheel is the CUDA
+    # build), before the project, whose pin it then satisfies (pip keeps it)
+    arg = dict(a.split("=", 1) for i, a in ins if i == "ARG" and "=" in a)
+    m = re.search(r"pip install --index-url (\S+) " + re.escape(torch_pin), run)
+    index = re.sub(r"\$\{(\w+)\}", lambda g: arg.get(g.group(1), ""), m.group(1)) if m else "PyPI"
+    want = "/whl/cu" if gpu else "/whl/cpu"
+    if want not in index:
+        problems.append(f"torch comes from {index}: want PyTorch's {'CUDA' if gpu else 'CPU'} index ({want}...)")
+    elif run.find('pip install -e ".') < run.find(m.group(0)):
+        problems.append("torch is installed after the project: pip would have taken another build for the pin")
     if f"{DEFAULT_DISTRIBUTION}=={DEFAULT_DISTRIBUTION_VERSION}" not in run:
         problems.append(
             f"the embedded default model {DEFAULT_DISTRIBUTION}=={DEFAULT_DISTRIBUTION_VERSION} is not installed"
@@ -828,6 +842,7 @@ def test_qwen_serve_config_is_the_local_one_with_another_verifier():
         ("applications.0.deployments.1.ray_actor_options.num_gpus", 0),
         ("applications.0.args.verifier_num_cpus", 2),  # disagrees with the deployment's ray_actor_options
         ("applications.0.args.verifier.max_bach", 4),
+        ("applications.0.args.verifier.device", "cpu"),  # a replica holding a GPU and computing on the CPU
         ("applications.0.deployments.0.autoscaling_config.min_replicas", 8),
     ],
 )
@@ -1003,6 +1018,8 @@ def test_dockerfiles(name, gpu, pyproject):
         ("Dockerfile", True, "cudnn-devel", "cudnn-runtime"),
         ("Dockerfile", True, "COPY configs ./configs", "COPY config ./configs"),
         ("Dockerfile.cpu", False, "torch==2.13.0", "torch==2.12.0"),
+        ("Dockerfile", True, "TORCH_INDEX=https://download.pytorch.org/whl/cu128", "TORCH_INDEX=https://x.org/whl/cpu"),
+        ("Dockerfile.cpu", False, "--index-url https://download.pytorch.org/whl/cpu ", ""),
         ("Dockerfile.cpu", False, "COPY actors ./actors\n", ""),
         ("Dockerfile.cpu", False, "USER ray", "USER root"),
         ("Dockerfile.cpu", False, "WORKDIR /app", "WORKDIR /srv"),

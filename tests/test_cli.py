@@ -31,6 +31,9 @@ SMALL = ["--max-new-tokens", "4"]
             ["generate", "--prompt", "hi", "--method", "small-lm", "--draft-model", "/nonexistent/d", *SMALL],
             "/nonexistent/d",
         ),
+        (["generate", "--prompt", "hi", "--device", "cuda", *SMALL], "no CUDA device is visible"),  # (a CPU machine)
+        (["generate", "--prompt", "hi", "--device", "tpu9", *SMALL], "unknown device"),
+        (["serve", "--device", "cuda:1", "--once"], "no CUDA device is visible"),  # refused before Ray starts
     ],
 )
 def test_bad_input_gives_clear_error(argv, needle, capsys):

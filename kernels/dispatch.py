@@ -52,6 +52,7 @@ __all__ = [
     "flash_attn_available",
     "gpu_tree_attention",
     "gpu_tree_attention_batched",
+    "kernel_plan",
     "prefix_attention",
     "served_kernels",
     "triton_available",
@@ -216,25 +217,46 @@ def gpu_tree_attention_batched(
 
 def served_kernels(device: torch.device, dtype: torch.dtype, head_dim: int, backend: str = "auto") -> dict[str, str]:
     """The attention kernels a model on `device` in `dtype` runs its verify passes with (a replica's `info()`):
-    `backend` ("auto": the model's `attention_backend`) resolved, the tree part and the prefix part with its LSE.
-
-    A GPU runs the Triton tree kernel with flash-attn's kvcache kernel for the prefix where flash-attn is installed
-    (fp16/bf16), else ATen's fused kernel (`choose_prefix_kernel`); without Triton the torch hybrid. The CPU runs the
-    kernels of kernels/cpu_ops.cpp in fp32 where they are built, else the torch hybrid on ATen's flash attention."""
+    `backend` ("auto": the model's `attention_backend`) resolved, the tree part and the prefix part with its LSE."""
     from kernels import cpu as cpu_kernels
-    from spyglass.attention import choose_prefix_kernel, resolve_backend
+    from spyglass.attention import resolve_backend
 
     resolved = resolve_backend(backend, device)
-    out = {"attention_backend": resolved}
+    capability = None
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        aten = "aten " + choose_prefix_kernel("cuda", dtype, head_dim, 1, (props.major, props.minor))
-        flash = dtype in _FLASH_DTYPES and flash_attn_available()
-        out["prefix"] = "flash_attn kvcache" if resolved == "triton" and flash else aten
-        out["tree"] = "triton fused_mask_attn" if resolved == "triton" else "torch masked attention"
-    elif device.type == "cpu" and resolved == "cpu" and dtype == torch.float32 and cpu_kernels.native() is not None:
-        out["prefix"] = out["tree"] = "cpu_ops (kernels/cpu_ops.cpp)"
+        capability = (props.major, props.minor)
+    native = device.type == "cpu" and dtype == torch.float32 and cpu_kernels.native() is not None
+    return kernel_plan(device.type, dtype, head_dim, resolved, capability, flash_attn_available(), native)
+
+
+def kernel_plan(
+    device_type: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    backend: str,
+    capability: tuple[int, int] | None,
+    flash_attn: bool,
+    cpu_ops: bool,
+) -> dict[str, str]:
+    """`served_kernels` given the facts: a GPU runs the Triton tree kernel (`backend` "triton") with flash-attn's
+    kvcache kernel for the prefix where flash-attn is installed (fp16/bf16), else ATen's fused kernel
+    (`choose_prefix_kernel`); without Triton the torch hybrid. The CPU runs the kernels of kernels/cpu_ops.cpp in fp32
+    where they are built (`cpu_ops`), else the torch hybrid on ATen's flash attention."""
+    from spyglass.attention import choose_prefix_kernel
+
+    out = {"attention_backend": backend}
+    tree = "triton fused_mask_attn" if backend == "triton" else "torch masked attention"
+    if device_type == "cuda":
+        flash = backend == "triton" and flash_attn and dtype in _FLASH_DTYPES
+        aten = _named(choose_prefix_kernel("cuda", dtype, head_dim, 1, capability))
+        out.update(prefix="flash_attn kvcache" if flash else aten, tree=tree)
+    elif device_type == "cpu" and backend == "cpu" and cpu_ops:
+        out.update(prefix="cpu_ops (kernels/cpu_ops.cpp)", tree="cpu_ops (kernels/cpu_ops.cpp)")
     else:
-        out["prefix"] = "aten " + choose_prefix_kernel(device.type, dtype, head_dim, 1 << 20)
-        out["tree"] = "triton fused_mask_attn" if resolved == "triton" else "torch masked attention"
+        out.update(prefix=_named(choose_prefix_kernel(device_type, dtype, head_dim, 1 << 20)), tree=tree)
     return out
+
+
+def _named(prefix_kernel: str) -> str:
+    return "torch matmuls" if prefix_kernel == "matmul" else f"aten {prefix_kernel}"

@@ -158,3 +158,21 @@ def test_context_cache_blocks_move_between_devices_bitwise(redis_server, writer_
     assert loaded[:, :, :, :hit].dtype == written.dtype == torch.float32
     assert torch.equal(loaded[:, :, :, :hit], written[:, :, :, :hit])  # bitwise
     assert written.shape[3] == n
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "backend", "capability", "flash", "prefix", "tree"),
+    [
+        ("cuda", torch.bfloat16, "triton", (9, 0), True, "flash_attn kvcache", "triton fused_mask_attn"),
+        ("cuda", torch.bfloat16, "triton", (9, 0), False, "aten cuda_flash", "triton fused_mask_attn"),
+        ("cuda", torch.float32, "triton", (8, 0), True, "aten cuda_efficient", "triton fused_mask_attn"),
+        ("cuda", torch.bfloat16, "cpu", (7, 5), False, "torch matmuls", "torch masked attention"),  # pre-Ampere
+        ("cpu", torch.bfloat16, "cpu", None, False, "aten cpu_flash", "torch masked attention"),
+    ],
+)
+def test_the_kernels_a_replica_reports_on_each_device(device, dtype, backend, capability, flash, prefix, tree):
+    """What `info()["kernels"]` says on a GPU (the facts given: no GPU here) and on the CPU."""
+    from kernels.dispatch import kernel_plan
+
+    plan = kernel_plan(device, dtype, 128, backend, capability, flash, cpu_ops=False)
+    assert plan == {"attention_backend": backend, "prefix": prefix, "tree": tree}

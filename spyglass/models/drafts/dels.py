@@ -154,7 +154,7 @@ def load_local_head(checkpoint: str | Path, target) -> LocalHead:
         head.load_state_dict(load_weights(weights, torch.float32))  # the head runs in fp32 whatever the target
     except RuntimeError as e:
         raise ValueError(f"local head {root}: {e}") from e
-    return head.eval()
+    return head.to(target.device).eval()  # beside the target's matrices it reads, in fp32
 
 
 __all__ = [

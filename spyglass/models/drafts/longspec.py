@@ -639,7 +639,8 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible
     """q `[H, n, D]` over k/v `[Hkv, S, D]` under a bool mask `[n, S]` (each row sees a key) -> `[H, n, D]`."""
     n_rep = q.shape[0] // k.shape[0]
     k, v = k.repeat_interleave(n_rep, dim=0), v.repeat_interleave(n_rep, dim=0)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=1.0 / math.sqrt(q.shape[-1]))
+    mask = visible.to(q.device)  # (built from positions on the CPU)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(q.shape[-1]))
 
 
 DRAFT_MODELS = {"longspec": LongSpecDraft}

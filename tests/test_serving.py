@@ -314,6 +314,7 @@ def test_health_and_model_info(client):
     assert info["context_length"] == MAX_CONTEXT
     assert info["methods"] == SERVED_METHODS and info["default_method"] == "ngram"
     assert info["num_verifiers"] == 1 and info["max_batch"] == MAX_BATCH and info["context_cache"]
+    assert info["device"] == "cpu" and info["dtype"] == "float32"  # the replica's "auto" defaults, resolved here
     health = client.health()
     assert health["status"] == "ok"
     (rep,) = health["replicas"]

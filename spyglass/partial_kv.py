@@ -174,13 +174,13 @@ class PartialKV:
         saved = getattr(t, "capture_layers", ())
         t.capture_layers = tuple(range(a.n_layers))
         try:
-            pos = torch.tensor([committed])
-            t([Segment(seq_slot, committed, torch.tensor([token]), pos, None, "none")], self.full)
+            pos, tok = torch.tensor([committed], device=t.device), torch.tensor([token], device=t.device)
+            t([Segment(seq_slot, committed, tok, pos, None, "none")], self.full)
             outs = t.captured[0]
         finally:
             t.capture_layers = saved
         cos, sin = t._rope(pos)
-        x = t.embed(torch.tensor([token]))
+        x = t.embed(tok)
         qs = []
         q_dim = a.n_heads * a.head_dim
         for i, block in enumerate(t.layers):

@@ -193,7 +193,7 @@ class TokenSwiftDrafter:
         if self.heads.norm_weight.shape[1] != target.args.hidden_size:
             raise ValueError("TokenSwift heads were built for another hidden size than the target's")
         self.target = target
-        self.heads.to(target.dtype)
+        self.heads.to(device=target.device, dtype=target.dtype)  # beside the hidden states and head they read
         if self.draft_pass:
             budget = self.budget if self.budget is not None else min(2048, cache.capacity // 4)
             self.pkv = PartialKV(budget, min(self.sinks, budget - 1), self.policy, 1, self.rebuild_every)

@@ -38,7 +38,7 @@ class VerifierConfig:
     """Everything a replica needs to build its engine (a plain dict crosses the Ray boundary)."""
 
     model: str | None = None  # None = the embedded default (SmolLM2-135M-Instruct)
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto | float32 | bfloat16 (spyglass.models.loader.resolve_dtype)
     methods: list[str] = field(default_factory=lambda: ["suffix", "ngram", "ar"])  # the first is the default
     max_batch: int = 4  # KV slots of the replica's one pool = sequences per verifier step, every method together
     max_context: int | None = None  # KV capacity per sequence: a cap in 2..the model's window (default: the window)
@@ -452,20 +452,21 @@ def build_engine(cfg: VerifierConfig) -> tuple[Any, Any, dict[str, Any]]:
     `max_batch` slots, one continuous batch and one target forward per step (sharing the context cache)."""
     import torch
 
-    from spyglass.context_cache import ContextCache
+    from spyglass.context_cache import ContextCache, kv_namespace
     from spyglass.drafters import METHODS, build_drafter
     from spyglass.engine import EngineConfig, SpecEngine
     from spyglass.kv_cache import context_capacity, kv_bytes_per_token
     from spyglass.models.llama import load_transformer
-    from spyglass.models.loader import load_tokenizer, resolve_model
+    from spyglass.models.loader import load_tokenizer, resolve_model, resolve_model_dtype
 
     for m in cfg.methods:
         if m not in METHODS:
             raise ValueError(f"unknown method {m!r} in verifier config; available: {', '.join(METHODS)}")
     if len(set(cfg.methods)) != len(cfg.methods):
         raise ValueError(f"verifier config names a method twice: {cfg.methods}")
-    resolved = resolve_model(cfg.model, dtype=cfg.dtype)
-    target = load_transformer(resolved.path, dtype=getattr(torch, cfg.dtype))
+    dtype = resolve_model_dtype(cfg.model, cfg.dtype)
+    resolved = resolve_model(cfg.model, dtype=dtype)
+    target = load_transformer(resolved.path, dtype=getattr(torch, dtype))
     target.eval()
     tokenizer = load_tokenizer(resolved.path)
     # one pool of max_batch slots serves every method
@@ -476,7 +477,7 @@ def build_engine(cfg: VerifierConfig) -> tuple[Any, Any, dict[str, Any]]:
     if cfg.redis_url:
         cache = ContextCache(
             cfg.redis_url,
-            f"{resolved.model_id}:{cfg.dtype}",
+            kv_namespace(resolved.model_id, target.dtype),
             block_size=cfg.cache_block_size,
             max_bytes=cfg.cache_max_bytes,
         )
@@ -500,7 +501,7 @@ def build_engine(cfg: VerifierConfig) -> tuple[Any, Any, dict[str, Any]]:
         "context_cache": cache is not None,
         "cache_block_size": cfg.cache_block_size if cache is not None else 0,
         "max_queued": cfg.max_queued,
-        "dtype": cfg.dtype,
+        "dtype": dtype,
         "linear_backend": target.linear_backend,  # the matmul kernel per row count measured at load
         "attention_plan": target.attention_plan,  # new tokens per sequence cache_attention takes (more: tile_attention)
         "threads": torch.get_num_threads(),

@@ -28,7 +28,12 @@ def _add_generate(sub) -> None:
         default=None,
         help="local HF directory, .gguf file or qwen2.5-coder-0.5b (`make model-qwen`; default: embedded SmolLM2)",
     )
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="auto (default): bf16 on a GPU; on the CPU fp32, or the model's stored bf16 where that is lossless",
+    )
     from spyglass.drafters import METHODS
 
     p.add_argument("--method", default="suffix", help=f"{' | '.join(METHODS)} (default suffix)")
@@ -140,12 +145,13 @@ def _run_generate(args) -> int:
     from spyglass.engine import EngineConfig, RequestError, SpecEngine
     from spyglass.kv_cache import context_capacity
     from spyglass.models.llama import load_transformer
-    from spyglass.models.loader import ModelLoadError, load_tokenizer, resolve_model
+    from spyglass.models.loader import ModelLoadError, load_tokenizer, resolve_model, resolve_model_dtype
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    dtype = getattr(torch, args.dtype)
     try:
-        resolved = resolve_model(args.model, dtype=args.dtype)
+        dtype_name = resolve_model_dtype(args.model, args.dtype)
+        dtype = getattr(torch, dtype_name)
+        resolved = resolve_model(args.model, dtype=dtype_name)
         target = load_transformer(resolved.path, dtype=dtype)
         tokenizer = load_tokenizer(resolved.path)
     except ModelLoadError as e:
@@ -173,6 +179,7 @@ def _run_generate(args) -> int:
         result = _generate_once(engine, prompt_ids, params, stream=not args.json)
         out = {"text": result["text"], "token_ids": result["token_ids"], "stats": result["stats"]}
         out["stats"]["method"] = args.method
+        out["stats"]["dtype"] = dtype_name
         out["stats"]["prompt_tokens"] = len(prompt_ids)
         if args.compare_ar:
             if not args.json:

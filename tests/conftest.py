@@ -45,6 +45,27 @@ def tiny_target(request, tiny_dir):
     return load_transformer(tiny_dir[request.param])
 
 
+# A test parametrized over the engine's dtypes: `@pytest.mark.parametrize("dtype", DTYPES)`; its bf16 cases carry
+# the `bf16` marker and id (`pytest -m bf16`, `-k bf16`).
+DTYPES = [
+    pytest.param(torch.float32, id="fp32"),
+    pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.bf16),
+]
+
+
+@pytest.fixture(scope="session")
+def load_tiny(tiny_dir):
+    """`load_tiny(family, dtype)`: a tiny target ("llama" or "qwen2") in `dtype`, loaded once per session."""
+    loaded = {}
+
+    def load(family: str, dtype: torch.dtype = torch.float32):
+        if (family, dtype) not in loaded:
+            loaded[family, dtype] = load_transformer(tiny_dir[family], dtype=dtype)
+        return loaded[family, dtype]
+
+    return load
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The real embedded default (SmolLM2-135M-Instruct), fp32, with its tokenizer."""

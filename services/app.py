@@ -318,6 +318,7 @@ def serve_main(
     grpc_host: str | None = None,
     tls_cert: str | None = None,
     tls_key: str | None = None,
+    dtype: str | None = None,
 ) -> int:
     """`spyglass serve`: bring the stack up, run the demo, keep serving until Ctrl-C or SIGTERM (or exit with
     --once). SIGTERM (what Kubernetes and systemd send) shuts down like Ctrl-C: Serve drains its replicas
@@ -340,6 +341,8 @@ def serve_main(
     grpc_bind.controller_env(grpc_host, tls_cert, tls_key)  # bad TLS files or host: fail before starting anything
     tls = Path(tls_cert).read_bytes() if tls_cert else False
     app_args = doc["applications"][0].setdefault("args", {})
+    if dtype is not None:  # --dtype overrides the config's verifier dtype
+        app_args["verifier"] = {**(app_args.get("verifier") or {}), "dtype": dtype}
     token = auth_token(app_args)
     redis = None
     if not redis_url(app_args):

@@ -335,6 +335,12 @@ def _add_serve(sub) -> None:
     )
     p.add_argument("--tls-cert", default=None, help="PEM server certificate: TLS on the gRPC port ($SPYGLASS_TLS_CERT)")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert ($SPYGLASS_TLS_KEY)")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default=None,
+        help="the verifiers' dtype (default: the config's, auto)",
+    )
 
 
 def _run_serve(args) -> int:
@@ -357,6 +363,7 @@ def _run_serve(args) -> int:
             grpc_host=args.grpc_host,
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
+            dtype=args.dtype,
         )
     except (FileNotFoundError, ValueError) as e:
         raise CliError(str(e)) from e

@@ -571,9 +571,9 @@ def stored_dtype(source: str | os.PathLike[str] | None = None, cache_root: Path 
     """The dtype a model source's weights are stored in, as a name ("float32", "bfloat16", "float16", ...).
 
     An HF directory: its config's ``dtype`` (``torch_dtype``), "float32" when absent. A GGUF (the embedded
-    default, a named one, a file): "float32" when its ``general.file_type`` is all-F32, else "bfloat16": F16, BF16
-    and quantized files (Q4_1 for the embedded SmolLM2, Q4_K_M for Qwen2.5-Coder) hold at most 16-bit weights, cut
-    from checkpoints their authors ship in bf16, so bf16 is the precision they were made for."""
+    default, a named one, a file): "float32" when its ``general.file_type`` is all-F32 or absent, else "bfloat16":
+    F16, BF16 and quantized files (Q4_1 for the embedded SmolLM2, Q4_K_M for Qwen2.5-Coder) hold at most 16-bit
+    weights, cut from checkpoints their authors ship in bf16, so bf16 is the precision they were made for."""
     root = Path(cache_root).expanduser() if cache_root is not None else default_cache_root()
     if source is None or (isinstance(source, str) and source == "default"):
         gguf = locate_default_gguf()
@@ -587,7 +587,8 @@ def stored_dtype(source: str | os.PathLike[str] | None = None, cache_root: Path 
         if not path.is_file():
             raise ModelLoadError(f"model path does not exist: {path}")
         gguf = path
-    return "float32" if _gguf_file_type(gguf) == 0 else "bfloat16"
+    file_type = _gguf_file_type(gguf)
+    return "float32" if file_type is None or file_type == 0 else "bfloat16"
 
 
 def resolve_dtype(spec: str, device: Any, stored: str | None) -> str:

@@ -45,14 +45,6 @@ def tiny_target(request, tiny_dir):
     return load_transformer(tiny_dir[request.param])
 
 
-# A test parametrized over the engine's dtypes: `@pytest.mark.parametrize("dtype", DTYPES)`; its bf16 cases carry
-# the `bf16` marker and id (`pytest -m bf16`, `-k bf16`).
-DTYPES = [
-    pytest.param(torch.float32, id="fp32"),
-    pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.bf16),
-]
-
-
 @pytest.fixture(scope="session")
 def load_tiny(tiny_dir):
     """`load_tiny(family, dtype)`: a tiny target ("llama" or "qwen2") in `dtype`, loaded once per session."""
@@ -73,6 +65,15 @@ def smollm2():
 
     resolved = resolve_model(None, dtype="float32")
     return load_transformer(resolved.path), load_tokenizer(resolved.path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_bf16():
+    """The embedded default in bf16 (its bf16 safetensors conversion), with its tokenizer."""
+    from spyglass.models.loader import load_tokenizer, resolve_model
+
+    resolved = resolve_model(None, dtype="bfloat16")
+    return load_transformer(resolved.path, dtype=torch.bfloat16), load_tokenizer(resolved.path)
 
 
 @pytest.fixture(scope="session")

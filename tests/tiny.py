@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
+
+# A test parametrized over the engine's dtypes: `@pytest.mark.parametrize("dtype", DTYPES)`; its bf16 cases carry
+# the `bf16` marker and id (`pytest -m bf16`, `-k bf16`).
+DTYPES = [
+    pytest.param(torch.float32, id="fp32"),
+    pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.bf16),
+]
 
 
 def make_tiny_model(

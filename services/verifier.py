@@ -457,16 +457,15 @@ def build_engine(cfg: VerifierConfig) -> tuple[Any, Any, dict[str, Any]]:
     from spyglass.engine import EngineConfig, SpecEngine
     from spyglass.kv_cache import context_capacity, kv_bytes_per_token
     from spyglass.models.llama import load_transformer
-    from spyglass.models.loader import load_tokenizer, resolve_model, resolve_model_dtype
+    from spyglass.models.loader import load_tokenizer, resolve_model
 
     for m in cfg.methods:
         if m not in METHODS:
             raise ValueError(f"unknown method {m!r} in verifier config; available: {', '.join(METHODS)}")
     if len(set(cfg.methods)) != len(cfg.methods):
         raise ValueError(f"verifier config names a method twice: {cfg.methods}")
-    dtype = resolve_model_dtype(cfg.model, cfg.dtype)
-    resolved = resolve_model(cfg.model, dtype=dtype)
-    target = load_transformer(resolved.path, dtype=getattr(torch, dtype))
+    resolved = resolve_model(cfg.model, dtype=cfg.dtype)  # "auto" resolved here (resolve_dtype)
+    target = load_transformer(resolved.path, dtype=getattr(torch, resolved.dtype))
     target.eval()
     tokenizer = load_tokenizer(resolved.path)
     # one pool of max_batch slots serves every method
@@ -501,7 +500,7 @@ def build_engine(cfg: VerifierConfig) -> tuple[Any, Any, dict[str, Any]]:
         "context_cache": cache is not None,
         "cache_block_size": cfg.cache_block_size if cache is not None else 0,
         "max_queued": cfg.max_queued,
-        "dtype": dtype,
+        "dtype": resolved.dtype,
         "linear_backend": target.linear_backend,  # the matmul kernel per row count measured at load
         "attention_plan": target.attention_plan,  # new tokens per sequence cache_attention takes (more: tile_attention)
         "threads": torch.get_num_threads(),

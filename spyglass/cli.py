@@ -145,13 +145,12 @@ def _run_generate(args) -> int:
     from spyglass.engine import EngineConfig, RequestError, SpecEngine
     from spyglass.kv_cache import context_capacity
     from spyglass.models.llama import load_transformer
-    from spyglass.models.loader import ModelLoadError, load_tokenizer, resolve_model, resolve_model_dtype
+    from spyglass.models.loader import ModelLoadError, load_tokenizer, resolve_model
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     try:
-        dtype_name = resolve_model_dtype(args.model, args.dtype)
-        dtype = getattr(torch, dtype_name)
-        resolved = resolve_model(args.model, dtype=dtype_name)
+        resolved = resolve_model(args.model, dtype=args.dtype)  # "auto" resolved here (resolve_dtype)
+        dtype = getattr(torch, resolved.dtype)
         target = load_transformer(resolved.path, dtype=dtype)
         tokenizer = load_tokenizer(resolved.path)
     except ModelLoadError as e:
@@ -179,7 +178,7 @@ def _run_generate(args) -> int:
         result = _generate_once(engine, prompt_ids, params, stream=not args.json)
         out = {"text": result["text"], "token_ids": result["token_ids"], "stats": result["stats"]}
         out["stats"]["method"] = args.method
-        out["stats"]["dtype"] = dtype_name
+        out["stats"]["dtype"] = resolved.dtype
         out["stats"]["prompt_tokens"] = len(prompt_ids)
         if args.compare_ar:
             if not args.json:

@@ -492,6 +492,18 @@ def test_resolve_dtype_auto_and_explicit(monkeypatch) -> None:
         resolve_model_dtype(None, "half")
 
 
+def test_resolve_model_auto_picks_the_directory_of_the_chosen_dtype(monkeypatch, cache_root: Path) -> None:
+    import spyglass.models.loader as loader
+
+    monkeypatch.setattr(loader, "CPU_BF16_DEFAULT", False)
+    cpu = resolve_model(None, "auto", cache_root=cache_root)
+    assert cpu.dtype == "float32" and cpu.path.name == "float32"
+    gpu = resolve_model(None, "auto", cache_root=cache_root, device="cuda:0")
+    assert gpu.dtype == "bfloat16" and gpu.path.name == "bfloat16"
+    monkeypatch.setattr(loader, "CPU_BF16_DEFAULT", True)  # the embedded default is stored in bf16
+    assert resolve_model(None, "auto", cache_root=cache_root).dtype == "bfloat16"
+
+
 def test_stored_dtype_of_ggufs_and_hf_dirs(tmp_path: Path, default_fp32: ResolvedModel, default_bf16) -> None:
     import gguf
 

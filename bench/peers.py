@@ -1,8 +1,13 @@
 """spyglass against vLLM and llama.cpp on this machine: the same held-out long-context prompt ids (bench/tasks.py,
-2K-7K tokens), greedy, fp32 weights, 2 threads each, interleaved per prompt. Writes bench/results/peers.json (+ .png).
+2K-7K tokens), greedy, in fp32 and in bf16 (vLLM's default on this CPU), 2 threads each, interleaved per prompt.
+Writes bench/results/peers.json (+ .png).
 
-    python bench/peers.py [--per-kind 2] [--kinds code,edit,summary] [--max-new-tokens 256] [--out PATH]
+    python bench/peers.py [--per-kind 2] [--kinds code,edit,summary] [--max-new-tokens 256] [--dtypes D] [--out PATH]
     python bench/peers.py --smoke [--out PATH]       (one short prompt, a few tokens; peers not installed are skipped)
+
+Every engine runs in each of --dtypes (default float32,bfloat16) as a process of its own (spyglass's bf16 worker loads
+the model's bf16 safetensors, vLLM's `LLM(dtype="bfloat16")` the same file); llama.cpp runs its F32 GGUF in the fp32
+lanes only. A lane's label is `engine:method`, with `@bf16` for the bf16 ones; the bf16 figures end in `_bf16`.
 
 Engines and methods (each engine a long-lived process of its own venv's python, bench/peer_worker.py, loaded once):
   spyglass  ar (plain decoding), suffix (its default), ngram, composite-dflash (the best learned method)
@@ -14,11 +19,11 @@ skipped with a message, and its figures are null (named in `skipped`), never rep
 For each prompt every engine's methods run in turn, each request after the CPU is free of other work (bench/common's
 IdleGate), and the CPU time of every other engine process is read around it (idle engines must use none). Time to
 first token and decode speed ((new tokens - 1) / time after the first token) come from the workers, measured the same
-way. Every output is checked against its engine's plain decoding and against spyglass's (identical, or the first
-differing index). The physical-limit readout, measured before each prompt's runs: memory read bandwidth (a sum over
-a 1 GiB tensor, the engines' thread count) and fp32 matmul peak; each plain decoder's achieved bandwidth, (weight
-bytes + KV bytes at the context) / step time, as a share of it; prefill FLOP/s (model FLOPs / time to first token)
-against the peak.
+way. Every output is checked against its engine's plain decoding in the same dtype and against spyglass's plain
+decoding in the same dtype (identical, or the first differing index). The physical-limit readout, measured before each
+prompt's runs: memory read bandwidth (a sum over a 1 GiB tensor, the engines' thread count) and fp32 matmul peak; each
+plain decoder's achieved bandwidth, (weight bytes + KV bytes at the context, both in its dtype) / step time, as a share
+of it; prefill FLOP/s (model FLOPs / time to first token) against the peak.
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ VLLM_SPEC = {
     "suffix": {"method": "suffix", "num_speculative_tokens": 24, "suffix_decoding_max_cached_requests": 0},
 }
 LLAMACPP_METHODS = ("plain", "pld")
+DTYPES = ("float32", "bfloat16")
+DTYPE_TAG = {"float32": "", "bfloat16": "@bf16"}  # a lane label's dtype suffix
 
 
 _T0 = time.monotonic()
@@ -199,10 +206,20 @@ class Lane:
     engine: str  # spyglass | vllm | llamacpp
     method: str
     worker: str  # the Peer that serves it
+    dtype: str = "float32"
 
     @property
     def label(self) -> str:
-        return f"{self.engine}:{self.method}"
+        return f"{self.engine}:{self.method}{DTYPE_TAG[self.dtype]}"
+
+    @property
+    def plain_label(self) -> str:
+        """Its engine's plain decoding in the same dtype."""
+        return f"{self.engine}:{PLAIN[self.engine]}{DTYPE_TAG[self.dtype]}"
+
+    @property
+    def spyglass_plain_label(self) -> str:
+        return f"spyglass:ar{DTYPE_TAG[self.dtype]}"
 
 
 @dataclass
@@ -225,31 +242,39 @@ def find_tcmalloc() -> Path | None:
     return None
 
 
-def start_peers(args, model_dir: Path, gguf: Path | None, logs: Path) -> Setup:
-    """Start every installed engine's workers; say what is skipped.
+def worker_name(engine: str, dtype: str) -> str:
+    return engine + ("" if dtype == "float32" else "-bf16")
 
-    spyglass loads alone first: it times its kernels at load (linear and attention plans), which a peer compiling
-    next to it would skew. The peers then load concurrently (nothing else is timed yet)."""
+
+def start_peers(args, model_dirs: dict[str, Path], gguf: Path | None, logs: Path) -> Setup:
+    """Start every installed engine's workers, one per dtype (and per method for vLLM); say what is skipped.
+
+    spyglass loads alone first, one dtype after the other: it times its kernels at load (linear and attention
+    plans), which a peer compiling next to it would skew. The peers then load concurrently (nothing else is timed
+    yet)."""
     s = Setup()
     threads = str(args.threads)
     base = {"threads": args.threads, "max_context": args.max_context}
     env_sg = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-    s.peers["spyglass"] = Peer(
-        "spyglass",
-        Path(sys.executable),
-        {
-            **base,
-            "engine": "spyglass",
-            "model": str(model_dir),
-            "methods": list(args.spyglass_methods),
-            "linear_backend": args.spyglass_linear,
-        },
-        env_sg,
-        logs / "spyglass.log",
-    )
-    s.lanes += [Lane("spyglass", m, "spyglass") for m in args.spyglass_methods]
-    s.peers["spyglass"].wait_ready(args.load_timeout)
-    log(f"spyglass ready (load {s.peers['spyglass'].load_s:.1f} s)")
+    for dtype in args.dtypes:
+        name = worker_name("spyglass", dtype)
+        s.peers[name] = Peer(
+            name,
+            Path(sys.executable),
+            {
+                **base,
+                "engine": "spyglass",
+                "model": str(model_dirs[dtype]),
+                "dtype": dtype,
+                "methods": list(args.spyglass_methods),
+                "linear_backend": args.spyglass_linear,
+            },
+            env_sg,
+            logs / f"{name}.log",
+        )
+        s.lanes += [Lane("spyglass", m, name, dtype) for m in args.spyglass_methods]
+        s.peers[name].wait_ready(args.load_timeout)
+        log(f"{name} ready (load {s.peers[name].load_s:.1f} s)")
 
     engines = set(args.engines)
     vllm_py = args.peers_dir / "vllm" / "venv" / "bin" / "python"
@@ -272,20 +297,25 @@ def start_peers(args, model_dir: Path, gguf: Path | None, logs: Path) -> Setup:
         }
         if not preload or len(preload) < 2:
             log(f"vLLM: preloading only {[str(p) for p in preload]} (tcmalloc and/or libiomp5 not found)")
-        for m in args.vllm_methods:
-            cfg = {
-                **base,
-                "engine": "vllm",
-                "model": str(model_dir),
-                "methods": [m],
-                "speculative_config": VLLM_SPEC[m],
-            }
-            s.peers[f"vllm-{m}"] = Peer(f"vllm-{m}", vllm_py, cfg, env_v, logs / f"vllm-{m}.log")
-            s.lanes.append(Lane("vllm", m, f"vllm-{m}"))
+        for dtype in args.dtypes:
+            for m in args.vllm_methods:
+                cfg = {
+                    **base,
+                    "engine": "vllm",
+                    "model": str(model_dirs[dtype]),
+                    "dtype": dtype,
+                    "methods": [m],
+                    "speculative_config": VLLM_SPEC[m],
+                }
+                name = worker_name(f"vllm-{m}", dtype)
+                s.peers[name] = Peer(name, vllm_py, cfg, env_v, logs / f"{name}.log")
+                s.lanes.append(Lane("vllm", m, name, dtype))
 
     llama_py = args.peers_dir / "llamacpp" / "venv" / "bin" / "python"
     if "llamacpp" not in engines:
         s.skipped["llamacpp"] = "not selected (--engines)"
+    elif "float32" not in args.dtypes:
+        s.skipped["llamacpp"] = "runs its F32 GGUF only, and float32 is not in --dtypes"
     elif not llama_py.exists():
         s.skipped["llamacpp"] = f"not installed (no {llama_py}): run `make peers`"
     elif gguf is None or not gguf.exists():
@@ -363,12 +393,14 @@ def prefill_flops(facts: dict[str, Any], length: int) -> float:
     return dense + attn + 2 * embed
 
 
-KV_ELEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+KV_ELEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}  # bytes per weight or K/V element
 
 
 def kv_elem_bytes(info: dict[str, Any]) -> int:
     kv = str(info.get("kv_dtype", "float32")).replace("torch.", "")
-    return KV_ELEM_BYTES.get(kv, 4)  # vLLM's "auto" is the model's dtype, float32 here
+    if kv == "auto":  # vLLM's "auto" is the model's dtype
+        kv = str(info.get("dtype", "float32"))
+    return KV_ELEM_BYTES.get(kv, 4)
 
 
 # --- comparisons and figures ------------------------------------------------------------------------------------
@@ -417,17 +449,36 @@ def make_figures(rows: dict[str, dict], setup: Setup) -> dict[str, Any]:
         "ttft_vs_llamacpp_f32": ("spyglass:ar", "llamacpp:plain", "ttft_s", False),
         "default_vs_llamacpp_pld": (f"spyglass:{DEFAULT_METHOD}", "llamacpp:pld", "tok_s", True),
     }
+    bf16 = DTYPE_TAG["bfloat16"]
+    for fig in ("plain_vs_vllm", "ttft_vs_vllm", "default_vs_vllm_suffix", "ngram_vs_vllm_ngram"):
+        num, den, key, higher_is_better = specs[fig]
+        specs[f"{fig}_bf16"] = (num + bf16, den + bf16, key, higher_is_better)
+    specs["bf16_vs_fp32_plain"] = ("spyglass:ar" + bf16, "spyglass:ar", "tok_s", True)  # spyglass's own
+    specs["bf16_vs_fp32_default"] = (f"spyglass:{DEFAULT_METHOD}{bf16}", f"spyglass:{DEFAULT_METHOD}", "tok_s", True)
     for fig, (num, den, key, higher_is_better) in specs.items():
         vals = per_prompt(num, den, key)
         figures[fig] = worst(vals, lowest=higher_is_better) if vals else None  # worst prompt
         figures[f"{fig}_median"] = med(vals) if vals else None
         figures[f"{fig}_per_prompt"] = vals
-    sg_default = f"spyglass:{DEFAULT_METHOD}"
-    figures["default_identical_to_plain"] = (
-        all(rows[n]["runs"][sg_default]["identical_to_own_plain"] for n in names) if sg_default in lanes else None
+    for dtype in DTYPES:
+        sg_default = f"spyglass:{DEFAULT_METHOD}{DTYPE_TAG[dtype]}"
+        figures["default_identical_to_plain" + ("" if dtype == "float32" else "_bf16")] = (
+            all(rows[n]["runs"][sg_default]["identical_to_own_plain"] for n in names) if sg_default in lanes else None
+        )
+    # bf16: every spyglass method's greedy output equals spyglass's plain bf16 decoding on every prompt; beside it,
+    # on how many prompts each of vLLM's bf16 methods kept vLLM's plain bf16 output
+    sg_bf16 = [lane.label for lane in setup.lanes if lane.engine == "spyglass" and lane.dtype == "bfloat16"]
+    figures["bf16_identical_all"] = (
+        all(rows[n]["runs"][lab]["identical_to_own_plain"] for n in names for lab in sg_bf16) if sg_bf16 else None
     )
+    figures["prompts"] = len(names)
+    figures["vllm_bf16_identical_prompts"] = {
+        lane.label: sum(rows[n]["runs"][lane.label]["identical_to_own_plain"] for n in names)
+        for lane in setup.lanes
+        if lane.engine == "vllm" and lane.dtype == "bfloat16" and lane.method != PLAIN["vllm"]
+    } or None
     for lane in setup.lanes:
-        tag = lane.label.replace(":", "_").replace("-", "_")
+        tag = lane.label.replace(":", "_").replace("-", "_").replace("@", "_")
         figures[f"tok_s_{tag}_median"] = med([rows[n]["runs"][lane.label]["tok_s"] for n in names])
         figures[f"ttft_s_{tag}_median"] = med([rows[n]["runs"][lane.label]["ttft_s"] for n in names])
     figures["identical_to_own_plain"] = {
@@ -444,23 +495,28 @@ def make_figures(rows: dict[str, dict], setup: Setup) -> dict[str, Any]:
     figures["memory_read_bandwidth_gbs"] = probe["read_bandwidth_gbs"]
     figures["matmul_peak_gflops"] = probe["matmul_peak_gflops"]
     for engine, plain in PLAIN.items():
-        run = rows[near]["runs"].get(f"{engine}:{plain}")
-        key = "decode_bandwidth_fraction" + ("" if engine == "spyglass" else f"_{engine}")
-        figures[key] = run.get("bandwidth_fraction") if run else None
-        pkey = "prefill_peak_fraction" + ("" if engine == "spyglass" else f"_{engine}")
-        lane = f"{engine}:{plain}"
-        figures[pkey] = med([rows[n]["runs"][lane].get("prefill_peak_fraction") for n in names]) if run else None
+        for dtype in DTYPES if engine != "llamacpp" else ("float32",):  # llama.cpp: its F32 GGUF only
+            lane = f"{engine}:{plain}{DTYPE_TAG[dtype]}"
+            run = rows[near]["runs"].get(lane)
+            suffix = ("" if engine == "spyglass" else f"_{engine}") + ("" if dtype == "float32" else "_bf16")
+            figures[f"decode_bandwidth_fraction{suffix}"] = run.get("bandwidth_fraction") if run else None
+            figures[f"prefill_peak_fraction{suffix}"] = (
+                med([rows[n]["runs"][lane].get("prefill_peak_fraction") for n in names]) if run else None
+            )
     figures["skipped"] = dict(setup.skipped)
     return figures
 
 
-def physical(run: dict, prompt_tokens: int, facts: dict, info: dict, probe: dict | None, plain: bool) -> None:
-    """Adds to `run` its achieved decode bandwidth (plain decoders: one token per step) and its prefill FLOP/s."""
+def physical(
+    run: dict, prompt_tokens: int, facts: dict, info: dict, probe: dict | None, plain: bool, weight_bytes: int
+) -> None:
+    """Adds to `run` its achieved decode bandwidth (plain decoders: one token per step; `weight_bytes` per weight, the
+    K/V's per its engine's info) and its prefill FLOP/s."""
     n = run["new_tokens"]
     if probe and plain and n > 1 and run["decode_s"] > 0:
         step_s = run["decode_s"] / (n - 1)
         context = prompt_tokens + n / 2  # the mean context over the decode
-        nbytes = facts["weight_bytes_f32"] + kv_bytes(facts, context, kv_elem_bytes(info))
+        nbytes = facts["params"] * weight_bytes + kv_bytes(facts, context, kv_elem_bytes(info))
         run["step_bytes"] = nbytes
         run["bandwidth_gbs"] = nbytes / step_s / 1e9
         run["bandwidth_fraction"] = run["bandwidth_gbs"] / probe["read_bandwidth_gbs"]
@@ -503,6 +559,10 @@ def panels(rows: dict[str, dict], setup: Setup, figures: dict) -> list[dict]:
             "plain_vs_vllm",
             "ttft_vs_vllm",
             "default_vs_vllm_suffix",
+            "plain_vs_vllm_bf16",
+            "ttft_vs_vllm_bf16",
+            "default_vs_vllm_suffix_bf16",
+            "bf16_vs_fp32_plain",
             "plain_vs_llamacpp_f32",
             "default_vs_llamacpp_pld",
         )
@@ -552,6 +612,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-context", type=int, default=8192)
     ap.add_argument("--engines", default="spyglass,vllm,llamacpp", help="spyglass always runs; vllm, llamacpp")
+    ap.add_argument("--dtypes", default=",".join(DTYPES), help="every engine runs in each: float32, bfloat16")
     ap.add_argument("--spyglass-methods", default=",".join(SPYGLASS_METHODS))
     ap.add_argument(
         "--spyglass-linear",
@@ -594,6 +655,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.engines = [e for e in args.engines.split(",") if e]
     if bad := [e for e in args.engines if e not in PLAIN]:
         ap.error(f"--engines takes spyglass, vllm, llamacpp; got {bad}")
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    if not dtypes or (bad := [d for d in dtypes if d not in DTYPES]):
+        ap.error(f"--dtypes takes {', '.join(DTYPES)}; got {args.dtypes!r}")
+    args.dtypes = [d for d in DTYPES if d in dtypes]  # fp32 first
     args.spyglass_methods = [m for m in args.spyglass_methods.split(",") if m]
     from spyglass.drafters import METHODS
 
@@ -681,7 +746,8 @@ def main(argv: list[str] | None = None) -> None:
     from spyglass.models.loader import load_tokenizer, resolve_model
 
     quiet = wait_for_quiet(max_load=1.0, timeout_s=0 if args.smoke else 180, log=log)
-    model_dir = Path(resolve_model("default", dtype="float32").path)
+    model_dirs = {d: Path(resolve_model("default", dtype=d).path) for d in DTYPES}
+    model_dir = model_dirs["float32"]
     tok = load_tokenizer(model_dir)
     if args.smoke:
         tasks = [smoke_task(tok)]
@@ -701,7 +767,7 @@ def main(argv: list[str] | None = None) -> None:
         f"worker logs in {logs}"
     )
     facts = model_facts(model_dir)
-    setup = start_peers(args, model_dir, gguf, logs)
+    setup = start_peers(args, model_dirs, gguf, logs)
     try:
         wait_all_ready(setup, args.load_timeout)
         # Warm-up: every method once on a short prompt (one-off allocations, compiled shapes), not measured; the
@@ -727,9 +793,8 @@ def main(argv: list[str] | None = None) -> None:
         def probe_machine() -> dict:
             """The machine's read bandwidth and matmul peak now: a VM's memory bandwidth was seen to move between
             30 and 53 GB/s within an hour, so each prompt's runs are measured against a probe taken just before."""
-            probe = setup.peers["spyglass"].request(
-                {"cmd": "probe", "bytes": (256 if args.smoke else 1024) << 20}, args.request_timeout
-            )
+            prober = setup.peers[worker_name("spyglass", args.dtypes[0])]
+            probe = prober.request({"cmd": "probe", "bytes": (256 if args.smoke else 1024) << 20}, args.request_timeout)
             probe.pop("ok", None)
             log(
                 f"memory read bandwidth {probe['read_bandwidth_gbs']:.1f} GB/s, fp32 matmul peak "
@@ -752,10 +817,10 @@ def main(argv: list[str] | None = None) -> None:
                 rs = sorted(rs, key=lambda r: r["tok_s"] or 0.0)
                 pick = rs[len(rs) // 2]
                 row[label] = {**pick, "tok_s_runs": [r["tok_s"] for r in rs], "ttft_s_runs": [r["ttft_s"] for r in rs]}
-            sg_plain = row["spyglass:ar"]["output_ids"]
-            for lane in setup.lanes:
+            for lane in setup.lanes:  # each against plain decoding in its own dtype
                 r = row[lane.label]
-                own = row[f"{lane.engine}:{PLAIN[lane.engine]}"]["output_ids"]
+                own = row[lane.plain_label]["output_ids"]
+                sg_plain = row[lane.spyglass_plain_label]["output_ids"]
                 every_run_same = all(x["output_ids"] == r["output_ids"] for x in runs[lane.label])
                 r["first_diff_vs_own_plain"] = first_difference(r["output_ids"], own)
                 r["identical_to_own_plain"] = r["first_diff_vs_own_plain"] is None and every_run_same
@@ -768,6 +833,7 @@ def main(argv: list[str] | None = None) -> None:
                     setup.peers[lane.worker].info,
                     probe,
                     plain=lane.method == PLAIN[lane.engine],
+                    weight_bytes=4 if lane.engine == "llamacpp" else KV_ELEM_BYTES[lane.dtype],  # its F32 GGUF
                 )
             rows[task.name] = {"kind": task.kind, "prompt_tokens": len(task.prompt_ids), "probe": probe, "runs": row}
             log(f"{task.name} ({len(task.prompt_ids)} tok):")
@@ -782,8 +848,9 @@ def main(argv: list[str] | None = None) -> None:
                 )
         figures = make_figures(rows, setup)
         meta = {
-            "what": "spyglass vs vLLM vs llama.cpp, the same held-out prompt ids, greedy, fp32, batch 1, "
-            f"{args.threads} threads each, interleaved per prompt",
+            "what": "spyglass vs vLLM vs llama.cpp, the same held-out prompt ids, greedy, "
+            f"{' and '.join(args.dtypes)}, batch 1, {args.threads} threads each, interleaved per prompt",
+            "dtypes": args.dtypes,
             "smoke": args.smoke,
             "tasks": {t.name: len(t.prompt_ids) for t in tasks},
             "max_new_tokens": args.max_new_tokens,
@@ -823,7 +890,8 @@ def main(argv: list[str] | None = None) -> None:
         plot_panels(
             args.out.with_suffix(".png"),
             panels(rows, setup, figures),
-            title="spyglass vs vLLM vs llama.cpp, held-out long-context prompts (SmolLM2 fp32, greedy)",
+            title="spyglass vs vLLM vs llama.cpp, held-out long-context prompts "
+            f"(SmolLM2 {' and '.join(args.dtypes)} (@bf16), greedy)",
         )
     finally:
         for peer in setup.peers.values():

@@ -319,6 +319,7 @@ def serve_main(
     tls_cert: str | None = None,
     tls_key: str | None = None,
     device: str | None = None,
+    dtype: str | None = None,
 ) -> int:
     """`spyglass serve`: bring the stack up, run the demo, keep serving until Ctrl-C or SIGTERM (or exit with
     --once). SIGTERM (what Kubernetes and systemd send) shuts down like Ctrl-C: Serve drains its replicas
@@ -346,6 +347,8 @@ def serve_main(
         app_args.setdefault("verifier", {})["device"] = device
         if device == "cpu":
             app_args["verifier_num_gpus"] = 0
+    if dtype is not None:  # --dtype overrides the config's verifier dtype
+        app_args["verifier"] = {**(app_args.get("verifier") or {}), "dtype": dtype}
     token = auth_token(app_args)
     redis = None
     if not redis_url(app_args):

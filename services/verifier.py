@@ -459,13 +459,13 @@ def build_engine(cfg: VerifierConfig) -> tuple[Any, Any, dict[str, Any]]:
     import torch
 
     from kernels.dispatch import served_kernels
-    from spyglass.context_cache import ContextCache
+    from spyglass.context_cache import ContextCache, kv_namespace
     from spyglass.device import device_name, resolve_device
     from spyglass.drafters import METHODS, build_drafter
     from spyglass.engine import EngineConfig, SpecEngine
     from spyglass.kv_cache import context_capacity, kv_bytes_per_token
     from spyglass.models.llama import load_transformer
-    from spyglass.models.loader import load_tokenizer, resolve_dtype, resolve_model
+    from spyglass.models.loader import load_tokenizer, resolve_model
 
     for m in cfg.methods:
         if m not in METHODS:
@@ -473,10 +473,8 @@ def build_engine(cfg: VerifierConfig) -> tuple[Any, Any, dict[str, Any]]:
     if len(set(cfg.methods)) != len(cfg.methods):
         raise ValueError(f"verifier config names a method twice: {cfg.methods}")
     device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device, stored=None)
-    dtype_name = str(dtype).removeprefix("torch.")
-    resolved = resolve_model(cfg.model, dtype=dtype_name)
-    target = load_transformer(resolved.path, dtype=dtype, device=device)
+    resolved = resolve_model(cfg.model, dtype=cfg.dtype, device=device)  # "auto" resolved here (resolve_dtype)
+    target = load_transformer(resolved.path, dtype=getattr(torch, resolved.dtype), device=device)
     target.eval()
     tokenizer = load_tokenizer(resolved.path)
     # one pool of max_batch slots serves every method
@@ -487,7 +485,7 @@ def build_engine(cfg: VerifierConfig) -> tuple[Any, Any, dict[str, Any]]:
     if cfg.redis_url:
         cache = ContextCache(
             cfg.redis_url,
-            f"{resolved.model_id}:{dtype_name}",  # the same keys on every device: blocks move as bytes
+            kv_namespace(resolved.model_id, target.dtype),  # the same keys on every device: blocks move as bytes
             block_size=cfg.cache_block_size,
             max_bytes=cfg.cache_max_bytes,
         )
@@ -513,7 +511,7 @@ def build_engine(cfg: VerifierConfig) -> tuple[Any, Any, dict[str, Any]]:
         "max_queued": cfg.max_queued,
         "device": str(target.device),  # what `device` resolved to, and what it is
         "device_name": device_name(target.device),
-        "dtype": dtype_name,  # what `dtype` resolved to
+        "dtype": resolved.dtype,  # what `dtype` resolved to
         "kernels": served_kernels(target.device, target.dtype, target.args.head_dim, target.attention_backend),
         "linear_backend": target.linear_backend,  # the matmul kernel per row count measured at load
         "attention_plan": target.attention_plan,  # new tokens per sequence cache_attention takes (more: tile_attention)

@@ -30,8 +30,12 @@ def _add_generate(sub) -> None:
         default=None,
         help="local HF directory, .gguf file or qwen2.5-coder-0.5b (`make model-qwen`; default: embedded SmolLM2)",
     )
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--device", default="auto", help=f"where the model runs: {DEVICE_HELP} (default auto)")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="auto (default): bf16 on a GPU; on the CPU fp32, or the model's stored bf16 where that is lossless",
+    )
     from spyglass.drafters import METHODS
 
     p.add_argument("--method", default="suffix", help=f"{' | '.join(METHODS)} (default suffix)")
@@ -147,13 +151,13 @@ def _run_generate(args) -> int:
     from spyglass.models.loader import ModelLoadError, load_tokenizer, resolve_model
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    dtype = getattr(torch, args.dtype)
     try:
         device = resolve_device(args.device)
     except ValueError as e:
         raise CliError(str(e)) from e
     try:
-        resolved = resolve_model(args.model, dtype=args.dtype)
+        resolved = resolve_model(args.model, dtype=args.dtype, device=device)  # "auto" resolved here (resolve_dtype)
+        dtype = getattr(torch, resolved.dtype)
         target = load_transformer(resolved.path, dtype=dtype, device=device)
         tokenizer = load_tokenizer(resolved.path)
     except ModelLoadError as e:
@@ -181,6 +185,7 @@ def _run_generate(args) -> int:
         result = _generate_once(engine, prompt_ids, params, stream=not args.json)
         out = {"text": result["text"], "token_ids": result["token_ids"], "stats": result["stats"]}
         out["stats"]["method"] = args.method
+        out["stats"]["dtype"] = resolved.dtype
         out["stats"]["prompt_tokens"] = len(prompt_ids)
         if args.compare_ar:
             if not args.json:
@@ -339,6 +344,12 @@ def _add_serve(sub) -> None:
     p.add_argument(
         "--device", default=None, help=f"where each verifier replica computes: {DEVICE_HELP} (default: the config's)"
     )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default=None,
+        help="the verifiers' dtype (default: the config's, auto)",
+    )
 
 
 def _run_serve(args) -> int:
@@ -369,6 +380,7 @@ def _run_serve(args) -> int:
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
             device=args.device,
+            dtype=args.dtype,
         )
     except (FileNotFoundError, ValueError) as e:
         raise CliError(str(e)) from e

@@ -30,6 +30,16 @@ _DTYPES = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16}
 _CODES = {v: k for k, v in _DTYPES.items()}
 
 
+def kv_namespace(model_id: str, dtype: torch.dtype | str) -> str:
+    """The namespace of a model's blocks in one K/V dtype: blocks hold the K/V dtype's own bytes (bf16: half of
+    fp32's), and a cache written in one dtype is never read in another (`load_blocks_into_cache` refuses a block
+    of another dtype besides)."""
+    name = str(dtype).removeprefix("torch.")
+    if not isinstance(getattr(torch, name, None), torch.dtype):
+        raise ValueError(f"not a dtype: {dtype!r}")
+    return f"{model_id}:{name}"
+
+
 class FormatError(ValueError):
     """A stored value that is not a valid block (wrong magic/version, truncated, checksum mismatch)."""
 

@@ -46,12 +46,34 @@ def tiny_target(request, tiny_dir):
 
 
 @pytest.fixture(scope="session")
+def load_tiny(tiny_dir):
+    """`load_tiny(family, dtype)`: a tiny target ("llama" or "qwen2") in `dtype`, loaded once per session."""
+    loaded = {}
+
+    def load(family: str, dtype: torch.dtype = torch.float32):
+        if (family, dtype) not in loaded:
+            loaded[family, dtype] = load_transformer(tiny_dir[family], dtype=dtype)
+        return loaded[family, dtype]
+
+    return load
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     """The real embedded default (SmolLM2-135M-Instruct), fp32, with its tokenizer."""
     from spyglass.models.loader import load_tokenizer, resolve_model
 
     resolved = resolve_model(None, dtype="float32")
     return load_transformer(resolved.path), load_tokenizer(resolved.path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_bf16():
+    """The embedded default in bf16 (its bf16 safetensors conversion), with its tokenizer."""
+    from spyglass.models.loader import load_tokenizer, resolve_model
+
+    resolved = resolve_model(None, dtype="bfloat16")
+    return load_transformer(resolved.path, dtype=torch.bfloat16), load_tokenizer(resolved.path)
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,14 @@ import pytest
 import redis
 import torch
 
-from spyglass.context_cache import ContextCache, FormatError, decode_tensor, encode_tensor
+from spyglass.context_cache import (
+    ContextCache,
+    FormatError,
+    decode_tensor,
+    encode_tensor,
+    kv_blocks_from_cache,
+    kv_namespace,
+)
 from spyglass.engine import EngineConfig, SpecEngine, plain_generate
 from spyglass.sampling import SamplingParams
 from tests.redis_server import RedisServer
@@ -171,3 +178,47 @@ def test_eviction_under_the_limit_drops_whole_old_prefixes_first(redis_server):
     assert cc.lookup(prefixes[0]) == []
     newest = cc.lookup(prefixes[2])
     assert len(newest) == 8 and all(torch.equal(a, blocks[b]) for b, a in enumerate(newest))
+
+
+@pytest.mark.bf16
+def test_bf16_blocks_hold_half_the_bytes_and_are_never_read_in_fp32(load_tiny, redis_server):
+    """Blocks are the K/V dtype's own bytes: a bf16 block round-trips bitwise with half an fp32 block's payload;
+    the namespace carries the dtype, and even under a bf16 namespace an fp32 engine loads none of its blocks."""
+    fp32, bf16 = load_tiny("llama", torch.float32), load_tiny("llama", torch.bfloat16)
+    prompt = torch.randint(3, fp32.args.vocab_size, (40,), generator=torch.Generator().manual_seed(7)).tolist()
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    caches = {
+        dt: ContextCache(redis_server.url, kv_namespace(f"dtype-{id(fp32)}", dt), block_size=16, async_writes=False)
+        for dt in (torch.float32, torch.bfloat16)
+    }
+    assert caches[torch.float32].block_keys(prompt) != caches[torch.bfloat16].block_keys(prompt)
+    client = redis.Redis.from_url(redis_server.url)
+    payload = {}
+    for dt, target in ((torch.float32, fp32), (torch.bfloat16, bf16)):
+        kv = target.new_cache(64, 1)
+        slot = kv.allocate()
+        target.prefill(kv, slot, torch.tensor(prompt))
+        blocks = kv_blocks_from_cache(kv, slot, 0, 2, 16)
+        caches[dt].store(prompt, blocks)
+        (back, again) = caches[dt].lookup(prompt)
+        assert back.dtype == dt and again.dtype == dt
+        assert torch.equal(back.view(torch.uint8), blocks[0].view(torch.uint8))  # bitwise
+        assert torch.equal(again.view(torch.uint8), blocks[1].view(torch.uint8))
+        raw = client.get(caches[dt].block_keys(prompt)[0])
+        payload[dt] = len(raw) - len(encode_tensor(blocks[0][:, :, :, :0]))  # the value less its (same-size) header
+    assert payload[torch.float32] == 2 * payload[torch.bfloat16] == 2 * blocks[0].numel() * 2
+    # an fp32 engine under its own namespace misses, and under the bf16 one refuses the bf16 blocks
+    reference = plain_generate(fp32, prompt, params)
+    fresh = ContextCache(redis_server.url, kv_namespace(f"fresh-{id(fp32)}", torch.float32), 16, async_writes=False)
+    for cache in (fresh, caches[torch.bfloat16]):
+        engine = SpecEngine(fp32, None, EngineConfig(max_batch=1, max_context=64), context_cache=cache)
+        (seq,) = engine.run([prompt], params)
+        assert seq.stats.cached_prefix_tokens == 0
+        assert seq.output_ids == reference
+    # while a bf16 engine reuses its own
+    engine = SpecEngine(bf16, None, EngineConfig(max_batch=1, max_context=64), context_cache=caches[torch.bfloat16])
+    (seq,) = engine.run([prompt], params)
+    assert seq.stats.cached_prefix_tokens == 32
+    assert seq.output_ids == plain_generate(bf16, prompt, params)
+    with pytest.raises(ValueError, match="not a dtype"):
+        kv_namespace("m", "fp16")

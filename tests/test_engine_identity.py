@@ -15,7 +15,7 @@ from spyglass.drafters.tokenswift import build_tokenswift
 from spyglass.engine import EngineConfig, RequestError, SpecEngine, plain_generate
 from spyglass.models.llama import load_transformer
 from spyglass.sampling import SamplingParams
-from tests.tiny import free_tokens_curve, layer_copy_draft, make_prompts, trained_tiny, with_copy_head
+from tests.tiny import DTYPES, free_tokens_curve, layer_copy_draft, make_prompts, trained_tiny, with_copy_head
 
 N_PROMPTS = 12
 
@@ -74,6 +74,7 @@ def check_identity(target, params: SamplingParams, batches=(1, 4), skip=frozense
     leaked."""
     prompts = make_prompts(target.args.vocab_size, N_PROMPTS, seed=len(target.layers))
     reference = [plain_generate(target, p, params) for p in prompts]
+    differ = []  # every drafter runs before a difference fails the test, so the message names them all
     for name, drafter in drafters(target):
         if name in skip:
             continue
@@ -82,19 +83,26 @@ def check_identity(target, params: SamplingParams, batches=(1, 4), skip=frozense
                 target, drafter, EngineConfig(max_batch=batch, max_context=512, controller=free_tokens_curve())
             )
             seqs = engine.run(prompts, params)
-            for i, (seq, ref) in enumerate(zip(seqs, reference, strict=True)):
-                assert seq.output_ids == ref, f"{name} batch {batch} prompt {i} differs"
+            bad = [i for i, (seq, ref) in enumerate(zip(seqs, reference, strict=True)) if seq.output_ids != ref]
+            if bad:
+                differ.append(f"{name} batch {batch} prompts {bad}")
+                continue
             # the drafter really drafted and something was accepted beyond the bonus token
             taus = [s.stats.summary(s.num_generated)["tau"] for s in seqs]
             assert max(taus) > 1.0, f"{name}: nothing was ever accepted"
             assert engine.cache.free_slots == batch, "KV slots leaked"
             if batch == 4:
                 assert max(max(s.stats.batch_sizes) for s in seqs) == 4, "sequences were not batched"
+    assert not differ, f"output differs from plain decoding ({target.dtype}): {'; '.join(differ)}"
 
 
-def test_greedy_identity_batch1_and_batch4(tiny_target):
-    skip = FAMILY_INDEPENDENT if tiny_target.args.qkv_bias else frozenset()  # Qwen2: the second family
-    check_identity(tiny_target, SamplingParams(max_new_tokens=32, ignore_eos=True), skip=skip)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_greedy_identity_batch1_and_batch4(load_tiny, family, dtype):
+    """In fp32 and in bf16: a verify pass must round exactly as the one-token steps of plain decoding in the same
+    dtype."""
+    skip = FAMILY_INDEPENDENT if family == "qwen2" else frozenset()  # Qwen2: the second family
+    check_identity(load_tiny(family, dtype), SamplingParams(max_new_tokens=32, ignore_eos=True), skip=skip)
 
 
 @pytest.mark.parametrize(
@@ -112,10 +120,12 @@ def test_greedy_identity_with_penalties(llama_target, params):
     check_identity(llama_target, params, batches=(4,))
 
 
-def test_one_engine_serves_every_method_in_one_batch(llama_target):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_engine_serves_every_method_in_one_batch(load_tiny, dtype):
     """A replica's engine: every drafter (and plain decoding) over one KV pool, requests of different methods in the
-    same continuous batch and the same target forwards; each output equals plain decoding, and the pool does not
-    grow with the number of methods."""
+    same continuous batch and the same target forwards; each output equals plain decoding (in the target's dtype),
+    and the pool does not grow with the number of methods."""
+    llama_target = load_tiny("llama", dtype)
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     named = {"ar": None, **dict(drafters(llama_target))}
     prompts = make_prompts(llama_target.args.vocab_size, len(named), seed=3)

@@ -32,7 +32,10 @@ from spyglass.models.loader import (
     load_config,
     load_tokenizer,
     locate_default_gguf,
+    resolve_dtype,
     resolve_model,
+    resolve_model_dtype,
+    stored_dtype,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -469,3 +472,54 @@ def test_named_model_not_installed_names_the_fix(tmp_path: Path, monkeypatch: py
     ):
         resolve_model("not-installed", cache_root=tmp_path)
     assert "qwen2.5-coder-0.5b" in NAMED_GGUFS  # the benchmark's long-context target, `make model-qwen`
+
+
+def test_resolve_dtype_auto_and_explicit(monkeypatch) -> None:
+    import spyglass.models.loader as loader
+
+    for spec in ("float32", "bfloat16"):  # explicit choices pass through, whatever the device and the model
+        assert resolve_dtype(spec, "cpu", "bfloat16") == resolve_dtype(spec, "cuda:0", "float32") == spec
+    assert resolve_dtype("auto", "cuda", "float32") == resolve_dtype("auto", "cuda:1", None) == "bfloat16"
+    monkeypatch.setattr(loader, "CPU_BF16_DEFAULT", False)  # the CPU bf16 path not (yet) lossless: fp32
+    assert resolve_dtype("auto", "cpu", "bfloat16") == "float32"
+    monkeypatch.setattr(loader, "CPU_BF16_DEFAULT", True)
+    assert resolve_dtype("auto", "cpu", "bfloat16") == "bfloat16"
+    assert resolve_dtype("auto", "cpu", "float32") == resolve_dtype("auto", "cpu", "float16") == "float32"
+    for bad in ("fp16", "float16", "", "bf16"):
+        with pytest.raises(ValueError, match="unsupported dtype .*auto, float32, bfloat16"):
+            resolve_dtype(bad, "cpu", "bfloat16")
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        resolve_model_dtype(None, "half")
+
+
+def test_resolve_model_auto_picks_the_directory_of_the_chosen_dtype(monkeypatch, cache_root: Path) -> None:
+    import spyglass.models.loader as loader
+
+    monkeypatch.setattr(loader, "CPU_BF16_DEFAULT", False)
+    cpu = resolve_model(None, "auto", cache_root=cache_root)
+    assert cpu.dtype == "float32" and cpu.path.name == "float32"
+    gpu = resolve_model(None, "auto", cache_root=cache_root, device="cuda:0")
+    assert gpu.dtype == "bfloat16" and gpu.path.name == "bfloat16"
+    monkeypatch.setattr(loader, "CPU_BF16_DEFAULT", True)  # the embedded default is stored in bf16
+    assert resolve_model(None, "auto", cache_root=cache_root).dtype == "bfloat16"
+
+
+def test_stored_dtype_of_ggufs_and_hf_dirs(tmp_path: Path, default_fp32: ResolvedModel, default_bf16) -> None:
+    import gguf
+
+    assert stored_dtype(None) == stored_dtype("default") == "bfloat16"  # the embedded Q4_1
+    assert stored_dtype(default_fp32.path) == "float32" and stored_dtype(default_bf16.path) == "bfloat16"
+    assert stored_dtype(_write_hf_dir(tmp_path / "plain")) == "float32"  # no dtype in its config
+    for file_type, want in ((0, "float32"), (1, "bfloat16"), (3, "bfloat16"), (None, "float32")):
+        p = tmp_path / f"m-{file_type}.gguf"
+        writer = gguf.GGUFWriter(str(p), "llama")
+        if file_type is not None:
+            writer.add_file_type(file_type)
+        writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        assert stored_dtype(p) == want, file_type
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        stored_dtype(tmp_path / "missing")

@@ -78,3 +78,27 @@ def test_smoke_run_writes_figures_and_every_output_is_plain_decoding(tmp_path):
             assert run["kv_bytes"] == per_token * (n + run["generated"] - 1)
         assert row["methods"]["suffix"]["draft_state_bytes"] > 0 and row["methods"]["ar"]["draft_state_bytes"] == 0
         assert 0.0 <= row["output_copied"] <= 1.0 and isinstance(row["output_start"], str)
+
+
+@pytest.mark.bf16
+def test_smoke_run_in_bf16_beside_fp32(tmp_path):
+    """--dtype float32,bfloat16: every prompt in both dtypes, each output plain decoding's in its own dtype, the bf16
+    figures beside the fp32 ones, K/V bytes per token halved."""
+    argv = ["--smoke", "--out-dir", str(tmp_path), "--methods", "ar,suffix", "--kinds", "repo", "--lengths", "256"]
+    path = main([*argv, "--dtype", "float32,bfloat16"])
+    doc = json.loads(path.read_text())
+    figures, rows, meta = doc["figures"], doc["raw"], doc["meta"]
+    assert meta["dtypes"] == ["float32", "bfloat16"] and len(rows) == 2
+    assert {name.endswith(" [bf16]") for name in rows} == {True, False}
+    assert figures["kv_bytes_per_token"] == 2 * figures["kv_bytes_per_token_bf16"]
+    assert figures["kv_bytes_per_token_bf16_vs_fp32"] == 0.5
+    assert figures["ar_tok_s_256_bf16_vs_fp32"] > 0 and figures["speedup_256_default_bf16"] > 0
+    for name, row in rows.items():
+        per_token = figures["kv_bytes_per_token_bf16" if name.endswith(" [bf16]") else "kv_bytes_per_token"]
+        assert row["methods"]["ar"]["kv_bytes"] == per_token * (
+            row["prompt_tokens"] + row["methods"]["ar"]["generated"] - 1
+        )
+    with pytest.raises(SystemExit, match="--dtype takes"):
+        main([*argv, "--dtype", "float16"])
+    assert figures["identical_all_bf16"] is True  # greedy output equals plain bf16 decoding
+    assert figures["identical_all"] is True

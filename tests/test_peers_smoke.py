@@ -1,6 +1,7 @@
 """`bench/peers.py --smoke`: the peer benchmark's plumbing on the real model, with no peer engine installed (its
---peers-dir points at an empty folder): spyglass's methods run in their worker process and equal its plain decoding,
-and vLLM and llama.cpp are reported as skipped, their figures null, never as passing."""
+--peers-dir points at an empty folder), in fp32 and in bf16: spyglass's methods run in their worker process and equal
+its plain decoding in the same dtype, and vLLM and llama.cpp are reported as skipped, their figures null, never as
+passing."""
 
 from __future__ import annotations
 
@@ -10,17 +11,27 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
+from tests.tiny import DTYPES
+
 ROOT = Path(__file__).resolve().parents[1]
 SPYGLASS_METHODS = ("ar", "suffix", "ngram", "composite-dflash")
 
 
-def test_peers_smoke_without_peers(tmp_path):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_peers_smoke_without_peers(tmp_path, dtype):
+    name = str(dtype).removeprefix("torch.")
+    tag, fig = ("", "") if dtype == torch.float32 else ("@bf16", "_bf16")
     out = tmp_path / "peers_smoke.json"
     proc = subprocess.run(
         [
             sys.executable,
             str(ROOT / "bench" / "peers.py"),
             "--smoke",
+            "--dtypes",
+            name,
             "--out",
             str(out),
             "--peers-dir",
@@ -36,40 +47,43 @@ def test_peers_smoke_without_peers(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "SKIPPED vllm: not installed" in proc.stdout
-    assert "SKIPPED llamacpp: not installed" in proc.stdout
+    assert "SKIPPED llamacpp: " + ("not installed" if not tag else "runs its F32 GGUF only") in proc.stdout
     assert out.exists() and out.with_suffix(".png").exists()
 
     doc = json.loads(out.read_text())
     assert set(doc) == {"figures", "raw", "meta"}
     figures, meta = doc["figures"], doc["meta"]
-    assert meta["smoke"] is True
-    assert meta["lanes"] == [f"spyglass:{m}" for m in SPYGLASS_METHODS]
+    assert meta["smoke"] is True and meta["dtypes"] == [name]
+    assert meta["lanes"] == [f"spyglass:{m}{tag}" for m in SPYGLASS_METHODS]
+    assert meta["engines"][f"spyglass{tag.replace('@', '-')}"]["info"]["kv_dtype"] == name
     assert set(meta["skipped"]) == {"vllm", "llamacpp"}
-    assert all("make peers" in why for why in meta["skipped"].values())
+    assert "make peers" in meta["skipped"]["vllm"]
     assert meta["cpu"] and set(meta["probes"]) == set(doc["raw"]["per_prompt"])  # a probe before each prompt
     assert all(p["read_bandwidth_gbs"] > 0 and p["matmul_peak_gflops"] > 0 for p in meta["probes"].values())
 
     # Skipped peers: their figures are null and named in `skipped`, not reported as met.
     assert set(figures["skipped"]) == {"vllm", "llamacpp"}
-    for name in (
-        "plain_vs_vllm",
-        "ttft_vs_vllm",
-        "default_vs_vllm_suffix",
-        "plain_vs_llamacpp_f32",
-        "default_vs_llamacpp_pld",
-        "decode_bandwidth_fraction_vllm",
-        "decode_bandwidth_fraction_llamacpp",
-    ):
-        assert figures[name] is None, name
+    for key in ("plain_vs_vllm", "ttft_vs_vllm", "default_vs_vllm_suffix", "decode_bandwidth_fraction_vllm"):
+        assert figures[key + fig] is None, key + fig
+    for key in ("plain_vs_llamacpp_f32", "default_vs_llamacpp_pld", "decode_bandwidth_fraction_llamacpp"):
+        assert figures[key] is None, key
+    assert figures["vllm_bf16_identical_prompts"] is None
+    assert figures["bf16_vs_fp32_plain"] is None  # one dtype ran
 
-    # spyglass itself: every method's greedy output equals its plain decoding, and the readout is filled in.
-    assert figures["default_identical_to_plain"] is True
-    assert figures["identical_to_own_plain"] == {f"spyglass:{m}": True for m in SPYGLASS_METHODS}
-    assert 0 < figures["decode_bandwidth_fraction"] and 0 < figures["prefill_peak_fraction"]
+    # spyglass itself: every method's greedy output equals its plain decoding in this dtype, and the readout is
+    # filled in (the bandwidth from this dtype's bytes per weight and K/V element).
+    assert figures["default_identical_to_plain" + fig] is True
+    assert figures["identical_to_own_plain"] == {f"spyglass:{m}{tag}": True for m in SPYGLASS_METHODS}
+    assert figures["bf16_identical_all"] is (True if tag else None)
+    assert 0 < figures["decode_bandwidth_fraction" + fig] and 0 < figures["prefill_peak_fraction" + fig]
     ((task, row),) = doc["raw"]["per_prompt"].items()
     assert row["prompt_tokens"] == 160
+    plain = row["runs"][f"spyglass:ar{tag}"]
+    assert plain["step_bytes"] == pytest.approx(
+        meta["model"]["params"] * (2 if tag else 4) + 30 * 2 * 3 * 64 * (160 + 8 / 2) * (2 if tag else 4)
+    )
     for m in SPYGLASS_METHODS:
-        run = row["runs"][f"spyglass:{m}"]
+        run = row["runs"][f"spyglass:{m}{tag}"]
         assert run["identical_to_own_plain"] and run["first_diff_vs_own_plain"] is None, (task, m)
         assert run["new_tokens"] == run["output_len"] == meta["max_new_tokens"] == 8
         assert run["ttft_s"] > 0 and run["tok_s"] > 0

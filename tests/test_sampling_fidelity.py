@@ -46,6 +46,12 @@ def model(sampling_model):
 
 
 @pytest.fixture(scope="module")
+def model_bf16(sampling_model):
+    """The same target in bf16, for the bf16 cases."""
+    return load_transformer(sampling_model, dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
 def prompt(model) -> list[int]:
     """A prompt whose earlier text contains the model's likely continuation, so n-gram drafts get
     accepted often: iterate prompt = tail + greedy(prompt) + base to a fixed point."""
@@ -62,20 +68,57 @@ def prompt(model) -> list[int]:
 
 
 def exact_joint(path, prompt: list[int], temperature: float, top_p: float, penalty=None) -> np.ndarray:
-    """p(x1, x2, x3 | PROMPT) under HF's model and warpers, shape [V, V, V]. `penalty` = (theta, W): TokenSwift's
-    contextual penalty, i.e. HF's repetition penalty applied to the last W tokens of each context."""
+    """p(x1, x2, x3 | PROMPT) under HF's model in float64 and HF's warpers, shape [V, V, V]."""
     from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+
+    def logits_of(contexts: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return model(contexts).logits[:, -1].double()
+
+    return joint_from(logits_of, prompt, temperature, top_p, penalty)
+
+
+def plain_joint(target, prompt: list[int], temperature: float, top_p: float, penalty=None) -> np.ndarray:
+    """p(x1, x2, x3 | PROMPT) of plain sampling by `target` itself in its dtype (a bf16 model's distribution is
+    its own, not the float64 one): the logits of its prefill and of one-token steps exactly as plain decoding
+    computes them, warped by HF's processors in float64."""
+    from spyglass.models.llama import Segment
+
+    cache = target.new_cache(len(prompt) + 3, 1)
+    slot = cache.allocate()
+    with torch.no_grad():
+        first = target.prefill(cache, slot, torch.tensor(prompt)).double()
+
+    @torch.no_grad()
+    def after(tokens: list[int]) -> torch.Tensor:
+        """The logits after the prompt and `tokens`, each a one-token step; the steps are then rolled back."""
+        logits = first
+        for tok in tokens:
+            start = cache.lengths[slot]
+            seg = Segment(slot, start, torch.tensor([tok]), torch.tensor([start]), None, "all")
+            logits = target([seg], cache)[0][0].double()
+            cache.commit(slot, start, [0])
+        cache.truncate(slot, len(prompt))
+        return logits
+
+    return joint_from(lambda ctx: torch.stack([after(c[len(prompt) :].tolist()) for c in ctx]), prompt, temperature,
+                      top_p, penalty)  # fmt: skip
+
+
+def joint_from(logits_of, prompt: list[int], temperature: float, top_p: float, penalty=None) -> np.ndarray:
+    """p(x1, x2, x3 | PROMPT) from `logits_of(contexts [n, L]) -> [n, V]` and HF's warpers, shape [V, V, V].
+    `penalty` = (theta, W): TokenSwift's contextual penalty, i.e. HF's repetition penalty applied to the last W
+    tokens of each context."""
     from transformers.generation.logits_process import (
         RepetitionPenaltyLogitsProcessor,
         TemperatureLogitsWarper,
         TopPLogitsWarper,
     )
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
-
     def dist(contexts: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            logits = model(contexts).logits[:, -1].double()
+        logits = logits_of(contexts)
         if penalty is not None:
             logits = RepetitionPenaltyLogitsProcessor(penalty[0])(contexts[:, -penalty[1] :], logits)
         logits = TemperatureLogitsWarper(temperature)(contexts, logits)
@@ -153,12 +196,34 @@ PENALTY = {"T1-ctxpen1.6-W3": (1.0, 1.0, (1.6, 3))}
 # GLIDE shares LongSpec's drafter and sampling path (its extra layer changes only the draft's distribution): T=1
 # alone keeps the suite inside the CI budget.
 EXTRA = {"glide": {"T1": SETTINGS["T1"]}, **{m: PENALTY for m in ("ar", "tokenswift")}}
-CASES = [(m, *v) for m in METHODS for v in SETTINGS.values()] + [(m, *v) for m, s in EXTRA.items() for v in s.values()]
-CASE_IDS = [f"{m}-{k}" for m in METHODS for k in SETTINGS] + [f"{m}-{k}" for m, s in EXTRA.items() for k in s]
+# In bf16 (marker `bf16`, ids ending in -bf16), against plain bf16 sampling's own distribution: every method at
+# T=1, which keeps the suite inside the CI budget.
+BF16_SETTINGS = {"T1": SETTINGS["T1"]}
+CASES = (
+    [pytest.param(m, *v, torch.float32, id=f"{m}-{k}") for m in METHODS for k, v in SETTINGS.items()]
+    + [pytest.param(m, *v, torch.float32, id=f"{m}-{k}") for m, s in EXTRA.items() for k, v in s.items()]
+    + [
+        pytest.param(m, *v, torch.bfloat16, id=f"{m}-{k}-bf16", marks=pytest.mark.bf16)
+        for m in [*METHODS, "glide"]
+        for k, v in BF16_SETTINGS.items()
+    ]
+)
 
 
-@pytest.mark.parametrize("method,temperature,top_p,penalty", CASES, ids=CASE_IDS)
-def test_first_three_tokens_match_plain_sampling(sampling_model, model, prompt, method, temperature, top_p, penalty):
+def test_plain_joint_is_the_exact_joint_in_fp32(sampling_model, model, prompt):
+    """The bf16 cases' reference, built from the target's own plain-decoding logits, equals HF's float64 joint
+    for the fp32 target (to fp32 rounding): it computes the distribution it claims to."""
+    for temperature, top_p, penalty in [*SETTINGS.values(), *PENALTY.values()]:
+        ours = plain_joint(model, prompt, temperature, top_p, penalty)
+        assert abs(ours.sum() - 1) < 1e-9
+        assert np.abs(ours - exact_joint(sampling_model, prompt, temperature, top_p, penalty)).max() < 1e-5
+
+
+@pytest.mark.parametrize("method,temperature,top_p,penalty,dtype", CASES)
+def test_first_three_tokens_match_plain_sampling(
+    request, sampling_model, prompt, method, temperature, top_p, penalty, dtype
+):
+    model = request.getfixturevalue("model" if dtype == torch.float32 else "model_bf16")
     drafter = {
         "ar": lambda: None,
         "ngram": lambda: NgramDrafter(n_min=1, n_max=3, draft_len=3, max_candidates=4),
@@ -208,7 +273,10 @@ def test_first_three_tokens_match_plain_sampling(sampling_model, model, prompt, 
             ]
         ),
     }[method]()
-    probs = exact_joint(sampling_model, prompt, temperature, top_p, penalty)
+    if dtype == torch.float32:
+        probs = exact_joint(sampling_model, prompt, temperature, top_p, penalty)
+    else:
+        probs = plain_joint(model, prompt, temperature, top_p, penalty)
     # With the penalty the seeds start elsewhere: seeds 1000.. give even plain sampling ("ar", no drafter) p = 2.5e-4
     # against this exact distribution (checked equal to spyglass's processing in float64), an unlucky realization
     # every method shares since they draw the same target samples; seeds 77000.. / 300000.. give ar p = 0.13 / 0.29.

@@ -1,5 +1,6 @@
-"""Integration on the real default model (SmolLM2-135M-Instruct, fp32): logits against HF transformers,
-and greedy identity of every drafter against plain decoding on real prompts, batch 1 and batch 4."""
+"""Integration on the real default model (SmolLM2-135M-Instruct, fp32, and bf16 where marked): logits against HF
+transformers, and greedy identity of every drafter against plain decoding in the same dtype on real prompts, batch 1
+and batch 4."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from spyglass.drafters.small_lm import SmallLMDrafter, truncated_draft
 from spyglass.engine import EngineConfig, SpecEngine, plain_generate
 from spyglass.models.llama import Segment
 from spyglass.sampling import SamplingParams
-from tests.tiny import free_tokens_curve
+from tests.tiny import DTYPES, free_tokens_curve
 
 pytestmark = pytest.mark.slow
 
@@ -28,6 +29,11 @@ def chat_ids(tokenizer, text: str) -> list[int]:
         [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
     )
     return list(ids)
+
+
+def target_in(request, dtype):
+    """The session's SmolLM2 (model, tokenizer) in `dtype`."""
+    return request.getfixturevalue("smollm2" if dtype == torch.float32 else "smollm2_bf16")
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +66,9 @@ def test_logits_match_hf(smollm2, prompts):
     assert plain_generate(model, prompts[1], params) == hf_out
 
 
-def test_greedy_identity_real_prompts(smollm2, prompts):
-    model, _ = smollm2
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_greedy_identity_real_prompts(request, dtype, prompts):
+    model, _ = target_in(request, dtype)
     params = SamplingParams(max_new_tokens=40)  # the 8-layer draft accepts little: enough tokens to see some
     reference = [plain_generate(model, p, params) for p in prompts]
     drafters = [
@@ -75,8 +82,59 @@ def test_greedy_identity_real_prompts(smollm2, prompts):
             )
             seqs = engine.run(chosen, params)
             for i, seq in enumerate(seqs):
-                assert seq.output_ids == reference[i], f"{name} batch {batch} prompt {i} differs from plain decoding"
+                assert seq.output_ids == reference[i], f"{name} batch {batch} prompt {i} differs ({dtype})"
             assert sum(s.stats.summary(s.num_generated)["tau"] for s in seqs) / len(seqs) > 1.0
+
+
+def draft_modules(obj, target, seen=None):
+    """The modules a drafter holds (a composite's parts' too), but the target and the modules it shares."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or obj is target:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.nn.Module):
+        if not any(obj is m for m in target.modules()):
+            yield obj
+        return
+    if isinstance(obj, list | tuple):
+        for item in obj:
+            yield from draft_modules(item, target, seen)
+    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("spyglass.drafters"):
+        for value in vars(obj).values():
+            yield from draft_modules(value, target, seen)
+
+
+# One method per shipped draft (the composites and the other variants load the same weights)
+SHIPPED_DRAFT_METHODS = ("longspec-span", "glide", "dflash-dels-span", "tokenswift")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shipped_drafts_run_in_the_targets_dtype(request, dtype):
+    """Each shipped draft on a real code-editing prompt, batch 1: output equal to plain decoding in the target's
+    dtype, and every draft weight in that dtype (but the DeLS local head's, which runs in fp32 whatever the target,
+    as its model card says)."""
+    from spyglass.drafters import build_drafter
+    from spyglass.models.drafts.dels import LocalHead
+
+    model, tok = target_in(request, dtype)
+    prompt = chat_ids(tok, code_edit_task("shlex.py", max_chars=1000).prompt)
+    params = SamplingParams(max_new_tokens=16)
+    reference = plain_generate(model, prompt, params)
+    differ = []
+    for name in SHIPPED_DRAFT_METHODS:
+        drafter = build_drafter(name, model, max_batch=1, max_context=1024)
+        engine = SpecEngine(model, drafter, EngineConfig(1, 1024, controller=free_tokens_curve()))
+        (seq,) = engine.run([prompt], params)
+        if seq.output_ids != reference:
+            differ.append(name)
+        modules = list(draft_modules(drafter, model))
+        assert modules, f"{name}: no draft module found"
+        for module in modules:
+            if isinstance(module, LocalHead):
+                continue
+            wrong = {t.dtype for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()} - {dtype}
+            assert not wrong, f"{name}: {type(module).__name__} holds {wrong} tensors beside a {dtype} target"
+    assert not differ, f"differ from plain decoding ({dtype}): {differ}"
 
 
 def test_small_lm_draft_model_from_a_source(smollm2):

@@ -14,7 +14,7 @@ import torch
 
 from services.verifier import VerifierConfig, build_engine
 from spyglass.device import resolve_device
-from spyglass.models.loader import resolve_dtype
+from spyglass.models.loader import resolve_dtype, resolve_model_dtype
 from spyglass.sampling import SamplingParams
 from tests.fake_device import DEVICE, FakeAccelerator, OnDevice
 
@@ -88,12 +88,12 @@ def test_a_replica_on_a_device_keeps_everything_there_and_serves_as_the_cpu_repl
 def test_device_auto_resolves_to_the_cpu_here_and_the_replica_says_so():
     assert not torch.cuda.is_available()  # (this suite runs on CPU machines)
     assert resolve_device("auto") == torch.device("cpu")
-    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
-    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cuda"), None) == "bfloat16"
+    expected = resolve_model_dtype(None, "auto", torch.device("cpu"))  # the embedded model's CPU default
     engine, _, info = build_engine(VerifierConfig(methods=["ar"], max_batch=1, max_context=256, threads=1))
     assert VerifierConfig().device == "auto" and VerifierConfig().dtype == "auto"
-    assert engine.target.device.type == "cpu" and engine.target.dtype == torch.float32
-    assert info["device"] == "cpu" and info["dtype"] == "float32" and info["device_name"]
+    assert engine.target.device.type == "cpu" and engine.target.dtype == getattr(torch, expected)
+    assert info["device"] == "cpu" and info["dtype"] == expected and info["device_name"]
     assert info["kernels"]["attention_backend"] == "cpu" and info["kernels"]["prefix"]
 
 

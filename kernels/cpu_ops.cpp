@@ -509,31 +509,23 @@ inline void fold_chunk(float& m, float& l, float* o, float mc, float lc, const f
   m = mx;
 }
 
-// One register tile of MR query rows (scaled, D apart) against one packed key block at key kb: the scores of its
-// first nvec vectors of keys, each row's hidden keys (row r is token tt[r]: it sees the prefix, then the new tokens
-// through the mask, none = causal), the online softmax step, and P @ V over the block's first jn keys.
+// One register tile of MR query rows (scaled, D apart) against one packed key block: the scores of its first nvec
+// vectors of keys, row r seeing the block's first seen[r] keys (none: all of them), the online softmax step, and
+// P @ V over the block's first jn keys.
 struct TileStep {
   const float *Q, *Kt, *Vb;
-  int64_t ldv, D, Dp, nvec, jn, kb, start, length, n;
-  const int64_t* tt;
-  const bool* mp;
+  int64_t ldv, D, Dp, nvec, jn;
+  const int64_t* seen;
   float *S, *P, *alpha, *M, *Ls, *O;
 };
 
 template <int MR>
 void attend_tile(const TileStep& s) {
   score_tiles<MR>(s.Q, s.Kt, s.D, s.nvec, s.S);
-  if (s.kb + kNB > s.start)  // the new tokens' keys: hide what each row must not see, and the keys past them
+  if (s.seen)
     for (int r = 0; r < MR; r++) {
-      const int64_t t = s.tt[r];
       float* sr = s.S + r * kNB;
-      if (!s.mp) {  // token t sees keys up to start + t
-        const int64_t seen = std::min(s.start + t + 1, s.length) - s.kb;
-        std::fill(sr + std::clamp<int64_t>(seen, 0, s.nvec * L), sr + s.nvec * L, kNegInf);
-        continue;
-      }
-      for (int64_t j = std::max(s.kb, s.start); j < s.kb + s.nvec * L; j++)
-        if (j >= s.length || !s.mp[t * s.n + j - s.start]) sr[j - s.kb] = kNegInf;
+      std::fill(sr + std::clamp<int64_t>(s.seen[r], 0, s.nvec * L), sr + s.nvec * L, kNegInf);
     }
   softmax_tile<MR>(s.S, s.nvec, s.P, s.M, s.Ls, s.alpha);
   pv_tile<MR>(s.P, s.alpha, s.Vb, s.ldv, s.jn, s.Dp, s.O);
@@ -542,15 +534,31 @@ void attend_tile(const TileStep& s) {
 constexpr void (*kAttendTiles[kMR])(const TileStep&) = {  // [rows - 1]
     attend_tile<1>, attend_tile<2>, attend_tile<3>, attend_tile<4>, attend_tile<5>, attend_tile<6>};
 
-// tile_attention for one element type E of q, the cache and the result. Work items are (KV head, block of new tokens)
-// or, up to kSplitTokens tokens, (KV head, key chunk); largest first, taken by the threads from a shared counter (a
-// causal chunk's last tokens see the most keys).
+// tile_attention for one element type E of q, the cache and the result.
+//
+// A token's keys are laid out as a decode step at its position would see them: the prefix at 0..start-1, then the
+// new tokens it sees (a tree token: its ancestors and itself, in order) at start, start+1, ... So a tree token's
+// result equals the decode step that follows its accepted path, whatever the tree (a chain's tokens see
+// start..start+t, where they are). Key blocks of the prefix are packed once for every row of an item; with a mask,
+// a block that reaches past the prefix is gathered and packed per token, for its rows (the GQA group).
+//
+// Work items are (KV head, block of new tokens) or, up to kSplitTokens tokens, (KV head, key chunk); largest first,
+// taken by the threads from a shared counter (a causal chunk's last tokens see the most keys). An item's rows are
+// token-major: row r is token t0 + r / g, query head kv * g + r % g.
 template <typename E>
 torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                   int64_t start, double scale) {
   const int64_t H = c.H, n = c.n, D = c.D, hkv = c.hkv, g = c.g, length = start + n;
   const int64_t Dp = (D + kCV * L - 1) / (kCV * L) * (kCV * L);  // O rows padded to whole P @ V tiles
   const bool* mp = c.mp;
+  // with a mask: the new tokens each token sees, in order (seen_at[t]..seen_at[t + 1] of seen_new)
+  std::vector<int64_t> seen_at(mp ? n + 1 : 0), seen_new;
+  for (int64_t t = 0; mp && t < n; t++) {
+    seen_at[t] = seen_new.size();
+    for (int64_t j = 0; j < n; j++)
+      if (mp[t * n + j]) seen_new.push_back(j);
+    seen_at[t + 1] = seen_new.size();
+  }
   // tokens per item: a multiple of kMR, at most kItemTokens, few enough for ~4 items per thread; split: all of them
   const int64_t threads = at::get_num_threads();
   const int64_t per_head = std::max<int64_t>(1, (4 * threads + hkv - 1) / hkv);
@@ -592,14 +600,33 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
     std::vector<float> Kt(D * kNB), Vp(copy_v ? kNB * Dp : 0, 0.0f), S(kMR * kNB), P(kMR * kNB), alpha(kMR);
     std::vector<float> Q(rows_max * D), O(rows_max * Dp), M(rows_max), Ls(rows_max);  // the chunk's softmax state
     std::vector<float> RO(rows_max * D), RM(rows_max), RL(rows_max);                   // the folded chunks'
-    std::vector<int64_t> token(rows_max);
+    std::vector<int64_t> seen(rows_max);
+    std::vector<E> Kg(mp ? kNB * D : 0), Vg(mp ? kNB * D : 0);  // a token's gathered key block
+    // The block's V rows [0, valid) as fp32 rows ldv apart: in place, or converted / padded into Vp.
+    const auto v_rows = [&](const E* Vs, int64_t valid, int64_t& ldv) -> const float* {
+      if (!copy_v) {
+        ldv = D;
+        return reinterpret_cast<const float*>(Vs);  // E is float here
+      }
+      for (int64_t j = 0; j < valid; j++)
+        for (int64_t d = 0; d < D; d++) Vp[j * Dp + d] = load_elem(Vs + j * D + d);
+      ldv = Dp;
+      return Vp.data();
+    };
+    // tiles of up to kMR rows over rows [r0, r1) against the packed block; seen per row (nullptr: all)
+    const auto run_tiles = [&](int64_t r0, int64_t r1, const float* Vb, int64_t ldv, int64_t jn, const int64_t* sn) {
+      for (int64_t row0 = r0; row0 < r1; row0 += kMR) {
+        const int64_t mr = std::min<int64_t>(kMR, r1 - row0);
+        kAttendTiles[mr - 1]({Q.data() + row0 * D, Kt.data(), Vb, ldv, D, Dp, (jn + L - 1) / L, jn,
+                              sn ? sn + row0 : nullptr, S.data(), P.data(), alpha.data(), M.data() + row0,
+                              Ls.data() + row0, O.data() + row0 * Dp});
+      }
+    };
     for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(items.size());) {
       const Item it = items[i];
-      // the item's query rows: head h of the group, token t at row h * tb + t - t0 (scaled)
       const int64_t tb = it.t1 - it.t0, rows = g * tb;
-      for (int64_t r = 0; r < rows; r++) {
-        token[r] = it.t0 + r % tb;
-        const E* src = qp + ((it.kv * g + r / tb) * n + token[r]) * D;
+      for (int64_t r = 0; r < rows; r++) {  // the item's query rows, scaled
+        const E* src = qp + ((it.kv * g + r % g) * n + it.t0 + r / g) * D;
         for (int64_t d = 0; d < D; d++) Q[r * D + d] = load_elem(src + d) * sc;
       }
       const auto new_chunk = [&] {
@@ -613,36 +640,39 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
       std::fill(RL.begin(), RL.begin() + rows, 0.0f);
       // keys any row of the item sees lie below kend; split: the chunk's only
       const int64_t kend = std::min(mp ? length : start + it.t1, split ? (it.chunk + 1) * kChunkKeys : length);
+      const E* Kh = kc + it.kv * ksh;
+      const E* Vh = vc + it.kv * vsh;
       for (int64_t kb = split ? it.chunk * kChunkKeys : 0; kb < kend; kb += kNB) {
-        const int64_t valid = std::min(kNB, length - kb);
-        pack_keys(kc + it.kv * ksh + kb * D, valid, D, Kt.data());
-        const E* Vsrc = vc + it.kv * vsh + kb * D;
-        const float* Vb;
-        int64_t ldv = D;
-        if (copy_v) {
-          for (int64_t j = 0; j < valid; j++)
-            for (int64_t d = 0; d < D; d++) Vp[j * Dp + d] = load_elem(Vsrc + j * D + d);
-          Vb = Vp.data();
-          ldv = Dp;
-        } else {
-          Vb = reinterpret_cast<const float*>(Vsrc);  // E is float here
-        }
-        for (int64_t row0 = 0; row0 < rows; row0 += kMR) {
-          const int64_t mr = std::min<int64_t>(kMR, rows - row0);
-          const int64_t* tt = token.data() + row0;
-          int64_t jn = valid;  // keys of the block the tile's rows may see
-          if (!mp) {
-            jn = std::min(jn, start + *std::max_element(tt, tt + mr) + 1 - kb);
-            if (jn <= 0) continue;
-          } else if (kb + kNB > start) {
-            bool any = kb < start;
-            for (int64_t r = 0; r < mr && !any; r++)
-              for (int64_t j = std::max(kb, start); j < kb + valid && !any; j++) any = mp[tt[r] * n + j - start];
-            if (!any) continue;
+        int64_t ldv;
+        if (mp && kb + kNB > start) {  // per token: the prefix's keys of the block, then the new tokens it sees
+          for (int64_t t = it.t0; t < it.t1; t++) {
+            const int64_t* tree = seen_new.data() + seen_at[t];
+            const int64_t vis = std::min(kNB, start + (seen_at[t + 1] - seen_at[t]) - kb);
+            if (vis <= 0) continue;
+            for (int64_t p = 0; p < vis; p++) {
+              const int64_t key = kb + p < start ? kb + p : start + tree[kb + p - start];
+              std::memcpy(Kg.data() + p * D, Kh + key * D, D * sizeof(E));
+              std::memcpy(Vg.data() + p * D, Vh + key * D, D * sizeof(E));
+            }
+            pack_keys(Kg.data(), vis, D, Kt.data());
+            const float* Vb = v_rows(Vg.data(), vis, ldv);
+            const int64_t r0 = (t - it.t0) * g;
+            std::fill(seen.begin() + r0, seen.begin() + r0 + g, vis);
+            run_tiles(r0, r0 + g, Vb, ldv, vis, seen.data());
           }
-          kAttendTiles[mr - 1]({Q.data() + row0 * D, Kt.data(), Vb, ldv, D, Dp, (jn + L - 1) / L, jn, kb, start,
-                                length, n, tt, mp, S.data(), P.data(), alpha.data(), M.data() + row0,
-                                Ls.data() + row0, O.data() + row0 * Dp});
+        } else {  // every row sees the block's keys; a causal chunk's token t those up to start + t
+          const int64_t valid = std::min(kNB, length - kb);
+          pack_keys(Kh + kb * D, valid, D, Kt.data());
+          const float* Vb = v_rows(Vh + kb * D, valid, ldv);
+          if (kb + kNB <= start) {
+            run_tiles(0, rows, Vb, ldv, valid, nullptr);
+          } else {
+            for (int64_t r = 0; r < rows; r++) seen[r] = std::min(start + it.t0 + r / g + 1, length) - kb;
+            for (int64_t row0 = 0; row0 < rows; row0 += kMR) {  // the keys the tile's last row sees
+              const int64_t r1 = std::min(rows, row0 + kMR), jn = std::min(valid, seen[r1 - 1]);
+              if (jn > 0) run_tiles(row0, r1, Vb, ldv, jn, seen.data());
+            }
+          }
         }
         if (!split && ((kb + kNB) % kChunkKeys == 0 || kb + kNB >= kend)) {  // the chunk's end: fold it
           for (int64_t r = 0; r < rows; r++)
@@ -665,12 +695,12 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
           continue;
         }
         const float inv = 1.0f / RL[r];
-        E* out = yp + token[r] * H * D + (it.kv * g + r / tb) * D;
+        E* out = yp + (it.t0 + r / g) * H * D + (it.kv * g + r % g) * D;
         for (int64_t d = 0; d < D; d++) store_elem(out + d, RO[r * D + d] * inv);
       }
     }
   });
-  if (split)  // row r of KV head kv: query head kv * g + r / n, token r % n
+  if (split)  // row r of KV head kv: token r / g, query head kv * g + r % g
     at::parallel_for(0, hkv * R, 16, [&](int64_t a, int64_t e) {
       std::vector<float> o(D);
       for (int64_t kr = a; kr < e; kr++) {
@@ -686,7 +716,7 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
           continue;
         }
         const float inv = 1.0f / l;
-        E* out = yp + (r % n) * H * D + (kv * g + r / n) * D;
+        E* out = yp + (r / g) * H * D + (kv * g + r % g) * D;
         for (int64_t d = 0; d < D; d++) store_elem(out + d, o[d] * inv);
       }
     });

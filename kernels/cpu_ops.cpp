@@ -426,9 +426,9 @@ inline void softmax_tile(const float* S, int64_t nvec, float* P, float* m, float
   }
 }
 
-// O [MR, Dp] = O * alpha (per row) + P [MR, :jn] @ Vb [jn, Dp] (rows ldv apart).
-template <int MR>
-inline void pv_tile(const float* P, const float* alpha, const float* Vb, int64_t ldv, int64_t jn, int64_t Dp,
+// O [MR, Dp] = O * alpha (per row) + P [MR, :jn] @ Vb [jn, Dp] (rows ldv apart; fp32, or bf16 widened as loaded).
+template <int MR, typename TV>
+inline void pv_tile(const float* P, const float* alpha, const TV* Vb, int64_t ldv, int64_t jn, int64_t Dp,
                     float* O) {
   for (int64_t c0 = 0; c0 < Dp; c0 += kCV * L) {
     vfloat acc[MR][kCV];
@@ -512,15 +512,17 @@ inline void fold_chunk(float& m, float& l, float* o, float mc, float lc, const f
 // One register tile of MR query rows (scaled, D apart) against one packed key block: the scores of its first nvec
 // vectors of keys, row r seeing the block's first seen[r] keys (none: all of them), the online softmax step, and
 // P @ V over the block's first jn keys.
+template <typename TV>
 struct TileStep {
-  const float *Q, *Kt, *Vb;
+  const float *Q, *Kt;
+  const TV* Vb;
   int64_t ldv, D, Dp, nvec, jn;
   const int64_t* seen;
   float *S, *P, *alpha, *M, *Ls, *O;
 };
 
-template <int MR>
-void attend_tile(const TileStep& s) {
+template <int MR, typename TV>
+void attend_tile(const TileStep<TV>& s) {
   score_tiles<MR>(s.Q, s.Kt, s.D, s.nvec, s.S);
   if (s.seen)
     for (int r = 0; r < MR; r++) {
@@ -531,8 +533,15 @@ void attend_tile(const TileStep& s) {
   pv_tile<MR>(s.P, s.alpha, s.Vb, s.ldv, s.jn, s.Dp, s.O);
 }
 
-constexpr void (*kAttendTiles[kMR])(const TileStep&) = {  // [rows - 1]
-    attend_tile<1>, attend_tile<2>, attend_tile<3>, attend_tile<4>, attend_tile<5>, attend_tile<6>};
+template <typename TV>
+constexpr void (*kAttendTiles[kMR])(const TileStep<TV>&) = {  // [rows - 1]
+    attend_tile<1, TV>, attend_tile<2, TV>, attend_tile<3, TV>,
+    attend_tile<4, TV>, attend_tile<5, TV>, attend_tile<6, TV>};
+
+// Asks for a block of memory to be brought towards the cache while the current block is computed.
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 2);
+}
 
 // tile_attention for one element type E of q, the cache and the result.
 //
@@ -590,37 +599,37 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
   E* yp = y.data_ptr<E>();
   const int64_t ksh = k_cache.stride(0), vsh = v_cache.stride(0);
   const float sc = static_cast<float>(scale);
-  // V blocks go through an fp32 copy where they are bf16 or their rows are not whole P @ V tiles
-  const bool copy_v = !std::is_same_v<E, float> || Dp != D;
+  // V rows are read in place where they are whole P @ V tiles and either fp32 or read by at most two tiles of rows (a
+  // decode step, a tree token's GQA group); else through an fp32 copy of the block, widened and padded once
+  const bool pad_v = Dp != D, wide_v = std::is_same_v<E, float>;
   std::atomic<int64_t> next{0};
   std::atomic<bool> unseen{false};  // a row that sees no key (a mask row without its own token)
   const int64_t workers = std::min<int64_t>(threads, items.size());
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const int64_t rows_max = g * TB;
-    std::vector<float> Kt(D * kNB), Vp(copy_v ? kNB * Dp : 0, 0.0f), S(kMR * kNB), P(kMR * kNB), alpha(kMR);
+    std::vector<float> Kt(D * kNB), Vp(kNB * Dp, 0.0f), S(kMR * kNB), P(kMR * kNB), alpha(kMR);
     std::vector<float> Q(rows_max * D), O(rows_max * Dp), M(rows_max), Ls(rows_max);  // the chunk's softmax state
     std::vector<float> RO(rows_max * D), RM(rows_max), RL(rows_max);                   // the folded chunks'
     std::vector<int64_t> seen(rows_max);
     std::vector<E> Kg(mp ? kNB * D : 0), Vg(mp ? kNB * D : 0);  // a token's gathered key block
-    // The block's V rows [0, valid) as fp32 rows ldv apart: in place, or converted / padded into Vp.
-    const auto v_rows = [&](const E* Vs, int64_t valid, int64_t& ldv) -> const float* {
-      if (!copy_v) {
-        ldv = D;
-        return reinterpret_cast<const float*>(Vs);  // E is float here
-      }
-      for (int64_t j = 0; j < valid; j++)
+    // tiles of up to kMR rows over rows [r0, r1) against the packed keys and the block's V rows Vs (`valid` of
+    // them), the tiles' rows seeing its first jn keys (row r: sn[r], nullptr: all)
+    const auto run_tiles = [&](int64_t r0, int64_t r1, const E* Vs, int64_t valid, int64_t jn, const int64_t* sn) {
+      const auto run = [&](const auto* Vb, int64_t ldv) {
+        using TV = std::remove_cv_t<std::remove_pointer_t<decltype(Vb)>>;
+        for (int64_t row0 = r0; row0 < r1; row0 += kMR) {
+          const int64_t mr = std::min<int64_t>(kMR, r1 - row0);
+          const int64_t tn = sn ? std::min(jn, sn[row0 + mr - 1]) : jn;  // rows are in token order: the last sees most
+          if (tn <= 0) continue;
+          kAttendTiles<TV>[mr - 1]({Q.data() + row0 * D, Kt.data(), Vb, ldv, D, Dp, (tn + L - 1) / L, tn,
+                                    sn ? sn + row0 : nullptr, S.data(), P.data(), alpha.data(), M.data() + row0,
+                                    Ls.data() + row0, O.data() + row0 * Dp});
+        }
+      };
+      if (!pad_v && (wide_v || r1 - r0 <= 2 * kMR)) return run(Vs, D);
+      for (int64_t j = 0; j < std::min(valid, jn); j++)
         for (int64_t d = 0; d < D; d++) Vp[j * Dp + d] = load_elem(Vs + j * D + d);
-      ldv = Dp;
-      return Vp.data();
-    };
-    // tiles of up to kMR rows over rows [r0, r1) against the packed block; seen per row (nullptr: all)
-    const auto run_tiles = [&](int64_t r0, int64_t r1, const float* Vb, int64_t ldv, int64_t jn, const int64_t* sn) {
-      for (int64_t row0 = r0; row0 < r1; row0 += kMR) {
-        const int64_t mr = std::min<int64_t>(kMR, r1 - row0);
-        kAttendTiles[mr - 1]({Q.data() + row0 * D, Kt.data(), Vb, ldv, D, Dp, (jn + L - 1) / L, jn,
-                              sn ? sn + row0 : nullptr, S.data(), P.data(), alpha.data(), M.data() + row0,
-                              Ls.data() + row0, O.data() + row0 * Dp});
-      }
+      run(static_cast<const float*>(Vp.data()), Dp);
     };
     for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(items.size());) {
       const Item it = items[i];
@@ -643,7 +652,10 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
       const E* Kh = kc + it.kv * ksh;
       const E* Vh = vc + it.kv * vsh;
       for (int64_t kb = split ? it.chunk * kChunkKeys : 0; kb < kend; kb += kNB) {
-        int64_t ldv;
+        if (kb + 2 * kNB <= kend) {  // the next block, on its way from memory while this one is computed
+          prefetch_bytes(Kh + (kb + kNB) * D, kNB * D * sizeof(E));
+          prefetch_bytes(Vh + (kb + kNB) * D, kNB * D * sizeof(E));
+        }
         if (mp && kb + kNB > start) {  // per token: the prefix's keys of the block, then the new tokens it sees
           for (int64_t t = it.t0; t < it.t1; t++) {
             const int64_t* tree = seen_new.data() + seen_at[t];
@@ -655,23 +667,19 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
               std::memcpy(Vg.data() + p * D, Vh + key * D, D * sizeof(E));
             }
             pack_keys(Kg.data(), vis, D, Kt.data());
-            const float* Vb = v_rows(Vg.data(), vis, ldv);
             const int64_t r0 = (t - it.t0) * g;
             std::fill(seen.begin() + r0, seen.begin() + r0 + g, vis);
-            run_tiles(r0, r0 + g, Vb, ldv, vis, seen.data());
+            run_tiles(r0, r0 + g, Vg.data(), vis, vis, seen.data());
           }
         } else {  // every row sees the block's keys; a causal chunk's token t those up to start + t
           const int64_t valid = std::min(kNB, length - kb);
           pack_keys(Kh + kb * D, valid, D, Kt.data());
-          const float* Vb = v_rows(Vh + kb * D, valid, ldv);
           if (kb + kNB <= start) {
-            run_tiles(0, rows, Vb, ldv, valid, nullptr);
+            run_tiles(0, rows, Vh + kb * D, valid, valid, nullptr);
           } else {
             for (int64_t r = 0; r < rows; r++) seen[r] = std::min(start + it.t0 + r / g + 1, length) - kb;
-            for (int64_t row0 = 0; row0 < rows; row0 += kMR) {  // the keys the tile's last row sees
-              const int64_t r1 = std::min(rows, row0 + kMR), jn = std::min(valid, seen[r1 - 1]);
-              if (jn > 0) run_tiles(row0, r1, Vb, ldv, jn, seen.data());
-            }
+            const int64_t jn = std::min(valid, seen[rows - 1]);  // the keys the last row sees
+            if (jn > 0) run_tiles(0, rows, Vh + kb * D, valid, jn, seen.data());
           }
         }
         if (!split && ((kb + kNB) % kChunkKeys == 0 || kb + kNB >= kend)) {  // the chunk's end: fold it

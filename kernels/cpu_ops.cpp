@@ -454,10 +454,11 @@ inline __m512 load_row16(const bf16* p) {  // widened: the bf16 bits are the upp
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// out[d * ld + j] = in[j * ld_in + d] for 16 keys j x 16 dims d, in registers: pairs of rows interleaved by floats,
-// then by float pairs (each 128-bit lane then holds 4 rows of one column), then the lanes regrouped.
+// k[d] = the 16 keys' dim d (k[d] lane j = in[j * ld_in + d]) for 16 keys j x 16 dims d, in registers: pairs of rows
+// interleaved by floats, then by float pairs (each 128-bit lane then holds 4 rows of one column), then the lanes
+// regrouped.
 template <typename E>
-inline void transpose16(const E* in, int64_t ld_in, float* out, int64_t ld) {
+inline void transpose16(const E* in, int64_t ld_in, __m512* k) {
   __m512 r[16], t[16];
   for (int i = 0; i < 16; i++) r[i] = load_row16(in + i * ld_in);
   for (int i = 0; i < 16; i += 2) {
@@ -474,12 +475,49 @@ inline void transpose16(const E* in, int64_t ld_in, float* out, int64_t ld) {
     const __m512 v0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x44), v1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xEE);
     const __m512 v2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x44);
     const __m512 v3 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xEE);
-    _mm512_storeu_ps(out + c * ld, _mm512_shuffle_f32x4(v0, v2, 0x88));
-    _mm512_storeu_ps(out + (4 + c) * ld, _mm512_shuffle_f32x4(v0, v2, 0xDD));
-    _mm512_storeu_ps(out + (8 + c) * ld, _mm512_shuffle_f32x4(v1, v3, 0x88));
-    _mm512_storeu_ps(out + (12 + c) * ld, _mm512_shuffle_f32x4(v1, v3, 0xDD));
+    k[c] = _mm512_shuffle_f32x4(v0, v2, 0x88);
+    k[4 + c] = _mm512_shuffle_f32x4(v0, v2, 0xDD);
+    k[8 + c] = _mm512_shuffle_f32x4(v1, v3, 0x88);
+    k[12 + c] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
   }
 }
+
+// S [MR, kNB] = Q [MR, D] @ K [kNB keys, D]^T for a whole block of keys read from their rows (fp32 or bf16; D a
+// multiple of 16), each group of 16 keys transposed in registers: every score the same chain of multiply-adds over
+// d from 0 as score_tile's on the packed keys (the same bits), without the packed copy: a decode step's few rows.
+// The next block's K and V (next_k, next_v, or null) are prefetched a few lines per 16 x 16 step, spread over the
+// block: a burst of prefetches would wait on the memory like the loads.
+template <int MR, typename E>
+inline void score_rows(const float* Q, const E* K, int64_t D, float* S, const E* next_k, const E* next_v) {
+  constexpr int64_t lines = 4 * sizeof(E);  // per step: the block's bytes / its (kNB / 16) * (D / 16) steps
+  int64_t step = 0;
+  for (int64_t j0 = 0; j0 < kNB; j0 += 16) {
+    __m512 acc[MR];
+    for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t d0 = 0; d0 < D; d0 += 16, step++) {
+      if (next_k)
+        for (int64_t b = step * lines * 64; b < (step + 1) * lines * 64; b += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(next_k) + b, 0, 3);
+          __builtin_prefetch(reinterpret_cast<const char*>(next_v) + b, 0, 3);
+        }
+      __m512 k[16];
+      transpose16(K + j0 * D + d0, D, k);
+      for (int i = 0; i < 16; i++)
+        for (int r = 0; r < MR; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(Q[r * D + d0 + i]), k[i], acc[r]);
+    }
+    for (int r = 0; r < MR; r++) _mm512_storeu_ps(S + r * kNB + j0, acc[r]);
+  }
+}
+
+constexpr int64_t kScoreRowsMax = 8;  // most rows score_rows takes: a decode step's GQA group
+template <typename E>
+constexpr void (*kScoreRows[kScoreRowsMax])(const float*, const E*, int64_t, float*, const E*, const E*) = {
+    score_rows<1, E>, score_rows<2, E>, score_rows<3, E>, score_rows<4, E>,
+    score_rows<5, E>, score_rows<6, E>, score_rows<7, E>, score_rows<8, E>};
+constexpr bool kHasScoreRows = true;
+#else
+constexpr int64_t kScoreRowsMax = kMR;
+constexpr bool kHasScoreRows = false;
 #endif
 
 // Kt [D, kNB] = the block's `valid` keys (rows of K, D apart) transposed (fp32), zero past them.
@@ -488,7 +526,11 @@ inline void pack_keys(const E* K, int64_t valid, int64_t D, float* Kt) {
 #if defined(__AVX512F__)
   if (valid == kNB && D % 16 == 0) {
     for (int64_t j = 0; j < kNB; j += 16)
-      for (int64_t d = 0; d < D; d += 16) transpose16(K + j * D + d, D, Kt + d * kNB + j, kNB);
+      for (int64_t d = 0; d < D; d += 16) {
+        __m512 k[16];
+        transpose16(K + j * D + d, D, k);
+        for (int i = 0; i < 16; i++) _mm512_storeu_ps(Kt + (d + i) * kNB + j, k[i]);
+      }
     return;
   }
 #endif
@@ -523,7 +565,7 @@ struct TileStep {
 
 template <int MR, typename TV>
 void attend_tile(const TileStep<TV>& s) {
-  score_tiles<MR>(s.Q, s.Kt, s.D, s.nvec, s.S);
+  if (s.Kt) score_tiles<MR>(s.Q, s.Kt, s.D, s.nvec, s.S);  // else the scores are in S already (score_rows)
   if (s.seen)
     for (int r = 0; r < MR; r++) {
       float* sr = s.S + r * kNB;
@@ -607,23 +649,25 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
   const int64_t workers = std::min<int64_t>(threads, items.size());
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const int64_t rows_max = g * TB;
-    std::vector<float> Kt(D * kNB), Vp(kNB * Dp, 0.0f), S(kMR * kNB), P(kMR * kNB), alpha(kMR);
+    std::vector<float> Kt(D * kNB), Vp(kNB * Dp, 0.0f), S(kScoreRowsMax * kNB), P(kMR * kNB), alpha(kMR);
     std::vector<float> Q(rows_max * D), O(rows_max * Dp), M(rows_max), Ls(rows_max);  // the chunk's softmax state
     std::vector<float> RO(rows_max * D), RM(rows_max), RL(rows_max);                   // the folded chunks'
     std::vector<int64_t> seen(rows_max);
     std::vector<E> Kg(mp ? kNB * D : 0), Vg(mp ? kNB * D : 0);  // a token's gathered key block
-    // tiles of up to kMR rows over rows [r0, r1) against the packed keys and the block's V rows Vs (`valid` of
-    // them), the tiles' rows seeing its first jn keys (row r: sn[r], nullptr: all)
-    const auto run_tiles = [&](int64_t r0, int64_t r1, const E* Vs, int64_t valid, int64_t jn, const int64_t* sn) {
+    // tiles of up to kMR rows over rows [r0, r1) against the keys packed in Kt (or, kt null, their scores in S
+    // already) and the block's V rows Vs (`valid` of them), the tiles' rows seeing its first jn keys (row r: sn[r],
+    // nullptr: all)
+    const auto run_tiles = [&](int64_t r0, int64_t r1, const float* kt, const E* Vs, int64_t valid, int64_t jn,
+                               const int64_t* sn) {
       const auto run = [&](const auto* Vb, int64_t ldv) {
         using TV = std::remove_cv_t<std::remove_pointer_t<decltype(Vb)>>;
         for (int64_t row0 = r0; row0 < r1; row0 += kMR) {
           const int64_t mr = std::min<int64_t>(kMR, r1 - row0);
           const int64_t tn = sn ? std::min(jn, sn[row0 + mr - 1]) : jn;  // rows are in token order: the last sees most
           if (tn <= 0) continue;
-          kAttendTiles<TV>[mr - 1]({Q.data() + row0 * D, Kt.data(), Vb, ldv, D, Dp, (tn + L - 1) / L, tn,
-                                    sn ? sn + row0 : nullptr, S.data(), P.data(), alpha.data(), M.data() + row0,
-                                    Ls.data() + row0, O.data() + row0 * Dp});
+          kAttendTiles<TV>[mr - 1]({Q.data() + row0 * D, kt, Vb, ldv, D, Dp, (tn + L - 1) / L, tn,
+                                    sn ? sn + row0 : nullptr, S.data() + (kt ? 0 : (row0 - r0) * kNB), P.data(),
+                                    alpha.data(), M.data() + row0, Ls.data() + row0, O.data() + row0 * Dp});
         }
       };
       if (!pad_v && (wide_v || r1 - r0 <= 2 * kMR)) return run(Vs, D);
@@ -651,8 +695,10 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
       const int64_t kend = std::min(mp ? length : start + it.t1, split ? (it.chunk + 1) * kChunkKeys : length);
       const E* Kh = kc + it.kv * ksh;
       const E* Vh = vc + it.kv * vsh;
+      const bool score_rows_fit = kHasScoreRows && D % 16 == 0 && rows <= kScoreRowsMax;
       for (int64_t kb = split ? it.chunk * kChunkKeys : 0; kb < kend; kb += kNB) {
-        if (kb + 2 * kNB <= kend) {  // the next block, on its way from memory while this one is computed
+        const bool more = kb + 2 * kNB <= kend;  // a next whole block: on its way while this one is computed
+        if (more && !(score_rows_fit && kb + kNB <= start)) {
           prefetch_bytes(Kh + (kb + kNB) * D, kNB * D * sizeof(E));
           prefetch_bytes(Vh + (kb + kNB) * D, kNB * D * sizeof(E));
         }
@@ -669,17 +715,22 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
             pack_keys(Kg.data(), vis, D, Kt.data());
             const int64_t r0 = (t - it.t0) * g;
             std::fill(seen.begin() + r0, seen.begin() + r0 + g, vis);
-            run_tiles(r0, r0 + g, Vg.data(), vis, vis, seen.data());
+            run_tiles(r0, r0 + g, Kt.data(), Vg.data(), vis, vis, seen.data());
           }
         } else {  // every row sees the block's keys; a causal chunk's token t those up to start + t
           const int64_t valid = std::min(kNB, length - kb);
-          pack_keys(Kh + kb * D, valid, D, Kt.data());
-          if (kb + kNB <= start) {
-            run_tiles(0, rows, Vh + kb * D, valid, valid, nullptr);
+          if (score_rows_fit && kb + kNB <= start) {  // a few rows (a decode step): no packed copy of the keys
+#if defined(__AVX512F__)
+            kScoreRows<E>[rows - 1](Q.data(), Kh + kb * D, D, S.data(), more ? Kh + (kb + kNB) * D : nullptr,
+                                    Vh + (kb + kNB) * D);
+#endif
+            run_tiles(0, rows, nullptr, Vh + kb * D, valid, valid, nullptr);
+          } else if (pack_keys(Kh + kb * D, valid, D, Kt.data()); kb + kNB <= start) {
+            run_tiles(0, rows, Kt.data(), Vh + kb * D, valid, valid, nullptr);
           } else {
             for (int64_t r = 0; r < rows; r++) seen[r] = std::min(start + it.t0 + r / g + 1, length) - kb;
             const int64_t jn = std::min(valid, seen[rows - 1]);  // the keys the last row sees
-            if (jn > 0) run_tiles(0, rows, Vh + kb * D, valid, jn, seen.data());
+            if (jn > 0) run_tiles(0, rows, Kt.data(), Vh + kb * D, valid, jn, seen.data());
           }
         }
         if (!split && ((kb + kNB) % kChunkKeys == 0 || kb + kNB >= kend)) {  // the chunk's end: fold it

@@ -75,26 +75,31 @@ def native():
 
 
 def rms_norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    """In fp64, rounded to x's dtype where the model's torch ops round (the normalised row, then the product)."""
+    xd = x.double()
+    normed = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (w.double() * normed.double()).to(x.dtype)
 
 
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    """In fp64, rounded to the dtype as the torch ops round (silu, then the product)."""
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    return (F.silu(gate).to(gate_up.dtype).double() * up).to(gate_up.dtype)
 
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x `[T, heads, D]`, cos/sin `[T, 1, D]` (half-rotation layout, as HF Llama)."""
+    """x `[T, heads, D]`, cos/sin `[T, 1, D]` (half-rotation layout, as HF Llama), in fp64 rounded to x's dtype as the
+    torch ops round (each product, then the sum)."""
     half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+    xd, rotated = x.double(), torch.cat([-x[..., half:], x[..., :half]], dim=-1).double()
+    return ((xd * cos.double()).to(x.dtype).double() + (rotated * sin.double()).to(x.dtype).double()).to(x.dtype)
 
 
 def cache_attention_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
     """q `[H, n, D]` over cache keys `[Hkv, >= start + n, D]`: all of 0..start-1, then the n new tokens' own keys
-    through `mask` `[n, n]` (None = causal) -> `[n, H * D]`, in fp64 then cast back."""
+    through `mask` `[n, n]` (None = causal) -> `[n, H * D]`, in fp64 then rounded to q's dtype."""
     h, n, d = q.shape
     g = h // k.shape[0]
     kk = k[:, : start + n].double().repeat_interleave(g, 0)

@@ -1,4 +1,4 @@
-// CPU kernels for the engine step of a Llama-family decoder (fp32), built at first use for the CPU at hand
+// CPU kernels for the engine step of a Llama-family decoder (fp32 or bf16), built at first use for the CPU at hand
 // (kernels/cpu.py compiles this file with -march=native and falls back to torch when it cannot).
 //
 // Why: a decode step of SmolLM2-135M launches ~50 small torch ops per layer (norm, RoPE, cache write, attention
@@ -11,7 +11,7 @@
 // checks each against its reference.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -101,8 +101,68 @@ void check_f32(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, name, " must be a CPU float32 tensor");
 }
 
-// The shapes of an attention call over one layer's cache (cache_attention, tile_attention), checked: q [H, n, D]
-// (made contiguous), k_cache / v_cache [Hkv, capacity, D] with contiguous rows, positions start..start+n inside the
+// ----------------------------------------------------------------------------- element types
+// Activations and the K/V cache are fp32 or bf16 (c10::BFloat16); the arithmetic is fp32 for both. A kernel is one
+// template over the element type T: loads widen to fp32 (exact), and where the model rounds an op's output to its
+// dtype (a bf16 model: each torch op's result), round_elem<T> does the same rounding (nothing for fp32).
+using bf16 = c10::BFloat16;
+
+// x rounded to bf16, to nearest even (NaN -> 0x7FC0), as torch rounds: the 16 bits. Branch-free, so loops vectorise.
+inline uint16_t bf16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  const auto r = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  return x != x ? uint16_t{0x7FC0} : r;
+}
+inline float bf16_value(uint16_t bits) {
+  const uint32_t u = uint32_t{bits} << 16;
+  float x;
+  std::memcpy(&x, &u, sizeof(x));
+  return x;
+}
+inline float load_elem(const float* p) { return *p; }
+inline float load_elem(const bf16* p) { return bf16_value(p->x); }
+inline void store_elem(float* p, float x) { *p = x; }
+inline void store_elem(bf16* p, float x) { p->x = bf16_bits(x); }
+template <typename T>
+inline float round_elem(float x) {
+  if constexpr (std::is_same_v<T, float>)
+    return x;
+  else
+    return bf16_value(bf16_bits(x));
+}
+
+// A vector of L elements widened to fp32.
+typedef uint16_t vbits __attribute__((vector_size(L * sizeof(uint16_t))));
+typedef uint32_t vuint __attribute__((vector_size(L * sizeof(uint32_t))));
+inline vfloat vload(const bf16* p) {
+  vbits h;
+  std::memcpy(&h, p, sizeof(h));
+  const vuint u = __builtin_convertvector(h, vuint) << 16;
+  vfloat v;
+  std::memcpy(&v, &u, sizeof(v));
+  return v;
+}
+
+void check_elem(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16),
+              name, " must be a CPU float32 or bfloat16 tensor");
+}
+
+void check_same_dtype(const char* who, const torch::Tensor& a, const torch::Tensor& b) {
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), who, ": tensors of one call share a dtype (", a.scalar_type(),
+              " and ", b.scalar_type(), ")");
+}
+
+// fn(T{}) with T the element type of t (float or bf16)
+template <typename Fn>
+auto by_elem(const torch::Tensor& t, Fn fn) {
+  if (t.scalar_type() == torch::kBFloat16) return fn(bf16{});
+  return fn(float{});
+}
+
+// The shapes of an attention call over one layer's cache (tile_attention), checked: q [H, n, D] (made contiguous),
+// k_cache / v_cache [Hkv, capacity, D] with contiguous rows and q's dtype, positions start..start+n inside the
 // capacity, mask [n, n] (made bool and contiguous) or none.
 struct CacheCall {
   torch::Tensor q, mask;
@@ -112,9 +172,11 @@ struct CacheCall {
 
 CacheCall check_cache_call(const char* who, const torch::Tensor& q, const torch::Tensor& k_cache,
                            const torch::Tensor& v_cache, int64_t start, const c10::optional<torch::Tensor>& mask) {
-  check_f32(q, "q");
-  check_f32(k_cache, "k_cache");
-  check_f32(v_cache, "v_cache");
+  check_elem(q, "q");
+  check_elem(k_cache, "k_cache");
+  check_elem(v_cache, "v_cache");
+  check_same_dtype(who, q, k_cache);
+  check_same_dtype(who, q, v_cache);
   TORCH_CHECK(q.dim() == 3, who, ": q must be [heads, n, head_dim]");
   TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), who,
               ": k_cache and v_cache must both be [kv_heads, capacity, head_dim]");
@@ -136,60 +198,84 @@ CacheCall check_cache_call(const char* who, const torch::Tensor& q, const torch:
 
 }  // namespace
 
-// RMSNorm over the last dim of x [T, C]: x * rsqrt(mean(x^2) + eps) * w.
+// RMSNorm over the last dim of x [T, C]: x * rsqrt(mean(x^2) + eps) * w, fp32 or bf16 x (w in either dtype). A bf16
+// model rounds the normalised row to bf16 before the weight, then the product (as its torch ops do).
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
-  check_f32(x, "x");
-  check_f32(w, "w");
+  check_elem(x, "x");
+  check_elem(w, "w");
   x = x.contiguous();
+  w = w.contiguous();
   const int64_t C = x.size(-1), T = x.numel() / C;
   TORCH_CHECK(w.numel() == C, "rms_norm: weight has ", w.numel(), " entries for rows of ", C);
   auto y = torch::empty_like(x);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.contiguous().data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, T, 64, [&](int64_t a, int64_t e) {
-    for (int64_t t = a; t < e; t++) {
-      const float* row = xp + t * C;
-      const float inv = 1.0f / std::sqrt(dot(row, row, C) / static_cast<float>(C) + static_cast<float>(eps));
-      float* out = yp + t * C;
-      for (int64_t c = 0; c < C; c++) out[c] = wp[c] * (row[c] * inv);
-    }
+  by_elem(x, [&](auto xe) {
+    using E = decltype(xe);
+    by_elem(w, [&](auto we) {
+      using W = decltype(we);
+      const E* xp = x.data_ptr<E>();
+      const W* wp = w.data_ptr<W>();
+      E* yp = y.data_ptr<E>();
+      at::parallel_for(0, T, 64, [&](int64_t a, int64_t e) {
+        std::vector<float> wide(std::is_same_v<E, float> ? 0 : C);  // a bf16 row widened
+        for (int64_t t = a; t < e; t++) {
+          const float* row;
+          if constexpr (std::is_same_v<E, float>) {
+            row = xp + t * C;
+          } else {
+            for (int64_t c = 0; c < C; c++) wide[c] = load_elem(xp + t * C + c);
+            row = wide.data();
+          }
+          const float inv = 1.0f / std::sqrt(dot(row, row, C) / static_cast<float>(C) + static_cast<float>(eps));
+          E* out = yp + t * C;
+          for (int64_t c = 0; c < C; c++) store_elem(out + c, load_elem(wp + c) * round_elem<E>(row[c] * inv));
+        }
+      });
+      return 0;
+    });
+    return 0;
   });
   return y;
 }
 
-// silu(gate) * up for gate_up [T, 2I] (gate first) -> [T, I].
+// silu(gate) * up for gate_up [T, 2I] (gate first) -> [T, I], fp32 or bf16 (silu rounded to the dtype, then the
+// product, as the torch ops).
 torch::Tensor silu_mul(torch::Tensor gate_up) {
-  check_f32(gate_up, "gate_up");
+  check_elem(gate_up, "gate_up");
   gate_up = gate_up.contiguous();
   const int64_t I2 = gate_up.size(-1), I = I2 / 2, T = gate_up.numel() / I2;
   auto sizes = gate_up.sizes().vec();
   sizes.back() = I;
   auto y = torch::empty(sizes, gate_up.options());
-  const float* g = gate_up.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t a, int64_t e) {
-    for (int64_t t = a; t < e; t++) {
-      const float* gr = g + t * I2;
-      const float* ur = gr + I;
-      float* out = yp + t * I;
-      for (int64_t i = 0; i < I; i++) {  // sigmoid from e^-|x| (never overflows), vectorisable
-        const float x = gr[i], e = exp_nonpos(-std::fabs(x));
-        out[i] = x * ((x >= 0.0f ? 1.0f : e) / (1.0f + e)) * ur[i];
+  by_elem(gate_up, [&](auto elem) {
+    using E = decltype(elem);
+    const E* g = gate_up.data_ptr<E>();
+    E* yp = y.data_ptr<E>();
+    at::parallel_for(0, T, 16, [&](int64_t a, int64_t e) {
+      for (int64_t t = a; t < e; t++) {
+        const E* gr = g + t * I2;
+        const E* ur = gr + I;
+        E* out = yp + t * I;
+        for (int64_t i = 0; i < I; i++) {  // sigmoid from e^-|x| (never overflows), vectorisable
+          const float x = load_elem(gr + i), ex = exp_nonpos(-std::fabs(x));
+          store_elem(out + i, round_elem<E>(x * ((x >= 0.0f ? 1.0f : ex) / (1.0f + ex))) * load_elem(ur + i));
+        }
       }
-    }
+    });
+    return 0;
   });
   return y;
 }
 
 // RoPE on the q and k parts of qkv rows [row0, row0 + n) (qkv [T, (H + 2 Hkv) D], half-rotation layout, cos/sin
 // [T, D]); the rotated k and the v of those rows are written to positions start..start+n of one layer's cache
-// (k_cache / v_cache [Hkv, capacity, D], last two dims contiguous). Returns q as [H, n, D].
+// (k_cache / v_cache [Hkv, capacity, D], last two dims contiguous). All in one dtype, fp32 or bf16 (bf16: each
+// product rounded, then the sum, as the torch ops; the same for every row). Returns q as [H, n, D] in that dtype.
 torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                          torch::Tensor v_cache, int64_t row0, int64_t n, int64_t start, int64_t n_heads) {
-  check_f32(qkv, "qkv");
-  check_f32(k_cache, "k_cache");
-  check_f32(v_cache, "v_cache");
+  for (const auto* t : {&qkv, &cos, &sin, &k_cache, &v_cache}) {
+    check_elem(*t, "rope_write's tensors");
+    check_same_dtype("rope_write", qkv, *t);
+  }
   const int64_t hkv = k_cache.size(0), cap = k_cache.size(1), D = k_cache.size(2), half = D / 2;
   TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(), "rope_write: contiguous inputs");
   TORCH_CHECK(qkv.size(1) == (n_heads + 2 * hkv) * D, "rope_write: qkv width does not match the heads");
@@ -198,191 +284,55 @@ torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
   TORCH_CHECK(start >= 0 && start + n <= cap, "rope_write: positions ", start, "..", start + n, " exceed capacity ",
               cap);
   auto q = torch::empty({n_heads, n, D}, qkv.options());
-  const int64_t W = qkv.size(1);
-  const float* src = qkv.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  float* qp = q.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
-  const int64_t ksh = k_cache.stride(0), vsh = v_cache.stride(0);
-  const int64_t heads = n_heads + 2 * hkv;
-  at::parallel_for(0, n * heads, 64, [&](int64_t a, int64_t e) {
-    for (int64_t idx = a; idx < e; idx++) {
-      const int64_t t = idx / heads, h = idx % heads;
-      const float* x = src + (row0 + t) * W + h * D;
-      const float* c = cp + (row0 + t) * D;
-      const float* s = sp + (row0 + t) * D;
-      float* out;
-      if (h < n_heads) {
-        out = qp + (h * n + t) * D;
-      } else if (h < n_heads + hkv) {
-        out = kc + (h - n_heads) * ksh + (start + t) * D;
-      } else {
-        std::memcpy(vc + (h - n_heads - hkv) * vsh + (start + t) * D, x, D * sizeof(float));
-        continue;
+  by_elem(qkv, [&](auto elem) {
+    using E = decltype(elem);
+    const int64_t W = qkv.size(1);
+    const E* src = qkv.data_ptr<E>();
+    const E* cp = cos.data_ptr<E>();
+    const E* sp = sin.data_ptr<E>();
+    E* qp = q.data_ptr<E>();
+    E* kc = k_cache.data_ptr<E>();
+    E* vc = v_cache.data_ptr<E>();
+    const int64_t ksh = k_cache.stride(0), vsh = v_cache.stride(0);
+    const int64_t heads = n_heads + 2 * hkv;
+    at::parallel_for(0, n * heads, 64, [&](int64_t a, int64_t e) {
+      for (int64_t idx = a; idx < e; idx++) {
+        const int64_t t = idx / heads, h = idx % heads;
+        const E* x = src + (row0 + t) * W + h * D;
+        const E* c = cp + (row0 + t) * D;
+        const E* s = sp + (row0 + t) * D;
+        E* out;
+        if (h < n_heads) {
+          out = qp + (h * n + t) * D;
+        } else if (h < n_heads + hkv) {
+          out = kc + (h - n_heads) * ksh + (start + t) * D;
+        } else {
+          std::memcpy(vc + (h - n_heads - hkv) * vsh + (start + t) * D, x, D * sizeof(E));
+          continue;
+        }
+        const auto term = [](const E* a, const E* b) { return round_elem<E>(load_elem(a) * load_elem(b)); };
+        for (int64_t d = 0; d < half; d++) store_elem(out + d, term(x + d, c + d) - term(x + d + half, s + d));
+        for (int64_t d = half; d < D; d++) store_elem(out + d, term(x + d, c + d) + term(x + d - half, s + d));
       }
-      for (int64_t d = 0; d < half; d++) out[d] = x[d] * c[d] - x[d + half] * s[d];
-      for (int64_t d = half; d < D; d++) out[d] = x[d] * c[d] + x[d - half] * s[d];
-    }
+    });
+    return 0;
   });
   return q;
 }
 
-// One chunk of keys for the R query rows of one KV head: the unnormalised softmax of each row over the chunk, as
-// (max m, sum l, out o = sum_j e^(s_j - m) v_j). Keys from `tree_lo` on are draft-tree tokens: row r (tree token
-// r % n) sees tree key t iff visible(r % n, t); a row that sees no key of the chunk gets m = -inf, l = 0, o = 0.
-// s is scratch of R * len floats.
-template <typename Visible>
-static void attend_chunk(const float* Q, const float* K, const float* Vv, int64_t R, int64_t D, int64_t len, float sc,
-                         int64_t n, int64_t tree_lo, Visible visible, float* s, float* m, float* l, float* o) {
-#if defined(__AVX512F__)
-  if (D % V == 0 && D <= 16 * V) {
-    const int64_t nv = D / V;
-    for (int64_t r = 0; r < R; r++) {
-      __m512 q[16];
-      for (int64_t c = 0; c < nv; c++) q[c] = _mm512_loadu_ps(Q + r * D + c * V);
-      float* sr = s + r * len;
-      for (int64_t j = 0; j < len; j++) {
-        const float* kr = K + j * D;
-        __m512 acc = _mm512_mul_ps(q[0], _mm512_loadu_ps(kr));
-        for (int64_t c = 1; c < nv; c++) acc = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(kr + c * V), acc);
-        sr[j] = _mm512_reduce_add_ps(acc) * sc;
-      }
-    }
-  } else
-#endif
-  {
-    for (int64_t r = 0; r < R; r++)
-      for (int64_t j = 0; j < len; j++) s[r * len + j] = dot(Q + r * D, K + j * D, D) * sc;
-  }
-  for (int64_t r = 0; r < R; r++) {
-    float* sr = s + r * len;
-    for (int64_t j = std::max<int64_t>(tree_lo, 0); j < len; j++)
-      if (!visible(r % n, j - tree_lo)) sr[j] = kNegInf;
-    float lane_max[V];
-    std::fill(lane_max, lane_max + V, kNegInf);
-    int64_t j = 0;
-    for (; j + V <= len; j += V)
-      for (int u = 0; u < V; u++) lane_max[u] = std::max(lane_max[u], sr[j + u]);
-    float mx = *std::max_element(lane_max, lane_max + V);
-    for (; j < len; j++) mx = std::max(mx, sr[j]);
-    if (mx == kNegInf) {  // nothing visible in this chunk
-      std::fill(sr, sr + len, 0.0f);
-      m[r] = kNegInf;
-      l[r] = 0.0f;
-      continue;
-    }
-    for (j = 0; j < len; j++) sr[j] = exp_nonpos(sr[j] - mx);
-    for (j = std::max<int64_t>(tree_lo, 0); j < len; j++)  // exp_nonpos clamps: a hidden key must give exactly 0
-      if (!visible(r % n, j - tree_lo)) sr[j] = 0.0f;
-    float acc[V] = {};
-    for (j = 0; j + V <= len; j += V)
-      for (int u = 0; u < V; u++) acc[u] += sr[j + u];
-    for (int w = V / 2; w > 0; w /= 2)
-      for (int u = 0; u < w; u++) acc[u] += acc[u + w];
-    float sum = acc[0];
-    for (; j < len; j++) sum += sr[j];
-    m[r] = mx;
-    l[r] = sum;
-  }
-#if defined(__AVX512F__)
-  if (D % V == 0 && D <= 16 * V) {
-    const int64_t nv = D / V;
-    for (int64_t r = 0; r < R; r++) {
-      __m512 acc[16];
-      for (int64_t c = 0; c < nv; c++) acc[c] = _mm512_setzero_ps();
-      const float* sr = s + r * len;
-      for (int64_t j = 0; j < len; j++) {
-        const __m512 p = _mm512_set1_ps(sr[j]);
-        const float* vr = Vv + j * D;
-        for (int64_t c = 0; c < nv; c++) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + c * V), acc[c]);
-      }
-      for (int64_t c = 0; c < nv; c++) _mm512_storeu_ps(o + r * D + c * V, acc[c]);
-    }
-    return;
-  }
-#endif
-  std::fill(o, o + R * D, 0.0f);
-  for (int64_t j = 0; j < len; j++)
-    for (int64_t r = 0; r < R; r++) {
-      const float p = s[r * len + j];
-      for (int64_t d = 0; d < D; d++) o[r * D + d] += p * Vv[j * D + d];
-    }
-}
-
-// Attention of n new tokens, q [H, n, D], over one layer's cache (k_cache / v_cache [Hkv, capacity, D]) whose
-// positions 0..start-1 are the committed prefix, every token sees all of them, and start..start+n-1 are the new
-// tokens themselves (written by rope_write), seen through mask [n, n] (bool, True = visible; none = causal). A decode
-// step is n = 1. GQA: the H / Hkv query heads of a group share each K/V chunk while it is in cache. The keys are cut
-// into chunks of kChunk spread over the threads (split-K), each chunk's softmax kept as (max, sum, out) and merged
-// exactly. Every row is computed the same way whatever n is. Returns [n, H * D].
-torch::Tensor cache_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, int64_t start,
-                              c10::optional<torch::Tensor> mask, double scale) {
-  const CacheCall c = check_cache_call("cache_attention", q, k_cache, v_cache, start, mask);
-  q = c.q;
-  const int64_t H = c.H, n = c.n, D = c.D, hkv = c.hkv, g = c.g, R = g * n, length = start + n;
-  const bool* mp = c.mp;
-  constexpr int64_t kChunk = 512;
-  const int64_t chunks = (length + kChunk - 1) / kChunk, tasks = hkv * chunks;
-  std::vector<float> m(tasks * R), l(tasks * R), o(tasks * R * D);
-  const float* qp = q.data_ptr<float>();
-  const float* kc = k_cache.data_ptr<float>();
-  const float* vc = v_cache.data_ptr<float>();
-  const int64_t ksh = k_cache.stride(0), vsh = v_cache.stride(0);
-  at::parallel_for(0, tasks, 1, [&](int64_t a, int64_t e) {
-    std::vector<float> s(R * kChunk);
-    for (int64_t task = a; task < e; task++) {
-      const int64_t kv = task / chunks, lo = (task % chunks) * kChunk, len = std::min(length, lo + kChunk) - lo;
-      const float* Q = qp + kv * R * D;
-      const float* K = kc + kv * ksh + lo * D;
-      const float* Vv = vc + kv * vsh + lo * D;
-      float *mt = m.data() + task * R, *lt = l.data() + task * R, *ot = o.data() + task * R * D;
-      const float sc = static_cast<float>(scale);
-      if (mp)
-        attend_chunk(Q, K, Vv, R, D, len, sc, n, start - lo, [&](int64_t i, int64_t t) { return mp[i * n + t]; },
-                     s.data(), mt, lt, ot);
-      else
-        attend_chunk(Q, K, Vv, R, D, len, sc, n, start - lo, [](int64_t i, int64_t t) { return t <= i; }, s.data(),
-                     mt, lt, ot);
-    }
-  });
-  auto y = torch::empty({n, H * D}, q.options());
-  float* yp = y.data_ptr<float>();
-  for (int64_t kv = 0; kv < hkv; kv++)
-    for (int64_t r = 0; r < R; r++) {
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t c = 0; c < chunks; c++) mx = std::max(mx, m[(kv * chunks + c) * R + r]);
-      float total = 0.0f;
-      float* out = yp + (r % n) * H * D + (kv * g + r / n) * D;  // row r = (head kv * g + r / n, token r % n)
-      std::fill(out, out + D, 0.0f);
-      for (int64_t c = 0; c < chunks; c++) {
-        const int64_t t = (kv * chunks + c) * R + r;
-        if (l[t] == 0.0f) continue;
-        const float w = std::exp(m[t] - mx);
-        total += l[t] * w;
-        const float* part = o.data() + t * D;
-        for (int64_t d = 0; d < D; d++) out[d] += w * part[d];
-      }
-      TORCH_CHECK(total > 0.0f, "cache_attention: a query row sees no key (a mask row without its own token?)");
-      const float inv = 1.0f / total;
-      for (int64_t d = 0; d < D; d++) out[d] *= inv;
-    }
-  return y;
-}
-
 // ----------------------------------------------------------------------------- tile_attention: a flash kernel
-// For many new tokens (a prefill chunk, a large tree), cache_attention's row-at-a-time dot products leave the FMA
-// units waiting on loads. tile_attention works on register tiles instead: kMR query rows x a block of keys, the
-// block's K transposed into scratch once (so the score tile is FMAs of broadcast q entries into contiguous key
-// vectors) and shared by every query row of the GQA group; an online softmax (running max and sum per row,
-// rescaled as the max grows); then P @ V on the same tile. A row's result depends only on its own query and keys:
-// the key blocks sit at fixed positions (multiples of kNB), every row goes through the same instructions, and a block
-// a row sees nothing of changes nothing for it (its P row is 0 and its scale 1), so a row computes the same bits
-// whatever other rows, tiles or chunks share its call.
+// The attention of n new tokens over one layer's cache, for every n: a decode step (n = 1), a verify pass's tree, a
+// prefill chunk. It works on register tiles: up to kMR query rows x a block of keys, the block's K transposed into
+// scratch once (so the score tile is FMAs of broadcast q entries into contiguous key vectors) and shared by every
+// query row of the GQA group; an online softmax (running max and sum per row, rescaled as the max grows); then P @ V
+// on the same tile. K/V in bf16 are widened to fp32 as they are packed. A row's result depends only on its own query
+// and keys: the key blocks sit at fixed positions (multiples of kNB), every row goes through the same operations
+// whatever the tile's height, and a block a row sees nothing of changes nothing for it (its P row is 0 and its scale
+// 1), so a row computes the same bits whatever other rows, tiles or chunks share its call: a verify pass equals the
+// decode steps it replaces.
 namespace {
 
-constexpr int kMR = 6;               // query rows per register tile
+constexpr int kMR = 6;               // most query rows per register tile
 constexpr int64_t kNB = 64;          // keys per block: a whole number of score tiles in either build
 constexpr int64_t kItemTokens = 96;  // most new tokens per work item (their rows share each packed key block)
 // Every row's softmax runs per chunk of kChunkKeys keys (from key 0), and the chunks fold in key order (fold_chunk).
@@ -400,6 +350,22 @@ constexpr int kNV = 4, kCV = 4;
 constexpr int kNV = 2, kCV = 2;
 #endif
 
+// a * b + c for a broadcast a, rounded once (the build is ISO C++: the compiler fuses nothing itself), so the tiles
+// and score_rows run the same instruction
+inline vfloat vfma(float a, vfloat b, vfloat c) {
+#if defined(__AVX512F__)
+  __m512 r = _mm512_fmadd_ps(_mm512_set1_ps(a), reinterpret_cast<__m512&>(b), reinterpret_cast<__m512&>(c));
+  return reinterpret_cast<vfloat&>(r);
+#elif defined(__FMA__) && defined(__AVX__)
+  __m256 r = _mm256_fmadd_ps(_mm256_set1_ps(a), reinterpret_cast<__m256&>(b), reinterpret_cast<__m256&>(c));
+  return reinterpret_cast<vfloat&>(r);
+#else
+  vfloat r;
+  for (int i = 0; i < L; i++) r[i] = std::fma(a, b[i], c[i]);
+  return r;
+#endif
+}
+
 inline float hsum(vfloat v) {  // a fixed tree over the lanes
   float a[L];
   std::memcpy(a, &v, sizeof(a));
@@ -408,36 +374,37 @@ inline float hsum(vfloat v) {  // a fixed tree over the lanes
   return a[0];
 }
 
-// S [kMR, NV vectors from j0] = Q [kMR, D] @ Kt [D, kNB] (those columns).
-template <int NV>
+// S [MR, NV vectors from j0] = Q [MR, D] @ Kt [D, kNB] (those columns).
+template <int MR, int NV>
 inline void score_tile(const float* Q, const float* Kt, int64_t D, int64_t j0, float* S) {
-  vfloat acc[kMR][NV] = {};
+  vfloat acc[MR][NV] = {};
   for (int64_t d = 0; d < D; d++) {
     vfloat k[NV];
     for (int v = 0; v < NV; v++) k[v] = vload(Kt + d * kNB + j0 + v * L);
-    for (int r = 0; r < kMR; r++) {
+    for (int r = 0; r < MR; r++) {
       const float x = Q[r * D + d];
-      for (int v = 0; v < NV; v++) acc[r][v] += x * k[v];
+      for (int v = 0; v < NV; v++) acc[r][v] = vfma(x, k[v], acc[r][v]);
     }
   }
-  for (int r = 0; r < kMR; r++)
+  for (int r = 0; r < MR; r++)
     for (int v = 0; v < NV; v++) vstore(S + r * kNB + j0 + v * L, acc[r][v]);
 }
 
-// S [kMR, nvec vectors of keys] = Q [kMR, D] @ Kt [D, kNB]: the first nvec * L keys of the block. Each score is the
-// same sum in the same order whatever nvec.
+// S [MR, nvec vectors of keys] = Q [MR, D] @ Kt [D, kNB]: the first nvec * L keys of the block. Each score is the
+// same sum in the same order whatever nvec and MR.
+template <int MR>
 inline void score_tiles(const float* Q, const float* Kt, int64_t D, int64_t nvec, float* S) {
   for (int64_t j0 = 0; j0 < nvec * L; j0 += kNV * L) {
     const int64_t rest = nvec - j0 / L;
     if (rest >= kNV) {
-      score_tile<kNV>(Q, Kt, D, j0, S);
+      score_tile<MR, kNV>(Q, Kt, D, j0, S);
       continue;
     }
     switch (rest) {  // the diagonal block of a causal chunk: only the keys its rows see
-      case 1: score_tile<1>(Q, Kt, D, j0, S); break;
+      case 1: score_tile<MR, 1>(Q, Kt, D, j0, S); break;
 #if defined(__AVX512F__)
-      case 2: score_tile<2>(Q, Kt, D, j0, S); break;
-      case 3: score_tile<3>(Q, Kt, D, j0, S); break;
+      case 2: score_tile<MR, 2>(Q, Kt, D, j0, S); break;
+      case 3: score_tile<MR, 3>(Q, Kt, D, j0, S); break;
 #endif
     }
   }
@@ -447,8 +414,9 @@ inline void score_tiles(const float* Q, const float* Kt, int64_t D, int64_t nvec
 // running max and sum. Writes P = e^(S - new max) (0 where hidden) and alpha = e^(old max - new max), the factor of
 // the row's earlier output; a row that sees nothing in the block gets P = 0 and alpha = 1. Covers the first nvec
 // vectors of keys; past them, every row's keys are hidden.
+template <int MR>
 inline void softmax_tile(const float* S, int64_t nvec, float* P, float* m, float* l, float* alpha) {
-  for (int r = 0; r < kMR; r++) {
+  for (int r = 0; r < MR; r++) {
     const float* s = S + r * kNB;
     float* p = P + r * kNB;
     vfloat mv = vload(s);
@@ -474,32 +442,41 @@ inline void softmax_tile(const float* S, int64_t nvec, float* P, float* m, float
   }
 }
 
-// O [kMR, Dp] = O * alpha (per row) + P [kMR, :jn] @ Vb [jn, Dp] (rows ldv apart).
-inline void pv_tile(const float* P, const float* alpha, const float* Vb, int64_t ldv, int64_t jn, int64_t Dp,
+// O [MR, Dp] = O * alpha (per row) + P [MR, :jn] @ Vb [jn, Dp] (rows ldv apart; fp32, or bf16 widened as loaded).
+template <int MR, typename TV>
+inline void pv_tile(const float* P, const float* alpha, const TV* Vb, int64_t ldv, int64_t jn, int64_t Dp,
                     float* O) {
   for (int64_t c0 = 0; c0 < Dp; c0 += kCV * L) {
-    vfloat acc[kMR][kCV];
-    for (int r = 0; r < kMR; r++)
+    vfloat acc[MR][kCV];
+    for (int r = 0; r < MR; r++)
       for (int v = 0; v < kCV; v++) acc[r][v] = vload(O + r * Dp + c0 + v * L) * alpha[r];
     for (int64_t j = 0; j < jn; j++) {
       vfloat x[kCV];
       for (int v = 0; v < kCV; v++) x[v] = vload(Vb + j * ldv + c0 + v * L);
-      for (int r = 0; r < kMR; r++) {
+      for (int r = 0; r < MR; r++) {
         const float p = P[r * kNB + j];
-        for (int v = 0; v < kCV; v++) acc[r][v] += p * x[v];
+        for (int v = 0; v < kCV; v++) acc[r][v] = vfma(p, x[v], acc[r][v]);
       }
     }
-    for (int r = 0; r < kMR; r++)
+    for (int r = 0; r < MR; r++)
       for (int v = 0; v < kCV; v++) vstore(O + r * Dp + c0 + v * L, acc[r][v]);
   }
 }
 
 #if defined(__AVX512F__)
-// out[d * ld + j] = in[j * ld_in + d] for 16 keys j x 16 dims d, in registers: pairs of rows interleaved by floats,
-// then by float pairs (each 128-bit lane then holds 4 rows of one column), then the lanes regrouped.
-inline void transpose16(const float* in, int64_t ld_in, float* out, int64_t ld) {
+inline __m512 load_row16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_row16(const bf16* p) {  // widened: the bf16 bits are the upper half of the fp32's
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// k[d] = the 16 keys' dim d (k[d] lane j = in[j * ld_in + d]) for 16 keys j x 16 dims d, in registers: pairs of rows
+// interleaved by floats, then by float pairs (each 128-bit lane then holds 4 rows of one column), then the lanes
+// regrouped.
+template <typename E>
+inline void transpose16(const E* in, int64_t ld_in, __m512* k) {
   __m512 r[16], t[16];
-  for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(in + i * ld_in);
+  for (int i = 0; i < 16; i++) r[i] = load_row16(in + i * ld_in);
   for (int i = 0; i < 16; i += 2) {
     t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
     t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
@@ -514,25 +491,67 @@ inline void transpose16(const float* in, int64_t ld_in, float* out, int64_t ld) 
     const __m512 v0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x44), v1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xEE);
     const __m512 v2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x44);
     const __m512 v3 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xEE);
-    _mm512_storeu_ps(out + c * ld, _mm512_shuffle_f32x4(v0, v2, 0x88));
-    _mm512_storeu_ps(out + (4 + c) * ld, _mm512_shuffle_f32x4(v0, v2, 0xDD));
-    _mm512_storeu_ps(out + (8 + c) * ld, _mm512_shuffle_f32x4(v1, v3, 0x88));
-    _mm512_storeu_ps(out + (12 + c) * ld, _mm512_shuffle_f32x4(v1, v3, 0xDD));
+    k[c] = _mm512_shuffle_f32x4(v0, v2, 0x88);
+    k[4 + c] = _mm512_shuffle_f32x4(v0, v2, 0xDD);
+    k[8 + c] = _mm512_shuffle_f32x4(v1, v3, 0x88);
+    k[12 + c] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
   }
 }
+
+// S [MR, kNB] = Q [MR, D] @ K [kNB keys, D]^T for a whole block of keys read from their rows (fp32 or bf16; D a
+// multiple of 16), each group of 16 keys transposed in registers: every score the same chain of multiply-adds over
+// d from 0 as score_tile's on the packed keys (the same bits), without the packed copy: a decode step's few rows.
+// The next block's K and V (next_k, next_v, or null) are prefetched a few lines per 16 x 16 step, spread over the
+// block: a burst of prefetches would wait on the memory like the loads.
+template <int MR, typename E>
+inline void score_rows(const float* Q, const E* K, int64_t D, float* S, const E* next_k, const E* next_v) {
+  constexpr int64_t lines = 4 * sizeof(E);  // per step: the block's bytes / its (kNB / 16) * (D / 16) steps
+  int64_t step = 0;
+  for (int64_t j0 = 0; j0 < kNB; j0 += 16) {
+    __m512 acc[MR];
+    for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t d0 = 0; d0 < D; d0 += 16, step++) {
+      if (next_k)
+        for (int64_t b = step * lines * 64; b < (step + 1) * lines * 64; b += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(next_k) + b, 0, 3);
+          __builtin_prefetch(reinterpret_cast<const char*>(next_v) + b, 0, 3);
+        }
+      __m512 k[16];
+      transpose16(K + j0 * D + d0, D, k);
+      for (int i = 0; i < 16; i++)
+        for (int r = 0; r < MR; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(Q[r * D + d0 + i]), k[i], acc[r]);
+    }
+    for (int r = 0; r < MR; r++) _mm512_storeu_ps(S + r * kNB + j0, acc[r]);
+  }
+}
+
+constexpr int64_t kScoreRowsMax = 8;  // most rows score_rows takes: a decode step's GQA group
+template <typename E>
+constexpr void (*kScoreRows[kScoreRowsMax])(const float*, const E*, int64_t, float*, const E*, const E*) = {
+    score_rows<1, E>, score_rows<2, E>, score_rows<3, E>, score_rows<4, E>,
+    score_rows<5, E>, score_rows<6, E>, score_rows<7, E>, score_rows<8, E>};
+constexpr bool kHasScoreRows = true;
+#else
+constexpr int64_t kScoreRowsMax = kMR;
+constexpr bool kHasScoreRows = false;
 #endif
 
-// Kt [D, kNB] = the block's `valid` keys (rows of K, D apart) transposed, zero past them.
-inline void pack_keys(const float* K, int64_t valid, int64_t D, float* Kt) {
+// Kt [D, kNB] = the block's `valid` keys (rows of K, D apart) transposed (fp32), zero past them.
+template <typename E>
+inline void pack_keys(const E* K, int64_t valid, int64_t D, float* Kt) {
 #if defined(__AVX512F__)
   if (valid == kNB && D % 16 == 0) {
     for (int64_t j = 0; j < kNB; j += 16)
-      for (int64_t d = 0; d < D; d += 16) transpose16(K + j * D + d, D, Kt + d * kNB + j, kNB);
+      for (int64_t d = 0; d < D; d += 16) {
+        __m512 k[16];
+        transpose16(K + j * D + d, D, k);
+        for (int i = 0; i < 16; i++) _mm512_storeu_ps(Kt + (d + i) * kNB + j, k[i]);
+      }
     return;
   }
 #endif
   for (int64_t j = 0; j < valid; j++)
-    for (int64_t d = 0; d < D; d++) Kt[d * kNB + j] = K[j * D + d];
+    for (int64_t d = 0; d < D; d++) Kt[d * kNB + j] = load_elem(K + j * D + d);
   if (valid < kNB)
     for (int64_t d = 0; d < D; d++) std::fill(Kt + d * kNB + valid, Kt + (d + 1) * kNB, 0.0f);
 }
@@ -548,18 +567,65 @@ inline void fold_chunk(float& m, float& l, float* o, float mc, float lc, const f
   m = mx;
 }
 
-}  // namespace
+// One register tile of MR query rows (scaled, D apart) against one packed key block: the scores of its first nvec
+// vectors of keys, row r seeing the block's first seen[r] keys (none: all of them), the online softmax step, and
+// P @ V over the block's first jn keys.
+template <typename TV>
+struct TileStep {
+  const float *Q, *Kt;
+  const TV* Vb;
+  int64_t ldv, D, Dp, nvec, jn;
+  const int64_t* seen;
+  float *S, *P, *alpha, *M, *Ls, *O;
+};
 
-// Attention of n new tokens over one layer's cache: the same call, semantics and result layout as cache_attention
-// ([n, H * D]), computed by the tiled kernel above. Work items are (KV head, block of new tokens) or, up to
-// kSplitTokens tokens, (KV head, key chunk); largest first, taken by the threads from a shared counter (a causal
-// chunk's last tokens see the most keys).
-torch::Tensor tile_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, int64_t start,
-                             c10::optional<torch::Tensor> mask, double scale) {
-  const CacheCall c = check_cache_call("tile_attention", q, k_cache, v_cache, start, mask);
+template <int MR, typename TV>
+void attend_tile(const TileStep<TV>& s) {
+  if (s.Kt) score_tiles<MR>(s.Q, s.Kt, s.D, s.nvec, s.S);  // else the scores are in S already (score_rows)
+  if (s.seen)
+    for (int r = 0; r < MR; r++) {
+      float* sr = s.S + r * kNB;
+      std::fill(sr + std::clamp<int64_t>(s.seen[r], 0, s.nvec * L), sr + s.nvec * L, kNegInf);
+    }
+  softmax_tile<MR>(s.S, s.nvec, s.P, s.M, s.Ls, s.alpha);
+  pv_tile<MR>(s.P, s.alpha, s.Vb, s.ldv, s.jn, s.Dp, s.O);
+}
+
+template <typename TV>
+constexpr void (*kAttendTiles[kMR])(const TileStep<TV>&) = {  // [rows - 1]
+    attend_tile<1, TV>, attend_tile<2, TV>, attend_tile<3, TV>,
+    attend_tile<4, TV>, attend_tile<5, TV>, attend_tile<6, TV>};
+
+// Asks for a block of memory to be brought towards the cache while the current block is computed.
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 2);
+}
+
+// tile_attention for one element type E of q, the cache and the result.
+//
+// A token's keys are laid out as a decode step at its position would see them: the prefix at 0..start-1, then the
+// new tokens it sees (a tree token: its ancestors and itself, in order) at start, start+1, ... So a tree token's
+// result equals the decode step that follows its accepted path, whatever the tree (a chain's tokens see
+// start..start+t, where they are). Key blocks of the prefix are packed once for every row of an item; with a mask,
+// a block that reaches past the prefix is gathered and packed per token, for its rows (the GQA group).
+//
+// Work items are (KV head, block of new tokens) or, up to kSplitTokens tokens, (KV head, key chunk); largest first,
+// taken by the threads from a shared counter (a causal chunk's last tokens see the most keys). An item's rows are
+// token-major: row r is token t0 + r / g, query head kv * g + r % g.
+template <typename E>
+torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                  int64_t start, double scale) {
   const int64_t H = c.H, n = c.n, D = c.D, hkv = c.hkv, g = c.g, length = start + n;
   const int64_t Dp = (D + kCV * L - 1) / (kCV * L) * (kCV * L);  // O rows padded to whole P @ V tiles
   const bool* mp = c.mp;
+  // with a mask: the new tokens each token sees, in order (seen_at[t]..seen_at[t + 1] of seen_new)
+  std::vector<int64_t> seen_at(mp ? n + 1 : 0), seen_new;
+  for (int64_t t = 0; mp && t < n; t++) {
+    seen_at[t] = seen_new.size();
+    for (int64_t j = 0; j < n; j++)
+      if (mp[t * n + j]) seen_new.push_back(j);
+    seen_at[t + 1] = seen_new.size();
+  }
   // tokens per item: a multiple of kMR, at most kItemTokens, few enough for ~4 items per thread; split: all of them
   const int64_t threads = at::get_num_threads();
   const int64_t per_head = std::max<int64_t>(1, (4 * threads + hkv - 1) / hkv);
@@ -585,35 +651,52 @@ torch::Tensor tile_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
   const std::unique_ptr<float[]> part_o(new float[split ? hkv * chunks * R * D : 0]);
 
   auto y = torch::empty({n, H * D}, c.q.options());
-  const float* qp = c.q.data_ptr<float>();
-  const float* kc = k_cache.data_ptr<float>();
-  const float* vc = v_cache.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  const E* qp = c.q.data_ptr<E>();
+  const E* kc = k_cache.data_ptr<E>();
+  const E* vc = v_cache.data_ptr<E>();
+  E* yp = y.data_ptr<E>();
   const int64_t ksh = k_cache.stride(0), vsh = v_cache.stride(0);
   const float sc = static_cast<float>(scale);
+  // V rows are read in place where they are whole P @ V tiles and either fp32 or read by at most two tiles of rows (a
+  // decode step, a tree token's GQA group); else through an fp32 copy of the block, widened and padded once
+  const bool pad_v = Dp != D, wide_v = std::is_same_v<E, float>;
   std::atomic<int64_t> next{0};
   std::atomic<bool> unseen{false};  // a row that sees no key (a mask row without its own token)
   const int64_t workers = std::min<int64_t>(threads, items.size());
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    const int64_t rows_max = (g * TB + kMR - 1) / kMR * kMR;
-    std::vector<float> Kt(D * kNB), Vp(kNB * Dp, 0.0f), S(kMR * kNB), P(kMR * kNB), alpha(kMR);
+    const int64_t rows_max = g * TB;
+    std::vector<float> Kt(D * kNB), Vp(kNB * Dp, 0.0f), S(kScoreRowsMax * kNB), P(kMR * kNB), alpha(kMR);
     std::vector<float> Q(rows_max * D), O(rows_max * Dp), M(rows_max), Ls(rows_max);  // the chunk's softmax state
     std::vector<float> RO(rows_max * D), RM(rows_max), RL(rows_max);                   // the folded chunks'
-    std::vector<int64_t> token(rows_max);
+    std::vector<int64_t> seen(rows_max);
+    std::vector<E> Kg(mp ? kNB * D : 0), Vg(mp ? kNB * D : 0);  // a token's gathered key block
+    // tiles of up to kMR rows over rows [r0, r1) against the keys packed in Kt (or, kt null, their scores in S
+    // already) and the block's V rows Vs (`valid` of them), the tiles' rows seeing its first jn keys (row r: sn[r],
+    // nullptr: all)
+    const auto run_tiles = [&](int64_t r0, int64_t r1, const float* kt, const E* Vs, int64_t valid, int64_t jn,
+                               const int64_t* sn) {
+      const auto run = [&](const auto* Vb, int64_t ldv) {
+        using TV = std::remove_cv_t<std::remove_pointer_t<decltype(Vb)>>;
+        for (int64_t row0 = r0; row0 < r1; row0 += kMR) {
+          const int64_t mr = std::min<int64_t>(kMR, r1 - row0);
+          const int64_t tn = sn ? std::min(jn, sn[row0 + mr - 1]) : jn;  // rows are in token order: the last sees most
+          if (tn <= 0) continue;
+          kAttendTiles<TV>[mr - 1]({Q.data() + row0 * D, kt, Vb, ldv, D, Dp, (tn + L - 1) / L, tn,
+                                    sn ? sn + row0 : nullptr, S.data() + (kt ? 0 : (row0 - r0) * kNB), P.data(),
+                                    alpha.data(), M.data() + row0, Ls.data() + row0, O.data() + row0 * Dp});
+        }
+      };
+      if (!pad_v && (wide_v || r1 - r0 <= 2 * kMR)) return run(Vs, D);
+      for (int64_t j = 0; j < std::min(valid, jn); j++)
+        for (int64_t d = 0; d < D; d++) Vp[j * Dp + d] = load_elem(Vs + j * D + d);
+      run(static_cast<const float*>(Vp.data()), Dp);
+    };
     for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(items.size());) {
       const Item it = items[i];
-      // the item's query rows: head h of the group, token t at row h * tb + t - t0 (scaled), then zero rows up to a
-      // whole tile, whose token n sees no tree key
-      const int64_t tb = it.t1 - it.t0, real = g * tb, rows = (real + kMR - 1) / kMR * kMR;
-      for (int64_t r = 0; r < rows; r++) {
-        float* dst = Q.data() + r * D;
-        token[r] = r < real ? it.t0 + r % tb : n;
-        if (r >= real) {
-          std::fill(dst, dst + D, 0.0f);
-          continue;
-        }
-        const float* src = qp + ((it.kv * g + r / tb) * n + token[r]) * D;
-        for (int64_t d = 0; d < D; d++) dst[d] = src[d] * sc;
+      const int64_t tb = it.t1 - it.t0, rows = g * tb;
+      for (int64_t r = 0; r < rows; r++) {  // the item's query rows, scaled
+        const E* src = qp + ((it.kv * g + r % g) * n + it.t0 + r / g) * D;
+        for (int64_t d = 0; d < D; d++) Q[r * D + d] = load_elem(src + d) * sc;
       }
       const auto new_chunk = [&] {
         std::fill(O.begin(), O.begin() + rows * Dp, 0.0f);
@@ -626,93 +709,107 @@ torch::Tensor tile_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
       std::fill(RL.begin(), RL.begin() + rows, 0.0f);
       // keys any row of the item sees lie below kend; split: the chunk's only
       const int64_t kend = std::min(mp ? length : start + it.t1, split ? (it.chunk + 1) * kChunkKeys : length);
+      const E* Kh = kc + it.kv * ksh;
+      const E* Vh = vc + it.kv * vsh;
+      const bool score_rows_fit = kHasScoreRows && D % 16 == 0 && rows <= kScoreRowsMax;
       for (int64_t kb = split ? it.chunk * kChunkKeys : 0; kb < kend; kb += kNB) {
-        const int64_t valid = std::min(kNB, length - kb);
-        pack_keys(kc + it.kv * ksh + kb * D, valid, D, Kt.data());
-        const float* Vb = vc + it.kv * vsh + kb * D;
-        int64_t ldv = D;
-        if (Dp != D) {  // whole tiles of dims: a padded copy
-          for (int64_t j = 0; j < valid; j++) std::copy(Vb + j * D, Vb + (j + 1) * D, Vp.data() + j * Dp);
-          Vb = Vp.data();
-          ldv = Dp;
+        const bool more = kb + 2 * kNB <= kend;  // a next whole block: on its way while this one is computed
+        if (more && !(score_rows_fit && kb + kNB <= start)) {
+          prefetch_bytes(Kh + (kb + kNB) * D, kNB * D * sizeof(E));
+          prefetch_bytes(Vh + (kb + kNB) * D, kNB * D * sizeof(E));
         }
-        for (int64_t row0 = 0; row0 < rows; row0 += kMR) {
-          const int64_t* tt = token.data() + row0;
-          const int64_t nreal = std::min<int64_t>(kMR, real - row0);  // the tile's rows of real tokens
-          int64_t jn = valid;                                         // keys of the block those rows may see
-          if (!mp) {
-            jn = std::min(jn, start + *std::max_element(tt, tt + nreal) + 1 - kb);
-            if (jn <= 0) continue;
-          } else if (kb + kNB > start) {
-            bool any = kb < start;
-            for (int64_t r = 0; r < nreal && !any; r++)
-              for (int64_t j = std::max(kb, start); j < kb + valid && !any; j++) any = mp[tt[r] * n + j - start];
-            if (!any) continue;
-          }
-          const int64_t nvec = (jn + L - 1) / L;
-          score_tiles(Q.data() + row0 * D, Kt.data(), D, nvec, S.data());
-          if (kb + kNB > start)  // the new tokens' keys: hide what each row must not see, and the keys past them
-            for (int r = 0; r < kMR; r++) {
-              const int64_t t = tt[r];
-              float* sr = S.data() + r * kNB;
-              if (!mp) {  // token t sees keys up to start + t
-                const int64_t seen = std::min(start + t + 1, length) - kb;
-                std::fill(sr + std::clamp<int64_t>(seen, 0, nvec * L), sr + nvec * L, kNegInf);
-                continue;
-              }
-              for (int64_t j = std::max(kb, start); j < kb + nvec * L; j++)
-                if (j >= length || t == n || !mp[t * n + j - start]) sr[j - kb] = kNegInf;
+        if (mp && kb + kNB > start) {  // per token: the prefix's keys of the block, then the new tokens it sees
+          for (int64_t t = it.t0; t < it.t1; t++) {
+            const int64_t* tree = seen_new.data() + seen_at[t];
+            const int64_t vis = std::min(kNB, start + (seen_at[t + 1] - seen_at[t]) - kb);
+            if (vis <= 0) continue;
+            for (int64_t p = 0; p < vis; p++) {
+              const int64_t key = kb + p < start ? kb + p : start + tree[kb + p - start];
+              std::memcpy(Kg.data() + p * D, Kh + key * D, D * sizeof(E));
+              std::memcpy(Vg.data() + p * D, Vh + key * D, D * sizeof(E));
             }
-          softmax_tile(S.data(), nvec, P.data(), M.data() + row0, Ls.data() + row0, alpha.data());
-          pv_tile(P.data(), alpha.data(), Vb, ldv, jn, Dp, O.data() + row0 * Dp);
+            pack_keys(Kg.data(), vis, D, Kt.data());
+            const int64_t r0 = (t - it.t0) * g;
+            std::fill(seen.begin() + r0, seen.begin() + r0 + g, vis);
+            run_tiles(r0, r0 + g, Kt.data(), Vg.data(), vis, vis, seen.data());
+          }
+        } else {  // every row sees the block's keys; a causal chunk's token t those up to start + t
+          const int64_t valid = std::min(kNB, length - kb);
+          if (score_rows_fit && kb + kNB <= start) {  // a few rows (a decode step): no packed copy of the keys
+#if defined(__AVX512F__)
+            kScoreRows<E>[rows - 1](Q.data(), Kh + kb * D, D, S.data(), more ? Kh + (kb + kNB) * D : nullptr,
+                                    Vh + (kb + kNB) * D);
+#endif
+            run_tiles(0, rows, nullptr, Vh + kb * D, valid, valid, nullptr);
+          } else if (pack_keys(Kh + kb * D, valid, D, Kt.data()); kb + kNB <= start) {
+            run_tiles(0, rows, Kt.data(), Vh + kb * D, valid, valid, nullptr);
+          } else {
+            for (int64_t r = 0; r < rows; r++) seen[r] = std::min(start + it.t0 + r / g + 1, length) - kb;
+            const int64_t jn = std::min(valid, seen[rows - 1]);  // the keys the last row sees
+            if (jn > 0) run_tiles(0, rows, Kt.data(), Vh + kb * D, valid, jn, seen.data());
+          }
         }
         if (!split && ((kb + kNB) % kChunkKeys == 0 || kb + kNB >= kend)) {  // the chunk's end: fold it
-          for (int64_t r = 0; r < real; r++)
+          for (int64_t r = 0; r < rows; r++)
             fold_chunk(RM[r], RL[r], RO.data() + r * D, M[r], Ls[r], O.data() + r * Dp, D);
           new_chunk();
         }
       }
       if (split) {
         const int64_t at = (it.kv * chunks + it.chunk) * R;
-        for (int64_t r = 0; r < real; r++) {
+        for (int64_t r = 0; r < rows; r++) {
           part_m[at + r] = M[r];
           part_l[at + r] = Ls[r];
           std::copy(O.data() + r * Dp, O.data() + r * Dp + D, part_o.get() + (at + r) * D);
         }
         continue;
       }
-      for (int64_t r = 0; r < real; r++) {
+      for (int64_t r = 0; r < rows; r++) {
         if (RL[r] == 0.0f) {
           unseen = true;
           continue;
         }
         const float inv = 1.0f / RL[r];
-        float* out = yp + token[r] * H * D + (it.kv * g + r / tb) * D;
-        for (int64_t d = 0; d < D; d++) out[d] = RO[r * D + d] * inv;
+        E* out = yp + (it.t0 + r / g) * H * D + (it.kv * g + r % g) * D;
+        for (int64_t d = 0; d < D; d++) store_elem(out + d, RO[r * D + d] * inv);
       }
     }
   });
-  if (split)  // row r of KV head kv: query head kv * g + r / n, token r % n
+  if (split)  // row r of KV head kv: token r / g, query head kv * g + r % g
     at::parallel_for(0, hkv * R, 16, [&](int64_t a, int64_t e) {
+      std::vector<float> o(D);
       for (int64_t kr = a; kr < e; kr++) {
         const int64_t kv = kr / R, r = kr % R;
         float m = kNegInf, l = 0.0f;
-        float* out = yp + (r % n) * H * D + (kv * g + r / n) * D;
-        std::fill(out, out + D, 0.0f);
+        std::fill(o.begin(), o.end(), 0.0f);
         for (int64_t ch = 0; ch < chunks; ch++) {
           const int64_t t = (kv * chunks + ch) * R + r;
-          fold_chunk(m, l, out, part_m[t], part_l[t], part_o.get() + t * D, D);
+          fold_chunk(m, l, o.data(), part_m[t], part_l[t], part_o.get() + t * D, D);
         }
         if (l == 0.0f) {
           unseen = true;
           continue;
         }
         const float inv = 1.0f / l;
-        for (int64_t d = 0; d < D; d++) out[d] *= inv;
+        E* out = yp + (r / g) * H * D + (kv * g + r % g) * D;
+        for (int64_t d = 0; d < D; d++) store_elem(out + d, o[d] * inv);
       }
     });
   TORCH_CHECK(!unseen, "tile_attention: a query row sees no key (a mask row without its own token?)");
   return y;
+}
+
+}  // namespace
+
+// Attention of n new tokens, q [H, n, D], over one layer's cache (k_cache / v_cache [Hkv, capacity, D]) whose
+// positions 0..start-1 are the committed prefix, every token sees all of them, and start..start+n-1 are the new
+// tokens themselves (written by rope_write), seen through mask [n, n] (bool, True = visible; none = causal). GQA: the
+// H / Hkv query heads of a group share each packed key block. q, the cache and the result [n, H * D] share one dtype,
+// fp32 or bf16 (the result rounded once from the fp32 arithmetic).
+torch::Tensor tile_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, int64_t start,
+                             c10::optional<torch::Tensor> mask, double scale) {
+  const CacheCall c = check_cache_call("tile_attention", q, k_cache, v_cache, start, mask);
+  return by_elem(q, [&](auto elem) { return tile_attention_impl<decltype(elem)>(c, k_cache, v_cache, start, scale); });
 }
 
 // x [M, K] @ w[N, K]^T (+ bias) for 1 to 64 rows (a decode step, a verify pass): the weights are read from memory
@@ -876,7 +973,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("silu_mul", &silu_mul);
   m.def("rope_write", &rope_write);
-  m.def("cache_attention", &cache_attention);
   m.def("tile_attention", &tile_attention);
   m.def("rows_linear", &rows_linear);
 }

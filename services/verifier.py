@@ -514,7 +514,6 @@ def build_engine(cfg: VerifierConfig) -> tuple[Any, Any, dict[str, Any]]:
         "dtype": resolved.dtype,  # what `dtype` resolved to
         "kernels": served_kernels(target.device, target.dtype, target.args.head_dim, target.attention_backend),
         "linear_backend": target.linear_backend,  # the matmul kernel per row count measured at load
-        "attention_plan": target.attention_plan,  # new tokens per sequence cache_attention takes (more: tile_attention)
         "threads": torch.get_num_threads(),
     }
     curve = next((c.curve for c in engine.controllers.values() if c is not None), None)

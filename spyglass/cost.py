@@ -179,7 +179,6 @@ def measured_curve(target, cache) -> CostCurve:
         target.model_id,
         str(target.dtype),
         target.linear_backend,
-        getattr(target, "attention_plan", 1),
         bool(getattr(target.layers[0], "native", False)),  # the CPU kernels on or off (kernels/cpu.py)
         torch.get_num_threads(),
         cache.capacity,

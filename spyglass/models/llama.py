@@ -10,7 +10,6 @@ HF transformers is used only to read the config (and the RoPE frequencies) and a
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -138,12 +137,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Block(nn.Module):
-    native = True  # run the CPU kernels of kernels/cpu_ops.cpp where they are built (fp32 on the CPU)
-    # up to this many new tokens of a sequence, attention runs in the kernels' cache_attention (row by row, split
-    # over the keys), past it in their tile_attention (register tiles; split over the keys up to 64 tokens, over the
-    # query rows past that); set per model by
-    # `set_attention_plan`, measured at load
-    native_attention_max = 1
+    native = True  # run the CPU kernels of kernels/cpu_ops.cpp where they are built (fp32 or bf16 on the CPU)
 
     def __init__(self, a: ModelArgs) -> None:
         super().__init__()
@@ -158,7 +152,7 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, segments: list[Segment], cache: KVCache, layer: int, backend: str):
         on_cpu = backend == "cpu" or (backend == "auto" and x.device.type == "cpu")  # "auto" is "cpu" there
-        native = x.device.type == "cpu" and x.dtype == torch.float32  # the kernels take CPU fp32 tensors only
+        native = x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)  # the kernels' dtypes
         if on_cpu and native and self.native and (ops := cpu_kernels.native()):
             return self._forward_native(ops, x, cos, sin, segments, cache, layer)
         a = self.a
@@ -195,8 +189,9 @@ class Block(nn.Module):
 
     def _forward_native(self, ops, x, cos, sin, segments: list[Segment], cache: KVCache, layer: int):
         """The same layer in a few fused CPU kernels: RMSNorm, RoPE + cache write, attention over the cache
-        (cache_attention for a decode step or a small tree, tile_attention for larger trees and prefill chunks),
-        SwiGLU."""
+        (tile_attention for every number of new tokens: a token's result depends only on its query and the keys it
+        sees, so a verify pass equals the decode steps it replaces), SwiGLU. fp32 or bf16: each kernel rounds its
+        output to the model's dtype as the torch ops do, the arithmetic in fp32."""
         a = self.a
         t = x.shape[0]
         cos, sin = cos.reshape(t, a.head_dim), sin.reshape(t, a.head_dim)
@@ -209,8 +204,7 @@ class Block(nn.Module):
                 raise CacheFullError(f"slot {seg.slot}: {seg.start + n} tokens exceed the capacity {cache.capacity}")
             k_all, v_all = cache.layer(seg.slot, layer)
             q = ops.rope_write(qkv, cos, sin, k_all, v_all, offset, n, seg.start, a.n_heads)  # [H, n, D]
-            attend = ops.cache_attention if n <= self.native_attention_max else ops.tile_attention
-            outs.append(attend(q, k_all, v_all, seg.start, seg.mask, a.head_dim**-0.5))
+            outs.append(ops.tile_attention(q, k_all, v_all, seg.start, seg.mask, a.head_dim**-0.5))
             offset += n
         h = x + self.wo(torch.cat(outs) if len(outs) > 1 else outs[0])
         return h + self.w_down(ops.silu_mul(self.w_gate_up(ops.rms_norm(h, self.mlp_norm.weight, self.mlp_norm.eps))))
@@ -260,7 +254,6 @@ class Transformer(nn.Module):
         self.rope_scaling = rope_scaling
         self.attention_backend = "auto"  # GPU: flash-attn prefix + Triton tree kernel; CPU: ATen flash
         self.linear_backend = "aten"  # or "onednn" (CPU): see spyglass.models.linear; load_transformer measures
-        self.attention_plan = 1  # new tokens per sequence for cache_attention (more: tile_attention); measured at load
         self.model_id = "unnamed"
 
     @property
@@ -375,60 +368,7 @@ def load_transformer(
     model = model.to(device=device, dtype=dtype).eval()
     into_huge_pages(model)
     set_linear_backend(model, linear_backend)
-    set_attention_plan(model)
     return model
-
-
-NATIVE_ATTENTION_TRIALS = (2, 4, 8, 16, 32)  # tree sizes timed by `measure_attention_plan`
-
-
-@torch.inference_mode()
-def measure_attention_plan(model: Transformer, context: int = 2048, repeats: int = 3) -> int:
-    """The most new tokens for which the kernels' cache_attention beats their tile_attention here, timed on the
-    model's head shapes over a `context`-token cache (0.1-0.5 s). One token is always cache_attention's (a decode
-    step). The crossover moves with the CPU: more rows cost cache_attention linearly (a dot product per query and
-    key) and the tile kernel little until its register tiles fill."""
-    ops = cpu_kernels.native()
-    a = model.args
-    if ops is None:
-        return 1
-    g = torch.Generator().manual_seed(0)
-    k, v = (torch.randn(a.n_kv_heads, context + 64, a.head_dim, generator=g) for _ in range(2))
-    best = 1
-    for n in NATIVE_ATTENTION_TRIALS:
-        q = torch.randn(a.n_heads, n, a.head_dim, generator=g)
-        mask = causal_mask(n)
-        fns = {
-            "cache": lambda q=q, mask=mask: ops.cache_attention(q, k, v, context, mask, a.head_dim**-0.5),
-            "tile": lambda q=q, mask=mask: ops.tile_attention(q, k, v, context, mask, a.head_dim**-0.5),
-        }
-        times = {}
-        for name, fn in fns.items():
-            fn()
-            samples = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                fn()
-                samples.append(time.perf_counter() - t0)
-            times[name] = min(samples)
-        if times["cache"] > times["tile"]:
-            break
-        best = n
-    return best
-
-
-def set_attention_plan(model: Transformer, native_max: int | str = "auto") -> int:
-    """How many new tokens of a sequence the kernels' attention takes (see Block.native_attention_max): "auto"
-    measures on the CPU in fp32 (1 elsewhere); an int is used as given. Returns it (also `model.attention_plan`)."""
-    if native_max == "auto":
-        on_cpu = model.device.type == "cpu" and model.dtype == torch.float32
-        native_max = measure_attention_plan(model) if on_cpu else 1
-    if not isinstance(native_max, int) or native_max < 1:
-        raise ValueError(f"native attention takes 1 or more tokens, not {native_max!r}")
-    for layer in model.layers:
-        layer.native_attention_max = native_max
-    model.attention_plan = native_max
-    return native_max
 
 
 MADV_HUGEPAGE = 14  # Linux <sys/mman.h>

@@ -1,0 +1,92 @@
+"""The CPU kernels' attention (kernels/cpu_ops.cpp tile_attention) in fp32 and bf16, against the memory it reads.
+
+One process, contenders interleaved round by round, minimum per contender (a busy machine only adds time):
+- decode: one token's attention over one layer's cache at 4K / 16K / 32K context, SmolLM2-135M shapes (9 heads,
+  3 KV heads, dim 64) and Qwen2.5-0.5B's (14 heads, 2 KV heads, dim 64). Each call reads a different copy of the
+  K/V (together past the last-level cache), as a step's layers do. Reported: ms per layer and K/V GB/s, as a fraction
+  of the read bandwidth measured in the same run (a sum over 256 MB on the same threads);
+- prefill: a 512-token causal chunk after 4096 committed tokens, GFLOP/s.
+
+    python bench/kernel_attention.py [--threads 2] [--rounds 10] [--smoke]
+
+With one thread the calls are timed in process CPU time (robust on a shared machine); with more, in wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import cpu as cpu_kernels  # noqa: E402
+
+SHAPES = {"smollm2": (9, 3), "qwen2.5-0.5b": (14, 2)}  # query heads, KV heads; head dim 64
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--smoke", action="store_true", help="tiny contexts, 2 rounds: checks the bench runs")
+    args = ap.parse_args()
+    ops = cpu_kernels.native()
+    if ops is None:
+        sys.exit("the CPU kernels are not built here (kernels/cpu.py)")
+    torch.set_num_threads(args.threads)
+    clock = time.process_time if args.threads == 1 else time.perf_counter
+    contexts = (512, 1024) if args.smoke else (4096, 16384, 32768)
+    rounds = 2 if args.smoke else args.rounds
+    budget = (16 if args.smoke else 320) * 2**20  # bytes of K/V copies per case: past the last-level cache
+
+    def timed(fn) -> float:
+        t0 = clock()
+        fn()
+        return clock() - t0
+
+    big = torch.ones((8 if args.smoke else 64) * 2**20)
+    cases = []
+    for name, (heads, kv_heads) in SHAPES.items():
+        for ctx in contexts:
+            for dtype in (torch.float32, torch.bfloat16):
+                size = 2 * kv_heads * ctx * 64 * torch.finfo(dtype).bits // 8
+                kv = [
+                    tuple(torch.randn(kv_heads, ctx, 64).to(dtype) for _ in range(2))
+                    for _ in range(max(2, budget // size))
+                ]
+                cases.append((name, ctx, dtype, torch.randn(heads, 1, 64).to(dtype), kv, size))
+    prefill = []
+    for name, (heads, kv_heads) in SHAPES.items():
+        for dtype in (torch.float32, torch.bfloat16):
+            k, v = (torch.randn(kv_heads, 4096 + 512, 64).to(dtype) for _ in range(2))
+            prefill.append((name, dtype, torch.randn(heads, 512, 64).to(dtype), k, v))
+    best: dict = {}
+    bandwidth = 0.0
+    for r in range(rounds):
+        bandwidth = max(bandwidth, big.numel() * 4 / timed(big.sum))
+        for name, ctx, dtype, q, kv, _ in cases:
+            k, v = kv[r % len(kv)]
+            t = timed(lambda q=q, k=k, v=v, ctx=ctx: ops.tile_attention(q, k, v, ctx - 1, None, 0.125))
+            best[name, ctx, dtype] = min(best.get((name, ctx, dtype), 1e9), t)
+        for name, dtype, q, k, v in prefill:
+            t = timed(lambda q=q, k=k, v=v: ops.tile_attention(q, k, v, 4096, None, 0.125))
+            best[name, "prefill", dtype] = min(best.get((name, "prefill", dtype), 1e9), t)
+    print(f"threads {args.threads}, read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    for name, ctx, dtype, _, _, size in cases:
+        t = best[name, ctx, dtype]
+        print(
+            f"decode {name:13s} {ctx:6d} {str(dtype)[6:]:9s} {t * 1e3:7.3f} ms/layer  {size / t / 1e9:5.1f} GB/s "
+            f"({size / t / bandwidth:.2f} of read bandwidth)"
+        )
+    for name, dtype, q, _, _ in prefill:
+        flops = 4 * q.shape[0] * 64 * (512 * 4096 + 512 * 513 / 2)
+        t = best[name, "prefill", dtype]
+        print(f"prefill {name:13s} 512 @ 4096 {str(dtype)[6:]:9s} {t * 1e3:7.2f} ms  {flops / t / 1e9:5.0f} GFLOP/s")
+
+
+if __name__ == "__main__":
+    main()

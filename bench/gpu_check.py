@@ -736,7 +736,7 @@ def section_served(report: Report, budget: Budget, device: torch.device, tiny: b
         engine, _, info = build_engine(cfg)
         engine.context_cache = ContextCache(None, f"{info['model']}:{info['dtype']}", block_size=block,
                                             async_writes=False, client=MemoryStore())  # fmt: skip
-        keep = ("device", "device_name", "dtype", "kernels", "linear_backend", "attention_plan", "context_length")
+        keep = ("device", "device_name", "dtype", "kernels", "linear_backend", "context_length")
         fig.setdefault("info", {})[dtype] = {k: info.get(k) for k in keep}
         want = dtype if dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
         placed = info["device"].split(":")[0] == device.type and info["dtype"] == want

@@ -736,6 +736,15 @@ constexpr int tile_rows() {
 #endif
 }
 
+// Weight elements from a tile's first to the rows it prefetches (into L2) as it reads its own: whole tiles of R rows
+// (the next R rows are the next R * K elements), at least 4 KB ahead. The hardware prefetcher alone keeps too few of a
+// tile's R row streams in flight: the SmolLM2 weights in bf16 streamed at 11 instead of 18 GB/s on Zen 4.
+template <int R, typename T>
+inline int64_t rows_prefetch_ahead(int64_t K) {
+  const int64_t tile = R * K;
+  return (4096 / (tile * int64_t(sizeof(T))) + 1) * tile;
+}
+
 #if defined(__AVX512F__)
 // A vector loaded into a register once: the empty asm keeps the compiler from folding the load into each
 // multiply-add that reads it (one load per use: the tile would run out of loads before multiply-adds).
@@ -771,6 +780,7 @@ template <int M, int R>
 static void rows_tile(const float* x, const float* w, const float* b, float* y, int64_t N, int64_t K, int64_t n0,
                       int64_t n1) {
   const int64_t K16 = K / V * V;
+  [[maybe_unused]] const int64_t ahead = rows_prefetch_ahead<R, float>(K);
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     const float* w0 = w + n * K;
@@ -779,6 +789,7 @@ static void rows_tile(const float* x, const float* w, const float* b, float* y, 
     for (int r = 0; r < R; r++)
       for (int mm = 0; mm < M; mm++) acc[r][mm] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K16; k += V) {
+      for (int r = 0; r < R; r++) _mm_prefetch(reinterpret_cast<const char*>(w0 + ahead + r * K + k), _MM_HINT_T1);
       if constexpr (M <= R) {  // the x rows stay in registers
         __m512 xv[M];
         for (int mm = 0; mm < M; mm++) xv[mm] = load_once(x + mm * K + k);
@@ -890,6 +901,7 @@ static void rows_tile_bf16(RowsBf16X x, int64_t ldx, const at::BFloat16* w, Rows
                            int64_t K, int64_t n0, int64_t n1) {
   const int64_t Kv = K / kBf16Vec * kBf16Vec;
   const __mmask32 tail = static_cast<__mmask32>((uint64_t(1) << (K - Kv)) - 1);
+  const int64_t ahead = rows_prefetch_ahead<R, at::BFloat16>(K);
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     const at::BFloat16* w0 = w + n * K;
@@ -897,6 +909,7 @@ static void rows_tile_bf16(RowsBf16X x, int64_t ldx, const at::BFloat16* w, Rows
     for (int r = 0; r < R; r++)
       for (int mm = 0; mm < M; mm++) acc[r][mm] = _mm512_setzero_ps();
     auto step = [&](int64_t k, __mmask32 mask) __attribute__((always_inline)) {
+      for (int r = 0; r < R; r++) _mm_prefetch(reinterpret_cast<const char*>(w0 + ahead + r * K + k), _MM_HINT_T1);
       if constexpr (M <= R) {  // the x rows stay in registers
         __m512bh xv[M];
         for (int mm = 0; mm < M; mm++) xv[mm] = load_bf16(x + mm * ldx + k, mask, true);
@@ -945,6 +958,7 @@ template <int M, int R>
 static void rows_tile_bf16(RowsBf16X x, int64_t ldx, const at::BFloat16* w, RowsBias b, at::BFloat16* y, int64_t N,
                            int64_t K, int64_t n0, int64_t n1) {
   const int64_t Kv = K / L * L;
+  const int64_t ahead = rows_prefetch_ahead<R, at::BFloat16>(K);
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     const at::BFloat16* w0 = w + n * K;
@@ -957,7 +971,10 @@ static void rows_tile_bf16(RowsBf16X x, int64_t ldx, const at::BFloat16* w, Rows
     };
     for (int64_t k = 0; k < Kv; k += L) {
       vfloat wv[R];
-      for (int r = 0; r < R; r++) wv[r] = widen_bf16(w0 + r * K + k);
+      for (int r = 0; r < R; r++) {
+        __builtin_prefetch(w0 + ahead + r * K + k, 0, 2);
+        wv[r] = widen_bf16(w0 + r * K + k);
+      }
       step(k, wv);
     }
     if (Kv < K) {  // the last K % L weights, zero-padded (x is zero there too)

@@ -95,7 +95,6 @@ def test_portable_build_is_row_invariant_too(tmp_path):
             w, x, b = _inputs(n_out, n_in, 70, dtype)
             for bias in _biases(b, dtype):
                 singles = torch.cat([built.rows_linear(x[i : i + 1], w, bias) for i in range(70)])
-                assert torch.equal(singles, ops.rows_linear(x, w, bias)) or dtype == torch.bfloat16  # fp32: same sums
                 exact = F.linear(x.double(), w.double(), None if bias is None else bias.double())
                 tol = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-20
                 assert ((singles.double() - exact).abs() <= tol * exact.abs() + 1e-5).all()

@@ -885,10 +885,11 @@ struct RowsBias {
 
 #if defined(__AVX512BF16__)
 using RowsBf16X = const at::BFloat16*;  // x as given: vdpbf16ps takes bf16 pairs
-constexpr int64_t kBf16Vec = 32;         // bf16 per vector
+constexpr int64_t kRowsBf16Vec = 32;     // bf16 per vector
 
 // 32 bf16 of k from p, zeros past the `mask` bits (a full mask: a plain load); `once` as load_once.
-static inline __attribute__((always_inline)) __m512bh load_bf16(const at::BFloat16* p, __mmask32 mask, bool once) {
+static inline __attribute__((always_inline)) __m512bh rows_load_bf16(const at::BFloat16* p, __mmask32 mask,
+                                                                      bool once) {
   __m512i v = mask == ~__mmask32(0) ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(mask, p);
   if (once) asm("" : "+v"(v));
   return (__m512bh)v;
@@ -899,7 +900,7 @@ static inline __attribute__((always_inline)) __m512bh load_bf16(const at::BFloat
 template <int M, int R>
 static void rows_tile_bf16(RowsBf16X x, int64_t ldx, const at::BFloat16* w, RowsBias b, at::BFloat16* y, int64_t N,
                            int64_t K, int64_t n0, int64_t n1) {
-  const int64_t Kv = K / kBf16Vec * kBf16Vec;
+  const int64_t Kv = K / kRowsBf16Vec * kRowsBf16Vec;
   const __mmask32 tail = static_cast<__mmask32>((uint64_t(1) << (K - Kv)) - 1);
   const int64_t ahead = rows_prefetch_ahead<R, at::BFloat16>(K);
   int64_t n = n0;
@@ -912,21 +913,21 @@ static void rows_tile_bf16(RowsBf16X x, int64_t ldx, const at::BFloat16* w, Rows
       for (int r = 0; r < R; r++) _mm_prefetch(reinterpret_cast<const char*>(w0 + ahead + r * K + k), _MM_HINT_T1);
       if constexpr (M <= R) {  // the x rows stay in registers
         __m512bh xv[M];
-        for (int mm = 0; mm < M; mm++) xv[mm] = load_bf16(x + mm * ldx + k, mask, true);
+        for (int mm = 0; mm < M; mm++) xv[mm] = rows_load_bf16(x + mm * ldx + k, mask, true);
         for (int r = 0; r < R; r++) {
-          const __m512bh wv = load_bf16(w0 + r * K + k, mask, M > 1);
+          const __m512bh wv = rows_load_bf16(w0 + r * K + k, mask, M > 1);
           for (int mm = 0; mm < M; mm++) acc[r][mm] = _mm512_dpbf16_ps(acc[r][mm], wv, xv[mm]);
         }
       } else {  // the weight rows stay in registers
         __m512bh wv[R];
-        for (int r = 0; r < R; r++) wv[r] = load_bf16(w0 + r * K + k, mask, true);
+        for (int r = 0; r < R; r++) wv[r] = rows_load_bf16(w0 + r * K + k, mask, true);
         for (int mm = 0; mm < M; mm++) {
-          const __m512bh xv = load_bf16(x + mm * ldx + k, mask, true);
+          const __m512bh xv = rows_load_bf16(x + mm * ldx + k, mask, true);
           for (int r = 0; r < R; r++) acc[r][mm] = _mm512_dpbf16_ps(acc[r][mm], wv[r], xv);
         }
       }
     };
-    for (int64_t k = 0; k < Kv; k += kBf16Vec) step(k, ~__mmask32(0));
+    for (int64_t k = 0; k < Kv; k += kRowsBf16Vec) step(k, ~__mmask32(0));
     if (Kv < K) step(Kv, tail);
     __m512 flat[R * M];
     for (int r = 0; r < R; r++)
@@ -940,15 +941,14 @@ static void rows_tile_bf16(RowsBf16X x, int64_t ldx, const at::BFloat16* w, Rows
 }
 #else
 using RowsBf16X = const float*;  // x widened to fp32, rows zero-padded to a multiple of L
-constexpr int64_t kBf16Vec = L;
-typedef uint16_t vhalf __attribute__((vector_size(L * sizeof(uint16_t))));
-typedef uint32_t vword __attribute__((vector_size(L * sizeof(uint32_t))));
+typedef uint16_t rows_vhalf __attribute__((vector_size(L * sizeof(uint16_t))));
+typedef uint32_t rows_vword __attribute__((vector_size(L * sizeof(uint32_t))));
 
 // L bf16 from p as fp32.
-static inline vfloat widen_bf16(const at::BFloat16* p) {
-  vhalf h;
+static inline vfloat rows_widen_bf16(const at::BFloat16* p) {
+  rows_vhalf h;
   std::memcpy(&h, p, sizeof(h));
-  const vword u = __builtin_convertvector(h, vword) << 16;
+  const rows_vword u = __builtin_convertvector(h, rows_vword) << 16;
   vfloat f;
   std::memcpy(&f, &u, sizeof(f));
   return f;
@@ -973,7 +973,7 @@ static void rows_tile_bf16(RowsBf16X x, int64_t ldx, const at::BFloat16* w, Rows
       vfloat wv[R];
       for (int r = 0; r < R; r++) {
         __builtin_prefetch(w0 + ahead + r * K + k, 0, 2);
-        wv[r] = widen_bf16(w0 + r * K + k);
+        wv[r] = rows_widen_bf16(w0 + r * K + k);
       }
       step(k, wv);
     }
@@ -982,7 +982,7 @@ static void rows_tile_bf16(RowsBf16X x, int64_t ldx, const at::BFloat16* w, Rows
       for (int r = 0; r < R; r++) {
         at::BFloat16 pad[L] = {};
         std::copy(w0 + r * K + Kv, w0 + r * K + K, pad);
-        wv[r] = widen_bf16(pad);
+        wv[r] = rows_widen_bf16(pad);
       }
       step(Kv, wv);
     }

@@ -360,7 +360,8 @@ def load_transformer(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", linear_backend: str = "auto"
 ) -> Transformer:
     """Build a Transformer from an HF-format directory (config.json + *.safetensors); `linear_backend` "auto"
-    times the CPU matmul kernels on its weights and keeps the faster (spyglass.models.linear)."""
+    times the CPU matmul kernels on its weights and keeps the fastest for prefill chunks, decode steps and verify
+    passes running on the row-invariant one (spyglass.models.linear)."""
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
     args = ModelArgs.from_hf_config(cfg)

@@ -812,13 +812,15 @@ torch::Tensor tile_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
   return by_elem(q, [&](auto elem) { return tile_attention_impl<decltype(elem)>(c, k_cache, v_cache, start, scale); });
 }
 
-// x [M, K] @ w[N, K]^T (+ bias) for 1 to 64 rows (a decode step, a verify pass): the weights are read from memory
-// once, kRowBlock rows at a time, and each block meets the x rows in groups of up to kGroup, R weight rows by the
-// group's rows in registers. Every output is one 16-lane multiply-add chain over k in order, a fixed reduction of the
-// lanes, then the K % 16 tail and the bias: the same sums in the same order whatever M, the group or the tile, so a
-// verify pass of up to 64 rows equals a decode step bit for bit.
-constexpr int64_t kRowsMax = 64;  // x rows per call
-constexpr int kGroup = 8;         // x rows per register tile
+// ----------------------------------------------------------------------------- rows_linear: few-row products
+// x [M, K] @ w[N, K]^T (+ bias) for a decode step, a verify pass or any number of rows, in fp32 or bf16: the weights
+// are read from memory once per kRowsMax rows of x, kRowBlock rows at a time, and each block meets the x rows in
+// groups of up to kGroup, R weight rows by the group's rows in registers. Every output is one multiply-add chain
+// over k in order in fixed lanes, a fixed reduction of the lanes, then the tail and the bias: the same sums in the
+// same order whatever M, the pass, the group or the tile, so a verify pass of any size equals a decode step bit for
+// bit.
+constexpr int64_t kRowsMax = 64;   // x rows per pass over the weights (more rows: another pass)
+constexpr int kGroup = 8;          // x rows per register tile
 constexpr int64_t kRowBlock = 24;  // weight rows per block: a multiple of every tile's R, so only N's end has a tail
 
 // R, the weight rows of a tile with M x rows: R * M accumulators (AVX-512: at most 24 of the 32 registers)
@@ -829,6 +831,15 @@ constexpr int tile_rows() {
 #else
   return M == 1 ? 4 : (M <= 3 ? 2 : 1);
 #endif
+}
+
+// Weight elements from a tile's first to the rows it prefetches (into L2) as it reads its own: whole tiles of R rows
+// (the next R rows are the next R * K elements), at least 4 KB ahead. The hardware prefetcher alone keeps too few of a
+// tile's R row streams in flight: the SmolLM2 weights in bf16 streamed at 11 instead of 18 GB/s on Zen 4.
+template <int R, typename T>
+inline int64_t rows_prefetch_ahead(int64_t K) {
+  const int64_t tile = R * K;
+  return (4096 / (tile * int64_t(sizeof(T))) + 1) * tile;
 }
 
 #if defined(__AVX512F__)
@@ -866,6 +877,7 @@ template <int M, int R>
 static void rows_tile(const float* x, const float* w, const float* b, float* y, int64_t N, int64_t K, int64_t n0,
                       int64_t n1) {
   const int64_t K16 = K / V * V;
+  [[maybe_unused]] const int64_t ahead = rows_prefetch_ahead<R, float>(K);
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     const float* w0 = w + n * K;
@@ -874,6 +886,7 @@ static void rows_tile(const float* x, const float* w, const float* b, float* y, 
     for (int r = 0; r < R; r++)
       for (int mm = 0; mm < M; mm++) acc[r][mm] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K16; k += V) {
+      for (int r = 0; r < R; r++) _mm_prefetch(reinterpret_cast<const char*>(w0 + ahead + r * K + k), _MM_HINT_T1);
       if constexpr (M <= R) {  // the x rows stay in registers
         __m512 xv[M];
         for (int mm = 0; mm < M; mm++) xv[mm] = load_once(x + mm * K + k);
@@ -931,40 +944,218 @@ constexpr RowsTileFn kRowsTiles[kGroup] = {  // [m - 1]: the tile for a group of
     rows_tile<4, tile_rows<4>()>, rows_tile<5, tile_rows<5>()>, rows_tile<6, tile_rows<6>()>,
     rows_tile<7, tile_rows<7>()>, rows_tile<8, tile_rows<8>()>};
 
+// Runs tile(m0, m, n0, n1) (x rows m0..m0+m against weight rows n0..n1) over every row of x and of w: passes of up to
+// kRowsMax x rows, each a parallel loop over the blocks of weight rows that meets every group of the pass's rows
+// while the block is in cache (groups of even size: 17 rows as 6, 6, 5).
+template <typename Tile>
+static void rows_passes(int64_t M, int64_t N, const Tile& tile) {
+  const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
+  for (int64_t pass = 0; pass < M; pass += kRowsMax) {
+    const int64_t rows = std::min(kRowsMax, M - pass), groups = (rows + kGroup - 1) / kGroup;
+    // a thread takes at least ~150 weight rows for one group of x rows (fewer as the groups add work per row)
+    at::parallel_for(0, blocks, std::max<int64_t>(1, 6 / groups), [&](int64_t a, int64_t e) {
+      for (int64_t blk = a; blk < e; blk++) {
+        const int64_t n0 = blk * kRowBlock, n1 = std::min(N, n0 + kRowBlock);
+        for (int64_t g = 0, m0 = 0; g < groups; g++) {  // the block is read from memory once, then from the cache
+          const int64_t m = (rows - m0 + groups - g - 1) / (groups - g);
+          tile(pass + m0, m, n0, n1);
+          m0 += m;
+        }
+      }
+    });
+  }
+}
+
+// --- bf16: bf16 weights and x, fp32 sums, a bias in bf16 or fp32, bf16 out (each output rounded once, to nearest
+// even). With AVX512-BF16 a tile takes 32 bf16 of k at a time through vdpbf16ps: lane j of an accumulator adds the
+// products of k = 32i + 2j and 32i + 2j + 1 (each exact in fp32); K's last partial vector is loaded masked (zeros past
+// K) and goes through the same instruction. Without it (AVX-512F, AVX2, anything else) the weights are widened to
+// fp32 as they are loaded (a bf16 is the top half of an fp32) into L fp32 lanes, x widened once per call, K's last
+// partial vector zero-padded. Either way each output is the same instructions in the same order for every row.
+
+// A bias in fp32 or bf16 (or none), read as fp32.
+struct RowsBias {
+  const float* f = nullptr;
+  const at::BFloat16* h = nullptr;
+  float at(int64_t n) const { return f ? f[n] : (h ? static_cast<float>(h[n]) : 0.0f); }
+};
+
+#if defined(__AVX512BF16__)
+using RowsBf16X = const at::BFloat16*;  // x as given: vdpbf16ps takes bf16 pairs
+constexpr int64_t kRowsBf16Vec = 32;     // bf16 per vector
+
+// 32 bf16 of k from p, zeros past the `mask` bits (a full mask: a plain load); `once` as load_once.
+static inline __attribute__((always_inline)) __m512bh rows_load_bf16(const at::BFloat16* p, __mmask32 mask,
+                                                                      bool once) {
+  __m512i v = mask == ~__mmask32(0) ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(mask, p);
+  if (once) asm("" : "+v"(v));
+  return (__m512bh)v;
+}
+
+// Rows n0..n1 of w against the M rows of x (rows ldx apart), R rows of w per pass (the last n1 - n0 mod R one at a
+// time).
+template <int M, int R>
+static void rows_tile_bf16(RowsBf16X x, int64_t ldx, const at::BFloat16* w, RowsBias b, at::BFloat16* y, int64_t N,
+                           int64_t K, int64_t n0, int64_t n1) {
+  const int64_t Kv = K / kRowsBf16Vec * kRowsBf16Vec;
+  const __mmask32 tail = static_cast<__mmask32>((uint64_t(1) << (K - Kv)) - 1);
+  const int64_t ahead = rows_prefetch_ahead<R, at::BFloat16>(K);
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    const at::BFloat16* w0 = w + n * K;
+    __m512 acc[R][M];
+    for (int r = 0; r < R; r++)
+      for (int mm = 0; mm < M; mm++) acc[r][mm] = _mm512_setzero_ps();
+    auto step = [&](int64_t k, __mmask32 mask) __attribute__((always_inline)) {
+      for (int r = 0; r < R; r++) _mm_prefetch(reinterpret_cast<const char*>(w0 + ahead + r * K + k), _MM_HINT_T1);
+      if constexpr (M <= R) {  // the x rows stay in registers
+        __m512bh xv[M];
+        for (int mm = 0; mm < M; mm++) xv[mm] = rows_load_bf16(x + mm * ldx + k, mask, true);
+        for (int r = 0; r < R; r++) {
+          const __m512bh wv = rows_load_bf16(w0 + r * K + k, mask, M > 1);
+          for (int mm = 0; mm < M; mm++) acc[r][mm] = _mm512_dpbf16_ps(acc[r][mm], wv, xv[mm]);
+        }
+      } else {  // the weight rows stay in registers
+        __m512bh wv[R];
+        for (int r = 0; r < R; r++) wv[r] = rows_load_bf16(w0 + r * K + k, mask, true);
+        for (int mm = 0; mm < M; mm++) {
+          const __m512bh xv = rows_load_bf16(x + mm * ldx + k, mask, true);
+          for (int r = 0; r < R; r++) acc[r][mm] = _mm512_dpbf16_ps(acc[r][mm], wv[r], xv);
+        }
+      }
+    };
+    for (int64_t k = 0; k < Kv; k += kRowsBf16Vec) step(k, ~__mmask32(0));
+    if (Kv < K) step(Kv, tail);
+    __m512 flat[R * M];
+    for (int r = 0; r < R; r++)
+      for (int mm = 0; mm < M; mm++) flat[r * M + mm] = acc[r][mm];
+    float sums[(R * M + 15) / 16 * 16];
+    for (int i = 0; i < R * M; i += 16) reduce16(flat + i, std::min(16, R * M - i), sums + i);
+    for (int r = 0; r < R; r++)
+      for (int mm = 0; mm < M; mm++) y[mm * N + n + r] = at::BFloat16(sums[r * M + mm] + b.at(n + r));
+  }
+  if constexpr (R > 1) rows_tile_bf16<M, 1>(x, ldx, w, b, y, N, K, n, n1);
+}
+#else
+using RowsBf16X = const float*;  // x widened to fp32, rows zero-padded to a multiple of L
+typedef uint16_t rows_vhalf __attribute__((vector_size(L * sizeof(uint16_t))));
+typedef uint32_t rows_vword __attribute__((vector_size(L * sizeof(uint32_t))));
+
+// L bf16 from p as fp32.
+static inline vfloat rows_widen_bf16(const at::BFloat16* p) {
+  rows_vhalf h;
+  std::memcpy(&h, p, sizeof(h));
+  const rows_vword u = __builtin_convertvector(h, rows_vword) << 16;
+  vfloat f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+template <int M, int R>
+static void rows_tile_bf16(RowsBf16X x, int64_t ldx, const at::BFloat16* w, RowsBias b, at::BFloat16* y, int64_t N,
+                           int64_t K, int64_t n0, int64_t n1) {
+  const int64_t Kv = K / L * L;
+  const int64_t ahead = rows_prefetch_ahead<R, at::BFloat16>(K);
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    const at::BFloat16* w0 = w + n * K;
+    vfloat acc[R][M] = {};
+    auto step = [&](int64_t k, const vfloat* wv) __attribute__((always_inline)) {
+      for (int mm = 0; mm < M; mm++) {
+        const vfloat xv = vload(x + mm * ldx + k);
+        for (int r = 0; r < R; r++) acc[r][mm] += wv[r] * xv;
+      }
+    };
+    for (int64_t k = 0; k < Kv; k += L) {
+      vfloat wv[R];
+      for (int r = 0; r < R; r++) {
+        __builtin_prefetch(w0 + ahead + r * K + k, 0, 2);
+        wv[r] = rows_widen_bf16(w0 + r * K + k);
+      }
+      step(k, wv);
+    }
+    if (Kv < K) {  // the last K % L weights, zero-padded (x is zero there too)
+      vfloat wv[R];
+      for (int r = 0; r < R; r++) {
+        at::BFloat16 pad[L] = {};
+        std::copy(w0 + r * K + Kv, w0 + r * K + K, pad);
+        wv[r] = rows_widen_bf16(pad);
+      }
+      step(Kv, wv);
+    }
+    for (int r = 0; r < R; r++)
+      for (int mm = 0; mm < M; mm++) {
+        float a[L];
+        std::memcpy(a, &acc[r][mm], sizeof(a));
+        for (int h = L / 2; h > 0; h /= 2)
+          for (int j = 0; j < h; j++) a[j] += a[j + h];
+        y[mm * N + n + r] = at::BFloat16(a[0] + b.at(n + r));
+      }
+  }
+  if constexpr (R > 1) rows_tile_bf16<M, 1>(x, ldx, w, b, y, N, K, n, n1);
+}
+#endif
+
+using RowsBf16TileFn = void (*)(RowsBf16X, int64_t, const at::BFloat16*, RowsBias, at::BFloat16*, int64_t, int64_t,
+                                int64_t, int64_t);
+constexpr RowsBf16TileFn kRowsBf16Tiles[kGroup] = {  // [m - 1]: the tile for a group of m x rows
+    rows_tile_bf16<1, tile_rows<1>()>, rows_tile_bf16<2, tile_rows<2>()>, rows_tile_bf16<3, tile_rows<3>()>,
+    rows_tile_bf16<4, tile_rows<4>()>, rows_tile_bf16<5, tile_rows<5>()>, rows_tile_bf16<6, tile_rows<6>()>,
+    rows_tile_bf16<7, tile_rows<7>()>, rows_tile_bf16<8, tile_rows<8>()>};
+
+// x [..., K] @ w [N, K]^T (+ bias [N]) -> [..., N], any number of rows: x and w both fp32 (a bias in fp32) or both
+// bf16 (a bias in bf16 or fp32; out in bf16).
 torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  check_f32(x, "x");
-  check_f32(w, "w");
+  const auto dt = w.scalar_type();
+  const bool bf16 = dt == torch::kBFloat16;
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "rows_linear: x and the weight must be CPU tensors");
+  TORCH_CHECK((dt == torch::kFloat32 || bf16) && x.scalar_type() == dt,
+              "rows_linear: x and the weight must be both float32 or both bfloat16, got ", x.scalar_type(), " and ",
+              dt);
   TORCH_CHECK(w.is_contiguous(), "rows_linear: weight must be contiguous");
   TORCH_CHECK(x.dim() >= 1 && w.dim() == 2, "rows_linear: x [..., K] and a weight [N, K]");
   const int64_t K = x.size(-1), M = x.numel() ? x.numel() / K : 0, N = w.size(0);
   TORCH_CHECK(w.size(1) == K, "rows_linear: x has ", K, " features, the weight ", w.size(1));
-  TORCH_CHECK(M <= kRowsMax, "rows_linear: at most ", kRowsMax, " rows, got ", M);
   x = x.contiguous();
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   auto y = torch::empty(sizes, x.options());
   if (M == 0) return y;
   torch::Tensor b;
+  RowsBias rb;
   if (bias.has_value()) {
     b = bias->contiguous();
-    check_f32(b, "bias");
+    TORCH_CHECK(b.device().is_cpu() && (b.scalar_type() == torch::kFloat32 || (bf16 && b.scalar_type() == dt)),
+                "rows_linear: bias must be a CPU float32", bf16 ? " or bfloat16" : "", " tensor, got ",
+                b.scalar_type());
     TORCH_CHECK(b.numel() == N, "rows_linear: bias has ", b.numel(), " entries for ", N, " outputs");
+    if (b.scalar_type() == torch::kFloat32)
+      rb.f = b.data_ptr<float>();
+    else
+      rb.h = b.data_ptr<at::BFloat16>();
   }
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  const int64_t blocks = (N + kRowBlock - 1) / kRowBlock, groups = (M + kGroup - 1) / kGroup;
-  // a thread takes at least ~150 weight rows for one group of x rows (fewer as the groups add work per row)
-  at::parallel_for(0, blocks, std::max<int64_t>(1, 6 / groups), [&](int64_t a, int64_t e) {
-    for (int64_t blk = a; blk < e; blk++) {
-      const int64_t n0 = blk * kRowBlock, n1 = std::min(N, n0 + kRowBlock);
-      for (int64_t g = 0, m0 = 0; g < groups; g++) {  // the block is read from memory once, then from the cache
-        const int64_t m = (M - m0 + groups - g - 1) / (groups - g);  // groups of even size: 17 rows as 6, 6, 5
-        kRowsTiles[m - 1](xp + m0 * K, wp, bp, yp + m0 * N, N, K, n0, n1);
-        m0 += m;
-      }
-    }
+  if (!bf16) {
+    const float* xp = x.data_ptr<float>();
+    const float* wp = w.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    rows_passes(M, N, [&](int64_t m0, int64_t m, int64_t n0, int64_t n1) {
+      kRowsTiles[m - 1](xp + m0 * K, wp, rb.f, yp + m0 * N, N, K, n0, n1);
+    });
+    return y;
+  }
+#if defined(__AVX512BF16__)
+  RowsBf16X xp = x.data_ptr<at::BFloat16>();
+  const int64_t ldx = K;
+#else
+  const int64_t ldx = (K + L - 1) / L * L;
+  auto xf = torch::zeros({M, ldx}, x.options().dtype(torch::kFloat32));
+  xf.narrow(1, 0, K).copy_(x.view({M, K}));  // exact: a bf16 is an fp32 with a shorter mantissa
+  RowsBf16X xp = xf.data_ptr<float>();
+#endif
+  const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  rows_passes(M, N, [&](int64_t m0, int64_t m, int64_t n0, int64_t n1) {
+    kRowsBf16Tiles[m - 1](xp + m0 * ldx, ldx, wp, rb, yp + m0 * N, N, K, n0, n1);
   });
   return y;
 }

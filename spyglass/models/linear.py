@@ -1,21 +1,33 @@
-"""Inference matmuls on whichever CPU kernel is fastest here for the number of rows, chosen by measurement.
+"""Inference matmuls: row-invariant where losslessness needs it, else on the CPU kernel measured fastest here.
 
-A decode step multiplies one row by each weight matrix, a verify step 2-64 rows, and CPU GEMM libraries differ
-most exactly there. On AMD Zen 4, MKL's fp32 GEMM handles 2-3 rows as that many passes over the weights and
-reads the 49K-row LM head at half the memory speed even for one row, while oneDNN's inner product reads the
-weights once for a few rows (the SmolLM2 decode step: 41 instead of 59 ms). On AMD Zen 3 (AVX2 only) both of them
-take two passes for two rows, so verifying 2 tokens cost 2 decode steps of matmuls, while the same product
-written weights-first (`W @ x^T`, MKL streaming the weights once past a few columns) costs about one pass from 2
-rows on and is slow for one. On a Xeon with AMX, MKL's fp32 GEMV path runs 1-3 rows at nearly the cost of one and
-4 rows at 1.6x. So each process times the kernels on the model's own weights, per bucket of row counts, and keeps
-a plan: the fastest kernel per bucket. Every kernel computes the same product (fp32 sums in a
-different order at most), so the choice never changes which tokens are accepted beyond that rounding. Autograd
-always takes `F.linear` (the oneDNN op has no backward).
+A decode step or a verify pass (one row to a few hundred: a batch of draft trees) must give each row the bits it would
+get alone, or speculative output stops equalling plain decoding: the GEMM libraries pick their algorithm, and so their
+summation order, by the row count, which in fp32 rarely and in bf16 often enough changes a greedy token. Those
+forwards run every linear on `rows` (kernels/cpu_ops.cpp rows_linear; fp32, or bf16 with fp32 sums), whatever the row
+count: each output summed in one fixed order however many rows share the call, the weights read once per 64 rows (a
+decode step is the time to read them). `Transformer.forward` marks them with `row_invariant()`.
+
+Prefill chunks (no logits past a segment's last row, no draft tree) and direct calls (drafts) only need speed, and
+CPU GEMM libraries differ most exactly at few rows. On AMD Zen 4, MKL's fp32 GEMM handles 2-3 rows as that many
+passes over the weights and reads the 49K-row LM head at half the memory speed even for one row, while oneDNN's
+inner product reads the weights once for a few rows. On AMD Zen 3 (AVX2 only) both of them take two passes for two
+rows, while the same product written weights-first (`W @ x^T`, MKL streaming the weights once past a few columns)
+costs about one pass from 2 rows on and is slow for one. On a Xeon with AMX, MKL's fp32 GEMV path runs 1-3 rows at
+nearly the cost of one. At hundreds of rows (Zen 4, one thread) oneDNN's and MKL's bf16 GEMMs run ~185 GFLOP/s,
+twice their fp32 and 1.3-1.8x `rows` in bf16. So each process times the kernels on the model's own weights, per
+bucket of row counts, and keeps a plan: the fastest kernel per bucket. Autograd always takes `F.linear` (the oneDNN
+op has no backward).
+
+Backends (`set_linear_backend`): "auto", the default, is `"prefill:<measured plan>"`: the plan for prefill chunks,
+`rows` for every other forward (lossless). A kernel name or a plan without the "prefill:" prefix runs every forward
+on it: for experiments, lossless only when it is `rows` throughout.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
+import contextvars
 import functools
 import time
 
@@ -26,7 +38,8 @@ from torch import nn
 from kernels import cpu as cpu_kernels
 
 KERNELS = ("aten", "onednn", "wfirst", "rows")
-ROWS_MAX = 64  # the "rows" kernel (kernels/cpu_ops.cpp rows_linear, fp32) takes 1 to 64 rows
+LOSSLESS_KERNELS = ("rows",)  # row-invariant: a row's bits do not depend on the other rows of its call
+PREFILL_PREFIX = "prefill:"  # "prefill:<plan>": the plan for prefill chunks, `rows` for every other forward
 # plan[i] is the kernel for row counts up to ROW_BUCKETS[i] (the last entry also serves every larger count: prefill
 # chunks); single counts to 8 (libraries switch algorithms there: MKL at 4), then verify passes up to 64 rows
 ROW_BUCKETS = (1, 2, 3, 4, 6, 8, 16, 32, 64, 128)
@@ -50,13 +63,17 @@ def _weights_first(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> 
 
 
 def _rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """kernels/cpu_ops.cpp's few-row product: the weights read once, each output summed in one fixed order
-    whatever the row count (a verify pass of up to 64 rows and a decode step agree bit for bit)."""
+    """kernels/cpu_ops.cpp's few-row product (fp32, or bf16 with fp32 sums): the weights read once per 64 rows, each
+    output summed in one fixed order whatever the row count (a verify pass and a decode step agree bit for bit)."""
     return cpu_kernels.native().rows_linear(x, w, b)
 
 
 def rows_supported(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_kernels.native() is not None
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and cpu_kernels.native() is not None
+    )
 
 
 _KERNEL_FNS = {"aten": _aten, "onednn": _onednn, "wfirst": _weights_first, "rows": _rows}
@@ -66,10 +83,29 @@ def _bucket(rows: int) -> int:
     return min(bisect.bisect_left(ROW_BUCKETS, rows), len(ROW_BUCKETS) - 1)
 
 
-def planned_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, plan: tuple[str, ...] | None):
-    """`F.linear` on the plan's kernel for x's row count (autograd, or no plan: `F.linear` itself)."""
+_ROW_INVARIANT = contextvars.ContextVar("spyglass_linear_row_invariant", default=False)
+
+
+@contextlib.contextmanager
+def row_invariant(on: bool = True):
+    """Within it (on), the linears whose backend says so (`Linear.invariant`: "auto", "prefill:<plan>") run the
+    row-invariant `rows` kernel whatever their row count; off (and outside it), their plan."""
+    token = _ROW_INVARIANT.set(on)
+    try:
+        yield
+    finally:
+        _ROW_INVARIANT.reset(token)
+
+
+def planned_linear(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, plan: tuple[str, ...] | None, invariant: bool = False
+):
+    """`F.linear` on the plan's kernel for x's row count (autograd, or no plan: `F.linear` itself), or on the
+    `rows` kernel when `invariant` and inside `row_invariant()`."""
     if plan is None or torch.is_grad_enabled():
         return F.linear(x, w, b)
+    if invariant and _ROW_INVARIANT.get():
+        return _KERNEL_FNS["rows"](x, w, b)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return _KERNEL_FNS[plan[_bucket(rows)]](x, w, b)
 
@@ -78,9 +114,10 @@ class Linear(nn.Linear):
     """`nn.Linear` (same parameters and state dict) whose inference path follows a measured kernel plan."""
 
     plan: tuple[str, ...] | None = None  # kernel per ROW_BUCKETS entry, set by `set_linear_backend`; None = aten
+    invariant = False  # inside `row_invariant()`: the `rows` kernel instead of the plan (set by `set_linear_backend`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return planned_linear(x, self.weight, self.bias, self.plan)
+        return planned_linear(x, self.weight, self.bias, self.plan, self.invariant)
 
 
 def onednn_supported(weight: torch.Tensor) -> bool:
@@ -99,23 +136,33 @@ def _onednn_runs(dtype: torch.dtype) -> bool:
     return True
 
 
-def plan_name(plan: tuple[str, ...]) -> str:
-    """One kernel name when the plan is uniform, else the kernels per row bucket joined by commas."""
-    return plan[0] if len(set(plan)) == 1 else ",".join(plan)
+def plan_name(plan: tuple[str, ...], invariant: bool = False) -> str:
+    """One kernel name when the plan is uniform, else the kernels per row bucket joined by commas; prefixed with
+    "prefill:" when the plan is for prefill chunks only (every other forward on `rows`)."""
+    return (PREFILL_PREFIX if invariant else "") + (plan[0] if len(set(plan)) == 1 else ",".join(plan))
 
 
-def parse_plan(backend: str) -> tuple[str, ...]:
-    """A kernel name (every row count) or a plan string from `plan_name`; ValueError names what is wrong."""
-    kernels = backend.split(",")
+def parse_backend(backend: str) -> tuple[tuple[str, ...], bool]:
+    """(plan, invariant) of a backend string from `plan_name`: a kernel name (every row count) or one kernel per
+    row bucket, "prefill:" in front for a plan of prefill chunks only; ValueError names what is wrong."""
+    invariant = backend.startswith(PREFILL_PREFIX)
+    kernels = backend.removeprefix(PREFILL_PREFIX).split(",")
     if len(kernels) == 1:
         kernels = kernels * len(ROW_BUCKETS)
     bad = [k for k in kernels if k not in KERNELS]
     if bad or len(kernels) != len(ROW_BUCKETS):
         raise ValueError(
-            f"unknown linear backend {backend!r}; choose 'auto', one of {', '.join(KERNELS)}, or one kernel per "
-            f"row bucket {ROW_BUCKETS} joined by commas"
+            f"unknown linear backend {backend!r}; choose 'auto' (lossless: prefill chunks on the kernels measured "
+            f"fastest, every other forward on the row-invariant 'rows'), 'prefill:' and a plan (the same with that "
+            f"plan), or a plan for every forward (lossless only as 'rows'): one of {', '.join(KERNELS)}, or one "
+            f"kernel per row bucket {ROW_BUCKETS} joined by commas"
         )
-    return tuple(kernels)
+    return tuple(kernels), invariant
+
+
+def parse_plan(backend: str) -> tuple[str, ...]:
+    """The plan of a backend string (`parse_backend`), whichever forwards it is for."""
+    return parse_backend(backend)[0]
 
 
 _PLANS: dict[tuple, tuple[str, ...]] = {}
@@ -201,31 +248,37 @@ def measure_linear_plan(model: nn.Module, repeats: int = 2) -> tuple[str, ...]:
     if key not in _PLANS:
         plan = []
         for rows in ROW_BUCKETS:
-            allowed = [k for k in kernels if k != "rows" or rows <= ROWS_MAX]
-            est = _time_kernels(allowed, _timing_sample(linears, rows), rows, repeats, 2 * repeats)
+            est = _time_kernels(kernels, _timing_sample(linears, rows), rows, repeats, 2 * repeats)
             plan.append(min(est, key=est.get))
         _PLANS[key] = tuple(plan)
     return _PLANS[key]
 
 
 def set_linear_backend(model: nn.Module, backend: str = "auto") -> str:
-    """Point every `Linear` of `model` at a kernel plan: "auto" measures, a kernel name uses it for every row
-    count, a plan string (`model.linear_backend` of another model) copies that plan. Returns the plan's name."""
+    """Point every `Linear` of `model` at a kernel plan: "auto" measures one for prefill chunks and runs every other
+    forward on the row-invariant `rows` kernel (lossless; a plan for every forward where `rows` cannot run: not on
+    the CPU, not fp32/bf16, the kernels not built); "prefill:<plan>" does the same with that plan; a kernel name or
+    a plan alone runs every forward on it (not lossless unless it is `rows`: a verify pass may round differently
+    from a decode step). A backend string (`model.linear_backend` of another model) copies it. Returns its name."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    plan = measure_linear_plan(model) if backend == "auto" else parse_plan(backend)
+    if backend == "auto":
+        plan = measure_linear_plan(model)
+        invariant = bool(linears) and rows_supported(linears[0].weight)
+    else:
+        plan, invariant = parse_backend(backend)
     if "onednn" in plan and linears and not onednn_supported(w := linears[0].weight):
         raise ValueError(
             f"the oneDNN linear backend has no kernel for {w.dtype} weights on {w.device} here "
             "(fp32 on the CPU; bf16 where the CPU has AVX-512 BF16 or AMX)"
         )
-    if "rows" in plan and linears and not rows_supported(w := linears[0].weight):
+    if ("rows" in plan or invariant) and linears and not rows_supported(w := linears[0].weight):
         raise ValueError(
-            f"the 'rows' linear kernel needs fp32 weights on the CPU and the built CPU kernels (kernels/cpu.py); "
-            f"got {w.dtype} on {w.device}" + ("" if cpu_kernels.native() else ", and the kernels are not built here")
+            f"the 'rows' linear kernel needs fp32 or bf16 weights on the CPU and the built CPU kernels "
+            f"(kernels/cpu.py); got {w.dtype} on {w.device}"
+            + ("" if cpu_kernels.native() else ", and the kernels are not built here")
         )
-    if "rows" in plan[_bucket(ROWS_MAX + 1) :]:
-        raise ValueError(f"the 'rows' linear kernel takes at most {ROWS_MAX} rows: use it only in buckets up to it")
     for m in linears:
-        m.plan = None if set(plan) == {"aten"} else plan
-    model.linear_backend = plan_name(plan)
+        m.plan = None if set(plan) == {"aten"} and not invariant else plan
+        m.invariant = invariant
+    model.linear_backend = plan_name(plan, invariant)
     return model.linear_backend

@@ -27,7 +27,7 @@ from spyglass.attention import (
     tree_attention,
 )
 from spyglass.kv_cache import CacheFullError, KVCache
-from spyglass.models.linear import Linear, set_linear_backend
+from spyglass.models.linear import Linear, row_invariant, set_linear_backend
 
 
 @dataclass(frozen=True)
@@ -282,8 +282,16 @@ class Transformer(nn.Module):
         The KV of the new tokens is written after each segment's committed length but not committed:
         the caller commits what it accepts. Tokens, positions and masks may be on the CPU whatever the model's
         device (the engine and the drafters build them there): they are moved to it here.
+
+        A forward that wants every row's logits or carries a tree (a decode step, a verify pass) runs its linears
+        row-invariant (spyglass.models.linear), so a verify pass equals the decode steps bit for bit; prefill chunks
+        (only the last row's logits, or none) on the fastest kernels.
         """
         segments = on_device(segments, self.device)
+        with row_invariant(not all(s.logits != "all" and s.mask is None for s in segments)):
+            return self._forward(segments, cache)
+
+    def _forward(self, segments: list[Segment], cache: KVCache) -> list[torch.Tensor | None]:
         tokens = torch.cat([s.tokens for s in segments]) if len(segments) > 1 else segments[0].tokens
         positions = torch.cat([s.positions for s in segments]) if len(segments) > 1 else segments[0].positions
         cos, sin = self._rope(positions)
@@ -345,7 +353,8 @@ def load_transformer(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", linear_backend: str = "auto"
 ) -> Transformer:
     """Build a Transformer from an HF-format directory (config.json + *.safetensors); `linear_backend` "auto"
-    times the CPU matmul kernels on its weights and keeps the faster (spyglass.models.linear)."""
+    times the CPU matmul kernels on its weights and keeps the fastest for prefill chunks, decode steps and verify
+    passes running on the row-invariant one (spyglass.models.linear)."""
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
     args = ModelArgs.from_hf_config(cfg)

@@ -547,7 +547,8 @@ def run_entrypoint(job: dict[str, Any], configmaps: dict[str, dict[str, Any]], t
 
 
 def rayjob_problems(job: dict[str, Any], calls: list[list[str]]) -> list[str]:
-    from actors.jobs import load_config, validate
+    from actors.common import load_config
+    from actors.jobs import validate
 
     problems = []
     parsed = []

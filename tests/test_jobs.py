@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.jobs import load_config
+from actors.common import load_config
 from spyglass.cli import build_parser
 from tests.redis_server import free_port
 

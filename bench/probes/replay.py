@@ -48,7 +48,7 @@ import torch  # noqa: E402
 
 from bench.common import median, write_results  # noqa: E402
 from bench.tasks import code_completion, code_edit, summary  # noqa: E402
-from spyglass.controller import controller_for  # noqa: E402
+from spyglass.chain_controller import controller_for  # noqa: E402
 from spyglass.cost import CostCurve  # noqa: E402
 from spyglass.drafters.base import DrafterTraits, DraftRequest, StatelessDrafter  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402

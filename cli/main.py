@@ -1,5 +1,5 @@
-"""`spyglass` command line: generate (in process), with more subcommands added by the serving and
-training work. Errors about the input print one line naming the problem and exit with status 2.
+"""The `spyglass` command line: generate (in process or on a server), serve, health, extract and train. Errors
+about the input print one line naming the problem and exit with status 2.
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ def _print_stats(out: dict) -> None:
 
 
 def _add_training(sub) -> None:
-    """`extract` and `train`: handlers live in actors/jobs.py (imported lazily; Ray stays out of spyglass/)."""
+    """`extract` and `train`: handlers live in actors/jobs.py."""
     for name, help_text in (
         ("extract", "sharded target-forward extraction on Ray actors (resumable, Redis context reuse)"),
         ("train", "extract (finished shards are skipped), then train the draft with Ray Train"),
@@ -250,7 +250,7 @@ def _add_training(sub) -> None:
 
 def _run_training_command(args) -> int:
     try:
-        from actors import jobs
+        from actors import jobs  # Ray: only the training commands load it
     except ImportError as e:
         raise CliError(f"the training commands need the repository's actors package: {e}") from e
     try:
@@ -336,7 +336,7 @@ def _run_serve(args) -> int:
         if port is not None and (not 0 < port < 65536 or 10002 <= port <= 19999):
             raise CliError(f"--{name.replace('_', '-')} must be in 1-65535 and outside Ray's worker range 10002-19999")
     try:
-        from services.app import serve_main
+        from services.app import serve_main  # Ray Serve: only `serve` loads it
     except ImportError as e:
         raise CliError(f"`spyglass serve` needs the repository's services package and ray[serve]: {e}") from e
     try:

@@ -324,7 +324,7 @@ def serve_code_problems(cfg: dict[str, Any], gpus: bool = True) -> list[str]:
 # --- ports, probes, resources of the RayService --------------------------------------------------------------------
 def parse_cli(argv: list[str]):
     """The spyglass CLI's own parser on argv; None when it rejects it."""
-    from spyglass.cli import build_parser
+    from cli.main import build_parser
 
     try:
         with contextlib.redirect_stderr(io.StringIO()):

@@ -10,6 +10,17 @@ import os
 import sys
 import time
 
+import torch
+
+from spyglass.client import Client, SpyglassError, env_token
+from spyglass.demo import code_edit_task
+from spyglass.drafters import METHODS, build_drafter, resolve_method
+from spyglass.engine import EngineConfig, RequestError, SpecEngine
+from spyglass.kv_cache import context_capacity
+from spyglass.models.llama import load_transformer
+from spyglass.models.loader import ModelLoadError, load_tokenizer, resolve_model
+from spyglass.sampling import SamplingParams
+
 EXIT_BAD_INPUT = 2
 
 
@@ -29,8 +40,6 @@ def _add_generate(sub) -> None:
         help="local HF directory, .gguf file or qwen2.5-coder-0.5b (`make model-qwen`; default: embedded SmolLM2)",
     )
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    from spyglass.drafters import METHODS
-
     p.add_argument("--method", default="suffix", help=f"{' | '.join(METHODS)} (default suffix)")
     p.add_argument("--draft-model", default=None, help="small-lm: draft model source (same tokenizer)")
     p.add_argument(
@@ -79,8 +88,6 @@ def _add_generate(sub) -> None:
 
 def _read_prompt(args) -> str:
     if args.demo:
-        from spyglass.demo import code_edit_task
-
         return code_edit_task().prompt
     if args.prompt_file is not None:
         try:
@@ -92,8 +99,6 @@ def _read_prompt(args) -> str:
 
 
 def _params(args):
-    from spyglass.sampling import SamplingParams
-
     try:
         return SamplingParams(
             temperature=args.temperature,
@@ -125,22 +130,12 @@ def _encode(tokenizer, text: str, raw: bool) -> list[int]:
 def _run_generate(args) -> int:
     if args.server:
         return _run_remote_generate(args)
-    from spyglass.drafters import resolve_method
-
     try:
         resolve_method(args.method)
     except ValueError as e:
         raise CliError(str(e)) from e
     params = _params(args)
     prompt = _read_prompt(args)
-
-    import torch
-
-    from spyglass.drafters import build_drafter
-    from spyglass.engine import EngineConfig, RequestError, SpecEngine
-    from spyglass.kv_cache import context_capacity
-    from spyglass.models.llama import load_transformer
-    from spyglass.models.loader import ModelLoadError, load_tokenizer, resolve_model
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     dtype = getattr(torch, args.dtype)
@@ -261,8 +256,6 @@ def _run_training_command(args) -> int:
 
 def _run_remote_generate(args) -> int:
     """`generate --server`: the same request through the gRPC SDK (no model loaded here)."""
-    from spyglass.client import Client, SpyglassError, env_token
-
     params = _params(args)  # validates locally first: one clear message, no round trip
     prompt = _read_prompt(args)
     if not prompt.strip():
@@ -371,8 +364,6 @@ def _run_health(args) -> int:
     its own check is reported by name only, with no slots). "degraded" with one healthy replica is still ready."""
     if args.timeout <= 0:
         raise CliError("--timeout must be > 0")
-    from spyglass.client import Client, SpyglassError, env_token
-
     try:
         with Client(args.server, timeout=args.timeout, token=env_token()) as client:
             health = client.health()

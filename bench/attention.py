@@ -44,6 +44,8 @@ import torch
 from bench.common import (
     RESULTS_DIR,
     IdleGate,
+    load_model,
+    log,
     machine_load,
     median,
     plot_panels,
@@ -68,10 +70,6 @@ HEADLINE_KERNELS = {("smollm2", "float32", 16384, 68)}  # the figures' configura
 HEADLINE_BLOCKS = 5
 MIN_BLOCK_S = 0.4  # fast configurations get more repeats: short blocks are noisy and hard to vet
 RETRIES = [3]  # re-runs of a measurement block that other processes disturbed (set from --retries)
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def random_tree_mask(n: int, seed: int) -> torch.Tensor:
@@ -342,16 +340,12 @@ def bench_prefill_chunk(model, cache, slot: int, chunk: torch.Tensor, gate: Idle
 
 def bench_verify(contexts: list[int], repeats: int, dtypes: list[str], gate: IdleGate) -> list[dict[str, Any]]:
     from spyglass.models import llama
-    from spyglass.models.llama import Segment, load_transformer
-    from spyglass.models.loader import load_tokenizer, resolve_model
+    from spyglass.models.llama import Segment
 
     rows = []
     max_ctx = max(contexts)
     for dname in dtypes:
-        dtype = DTYPES[dname]
-        resolved = resolve_model(None, dtype=dname)
-        model = load_transformer(resolved.path, dtype)
-        tok = load_tokenizer(resolved.path)
+        model, tok, _ = load_model(dtype=dname)
         ids = torch.tensor(tok(stdlib_text(6 * max_ctx))["input_ids"][:max_ctx], dtype=torch.long)
         if ids.shape[0] < max_ctx:
             raise RuntimeError(f"only {ids.shape[0]} tokens of text, need {max_ctx}")

@@ -59,7 +59,7 @@ def summarise(run_dir: Path, step: int | None = None, train_dir: str = "train") 
 
 
 def plot(records_path: Path, evals: list[dict], out: Path) -> None:
-    import matplotlib
+    import matplotlib  # the `dev` extra: plots are optional
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -24,9 +24,11 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from actors.jobs import ensure_ray
+from actors.common import ensure_ray
 from spyglass.context_cache import ContextCache
-from spyglass.models.llama import Segment, Transformer
+from spyglass.models.llama import ModelArgs, Segment, Transformer, load_transformer
+from spyglass.models.loader import ResolvedModel, load_config, resolve_model
+from spyglass.training.data import CorpusConfig, build_corpus, load_corpus_tokenizer, tokenizer_hash
 from spyglass.training.positions import PositionScheme
 
 log = logging.getLogger(__name__)
@@ -284,15 +286,13 @@ class Extractor:
 
 
 def _extraction_actor_cls():
-    import ray
+    import ray  # Ray: imported when actors start, so the extraction itself runs without it (tests, bench)
 
     @ray.remote
     class ExtractionActor:
         """Loads the target once; extracts the shards it is handed."""
 
         def __init__(self, model_path: str, dtype: str, model_id: str, spec: dict, meta: dict) -> None:
-            from spyglass.models.llama import load_transformer
-
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")  # per-shard throughput
             self.spec = ExtractSpec.from_dict(spec)
             torch.set_num_threads(self.spec.threads)
@@ -303,7 +303,7 @@ def _extraction_actor_cls():
 
         def run(self, jobs: list[tuple[str, int, int, int, str]]) -> list[dict]:
             """jobs: (contexts file, shard, first row, last row, out dir)."""
-            from tqdm import tqdm
+            from tqdm import tqdm  # the `train` extra
 
             results = []
             cached_files: dict[str, torch.Tensor] = {}
@@ -322,8 +322,6 @@ def _extraction_actor_cls():
 
 def resolve_target(source: str | None, dtype: str, needs_tokenizer: bool = True):
     """The loader's resolution; a bare weights directory (tiny test models, byte tokenizer) is used in place."""
-    from spyglass.models.loader import ResolvedModel, resolve_model
-
     if needs_tokenizer or source is None:
         return resolve_model(source, dtype=dtype)
     path = Path(source).resolve()
@@ -341,11 +339,7 @@ def shard_plan(n_contexts: int, shard_size: int) -> list[tuple[int, int, int]]:
 
 def run_extraction(cfg: dict[str, Any]) -> dict[str, Any]:
     """Driver: build the corpus, plan shards, fan them out to actors, write one manifest per split."""
-    import ray
-
-    from spyglass.models.llama import ModelArgs
-    from spyglass.models.loader import load_config
-    from spyglass.training.data import CorpusConfig, build_corpus, load_corpus_tokenizer, tokenizer_hash
+    import ray  # Ray: imported when actors start, so the extraction itself runs without it (tests, bench)
 
     workdir = Path(cfg["workdir"])
     spec = ExtractSpec.from_dict(cfg.get("extract"))

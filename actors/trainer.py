@@ -21,11 +21,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from actors.common import ensure_ray
 from actors.extraction import build_section
-from actors.jobs import ensure_ray
+from spyglass.models.drafts.longspec import DRAFT_MODELS, feature_layers
+from spyglass.models.llama import load_transformer
+from spyglass.training.losses import LOSSES
 from spyglass.weights import save_weights
 
 log = logging.getLogger(__name__)
@@ -90,8 +94,6 @@ class TrainSpec:
     def feature_layers(self, manifest: dict) -> list[int]:
         """The extracted target layers whose hidden states a `feed_hidden` draft reads (`hidden_layers`, default
         the last one), in the draft's order; [] for other drafts."""
-        from spyglass.models.drafts.longspec import feature_layers
-
         if not self.draft_options.get("feed_hidden"):
             return []
         layers = feature_layers(self.draft_options.get("hidden_layers"), manifest["n_layers"])
@@ -214,8 +216,6 @@ def warm_start(draft: torch.nn.Module, ckpt: Path) -> None:
 
 def build_loss(spec: TrainSpec, manifest: dict):
     """The draft's training loss as the spec configures it (also what `bench/probes/draft_agreement.py` evaluates)."""
-    from spyglass.training.losses import LOSSES
-
     return LOSSES[spec.draft](
         kv_layer=spec.kv_layers(manifest),
         lag_min=spec.lag[0],
@@ -252,11 +252,7 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
 
 def _train_loop(config: dict[str, Any]) -> None:
     """Runs on every Ray Train worker."""
-    import ray.train
-    import torch.distributed as dist
-
-    from spyglass.models.drafts.longspec import DRAFT_MODELS
-    from spyglass.models.llama import load_transformer
+    import ray.train  # Ray: imported on the workers, so the trainer's specs and losses load without it
 
     spec = TrainSpec.from_dict(config["train"])
     torch.set_num_threads(spec.threads)
@@ -303,7 +299,7 @@ def _train_loop(config: dict[str, Any]) -> None:
 
     engine = None
     if spec.deepspeed is not None:
-        import deepspeed
+        import deepspeed  # the `train` extra, only for `deepspeed:` configs
 
         ds_cfg = {
             "train_micro_batch_size_per_gpu": spec.batch_size // world,
@@ -329,7 +325,7 @@ def _train_loop(config: dict[str, Any]) -> None:
     log_path = out_dir / "metrics.jsonl"
     bar = None
     if rank == 0:
-        from tqdm import tqdm
+        from tqdm import tqdm  # the `train` extra
 
         bar = tqdm(total=spec.steps, initial=start_step, desc="train", mininterval=5.0)
     use_autocast = spec.dtype == "bfloat16" and engine is None
@@ -446,14 +442,14 @@ def _save_checkpoint(root: Path, step: int, draft, opt, sched, engine, spec: Tra
         dist.barrier()
     if rank != 0:
         return None
-    from ray.train import Checkpoint
+    from ray.train import Checkpoint  # Ray: see _train_loop
 
     return Checkpoint.from_directory(str(final))
 
 
 def run_training(cfg: dict[str, Any]) -> dict[str, Any]:
     """Driver: a TorchTrainer over the extraction shards of `cfg`; returns the final metrics and paths."""
-    import ray
+    import ray  # Ray: imported when the run starts, so the specs load without it
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 

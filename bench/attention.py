@@ -4,7 +4,7 @@ Three measurements, all side by side in one run (ratios are what we quote; the m
 
 1. ``prefix_choice``: for the unmasked prefix part, two matmuls vs ATen's flash attention for CPU, by number
    of folded query rows (GQA group x tree tokens) and context, fp32 and bf16. Sets
-   ``spyglass.attention.MATMUL_PREFIX_MAX_ROWS``.
+   ``kernels.aten_prefix.MATMUL_PREFIX_MAX_ROWS``.
    ``kv_split``: the flash call over the whole prefix vs split into 2 key chunks per thread (one batched call,
    merged by LSE), by rows and context, fp32 and bf16. Sets ``KV_SPLIT_MIN_KEYS``.
 2. ``kernel``: one attention call (one layer, one sequence) of SmolLM2-135M (9 q / 3 kv heads, D 64) and
@@ -44,6 +44,8 @@ import torch
 from bench.common import (
     RESULTS_DIR,
     IdleGate,
+    load_model,
+    log,
     machine_load,
     median,
     plot_panels,
@@ -52,6 +54,7 @@ from bench.common import (
     wait_for_quiet,
     write_results,
 )
+from kernels import aten_prefix
 from spyglass import attention as attn
 
 SHAPES = {"smollm2": (9, 3, 64), "qwen2.5-0.5b": (14, 2, 64)}
@@ -67,10 +70,6 @@ HEADLINE_KERNELS = {("smollm2", "float32", 16384, 68)}  # the figures' configura
 HEADLINE_BLOCKS = 5
 MIN_BLOCK_S = 0.4  # fast configurations get more repeats: short blocks are noisy and hard to vet
 RETRIES = [3]  # re-runs of a measurement block that other processes disturbed (set from --retries)
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def random_tree_mask(n: int, seed: int) -> torch.Tensor:
@@ -89,7 +88,7 @@ def random_tree_mask(n: int, seed: int) -> torch.Tensor:
 def bench_prefix_choice(contexts: list[int], rows_list: list[int], repeats: int, gate: IdleGate) -> dict[str, Any]:
     """Two matmuls vs flash-for-CPU for the unmasked prefix, 3 KV heads, D 64 (SmolLM2's KV layout)."""
     out: dict[str, Any] = {"rows": rows_list, "contexts": contexts, "kv_heads": 3, "head_dim": 64, "by_dtype": {}}
-    flash = attn._flash_cpu
+    flash = aten_prefix._flash_cpu
     for dname, dtype in DTYPES.items():
         table = []
         for s in contexts:
@@ -101,7 +100,7 @@ def bench_prefix_choice(contexts: list[int], rows_list: list[int], repeats: int,
                 return {
                     rows: time_interleaved(
                         {
-                            "matmul": lambda q=q: attn.matmul_prefix_attention(q, k, v, 0.125),
+                            "matmul": lambda q=q: aten_prefix.matmul_prefix_attention(q, k, v, 0.125),
                             "flash": lambda q=q: flash(q[None], k[None], v[None], scale=0.125),
                         },
                         repeats=repeats,
@@ -136,15 +135,17 @@ def bench_prefix_choice(contexts: list[int], rows_list: list[int], repeats: int,
             "table": table,
             "mean_slowdown_by_threshold": {str(c): round(v, 4) for c, v in cost.items()},
             "best_threshold_rows": best_thr,
-            "threshold_in_code": attn.matmul_prefix_max_rows(dtype),
+            "threshold_in_code": aten_prefix.matmul_prefix_max_rows(dtype),
         }
-        log(f"prefix choice {dname}: best threshold {best_thr} rows (code: {attn.matmul_prefix_max_rows(dtype)})")
+        log(
+            f"prefix choice {dname}: best threshold {best_thr} rows (code: {aten_prefix.matmul_prefix_max_rows(dtype)})"
+        )
     return out
 
 
 def bench_kv_split(contexts: list[int], rows_list: list[int], repeats: int, gate: IdleGate) -> dict[str, Any]:
     """Flash for CPU over the whole prefix vs split into 2 chunks per thread (one batched call + LSE merge),
-    3 KV heads, D 64. Sets `spyglass.attention.KV_SPLIT_MIN_KEYS`."""
+    3 KV heads, D 64. Sets `kernels.aten_prefix.KV_SPLIT_MIN_KEYS`."""
     parts = 2 * torch.get_num_threads()
     table = []
     for dname, dtype in DTYPES.items():
@@ -154,14 +155,14 @@ def bench_kv_split(contexts: list[int], rows_list: list[int], repeats: int, gate
             qs = {rows: torch.randn(3, rows, 64, dtype=dtype) for rows in rows_list}
 
             def whole(q, k=k, v=v):
-                return attn._flash_cpu(q[None], k[None], v[None], scale=0.125)[:2]
+                return aten_prefix._flash_cpu(q[None], k[None], v[None], scale=0.125)[:2]
 
             def block(k=k, v=v, qs=qs, whole=whole) -> dict[int, dict]:
                 return {
                     rows: time_interleaved(
                         {
                             "whole": lambda q=q: whole(q),
-                            "split": lambda q=q: attn.split_flash_attention(q, k, v, 0.125, parts),
+                            "split": lambda q=q: aten_prefix.split_flash_attention(q, k, v, 0.125, parts),
                         },
                         repeats=2 * repeats,
                         min_block_s=MIN_BLOCK_S,
@@ -172,7 +173,7 @@ def bench_kv_split(contexts: list[int], rows_list: list[int], repeats: int, gate
             res, machine = run_clean(block, gate, retries=RETRIES[0])
             for rows, t in res.items():
                 gain = t["whole"]["median_ms"] / t["split"]["median_ms"]
-                chosen = attn.kv_split_parts(dtype, s)
+                chosen = aten_prefix.kv_split_parts(dtype, s)
                 table.append(
                     {
                         "dtype": dname,
@@ -339,16 +340,12 @@ def bench_prefill_chunk(model, cache, slot: int, chunk: torch.Tensor, gate: Idle
 
 def bench_verify(contexts: list[int], repeats: int, dtypes: list[str], gate: IdleGate) -> list[dict[str, Any]]:
     from spyglass.models import llama
-    from spyglass.models.llama import Segment, load_transformer
-    from spyglass.models.loader import load_tokenizer, resolve_model
+    from spyglass.models.llama import Segment
 
     rows = []
     max_ctx = max(contexts)
     for dname in dtypes:
-        dtype = DTYPES[dname]
-        resolved = resolve_model(None, dtype=dname)
-        model = load_transformer(resolved.path, dtype)
-        tok = load_tokenizer(resolved.path)
+        model, tok, _ = load_model(dtype=dname)
         ids = torch.tensor(tok(stdlib_text(6 * max_ctx))["input_ids"][:max_ctx], dtype=torch.long)
         if ids.shape[0] < max_ctx:
             raise RuntimeError(f"only {ids.shape[0]} tokens of text, need {max_ctx}")
@@ -642,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_after": load_after,
         "other_processes_cpu": gate.summary(),
         "duration_s": round(time.perf_counter() - t_start, 1),
-        "matmul_prefix_max_rows": {str(k): v for k, v in attn.MATMUL_PREFIX_MAX_ROWS.items()},
+        "matmul_prefix_max_rows": {str(k): v for k, v in aten_prefix.MATMUL_PREFIX_MAX_ROWS.items()},
         "shapes": {k: {"q_heads": v[0], "kv_heads": v[1], "head_dim": v[2]} for k, v in SHAPES.items()},
         "repeats": rep,
     }

@@ -36,8 +36,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import RESULTS_DIR, machine_load, median, plot_panels, wait_for_quiet, write_results  # noqa: E402
-from bench.drafting import median_runs  # noqa: E402
+from bench.common import (  # noqa: E402
+    RESULTS_DIR,
+    load_model,
+    machine_load,
+    median,
+    median_runs,
+    plot_panels,
+    wait_for_quiet,
+    write_results,
+)
 from bench.tasks import HeldOutTask, heldout_tasks  # noqa: E402
 from spyglass.cost import measured_curve  # noqa: E402
 from spyglass.drafters import METHODS  # noqa: E402
@@ -45,11 +53,9 @@ from spyglass.drafters.composite import CompositeDrafter  # noqa: E402
 from spyglass.drafters.dflash import DEFAULT_DELS, DEFAULT_DFLASH, DFlashDrafter, fuse, mix_copies  # noqa: E402
 from spyglass.drafters.ngram import NgramDrafter  # noqa: E402
 from spyglass.drafters.suffix import SuffixDrafter  # noqa: E402
-from spyglass.engine import SpecEngine  # noqa: E402
 from spyglass.models.drafts.dels import load_local_head  # noqa: E402
 from spyglass.models.drafts.dflash import load_dflash  # noqa: E402
-from spyglass.models.llama import Segment, load_transformer  # noqa: E402
-from spyglass.models.loader import load_tokenizer, resolve_model  # noqa: E402
+from spyglass.models.llama import Segment  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
 from spyglass.spans import SPAN  # noqa: E402
 from spyglass.training import repo_relative  # noqa: E402
@@ -58,22 +64,6 @@ from spyglass.training.losses import training_mask  # noqa: E402
 GRID = (0.1, 0.3, 0.5)
 
 
-def run_task(engine: SpecEngine, task: HeldOutTask, params: SamplingParams) -> dict:
-    (seq,) = engine.run([task.prompt_ids], params)
-    st = seq.stats.summary(seq.num_generated)
-    return {
-        "tokens": seq.output_ids,
-        "tau": st["tau"],
-        "tok_s": st["tokens_per_s"],
-        "acceptance_by_depth": [round(a, 3) for a in st["acceptance_by_depth"][:15]],
-        "controller": st["controller"],
-        "draft_s": round(st["draft_time_s"], 3),
-        "verify_s": round(st["verify_time_s"], 3),
-        "prefill_s": round(st["prefill_time_s"], 2),
-    }
-
-
-@torch.inference_mode()
 def chain_acceptance(target, draft, head, task: HeldOutTask, output: list[int], grid, chunk: int = 16) -> dict:
     """Accepted drafted tokens per output position for DFlash alone and for each (alpha, beta) of DeLS."""
     tokens = torch.tensor(task.prompt_ids + output)
@@ -193,11 +183,8 @@ def main() -> None:
     ap.add_argument("--dels", default=str(DEFAULT_DELS))
     ap.add_argument("--name", default="dflash")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
     quiet = wait_for_quiet(max_load=1.0, timeout_s=60)
-    path = resolve_model(None, dtype="float32").path
-    target = load_transformer(path, dtype=torch.float32)
-    tok = load_tokenizer(path)
+    target, tok, _ = load_model(threads=args.threads)
     draft = load_dflash(args.dflash, target)
     head = load_local_head(args.dels, target)
     t0 = time.perf_counter()
@@ -227,12 +214,12 @@ def main() -> None:
     if (0.3, 0.3) not in grid:
         grid.append((0.3, 0.3))
     for task in tasks:
-        row = median_runs(target, task, makers, greedy, args.repeats, run=run_task)
+        row = median_runs(target, task, makers, greedy, args.repeats)
         if args.sampled:  # one seeded run each; DFlash and DeLS also with the controller off (the drafts' own tau)
             sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, seed=1234)
             off = {f"{m}-controller-off": makers[m] for m in ("dflash", "dflash-dels")}
             t1 = {m: make for m, make in makers.items() if m != "ngram"} | off
-            t1_row = median_runs(target, task, t1, sp, 1, controller_off=tuple(off), run=run_task)
+            t1_row = median_runs(target, task, t1, sp, 1, controller_off=tuple(off))
             row |= {f"{n}@T1": r for n, r in t1_row.items()}
         base, base_t1 = row["ar"]["tok_s"], row.get("ar@T1", {}).get("tok_s")
         for name, r in row.items():

@@ -20,19 +20,26 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
 
-from bench.common import RESULTS_DIR, machine_load, median, plot_panels, wait_for_quiet, write_results  # noqa: E402
+from bench.common import (  # noqa: E402
+    RESULTS_DIR,
+    bench_setup,
+    by_kind,
+    compare,
+    machine_load,
+    median,
+    plot_panels,
+    run_meta,
+    run_task,
+    speed_panels,
+    write_results,
+)
 from bench.tasks import STDLIB, HeldOutTask, _chat, _fit, heldout_tasks  # noqa: E402
-from spyglass.context_cache import ContextCache  # noqa: E402
-from spyglass.controller import ControllerConfig  # noqa: E402
-from spyglass.cost import measured_curve, measured_curves  # noqa: E402
+from spyglass.cost import measured_curve  # noqa: E402
 from spyglass.drafters.base import StatelessDrafter  # noqa: E402
 from spyglass.drafters.ngram import NgramDrafter  # noqa: E402
 from spyglass.drafters.suffix import SuffixDrafter  # noqa: E402
 from spyglass.engine import EngineConfig, SpecEngine  # noqa: E402
-from spyglass.models.llama import load_transformer  # noqa: E402
-from spyglass.models.loader import load_tokenizer, resolve_model  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
 from spyglass.tree import DraftTree  # noqa: E402
 
@@ -62,103 +69,6 @@ class PromptLookupDrafter(StatelessDrafter):
         return trees
 
 
-def run_task(engine: SpecEngine, task: HeldOutTask, params: SamplingParams) -> dict:
-    (seq,) = engine.run([task.prompt_ids], params)
-    st = seq.stats.summary(seq.num_generated)
-    return {
-        "tokens": seq.output_ids,
-        "tau": st["tau"],
-        "tok_s": st["tokens_per_s"],
-        "acceptance_by_depth": [round(a, 3) for a in st["acceptance_by_depth"][:8]],
-        "controller": st["controller"],
-        "draft_s": round(st["draft_time_s"], 3),
-        "verify_s": round(st["verify_time_s"], 3),
-        "state_bytes": None,
-    }
-
-
-def median_runs(
-    target,
-    task: HeldOutTask,
-    drafters: dict[str, Callable[[], object]],
-    params: SamplingParams,
-    repeats: int,
-    cache: ContextCache | None = None,
-    controller_off: tuple[str, ...] = (),
-    run: Callable[[SpecEngine, HeldOutTask, SamplingParams], dict] = run_task,
-    controls: dict[str, ControllerConfig] | None = None,
-) -> dict[str, dict]:
-    """`task` through plain decoding (`ar`) and each drafter, `repeats` times, interleaved so that a change in the
-    machine's speed hits every method alike. Per method: the run with the median decode speed (tokens kept), every
-    run's speed (`tok_s_runs`) and `identical` (every run's output equal to ar's first). `controls`: a method's
-    controller constants, where not the defaults."""
-    runs: dict[str, list[dict]] = {}
-    for _ in range(repeats):
-        for name, make in {"ar": lambda: None, **drafters}.items():
-            controller = "off" if name in controller_off else "measure"
-            control = (controls or {}).get(name, ControllerConfig())
-            conf = EngineConfig(max_batch=1, max_context=8192, controller=controller, control=control)
-            runs.setdefault(name, []).append(run(SpecEngine(target, make(), conf, context_cache=cache), task, params))
-    row = {}
-    for name, rs in runs.items():
-        rs = sorted(rs, key=lambda r: r["tok_s"])
-        identical = all(r["tokens"] == runs["ar"][0]["tokens"] for r in rs)
-        row[name] = {**rs[len(rs) // 2], "tok_s_runs": [round(r["tok_s"], 3) for r in rs], "identical": identical}
-    return row
-
-
-def compare(
-    target,
-    tasks: list[HeldOutTask],
-    drafters: dict[str, Callable[[], object]],
-    params: SamplingParams,
-    cache: ContextCache | None,
-    controller_off: tuple[str, ...] = (),
-    log=print,
-    repeats: int = 1,
-    controls: dict[str, ControllerConfig] | None = None,
-) -> dict[str, dict[str, dict]]:
-    """Every task through plain decoding (`ar`) and each drafter, side by side, `repeats` times; returns
-    results[task][method] (the median run) with `speedup` (median decode tok/s over ar's on the same prompt) and
-    `identical` (greedy output equal to plain decoding's in every run). `controls`: as median_runs'."""
-    results: dict[str, dict[str, dict]] = {}
-    for task in tasks:
-        row = median_runs(target, task, drafters, params, repeats, cache, controller_off, controls=controls)
-        base = row["ar"]["tok_s"]
-        for r in row.values():
-            r["speedup"] = r["tok_s"] / base if base else None
-        log(
-            f"{task.name} ({len(task.prompt_ids)} tok): "
-            + "  ".join(
-                f"{n} {r['speedup']:.2f}x tau {r['tau']:.2f}{'' if r['identical'] else ' DIFF'}" for n, r in row.items()
-            )
-        )
-        for r in row.values():
-            r.pop("tokens")
-        results[task.name] = row
-    return results
-
-
-def speed_panels(results: dict, tasks: list[HeldOutTask], methods: list[str], label: str) -> list[dict]:
-    """Two plot panels: decode speedup and tau per prompt, one line per method."""
-    xs = list(range(len(tasks)))
-    names = [f"{t.kind}:{t.name.split(':', 1)[1].rsplit('/', 1)[-1][:16]}" for t in tasks]
-
-    def series(key: str) -> dict:
-        return {m: (xs, [results[t.name][m][key] for t in tasks]) for m in methods}
-
-    return [
-        {
-            "title": f"decode speedup vs plain decoding, {label}",
-            "ylabel": "x",
-            "hline": 1.0,
-            "series": series("speedup"),
-            "xticklabels": names,
-        },
-        {"title": f"tau (tokens per step), {label}", "ylabel": "tau", "series": series("tau"), "xticklabels": names},
-    ]
-
-
 def repeat_workload(tokenizer) -> list[HeldOutTask]:
     """Requests that resemble earlier ones: the same held-out file edited several times (different functions),
     then the same document asked several questions."""
@@ -172,47 +82,6 @@ def repeat_workload(tokenizer) -> list[HeldOutTask]:
         text = f"Here is the file `calendar.py`:\n\n```python\n{src}\n```\n\n{ask}"
         out.append(HeldOutTask(f"repeat-edit:{fn}", "edit", _chat(tokenizer, text), "code:calendar"))
     return out
-
-
-def by_kind(results: dict, tasks: list[HeldOutTask], method: str, key: str) -> dict[str, float]:
-    out = {}
-    for kind in ("code", "edit", "summary"):
-        vals = [results[t.name][method][key] for t in tasks if t.kind == kind]
-        if vals:
-            out[kind] = median(vals)
-    return out
-
-
-def bench_setup(cache_name: str, threads: int):
-    """What every drafting bench does first: wait for a quiet machine, start a local Redis (keep the returned
-    handle alive), load SmolLM2 fp32 and its tokenizer, and open a context cache under `cache_name`."""
-    from services.local_redis import LocalRedis
-
-    torch.set_num_threads(threads)
-    quiet = wait_for_quiet(max_load=1.0, timeout_s=120)
-    redis = LocalRedis()
-    path = resolve_model(None, dtype="float32").path
-    target = load_transformer(path, dtype=torch.float32)
-    cache = ContextCache(redis.url, f"{cache_name}:{target.model_id}", block_size=128)
-    return quiet, redis, target, load_tokenizer(path), cache
-
-
-def run_meta(
-    what: str, tasks: list[HeldOutTask], quiet: dict, load_before: dict, threads: int, target, **extra
-) -> dict:
-    """The meta every drafting bench writes beside its figures: what ran, on which prompts, the machine's load, and
-    the machine-dependent choices the run made (the matmul kernel, the controller's verify-cost curves)."""
-    return {
-        "what": what,
-        "tasks": {t.name: len(t.prompt_ids) for t in tasks},
-        "quiet_before": quiet,
-        "load_before": load_before,
-        "load_after": machine_load(),
-        "threads": threads,
-        "linear_backend": target.linear_backend,
-        "cost_curves": [c.to_dict() for c in measured_curves(target)],
-        **extra,
-    }
 
 
 def main() -> None:

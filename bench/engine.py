@@ -25,13 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import RESULTS_DIR, median, plot_panels, wait_for_quiet, write_results  # noqa: E402
+from bench.common import RESULTS_DIR, load_model, median, plot_panels, wait_for_quiet, write_results  # noqa: E402
 from spyglass.demo import code_edit_task  # noqa: E402
 from spyglass.drafters.base import NullDrafter  # noqa: E402
 from spyglass.drafters.ngram import NgramDrafter  # noqa: E402
 from spyglass.engine import EngineConfig, SpecEngine, plain_generate  # noqa: E402
-from spyglass.models.llama import load_transformer  # noqa: E402
-from spyglass.models.loader import load_tokenizer, resolve_model  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
 
 CODE_EDIT_MODULES = ["textwrap.py", "shlex.py", "fnmatch.py"]
@@ -156,9 +154,7 @@ def main() -> None:
     quiet = wait_for_quiet(timeout_s=0 if args.quick else 300)
     n, repeats = (16, 1) if args.quick else (128, 3)
     dtype = getattr(torch, args.dtype)
-    resolved = resolve_model(None, dtype=args.dtype)
-    model = load_transformer(resolved.path, dtype=dtype)
-    tokenizer = load_tokenizer(resolved.path)
+    model, tokenizer, resolved = load_model(dtype=args.dtype)
 
     from transformers import AutoModelForCausalLM
 

@@ -20,10 +20,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import RESULTS_DIR, machine_load, plot_panels, time_interleaved, wait_for_quiet, write_results  # noqa: E402
+from bench.common import (  # noqa: E402
+    RESULTS_DIR,
+    load_model,
+    machine_load,
+    plot_panels,
+    time_interleaved,
+    wait_for_quiet,
+    write_results,
+)
 from spyglass.models.linear import onednn_supported, set_linear_backend  # noqa: E402
-from spyglass.models.llama import Segment, load_transformer  # noqa: E402
-from spyglass.models.loader import resolve_model  # noqa: E402
+from spyglass.models.llama import Segment  # noqa: E402
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32)
 CONTEXTS = (256, 2048)
@@ -54,7 +61,7 @@ def main() -> None:
     raw: dict = {}
     panels = []
     for dtype in ("float32", "bfloat16"):
-        model = load_transformer(resolve_model(None, dtype=dtype).path, dtype=getattr(torch, dtype))
+        model, _, _ = load_model(dtype=dtype)
         plan = model.linear_backend
         figures[f"chosen_{dtype}"] = plan
         backends = {"plan": plan, "aten": "aten", "wfirst": "wfirst"}

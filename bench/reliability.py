@@ -120,15 +120,12 @@ def references(texts: list[str], n: int, lengths: list[int] | None = None) -> li
     token counts."""
     import torch
 
+    from bench.common import load_model
     from services.verifier import encode_prompt
     from spyglass.engine import plain_generate
-    from spyglass.models.llama import load_transformer
-    from spyglass.models.loader import load_tokenizer, resolve_model
     from spyglass.sampling import SamplingParams
 
-    torch.set_num_threads(1)
-    path = resolve_model(None, dtype="float32").path
-    model, tok = load_transformer(path), load_tokenizer(path)
+    model, tok, _ = load_model(threads=1)
     params = SamplingParams(max_new_tokens=n)
     ids = [encode_prompt(tok, t, raw=False) for t in texts]
     if lengths is not None:

@@ -26,11 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import RESULTS_DIR, median, plot_panels, time_interleaved, wait_for_quiet, write_results  # noqa: E402
+from bench.common import RESULTS_DIR, load_model, median, plot_panels, time_interleaved, wait_for_quiet, write_results  # noqa: E402
 from kernels import cpu as cpu_kernels  # noqa: E402
 from spyglass.attention import tree_attention  # noqa: E402
-from spyglass.models.llama import Block, Segment, load_transformer  # noqa: E402
-from spyglass.models.loader import resolve_model  # noqa: E402
+from spyglass.models.llama import Block, Segment  # noqa: E402
 
 
 def read_bandwidth_gbs(repeats: int = 7) -> float:
@@ -127,10 +126,10 @@ def main() -> None:
     if cpu_kernels.native() is None:
         raise SystemExit("the CPU kernels did not build here (see the warning above): nothing to compare")
     if args.attention_only:
-        chunk_attention(load_transformer(resolve_model(None).path).args, args.repeats)
+        chunk_attention(load_model()[0].args, args.repeats)
         return
     quiet = wait_for_quiet(timeout_s=300)
-    model = load_transformer(resolve_model(None).path)
+    model, _, _ = load_model()
     a = model.args
     g = torch.Generator().manual_seed(0)
     raw: dict = {"linear_plan": model.linear_backend}

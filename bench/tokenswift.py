@@ -41,14 +41,13 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (  # noqa: E402
     RESULTS_DIR,
     CpuWatch,
     code_fingerprint,
+    load_model,
     machine_load,
     plot_panels,
     wait_for_quiet,
@@ -60,8 +59,6 @@ from spyglass.drafters.streaming import StreamingDrafter  # noqa: E402
 from spyglass.drafters.suffix import SuffixDrafter  # noqa: E402
 from spyglass.drafters.tokenswift import build_tokenswift  # noqa: E402
 from spyglass.engine import EngineConfig, SpecEngine  # noqa: E402
-from spyglass.models.llama import load_transformer  # noqa: E402
-from spyglass.models.loader import load_tokenizer, resolve_model  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
 
 VARIANTS = (
@@ -180,10 +177,7 @@ def main() -> None:
     ap.add_argument("--name", default="tokenswift")
     ap.add_argument("--note", default="", help="recorded in the results (what was run and why)")
     ARGS = ap.parse_args()
-    torch.set_num_threads(ARGS.threads)
-    resolved = resolve_model(ARGS.model, dtype=ARGS.dtype)
-    target = load_transformer(resolved.path, dtype=getattr(torch, ARGS.dtype))
-    tokenizer = load_tokenizer(resolved.path)
+    target, tokenizer, resolved = load_model(ARGS.model, ARGS.dtype, ARGS.threads)
     prompt, source = eval_prose_prompt(tokenizer, ARGS.prefix)
     capacity = ARGS.prefix + ARGS.gen + 128
     quiet = wait_for_quiet(max_load=1.0, timeout_s=120)

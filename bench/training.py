@@ -133,8 +133,8 @@ def main() -> None:
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 
+    from actors.common import ensure_ray, load_config
     from actors.extraction import resolve_target, run_extraction
-    from actors.jobs import ensure_ray, load_config
     from spyglass.models.llama import load_transformer
 
     workdir = ROOT / ".cache" / "bench-training"

@@ -8,7 +8,7 @@ which is what ``fused_mask_attn`` does.  ``out = out_p * exp(lse_p - lse) + out_
 
 Imports are lazy: flash-attn (optional GPU extra) and triton are only imported when a call needs them, so
 this module imports anywhere.  Without flash-attn the prefix part runs ATen's fused kernels that return the LSE
-(``spyglass.attention.prefix_kernel``: torch's FlashAttention-2 op for fp16/bf16, its memory-efficient op for fp32
+(``kernels.aten_prefix.prefix_kernel``: torch's FlashAttention-2 op for fp16/bf16, its memory-efficient op for fp32
 on CUDA; ATen's flash attention for CPU under ``TRITON_INTERPRET=1``), GQA folded into the row axis; several
 sequences of one length in consecutive cache rows take one launch, others one launch each.
 
@@ -44,9 +44,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kernels.aten_prefix import fused_attention_with_lse, prefix_kernel
+from kernels.aten_prefix import prefix_attention as aten_prefix_attention
 from kernels.reference import merge_attention
-from spyglass.attention import fused_attention_with_lse, prefix_kernel
-from spyglass.attention import prefix_attention as aten_prefix_attention
 
 __all__ = [
     "flash_attn_available",
@@ -94,7 +94,7 @@ def prefix_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefix part for one sequence: q `[H, n, D]`, K/V `[Hkv, S, D]` -> (out `[H, n, D]`, lse fp32 `[H, n]`).
 
-    flash-attn's kvcache kernel where installed, else ATen's fused kernels (`spyglass.attention.prefix_attention`,
+    flash-attn's kvcache kernel where installed, else ATen's fused kernels (`kernels.aten_prefix.prefix_attention`,
     GQA folded into the rows); S = 0 gives out 0 and lse -inf."""
     s = k.shape[1]
     if s == 0 or not _use_flash(q):

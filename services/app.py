@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import ray
+import yaml
 from ray import serve
 from ray.serve.config import gRPCOptions
 
@@ -24,7 +26,8 @@ from services import grpc_bind
 from services.gateway import Gateway
 from services.local_redis import LocalRedis
 from services.verifier import Verifier
-from spyglass.client import AUTH_TOKEN_ENV, env_token
+from spyglass.client import AUTH_TOKEN_ENV, Client, SpyglassError, env_token
+from spyglass.demo import code_edit_task
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "infra" / "serve_config.yaml"
@@ -46,8 +49,6 @@ def verifier_actor_options(args: dict[str, Any]) -> dict[str, Any]:
     opts: dict[str, Any] = {"num_cpus": float(args.get("verifier_num_cpus", 1))}
     want_gpu = args.get("verifier_num_gpus", "auto")
     if want_gpu == "auto":
-        import ray
-
         want_gpu = 1 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= 1 else 0
     if want_gpu:
         opts["num_gpus"] = int(want_gpu)
@@ -76,8 +77,6 @@ def build_app(args: dict[str, Any] | None = None):
 # --- a local redis-server (the same approach as the tests', shipped here because tests/ is not) -----------
 # --- the local stack ---------------------------------------------------------------------------------------------
 def load_config(path: str | Path | None) -> dict[str, Any]:
-    import yaml
-
     path = Path(path or DEFAULT_CONFIG)
     try:
         doc = yaml.safe_load(path.read_text()) or {}
@@ -98,8 +97,6 @@ def start_local_ray(num_cpus: int | None = None) -> None:
     """A local cluster on loopback (services/__init__.py sets the env var for it; usage stats off)."""
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(MAX_GRPC_MESSAGE_BYTES))  # inherited by the proxy
-    import ray
-
     if not ray.is_initialized():
         ray.init(
             address="local",  # always a fresh cluster: never attach to a stale `ray start` one
@@ -169,8 +166,6 @@ def auth_token(app_args: dict[str, Any]) -> str | None:
 def wait_ready(
     address: str, timeout_s: float = 300.0, tls: bool | bytes = False, token: str | None = None
 ) -> dict[str, Any]:
-    from spyglass.client import Client, SpyglassError
-
     t0 = time.monotonic()
     with Client(address, timeout=30, tls=tls, token=token) as c:
         while True:
@@ -218,9 +213,6 @@ def run_demo(
     """The long-context code-editing demo through the SDK: stream the text, then print the stats.
     `warm_method`: the warm-up check's method ("" = the server's default, when it does not serve ngram);
     `learned_method`: a trained draft to run the demo through once more ("" = none)."""
-    from spyglass.client import Client
-    from spyglass.demo import code_edit_task
-
     task = code_edit_task()
     warm = None
     if repeat:
@@ -301,8 +293,6 @@ def demo_via(
 ) -> dict[str, Any]:
     """The demo request through another drafting method: its stats, and whether its tokens are the reference's
     (greedy: every method gives plain decoding's tokens)."""
-    from spyglass.client import Client
-
     with Client(address, tls=tls, token=token) as c:
         done = c.generate_text(prompt, max_new_tokens=max_new_tokens, context_id=context_id, method=method)
     return dict(done.stats, identical=done.token_ids == reference)
@@ -329,8 +319,6 @@ def serve_main(
     The gRPC port listens on `grpc_host` (default 127.0.0.1), with TLS when `tls_cert`/`tls_key` are given
     (services/grpc_bind.py); this command's own requests then trust that certificate file. `device` overrides the
     verifiers' `device` ("cpu" also asks Ray for no GPU per replica)."""
-    import signal
-
     terminated = []
 
     def on_term(signum, frame):
@@ -358,8 +346,6 @@ def serve_main(
             print(f"[spyglass] started redis-server at {redis.url}", file=sys.stderr)
         else:
             print("[spyglass] no redis-server: the context cache is off", file=sys.stderr)
-    import ray
-
     address = None
     try:
         start_local_ray()
@@ -414,8 +400,6 @@ DRAIN_TIMEOUT_S = 30.0  # SIGTERM: how long requests in flight may still run (Ku
 def drain(address: str, timeout_s: float = DRAIN_TIMEOUT_S, tls: bool | bytes = False, token: str | None = None) -> int:
     """Wait until the gateway has no request in flight or queued, at most `timeout_s`; returns how many are left
     (-1 if the gateway does not answer)."""
-    from spyglass.client import Client, SpyglassError
-
     deadline = time.monotonic() + timeout_s
     left = -1
     with Client(address, timeout=5, retries=0, tls=tls, token=token) as c:
@@ -449,7 +433,6 @@ def descendants(pid: int) -> list[int]:
 
 def reap(pids: list[int], grace_s: float = 10.0) -> list[int]:
     """SIGTERM, then after `grace_s` SIGKILL, the given processes (ones this command started) still alive."""
-    import signal
 
     def alive(p: int) -> bool:
         try:

@@ -12,6 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import redis
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -32,8 +34,6 @@ class LocalRedis:
         cmd = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
         cmd += ["--daemonize", "yes", "--dir", str(self.workdir), "--pidfile", str(self.pidfile)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        import redis
-
         client = redis.Redis(host="127.0.0.1", port=self.port)
         for _ in range(100):
             try:

@@ -2,10 +2,11 @@
 
 Per sequence and step it keeps the part of the drafter's tree that maximises expected tokens per second, priced on
 the verify-cost curve measured at start-up (spyglass/cost.py); that may be no node at all (plain decoding for that
-sequence). Two sizing policies answer the engine (`Controller`), and `controller_for` picks one per drafter:
-`SpeculationController` sizes scored trees node by node, `ChainDepthController` sizes chains drafted one token per
-depth by the acceptance profile the sequence has shown. Every tuned constant is in `ControllerConfig`.
-Pruning only drops nodes, so every guarantee of the verifier holds whatever the controller decides.
+sequence). Two sizing policies answer the engine (`Controller`), and `controller_for` picks one per drafter
+(in spyglass/chain_controller.py, which sees both): `SpeculationController` sizes scored trees node by node,
+`ChainDepthController` sizes chains drafted one token per depth by the acceptance profile the sequence has shown.
+Every tuned constant is in `ControllerConfig`. Pruning only drops nodes, so every guarantee of the verifier holds
+whatever the controller decides.
 """
 
 from __future__ import annotations
@@ -289,15 +290,3 @@ class SpeculationController(BasePolicy):
                 st.plain_streak, st.backoff = 0, self.config.first_backoff
             else:
                 st.plain_streak, st.backoff = 1, min(self.config.max_backoff, st.backoff * 2)
-
-
-def controller_for(drafter, curve: CostCurve, config: ControllerConfig = DEFAULT_CONFIG) -> Controller:
-    """The controller a drafter gets: ChainDepthController for a chain (`drafts_chain`: sized per step from its
-    scores, LongSpec made 1.08x on one Zen 4 machine where a fixed depth-1 chain would have made 1.23x,
-    bench/probes/replay.py policies), SpeculationController otherwise."""
-    from spyglass.chain_controller import ChainDepthController  # it builds on this module's BasePolicy
-
-    traits = drafter.traits
-    return (ChainDepthController if traits.drafts_chain else SpeculationController)(
-        curve, config, cost_by_depth=traits.cost_by_depth, free_part=traits.free == "part"
-    )

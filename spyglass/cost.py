@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from spyglass.models.llama import Segment
+
 
 def cpu_model() -> str:
     """The CPU model name, with family/model and the vector extensions that change matmul speed (a VM may show
@@ -78,8 +80,6 @@ class CostCurve:
         interpolating between neighbours would miss. `contexts` by default: 256, 2K and 6K tokens, then half the
         cache's capacity and the capacity itself where it is longer (a 32K window is priced at 16K and 32K, not
         extrapolated from 6K)."""
-        from spyglass.models.llama import Segment
-
         if contexts is None:
             contexts = (256, 2048, 6144, *(c for c in (cache.capacity // 2, cache.capacity) if c > 6144))
 

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from spyglass.chain_controller import controller_for
 from spyglass.context_cache import ContextCache, kv_blocks_from_cache, load_blocks_into_cache
-from spyglass.controller import Controller, ControllerConfig, controller_for
+from spyglass.controller import Controller, ControllerConfig
 from spyglass.cost import CostCurve, measured_curve
 from spyglass.detokenize import TextStream
 from spyglass.device import synchronize

@@ -32,7 +32,7 @@ def available_memory(device: str | torch.device = "cpu") -> int:
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     try:
-        import psutil
+        import psutil  # comes with Ray, absent from a core-only install: /proc/meminfo then
     except ImportError:
         with open("/proc/meminfo") as f:
             for line in f:

@@ -21,6 +21,7 @@ import math
 import pytest
 import torch
 
+from kernels import aten_prefix
 from kernels.dispatch import flash_attn_available, triton_available
 from spyglass import attention as attn
 from spyglass.tree import DraftTree
@@ -74,9 +75,9 @@ def prefix_path(request, monkeypatch):
     """Force the CPU prefix part through two matmuls or through ATen's flash kernel for CPU, whole or
     split into 3 key chunks (plus a remainder) run as one batch."""
     rows = 10**9 if request.param == "matmul" else 0
-    monkeypatch.setattr(attn, "MATMUL_PREFIX_MAX_ROWS", {torch.float32: rows, torch.bfloat16: rows})
+    monkeypatch.setattr(aten_prefix, "MATMUL_PREFIX_MAX_ROWS", {torch.float32: rows, torch.bfloat16: rows})
     parts = 3 if request.param == "split" else 1
-    monkeypatch.setattr(attn, "kv_split_parts", lambda dtype, keys: parts)
+    monkeypatch.setattr(aten_prefix, "kv_split_parts", lambda dtype, keys: parts)
     return request.param
 
 
@@ -161,19 +162,19 @@ def test_adjacent_kv_is_joined_without_copy():
 def test_prefix_path_follows_threshold(monkeypatch):
     """Rows <= MATMUL_PREFIX_MAX_ROWS[dtype] take two matmuls; more rows take the flash kernel."""
     calls = []
-    real = attn._flash_cpu
+    real = aten_prefix._flash_cpu
 
     def spy(*a, **kw):
         calls.append(a[0].shape[2])
         return real(*a, **kw)
 
-    monkeypatch.setattr(attn, "_flash_cpu", spy)
-    monkeypatch.setattr(attn, "MATMUL_PREFIX_MAX_ROWS", {torch.float32: 20, torch.bfloat16: 20})
+    monkeypatch.setattr(aten_prefix, "_flash_cpu", spy)
+    monkeypatch.setattr(aten_prefix, "MATMUL_PREFIX_MAX_ROWS", {torch.float32: 20, torch.bfloat16: 20})
     k = torch.randn(3, 64, 16)
     for rows in (20, 21):
-        attn.prefix_attention(torch.randn(3, rows, 16), k, k, 0.25)
+        aten_prefix.prefix_attention(torch.randn(3, rows, 16), k, k, 0.25)
     assert calls == [21]
-    assert attn.matmul_prefix_max_rows(torch.float16) == 20  # fp16 follows bf16
+    assert aten_prefix.matmul_prefix_max_rows(torch.float16) == 20  # fp16 follows bf16
 
 
 def test_kv_split_rule():
@@ -181,12 +182,12 @@ def test_kv_split_rule():
     old = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert attn.kv_split_parts(torch.float32, 8192) == 4
-        assert attn.kv_split_parts(torch.float32, 8191) == 1
-        assert attn.kv_split_parts(torch.bfloat16, 16384) == 1
-        assert attn.kv_split_parts(torch.float16, 32768) == 4  # fp16 follows bf16
+        assert aten_prefix.kv_split_parts(torch.float32, 8192) == 4
+        assert aten_prefix.kv_split_parts(torch.float32, 8191) == 1
+        assert aten_prefix.kv_split_parts(torch.bfloat16, 16384) == 1
+        assert aten_prefix.kv_split_parts(torch.float16, 32768) == 4  # fp16 follows bf16
         torch.set_num_threads(1)
-        assert attn.kv_split_parts(torch.float32, 1 << 16) == 1
+        assert aten_prefix.kv_split_parts(torch.float32, 1 << 16) == 1
     finally:
         torch.set_num_threads(old)
 
@@ -281,7 +282,7 @@ def test_prefix_kernel_choice():
     """ATen's fused kernels wherever they take the inputs: on CUDA torch's FlashAttention-2 op for fp16/bf16 on
     Ampere or newer (no flash-attn needed), its memory-efficient op for fp32 (and fp16 before Ampere); two matmuls
     for head dims the kernels lack, bf16 before Ampere and other devices."""
-    choose = attn.choose_prefix_kernel
+    choose = aten_prefix.choose_prefix_kernel
     assert choose("cuda", torch.bfloat16, 128, 4, (9, 0)) == "cuda_flash"
     assert choose("cuda", torch.float16, 64, 1, (8, 0)) == "cuda_flash"
     assert choose("cuda", torch.float32, 128, 4, (9, 0)) == "cuda_efficient"
@@ -292,10 +293,10 @@ def test_prefix_kernel_choice():
     assert choose("cpu", torch.float32, 64, 1) == "cpu_flash"  # MATMUL_PREFIX_MAX_ROWS is 0
     assert choose("meta", torch.float32, 64, 1) == "matmul"
     q = torch.randn(3, 4, 16)
-    assert attn.prefix_kernel(q, q, q) == "cpu_flash"
-    assert attn.prefix_kernel(q, q.double(), q) == "matmul"
+    assert aten_prefix.prefix_kernel(q, q, q) == "cpu_flash"
+    assert aten_prefix.prefix_kernel(q, q.double(), q) == "matmul"
     with pytest.raises(ValueError, match="no fused prefix kernel"):
-        attn.fused_attention_with_lse(q[None], q[None], q[None], 0.25, "matmul")
+        aten_prefix.fused_attention_with_lse(q[None], q[None], q[None], 0.25, "matmul")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
@@ -309,7 +310,7 @@ def test_fused_prefix_kernel_returns_out_and_lse(dtype, ratio):
     cache_k = torch.randn(b, hkv, s + 40, d, generator=g).to(dtype)  # room after the prefix, as in a KV slot
     cache_v = torch.randn(b, hkv, s + 40, d, generator=g).to(dtype)
     k, v = cache_k[:, :, :s], cache_v[:, :, :s]
-    out, lse = attn.fused_attention_with_lse(q, k, v, d**-0.5, attn.prefix_kernel(q, k, v))
+    out, lse = aten_prefix.fused_attention_with_lse(q, k, v, d**-0.5, aten_prefix.prefix_kernel(q, k, v))
     assert out.shape == q.shape and lse.shape == q.shape[:3] and lse.dtype == torch.float32
     scores = q.double() @ k.double().transpose(-1, -2) * d**-0.5
     exact_lse = torch.logsumexp(scores, -1)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from spyglass.cli import main
+from cli.main import main
 
 SMALL = ["--max-new-tokens", "4"]
 
@@ -62,7 +62,7 @@ def test_json_with_compare_ar():
         [
             sys.executable,
             "-m",
-            "spyglass.cli",
+            "spyglass",
             "generate",
             "--prompt",
             "Count from one to ten in words.",

@@ -123,7 +123,7 @@ def test_request_field_travels_sdk_proto_gateway_verifier():
     [(["--contextual-penalty", "0.8"], "contextual_penalty"), (["--penalty-window", "0"], "penalty_window")],
 )
 def test_cli_bad_penalty_gives_clear_error(argv, needle, capsys):
-    from spyglass.cli import main
+    from cli.main import main
 
     assert main(["generate", "--prompt", "hi", *argv]) == 2
     err = capsys.readouterr().err

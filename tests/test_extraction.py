@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from actors.common import load_config
 from actors.extraction import Extractor, ExtractSpec, greedy_continuations, resolve_target, run_extraction
-from actors.jobs import load_config
 from spyglass.models.llama import Segment, load_transformer
 from spyglass.training.positions import PositionScheme
 

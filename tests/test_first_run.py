@@ -125,7 +125,7 @@ def make_run_readme_problems(paragraph: str, command: list[str]) -> list[str]:
     """The README's promises against what `spyglass serve --once --demo-tokens N` does (services/app.py:
     serve_main and run_demo): stream N tokens of the demo answer, print its stats, repeat the request against
     the context cache, exit. It runs no plain-decoding comparison (that is `spyglass generate --compare-ar`)."""
-    from spyglass.cli import build_parser
+    from cli.main import build_parser
 
     args = build_parser().parse_args(command[1:])
     problems = []

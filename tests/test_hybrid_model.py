@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import aten_prefix
 from kernels.dispatch import triton_available
-from spyglass import attention as attn
 from spyglass.drafters.ngram import NgramDrafter
 from spyglass.engine import EngineConfig, SpecEngine
 from spyglass.models.llama import Segment, Transformer, load_transformer
@@ -56,9 +56,9 @@ def prefix_path(request, monkeypatch):
     """Force the hybrid's prefix part through two matmuls or ATen's flash kernel for CPU, whole or
     split into 3 key chunks (plus a remainder) run as one batch."""
     rows = 10**9 if request.param == "matmul" else 0
-    monkeypatch.setattr(attn, "MATMUL_PREFIX_MAX_ROWS", {torch.float32: rows, torch.bfloat16: rows})
+    monkeypatch.setattr(aten_prefix, "MATMUL_PREFIX_MAX_ROWS", {torch.float32: rows, torch.bfloat16: rows})
     parts = 3 if request.param == "split" else 1
-    monkeypatch.setattr(attn, "kv_split_parts", lambda dtype, keys: parts)
+    monkeypatch.setattr(aten_prefix, "kv_split_parts", lambda dtype, keys: parts)
     return request.param
 
 

@@ -328,7 +328,7 @@ def serve_code_problems(cfg: dict[str, Any], gpus: bool = True) -> list[str]:
 # --- ports, probes, resources of the RayService --------------------------------------------------------------------
 def parse_cli(argv: list[str]):
     """The spyglass CLI's own parser on argv; None when it rejects it."""
-    from spyglass.cli import build_parser
+    from cli.main import build_parser
 
     try:
         with contextlib.redirect_stderr(io.StringIO()):
@@ -551,7 +551,8 @@ def run_entrypoint(job: dict[str, Any], configmaps: dict[str, dict[str, Any]], t
 
 
 def rayjob_problems(job: dict[str, Any], calls: list[list[str]]) -> list[str]:
-    from actors.jobs import load_config, validate
+    from actors.common import load_config
+    from actors.jobs import validate
 
     problems = []
     parsed = []

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.jobs import load_config
-from spyglass.cli import build_parser
+from actors.common import load_config
+from cli.main import build_parser
 from tests.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,7 +142,7 @@ def test_local_train_runs_on_loopback_without_flooding_the_log(tiny_dir, tmp_pat
 
 
 def test_bad_config_fails_before_any_cluster_starts(capsys):
-    from spyglass.cli import main
+    from cli.main import main
 
     assert main(["train", str(ROOT / "configs" / "tiny-longspec.yaml"), "--set", "train.stepz=3"]) == 2
     assert "unknown train option(s): stepz" in capsys.readouterr().err
@@ -157,7 +157,7 @@ def test_train_dispatches_single_process_trainers(smollm2, tmp_path, capsys):
     exports a loadable head; an unknown trainer is one clear error."""
     import yaml
 
-    from spyglass.cli import main
+    from cli.main import main
     from spyglass.models.drafts.dels import load_local_head
 
     cfg = yaml.safe_load((ROOT / "configs" / "smollm2-135m-dels.yaml").read_text())

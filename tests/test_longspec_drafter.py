@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from spyglass.cli import main
+from cli.main import main
 from spyglass.drafters import build_drafter
 from spyglass.drafters.base import DraftRequest
 from spyglass.drafters.longspec import LongSpecDrafter, load_longspec_draft

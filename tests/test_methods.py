@@ -162,8 +162,8 @@ def test_unknown_methods_families_and_options_are_refused(make, needle):
 
 
 def test_the_cli_and_the_verifier_config_take_the_registrys_names(capsys):
+    from cli.main import build_parser, main
     from services.verifier import VerifierConfig, build_engine
-    from spyglass.cli import build_parser, main
 
     generate = build_parser()._subparsers._group_actions[0].choices["generate"]
     method_help = next(a.help for a in generate._actions if "--method" in a.option_strings)

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from actors.jobs import read_yaml_config, validate
+from actors.common import read_yaml_config
+from actors.jobs import validate
 from spyglass.training.tokenswift_train import resolve_config
 
 REPO = Path(__file__).resolve().parents[1]

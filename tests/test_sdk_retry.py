@@ -190,7 +190,7 @@ def test_serve_sends_the_token_its_gateway_requires(server, monkeypatch):
 def test_cli_commands_send_the_token_from_the_environment(server, monkeypatch, capsys):
     import json
 
-    from spyglass.cli import main
+    from cli.main import main
 
     addr = server(Guarded("s3cret"))
     monkeypatch.delenv("SPYGLASS_AUTH_TOKEN", raising=False)

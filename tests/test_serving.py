@@ -740,7 +740,7 @@ def test_cli_generate_server(grpc_address, client):
 
     prompt = PROMPTS[0]
     expected = client.generate_text(prompt, max_new_tokens=8)
-    cmd = [sys.executable, "-m", "spyglass.cli", "generate", "--server", grpc_address, "--prompt", prompt]
+    cmd = [sys.executable, "-m", "spyglass", "generate", "--server", grpc_address, "--prompt", prompt]
     out = subprocess.run([*cmd, "--max-new-tokens", "8", "--json"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)

@@ -199,8 +199,8 @@ def test_repeated_sentence_stops_inside_the_copied_run(smollm2, method, capsys):
     """`spyglass generate --method suffix --stop "lazy dog" --compare-ar`: the drafter copies the sentence in long
     accepted runs and the stop phrase falls inside one; the output still ends at plain decoding's token, the CLI's
     comparison with plain decoding holds on token ids, and the streamed text is the cut text."""
+    from cli.main import _generate_once
     from services.verifier import encode_prompt
-    from spyglass.cli import _generate_once
     from spyglass.drafters import build_drafter
 
     model, tok = smollm2

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from actors.common import load_config
 from actors.extraction import run_extraction
-from actors.jobs import load_config
 from actors.trainer import TrainSpec, lr_lambda, run_training
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,8 +16,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.common import RESULTS_DIR, machine_load, plot_panels, write_results  # noqa: E402
-from bench.drafting import bench_setup, by_kind, compare, run_meta, speed_panels  # noqa: E402
+from bench.common import (  # noqa: E402
+    RESULTS_DIR,
+    bench_setup,
+    by_kind,
+    compare,
+    machine_load,
+    plot_panels,
+    run_meta,
+    speed_panels,
+    write_results,
+)
 from bench.tasks import heldout_tasks  # noqa: E402
 from spyglass.controller import ControllerConfig  # noqa: E402
 from spyglass.drafters import build_drafter  # noqa: E402

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from actors.jobs import load_config  # noqa: E402
+from actors.common import load_config  # noqa: E402
 from actors.trainer import ShardDataset, TrainSpec, build_loss, evaluate, warm_start  # noqa: E402
 
 

@@ -18,14 +18,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
 
-from bench.common import median, write_results  # noqa: E402
+from bench.common import load_model, median, write_results  # noqa: E402
 from bench.tasks import heldout_tasks  # noqa: E402
 from spyglass.drafters.longspec import SHIPPED, LongSpecDrafter, load_longspec_draft  # noqa: E402
 from spyglass.engine import EngineConfig, SpecEngine  # noqa: E402
-from spyglass.models.llama import load_transformer  # noqa: E402
-from spyglass.models.loader import load_tokenizer, resolve_model  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,11 +39,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--name", default="longspec_acceptance", help="results name: bench/results/NAME.json")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    path = resolve_model(None, dtype="float32").path
-    target = load_transformer(path, dtype=torch.float32)
+    target, tok, _ = load_model(threads=args.threads)
     kinds = tuple(args.kinds.split(","))
-    tasks = heldout_tasks(load_tokenizer(path), kinds=kinds, per_kind=args.per_kind)
+    tasks = heldout_tasks(tok, kinds=kinds, per_kind=args.per_kind)
     lengths = [int(n) for n in args.lengths.split(",")]
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     figures: dict = {}

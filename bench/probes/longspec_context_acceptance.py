@@ -18,13 +18,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from bench.common import median, write_results  # noqa: E402
+from bench.common import load_model, median, write_results  # noqa: E402
 from bench.long_context import QWEN  # noqa: E402
 from bench.tasks import long_tasks  # noqa: E402
 from spyglass.drafters import build_drafter  # noqa: E402
 from spyglass.engine import EngineConfig, SpecEngine  # noqa: E402
-from spyglass.models.llama import load_transformer  # noqa: E402
-from spyglass.models.loader import load_tokenizer, resolve_model  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
 
 
@@ -44,12 +42,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--name", default="longspec_context_acceptance")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-
-    resolved = resolve_model(args.model)
-    target = load_transformer(resolved.path)
+    target, tok, resolved = load_model(args.model, threads=args.threads)
     n = int(args.length[:-1]) * 1024 if args.length.endswith("k") else int(args.length)
-    tasks = long_tasks(load_tokenizer(resolved.path), [(args.length, n)], tuple(args.kinds.split(",")), 1)
+    tasks = long_tasks(tok, [(args.length, n)], tuple(args.kinds.split(",")), 1)
     tails = [int(t) for t in args.tails.split(",")]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     rows: dict[str, dict] = {}

@@ -46,9 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from bench.common import median, write_results  # noqa: E402
+from bench.common import load_model, median, write_results  # noqa: E402
 from bench.tasks import code_completion, code_edit, summary  # noqa: E402
-from spyglass.controller import controller_for  # noqa: E402
+from spyglass.chain_controller import controller_for  # noqa: E402
 from spyglass.cost import CostCurve  # noqa: E402
 from spyglass.drafters.base import DrafterTraits, DraftRequest, StatelessDrafter  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
@@ -63,13 +63,7 @@ RECORD = Path(__file__).resolve().parents[2] / ".cache" / "replay" / "dev_output
 
 def dev_setup(threads: int) -> tuple:
     """The target and the dev prompts."""
-    from spyglass.models.llama import load_transformer
-    from spyglass.models.loader import load_tokenizer, resolve_model
-
-    torch.set_num_threads(threads)
-    path = resolve_model(None, dtype="float32").path
-    target = load_transformer(path, dtype=torch.float32)
-    tok = load_tokenizer(path)
+    target, tok, _ = load_model(threads=threads)
     tasks = [code_completion(tok, f) for f in DEV_CODE] + [code_edit(tok, f) for f in DEV_CODE]
     return target, tasks + [summary(tok, d) for d in DEV_DOCS]
 

@@ -29,17 +29,13 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.common import machine_load, plot_panels, wait_for_quiet, write_results  # noqa: E402
+from bench.common import load_model, machine_load, plot_panels, wait_for_quiet, write_results  # noqa: E402
 from bench.tokenswift import eval_prose_prompt  # noqa: E402
 from spyglass.cost import CostCurve  # noqa: E402
 from spyglass.drafters.tokenswift import build_tokenswift  # noqa: E402
 from spyglass.engine import EngineConfig, SpecEngine  # noqa: E402
-from spyglass.models.llama import load_transformer  # noqa: E402
-from spyglass.models.loader import load_tokenizer, resolve_model  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
 
 SIZES = (1, 2, 3, 4, 5, 6, 8)
@@ -74,10 +70,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--name", default="tokenswift_bound")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    resolved = resolve_model(args.model, dtype="float32")
-    target = load_transformer(resolved.path, dtype=torch.float32)
-    text, _ = eval_prose_prompt(load_tokenizer(resolved.path), args.prefix)
+    target, tok, resolved = load_model(args.model, threads=args.threads)
+    text, _ = eval_prose_prompt(tok, args.prefix)
     capacity = args.prefix + args.gen + 128
     step = args.gen // (args.points - 1)
     contexts = [args.prefix + i * step for i in range(args.points)]

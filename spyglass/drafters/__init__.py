@@ -12,7 +12,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from spyglass.drafters.base import Drafter, NullDrafter
+from spyglass.drafters.base import Drafter, NullDrafter, load_once
+from spyglass.drafters.composite import CompositeDrafter
+from spyglass.drafters.dflash import build_dflash_drafter
+from spyglass.drafters.longspec import LongSpecDrafter, load_longspec_draft, shipped_draft
+from spyglass.drafters.ngram import NgramDrafter
+from spyglass.drafters.small_lm import SmallLMDrafter, load_draft_model
+from spyglass.drafters.streaming import StreamingDrafter
+from spyglass.drafters.suffix import SuffixDrafter
+from spyglass.drafters.tokenswift import build_tokenswift
+from spyglass.spans import SPAN
 
 
 @dataclass(frozen=True)
@@ -66,22 +75,16 @@ def _ar(target, m: Method, options: dict, **build) -> None:
 
 
 def _ngram(target, m: Method, options: dict, **build) -> Drafter:
-    from spyglass.drafters.ngram import NgramDrafter
-
     keys = ("n_min", "n_max", "draft_len", "max_candidates")
     return NgramDrafter(**{k: options[k] for k in keys if options.get(k) is not None})
 
 
 def _suffix(target, m: Method, options: dict, **build) -> Drafter:
-    from spyglass.drafters.suffix import SuffixDrafter
-
     # suffix_global=False: no replica-wide index of earlier outputs (each request drafts from its own text only)
     return SuffixDrafter(use_global=bool(options.get("suffix_global", True)))
 
 
 def _small_lm(target, m: Method, options: dict, max_batch: int, max_context: int, **build) -> Drafter:
-    from spyglass.drafters.small_lm import SmallLMDrafter, load_draft_model
-
     draft = load_draft_model(target, options.get("draft_model"), options.get("draft_layers"))
     gamma = options.get("gamma") or 4
     return SmallLMDrafter(draft, gamma=gamma, max_batch=max_batch, max_context=max_context)
@@ -89,8 +92,6 @@ def _small_lm(target, m: Method, options: dict, max_batch: int, max_context: int
 
 def _composite(target, m: Method, options: dict, **build) -> Drafter:
     """Suffix + a learned drafter's candidates in one tree; the parts share `loaded`."""
-    from spyglass.drafters.composite import CompositeDrafter
-
     build["token_matched"] = True  # the merged tree is verified by token matching
     parts = [build_drafter(part, target, **build, **options) for part in m.options["parts"]]
     return CompositeDrafter(parts, name=m.name)
@@ -99,10 +100,6 @@ def _composite(target, m: Method, options: dict, **build) -> Drafter:
 def _longspec(
     target, m: Method, options: dict, loaded: dict | None = None, token_matched: bool = False, **build
 ) -> Drafter:
-    from spyglass.drafters.base import load_once
-    from spyglass.drafters.longspec import LongSpecDrafter, load_longspec_draft, shipped_draft
-    from spyglass.spans import SPAN
-
     checkpoint = options.get("draft_checkpoint")
     if checkpoint is None:  # the draft of its family that ships for this model
         checkpoint = shipped_draft(target, m.family)
@@ -115,9 +112,6 @@ def _longspec(
 def _dflash(
     target, m: Method, options: dict, loaded: dict | None = None, token_matched: bool = False, **build
 ) -> Drafter:
-    from spyglass.drafters.dflash import build_dflash_drafter
-    from spyglass.spans import SPAN
-
     return build_dflash_drafter(
         target,
         options.get("draft_checkpoint"),
@@ -133,16 +127,12 @@ def _dflash(
 
 
 def _tokenswift(target, m: Method, options: dict, **build) -> Drafter:
-    from spyglass.drafters.tokenswift import build_tokenswift
-
     keys = ("ngram_k", "sinks", "policy", "draft_pass")
     extra = {k: options[k] for k in keys if options.get(k) is not None}
     return build_tokenswift(target, options.get("draft_checkpoint"), budget=options.get("partial_budget"), **extra)
 
 
 def _streaming(target, m: Method, options: dict, **build) -> Drafter:
-    from spyglass.drafters.streaming import StreamingDrafter
-
     return StreamingDrafter(budget=options.get("partial_budget"), gamma=options.get("gamma") or 4)
 
 

@@ -37,6 +37,7 @@ import torch
 
 from spyglass.drafters.base import DrafterTraits, DraftRequest, choose_draft_token, draft_generator, load_once
 from spyglass.models.drafts.copy_head import add_copies_log
+from spyglass.models.drafts.dels import load_local_head
 from spyglass.models.drafts.dflash import DFlashDraft, load_dflash
 from spyglass.models.linear import set_linear_backend
 from spyglass.models.llama import Transformer
@@ -344,8 +345,6 @@ def build_dflash_drafter(
     draft = load_once(loaded, "dflash", checkpoint or DEFAULT_DFLASH, lambda path: load_dflash(path, target))
     head = None
     if dels:
-        from spyglass.models.drafts.dels import load_local_head
-
         head = load_once(loaded, "dels", dels_checkpoint or DEFAULT_DELS, lambda path: load_local_head(path, target))
     return DFlashDrafter(draft, head, **{k: v for k, v in kw.items() if v is not None})
 

@@ -8,13 +8,15 @@ distributed as the target's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+from torch import nn
 
 from spyglass.drafters.base import DrafterTraits, DraftRequest, choose_draft_token, draft_generator, requested_depth
 from spyglass.kv_cache import KVCache
-from spyglass.models.llama import Segment, Transformer
+from spyglass.models.llama import Segment, Transformer, load_transformer
+from spyglass.models.loader import resolve_model
 from spyglass.sequence import Sequence
 from spyglass.tree import DraftTree
 from spyglass.verify import Accepted
@@ -99,9 +101,6 @@ def load_draft_model(target: Transformer, source: Transformer | str | None, laye
     if isinstance(source, Transformer):
         return source
     if source:
-        from spyglass.models.llama import load_transformer
-        from spyglass.models.loader import resolve_model
-
         dtype = str(target.dtype).removeprefix("torch.")
         path = resolve_model(str(source), dtype=dtype).path
         return load_transformer(path, dtype=target.dtype, device=target.device)
@@ -116,10 +115,6 @@ def truncated_draft(target: Transformer, n_layers: int) -> Transformer:
     A usable default when no smaller model with the same tokenizer is at hand (layer-skip
     self-speculation); it costs no extra weight memory, only its own KV cache.
     """
-    from dataclasses import replace
-
-    from torch import nn
-
     if not 1 <= n_layers <= target.args.n_layers:
         raise ValueError(f"n_layers must be in [1, {target.args.n_layers}], got {n_layers}")
     with torch.device("meta"):

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from spyglass.models.loader import load_tokenizer
+
 log = logging.getLogger(__name__)
 
 PROSE_DEFAULT_ROOTS = ("/usr/share/doc/python3.11/html/_sources", "/usr/share/doc/python3/html/_sources")
@@ -90,8 +92,6 @@ def load_corpus_tokenizer(spec: str | None, model_path: Path | None, vocab_size:
     """`bytes` (tests with tiny random models) or the model's own tokenizer."""
     if spec == "bytes":
         return ByteTokenizer(vocab_size)
-    from spyglass.models.loader import load_tokenizer
-
     return load_tokenizer(model_path)
 
 

@@ -26,8 +26,21 @@ from pathlib import Path
 
 import torch
 
+from spyglass.drafters.small_lm import truncated_draft
+from spyglass.models.drafts.dels import (
+    LocalHead,
+    LocalHeadConfig,
+    read_frozen_io,
+    save_local_head,
+    token_counts,
+    unigram_log_prior,
+)
+from spyglass.models.drafts.dflash import DFlashDraft, load_dflash, save_dflash
+from spyglass.models.llama import Segment, load_transformer
+from spyglass.models.loader import load_tokenizer, resolve_model
 from spyglass.training import repo_relative
 from spyglass.training.data import CorpusConfig, build_corpus, load_contexts
+from spyglass.training.losses import dflash_loss, local_head_loss
 
 
 def _lr(step: int, total: int, base: float, warmup: float = 0.04) -> float:
@@ -40,8 +53,6 @@ def _lr(step: int, total: int, base: float, warmup: float = 0.04) -> float:
 def _corpus(
     workdir: Path, model_path: Path, train_contexts: int, seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    from spyglass.models.loader import load_tokenizer
-
     cfg = CorpusConfig(seq_len=seq_len, max_contexts={"train": train_contexts, "eval": 48})
     manifest = build_corpus(cfg, load_tokenizer(model_path), workdir / "corpus")
     return load_contexts(workdir / "corpus", "train"), load_contexts(workdir / "corpus", "eval"), manifest
@@ -53,7 +64,7 @@ def _split_summary(manifest: dict) -> dict:
 
 
 def _plot(log: list[dict], path: Path, title: str) -> None:
-    import matplotlib
+    import matplotlib  # the `dev` extra: plots are optional
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -91,8 +102,6 @@ def warm_start(draft, checkpoint: str | Path, target) -> None:
     block size or loss weighting) starts from what an earlier run learned. Tapping as many target layers but other
     ones keeps `fc` as it is, each new layer taking the columns of the old one in its place (the residual stream of
     nearby layers is alike). ValueError if the draft's layers or the number of tapped layers differ."""
-    from spyglass.models.drafts.dflash import load_dflash
-
     warm = load_dflash(checkpoint, target)
     mine, theirs = draft.cfg, warm.cfg
     if (theirs.n_layers, len(theirs.target_layers)) != (mine.n_layers, len(mine.target_layers)):
@@ -120,8 +129,6 @@ def target_features(
     """Concatenated hidden states `[L, len(layers)*H]` of `tokens` (one forward, nothing committed) and, with
     `greedy` (`stack` must then be the whole target), the target's argmax next token at every position and its
     last layer's keys `[kvh, L, D]` (a copy head's pointer reads them)."""
-    from spyglass.models.llama import Segment
-
     stack.capture_layers = layers
     n = tokens.shape[0]
     out = stack([Segment(slot, 0, tokens, torch.arange(n), None, "all" if greedy else "none")], cache)
@@ -150,13 +157,7 @@ def write_model_card(out: Path, title: str, what: str, summary: dict) -> None:
 
 
 def train_dflash(args) -> dict:
-    from tqdm import tqdm
-
-    from spyglass.drafters.small_lm import truncated_draft
-    from spyglass.models.drafts.dflash import DFlashDraft, save_dflash
-    from spyglass.models.llama import load_transformer
-    from spyglass.models.loader import resolve_model
-    from spyglass.training.losses import dflash_loss
+    from tqdm import tqdm  # the `train` extra
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -297,18 +298,7 @@ def train_dflash(args) -> dict:
 
 
 def train_dels(args) -> dict:
-    from tqdm import tqdm
-
-    from spyglass.models.drafts.dels import (
-        LocalHead,
-        LocalHeadConfig,
-        read_frozen_io,
-        save_local_head,
-        token_counts,
-        unigram_log_prior,
-    )
-    from spyglass.models.loader import resolve_model
-    from spyglass.training.losses import local_head_loss
+    from tqdm import tqdm  # the `train` extra
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

@@ -27,6 +27,8 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from spyglass.models.drafts.tokenswift import CONFIG_FILE, TokenSwiftHeads, load_heads
+from spyglass.models.llama import Segment, load_transformer
+from spyglass.models.loader import load_tokenizer, resolve_model
 from spyglass.sampling import SamplingParams
 from spyglass.training.data import CorpusConfig, build_corpus, load_contexts
 from spyglass.training.losses import heads_loss
@@ -62,9 +64,6 @@ DEFAULTS = {
 
 
 def _load_target(model):
-    from spyglass.models.llama import load_transformer
-    from spyglass.models.loader import load_tokenizer, resolve_model
-
     resolved = resolve_model(model, dtype="float32")
     return load_transformer(resolved.path), resolved.path, load_tokenizer(resolved.path)
 
@@ -73,8 +72,6 @@ def _load_target(model):
 def extract(target, contexts: torch.Tensor, out: Path, shard: int) -> torch.Tensor:
     """Last-layer hidden states `[n, L, d]` (bf16), computed shard by shard and cached on disk with the contexts
     they belong to (a rebuilt corpus with other contexts at the same index is extracted again, never mismatched)."""
-    from spyglass.models.llama import Segment
-
     out.mkdir(parents=True, exist_ok=True)
     last = target.args.n_layers - 1
     parts = []

@@ -1,5 +1,5 @@
-"""`spyglass` command line: generate (in process), with more subcommands added by the serving and
-training work. Errors about the input print one line naming the problem and exit with status 2.
+"""The `spyglass` command line: generate (in process or on a server), serve, health, extract and train. Errors
+about the input print one line naming the problem and exit with status 2.
 """
 
 from __future__ import annotations
@@ -10,7 +10,17 @@ import os
 import sys
 import time
 
-from spyglass.device import DEVICE_HELP
+import torch
+
+from spyglass.client import Client, SpyglassError, env_token
+from spyglass.demo import code_edit_task
+from spyglass.device import DEVICE_HELP, resolve_device
+from spyglass.drafters import METHODS, build_drafter, resolve_method
+from spyglass.engine import EngineConfig, RequestError, SpecEngine
+from spyglass.kv_cache import context_capacity
+from spyglass.models.llama import load_transformer
+from spyglass.models.loader import ModelLoadError, load_tokenizer, resolve_model
+from spyglass.sampling import SamplingParams
 
 EXIT_BAD_INPUT = 2
 
@@ -36,8 +46,6 @@ def _add_generate(sub) -> None:
         default="auto",
         help="auto (default): bf16 on a GPU; on the CPU fp32, or the model's stored bf16 where that is lossless",
     )
-    from spyglass.drafters import METHODS
-
     p.add_argument("--method", default="suffix", help=f"{' | '.join(METHODS)} (default suffix)")
     p.add_argument("--draft-model", default=None, help="small-lm: draft model source (same tokenizer)")
     p.add_argument(
@@ -86,8 +94,6 @@ def _add_generate(sub) -> None:
 
 def _read_prompt(args) -> str:
     if args.demo:
-        from spyglass.demo import code_edit_task
-
         return code_edit_task().prompt
     if args.prompt_file is not None:
         try:
@@ -99,8 +105,6 @@ def _read_prompt(args) -> str:
 
 
 def _params(args):
-    from spyglass.sampling import SamplingParams
-
     try:
         return SamplingParams(
             temperature=args.temperature,
@@ -132,23 +136,12 @@ def _encode(tokenizer, text: str, raw: bool) -> list[int]:
 def _run_generate(args) -> int:
     if args.server:
         return _run_remote_generate(args)
-    from spyglass.drafters import resolve_method
-
     try:
         resolve_method(args.method)
     except ValueError as e:
         raise CliError(str(e)) from e
     params = _params(args)
     prompt = _read_prompt(args)
-
-    import torch
-
-    from spyglass.device import resolve_device
-    from spyglass.drafters import build_drafter
-    from spyglass.engine import EngineConfig, RequestError, SpecEngine
-    from spyglass.kv_cache import context_capacity
-    from spyglass.models.llama import load_transformer
-    from spyglass.models.loader import ModelLoadError, load_tokenizer, resolve_model
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     try:
@@ -243,7 +236,7 @@ def _print_stats(out: dict) -> None:
 
 
 def _add_training(sub) -> None:
-    """`extract` and `train`: handlers live in actors/jobs.py (imported lazily; Ray stays out of spyglass/)."""
+    """`extract` and `train`: handlers live in actors/jobs.py."""
     for name, help_text in (
         ("extract", "sharded target-forward extraction on Ray actors (resumable, Redis context reuse)"),
         ("train", "extract (finished shards are skipped), then train the draft with Ray Train"),
@@ -263,7 +256,7 @@ def _add_training(sub) -> None:
 
 def _run_training_command(args) -> int:
     try:
-        from actors import jobs
+        from actors import jobs  # Ray: only the training commands load it
     except ImportError as e:
         raise CliError(f"the training commands need the repository's actors package: {e}") from e
     try:
@@ -274,8 +267,6 @@ def _run_training_command(args) -> int:
 
 def _run_remote_generate(args) -> int:
     """`generate --server`: the same request through the gRPC SDK (no model loaded here)."""
-    from spyglass.client import Client, SpyglassError, env_token
-
     params = _params(args)  # validates locally first: one clear message, no round trip
     prompt = _read_prompt(args)
     if not prompt.strip():
@@ -358,14 +349,12 @@ def _run_serve(args) -> int:
         if port is not None and (not 0 < port < 65536 or 10002 <= port <= 19999):
             raise CliError(f"--{name.replace('_', '-')} must be in 1-65535 and outside Ray's worker range 10002-19999")
     if args.device is not None:  # a device this machine lacks fails here, before Ray starts
-        from spyglass.device import resolve_device
-
         try:
             resolve_device(args.device)
         except ValueError as e:
             raise CliError(str(e)) from e
     try:
-        from services.app import serve_main
+        from services.app import serve_main  # Ray Serve: only `serve` loads it
     except ImportError as e:
         raise CliError(f"`spyglass serve` needs the repository's services package and ray[serve]: {e}") from e
     try:
@@ -402,8 +391,6 @@ def _run_health(args) -> int:
     its own check is reported by name only, with no slots). "degraded" with one healthy replica is still ready."""
     if args.timeout <= 0:
         raise CliError("--timeout must be > 0")
-    from spyglass.client import Client, SpyglassError, env_token
-
     try:
         with Client(args.server, timeout=args.timeout, token=env_token()) as client:
             health = client.health()

@@ -188,3 +188,48 @@ def measured_curve(target, cache) -> CostCurve:
     if key not in _CURVES:
         _CURVES[key] = CostCurve.measure(target, cache)
     return _CURVES[key]
+
+
+_PREFILL_RATES: dict[tuple, float] = {}
+
+
+@torch.inference_mode()
+def measure_prefill_rate(target, cache, chunk: int = 256, context: int = 2048, repeats: int = 2) -> float:
+    """Prompt tokens per second of a `chunk`-token prefill forward over a `context`-token prefix on this machine
+    (the median of `repeats` after a warm-up): what sizes the engine's per-step prefill budget. A chunk late in a
+    long prompt costs more (its attention reads a longer prefix), so the prefix is that of a long prompt's middle
+    rather than none. The prefix K/V are zeros, as for the cost curve."""
+    from spyglass.models.llama import Segment
+
+    slot = cache.allocate()
+    try:
+        chunk = max(1, min(chunk, cache.capacity // 2))
+        context = max(0, min(context, cache.capacity - chunk))
+        for layer in range(cache.n_layers):
+            k, v = cache.layer(slot, layer)
+            k[:, :context].zero_()
+            v[:, :context].zero_()
+        vocab = target.args.vocab_size
+        times = []
+        for _ in range(repeats + 1):  # the first warms up the shape
+            cache.lengths[slot] = context
+            ids, pos = torch.randint(0, vocab, (chunk,)), torch.arange(context, context + chunk)
+            seg = Segment(slot, context, ids, pos, None, "last")
+            t0 = time.perf_counter()
+            target([seg], cache)
+            if cache.device.type == "cuda":
+                torch.cuda.synchronize(cache.device)
+            times.append(time.perf_counter() - t0)
+    finally:
+        cache.lengths[slot] = 0
+        cache.release(slot)
+    return chunk / max(statistics.median(times[1:]), 1e-9)
+
+
+def measured_prefill_rate(target, cache, chunk: int = 256) -> float:
+    """`measure_prefill_rate` once per process for this model, dtype, thread count and capacity."""
+    key = (target.model_id, repr(target.args), str(target.dtype), target.linear_backend, torch.get_num_threads(),
+           cache.capacity, str(cache.device), chunk)  # fmt: skip
+    if key not in _PREFILL_RATES:
+        _PREFILL_RATES[key] = measure_prefill_rate(target, cache, chunk)
+    return _PREFILL_RATES[key]

@@ -1,8 +1,10 @@
 """SpecEngine: prefill, then draft -> verify -> accept -> commit over a continuous batch.
 
 Every running sequence contributes one draft tree to a single packed target forward per step; new
-requests are prefilled between steps and join the batch, finished ones leave it. Plain decoding is
-the same loop with root-only trees (`drafter=None`).
+requests are prefilled in chunks, a bounded number of prompt tokens per step in forwards of their own
+(chunked prefill), so the running sequences keep decoding while a long prompt is read; a prompt joins
+the batch once its prefill completes, finished ones leave it. Plain decoding is the same loop with
+root-only trees (`drafter=None`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from spyglass.context_cache import ContextCache, kv_blocks_from_cache, load_blocks_into_cache
 from spyglass.controller import Controller, ControllerConfig, controller_for
-from spyglass.cost import CostCurve, measured_curve
+from spyglass.cost import CostCurve, measured_curve, measured_prefill_rate
 from spyglass.detokenize import TextStream
 from spyglass.drafters.base import Drafter, DraftRequest, NullDrafter
 from spyglass.kv_cache import context_capacity
@@ -32,7 +34,13 @@ from spyglass.verify import Accepted, accept
 class EngineConfig:
     max_batch: int = 4
     max_context: int | None = None  # KV capacity per sequence: a cap in 2..the model's window (default: the window)
-    prefill_chunk: int = 512
+    prefill_chunk: int = 512  # most prompt tokens in one prefill forward
+    # Chunked prefill: the most prompt tokens a step prefills while other sequences decode, so a decoding stream
+    # waits about `prefill_step_s` at most for other prompts between two of its rounds. None: measured at start-up,
+    # the tokens this machine prefills in `prefill_step_s` (spyglass.cost.measured_prefill_rate). A prompt's chunks
+    # are min(prefill_chunk, budget) tokens; with no sequence decoding a step prefills up to 4 of them.
+    prefill_budget: int | None = None
+    prefill_step_s: float = 0.25
     # Tree sizing: "measure" = the speculation controller with the verify-cost curve measured at start-up on
     # this machine; "off" = verify every node the drafter proposes. A CostCurve here is used as given.
     controller: str | CostCurve = "measure"
@@ -112,9 +120,28 @@ class SpecEngine:
             drafts = named[method] is not None and self.config.controller != "off"
             self.controllers[method] = controller_for(d, curve, cfg.control) if drafts else None
         self._capture = tuple(sorted(capture))
+        self.prefill_budget = self._prefill_budget()
+        # a prompt's chunks are cut at multiples of this from where its prefill starts, whatever else the step
+        # prefills: its K/V are computed by the same forwards under any load
+        self.prefill_chunk = min(cfg.prefill_chunk, self.prefill_budget)
         self.waiting: deque[Sequence] = deque()
+        self.prefilling: deque[Sequence] = deque()  # hold a slot; served one chunk each in turn
         self.running: list[Sequence] = []
         self.eos_ids = set(target.args.eos_token_ids)
+
+    def _prefill_budget(self) -> int:
+        cfg = self.config
+        if cfg.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, not {cfg.prefill_chunk}")
+        if cfg.prefill_budget is not None:
+            if cfg.prefill_budget < 1:
+                raise ValueError(f"prefill_budget must be >= 1 token, not {cfg.prefill_budget}")
+            return cfg.prefill_budget
+        if cfg.prefill_step_s <= 0:
+            raise ValueError(f"prefill_step_s must be > 0, not {cfg.prefill_step_s}")
+        tokens = cfg.prefill_step_s * measured_prefill_rate(self.target, self.cache, min(cfg.prefill_chunk, 256))
+        # whole multiples of 32 tokens (an odd chunk size runs slower matmuls), at most a full chunk's worth
+        return int(min(max(32, tokens // 32 * 32), cfg.prefill_chunk))
 
     @property
     def drafter(self) -> Drafter:
@@ -155,6 +182,12 @@ class SpecEngine:
                 self.waiting.remove(seq)
                 seq.finish("abort")
                 return True
+        for seq in list(self.prefilling):
+            if seq.seq_id == seq_id:
+                self.prefilling.remove(seq)
+                seq.finish("abort")
+                self.cache.release(seq.slot)
+                return True
         for seq in self.running:
             if seq.seq_id == seq_id:
                 seq.finish("abort")
@@ -164,16 +197,15 @@ class SpecEngine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
 
     # --- the loop -----------------------------------------------------------------------------
     def step(self) -> list[Event]:
-        """Admit waiting requests (prefill), then one speculative round over the running batch; one event per
-        sequence that advanced."""
-        admitted = []
-        while self.waiting and len(admitted) < self.cache.free_slots:
-            admitted.append(self.waiting.popleft())
-        events = {ev.seq.seq_id: ev for ev in (self._prefill(admitted) if admitted else [])}
+        """Admit waiting requests to free slots, prefill at most the step's budget of their prompt tokens, then one
+        speculative round over the running batch (with the prompts whose prefill completed); one event per sequence
+        that advanced."""
+        self._admit()
+        events = {ev.seq.seq_id: ev for ev in self._prefill_step()}
         batch = [s for s in self.running if not s.finished]
         if batch:
             for ev in self._spec_round(batch):
@@ -183,48 +215,54 @@ class SpecEngine:
             self._retire(seq)
         return list(events.values())
 
-    def _prefill(self, seqs: list[Sequence]) -> list[Event]:
-        """Prefill admitted prompts in packed forwards of at most `prefill_chunk` tokens per sequence
-        and `4 * prefill_chunk` tokens per forward, then pick each first token."""
-        t0 = time.perf_counter()
-        chunk = self.config.prefill_chunk
-        for seq in seqs:
+    def _admit(self) -> None:
+        """Waiting requests take free slots in arrival order, each loading its longest cached prefix once."""
+        while self.waiting and self.cache.free_slots:
+            seq = self.waiting.popleft()
             seq.slot = self.cache.allocate()
+            seq.stats.t_admit = time.perf_counter()
             seq.stats.cached_prefix_tokens = self._load_cached_prefix(seq)
-        pending = {seq.seq_id: seq for seq in seqs}
-        last_logits: dict[str, torch.Tensor] = {}
-        while pending:
-            segments, owners, budget = [], [], 4 * chunk
-            for seq in list(pending.values()):
-                start = self.cache.lengths[seq.slot]
-                take = min(chunk, seq.num_tokens - start)
-                if segments and take > budget:
-                    break
-                toks = seq.tokens[start : start + take].clone()
-                segments.append(Segment(seq.slot, start, toks, torch.arange(start, start + take), None, "last"))
-                owners.append(seq)
-                budget -= take
-            for j, (seq, seg, lg) in enumerate(zip(owners, segments, self._forward(segments), strict=True)):
-                self._hidden(seq, seg.start, j, list(range(len(seg.tokens))))
-                self.cache.commit(seq.slot, seg.start, list(range(len(seg.tokens))))
-                if self.cache.lengths[seq.slot] == seq.num_tokens:
-                    last_logits[seq.seq_id] = lg[-1]
-                    del pending[seq.seq_id]
-        for seq in seqs:
-            self._store_prefix(seq)
+            self.prefilling.append(seq)
+
+    def _prefill_step(self) -> list[Event]:
+        """Prefill chunks of the admitted prompts, at most `prefill_budget` tokens while sequences decode (else
+        4 chunks), one chunk per forward and one prompt after another in turn: a long prompt shares the
+        budget with those admitted after it instead of holding it until it is done. Each prompt whose prefill
+        completes picks its first token and joins the running batch."""
+        budget = self.prefill_budget if self.running else 4 * self.prefill_chunk
+        done: list[tuple[Sequence, torch.Tensor]] = []
+        while self.prefilling:
+            seq = self.prefilling[0]
+            start = self.cache.lengths[seq.slot]
+            take = min(self.prefill_chunk, seq.num_tokens - start)
+            if take > budget:
+                break
+            budget -= take
+            self.prefilling.popleft()
+            t0 = time.perf_counter()
+            seg = Segment(seq.slot, start, seq.tokens[start : start + take].clone(), torch.arange(start, start + take),
+                          None, "last")  # fmt: skip
+            (logits,) = self._forward([seg])
+            self._hidden(seq, start, 0, list(range(take)))
+            self.cache.commit(seq.slot, start, list(range(take)))
+            seq.stats.prefill_compute_time += time.perf_counter() - t0
+            if self.cache.lengths[seq.slot] == seq.num_tokens:
+                done.append((seq, logits[-1]))
+            else:
+                self.prefilling.append(seq)  # to the back: the next prompt's turn
         events = []
-        for seq in seqs:
+        for seq, last in done:
+            self._store_prefix(seq)
             seq.stats.prefill_tokens = seq.num_tokens
             self.running.append(seq)
-            new = self._append(seq, [self._choose(last_logits[seq.seq_id], seq)])
+            new = self._append(seq, [self._choose(last, seq)])
             if not seq.finished:
                 self._drafter(seq).start(seq)
             events.append(Event(seq, new, self._release(seq)))
-        # The first tokens leave with these events, after the drafters' own set-up (e.g. a draft model's prompt
-        # prefill): that set-up is prompt processing, so it counts in the time to first token, not in decoding.
-        now = time.perf_counter()
-        for seq in seqs:
-            seq.stats.prefill_time = now - t0
+            # The first token leaves with this event, after the drafter's own set-up (e.g. a draft model's prompt
+            # prefill): that set-up is prompt processing, so it counts in the time to first token, not in decoding.
+            now = time.perf_counter()
+            seq.stats.prefill_time = now - seq.stats.t_admit
             seq.stats.t_first_token = now
             if seq.finished:  # it ended at its first token
                 seq.stats.t_end = now

@@ -216,13 +216,25 @@ class SpecEngine:
         return list(events.values())
 
     def _admit(self) -> None:
-        """Waiting requests take free slots in arrival order, each loading its longest cached prefix once."""
+        """Waiting requests take free slots in arrival order, each loading its longest cached prefix once. A prompt
+        whose prefix blocks the context cache is still writing (a follow-up sent right after its first request)
+        waits for them while the engine has other work, rather than computing what is about to be stored; with
+        nothing else to do its lookup waits for them."""
+        deferred = []
         while self.waiting and self.cache.free_slots:
             seq = self.waiting.popleft()
+            if (self.running or self.prefilling) and self._prefix_being_written(seq):
+                deferred.append(seq)
+                continue
             seq.slot = self.cache.allocate()
             seq.stats.t_admit = time.perf_counter()
             seq.stats.cached_prefix_tokens = self._load_cached_prefix(seq)
             self.prefilling.append(seq)
+        self.waiting.extendleft(reversed(deferred))
+
+    def _prefix_being_written(self, seq: Sequence) -> bool:
+        cc = self.context_cache
+        return cc is not None and self._reads_cache(seq) and cc.writing(seq.tokens, seq.num_tokens - 1)
 
     def _prefill_step(self) -> list[Event]:
         """Prefill chunks of the admitted prompts, at most `prefill_budget` tokens while sequences decode (else
@@ -276,20 +288,27 @@ class SpecEngine:
         on a miss; its requests prefill the whole prompt instead (they still store it for the other methods). One
         that keeps only the last token's (LongSpec: `traits.newest_hidden_only`) gets it from the computed tail."""
         cc = self.context_cache
-        traits = self._drafter(seq).traits
-        if cc is None or (traits.hidden_layers and not traits.newest_hidden_only):
+        if cc is None or not self._reads_cache(seq):
             return 0
         blocks = cc.lookup(seq.tokens, max_tokens=seq.num_tokens - 1)
         return load_blocks_into_cache(self.cache, seq.slot, blocks, cc.block_size)
 
+    def _reads_cache(self, seq: Sequence) -> bool:
+        traits = self._drafter(seq).traits
+        return not (traits.hidden_layers and not traits.newest_hidden_only)
+
     def _store_prefix(self, seq: Sequence) -> None:
+        """Hand the prompt's new full blocks to the context cache's writer (a copy of them: the slot moves on)."""
         cc = self.context_cache
         if cc is None:
             return
         first = seq.stats.cached_prefix_tokens // cc.block_size
         last = seq.num_tokens // cc.block_size
         if last > first:
-            cc.store(seq.tokens.clone(), kv_blocks_from_cache(self.cache, seq.slot, first, last, cc.block_size))
+            t0 = time.perf_counter()
+            blocks = kv_blocks_from_cache(self.cache, seq.slot, first, last, cc.block_size)
+            cc.stats.copy_s += time.perf_counter() - t0
+            cc.store(seq.tokens.clone(), blocks)
 
     def _choose(self, logits: torch.Tensor, seq: Sequence) -> int:
         rows = process_in_context(logits.unsqueeze(0), seq.params, seq.tokens)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from spyglass.context_cache import ContextCache, kv_blocks_from_cache, load_blocks_into_cache
-from spyglass.controller import Controller, ControllerConfig, controller_for
+from spyglass.controller import Controller, ControllerConfig, controller_for, size_batch
 from spyglass.cost import CostCurve, measured_curve, measured_prefill_rate
 from spyglass.detokenize import TextStream
 from spyglass.drafters.base import Drafter, DraftRequest, NullDrafter
@@ -319,7 +319,7 @@ class SpecEngine:
         proposed: dict[int, DraftTree] = {}
         for method, group in self._by_method(batch).items():
             ctl = self.controllers[method]
-            wants = {id(s): DraftRequest() if ctl is None else ctl.wants_draft(s) for s in group}
+            wants = {id(s): DraftRequest() if ctl is None else ctl.wants_draft(s, len(batch)) for s in group}
             drafting = [s for s in group if wants[id(s)] is not None]
             if not drafting:
                 continue
@@ -336,17 +336,7 @@ class SpecEngine:
                     if seq.drafted_before:
                         ctl.note_draft_time(seq, share, proposed[id(seq)].max_depth)
                     seq.drafted_before = True
-        trees = []
-        for seq in batch:
-            ctl = self.controllers[seq.method]
-            tree = proposed.get(id(seq))
-            if tree is None:  # plain decoding, or the controller keeps this sequence plain until its next probe
-                if ctl is not None:
-                    ctl.skip(seq)
-                tree = DraftTree.root_only(seq.root)
-            elif ctl is not None:
-                tree = ctl.size(seq, tree, len(batch))  # priced at the step's whole batch, every method's
-            trees.append(tree)
+        trees = size_batch([(seq, proposed.get(id(seq)), self.controllers[seq.method]) for seq in batch])
         t1 = time.perf_counter()
         segments = []
         for seq, tree in zip(batch, trees, strict=True):

@@ -290,7 +290,7 @@ def main() -> int:
     model_dir = Path(resolve_model("default", dtype="float32").path)
     tokenizer = load_tokenizer(model_dir)
     work = Path(tempfile.mkdtemp(prefix="spyglass-load-"))
-    logs = RESULTS_DIR / f"{name}_logs"
+    logs = ROOT / ".cache" / "load" / name  # server and client logs, each run's full client result
     logs.mkdir(parents=True, exist_ok=True)
     datasets = {}
     for w, prompts in workloads(tokenizer, args.smoke, args.questions).items():

@@ -186,6 +186,7 @@ class SpecEngine:
             if seq.seq_id == seq_id:
                 self.prefilling.remove(seq)
                 seq.finish("abort")
+                self._drafter(seq).release(seq)  # what it kept of the chunks' hidden states
                 self.cache.release(seq.slot)
                 return True
         for seq in self.running:

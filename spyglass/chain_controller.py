@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from spyglass.controller import DEFAULT_CONFIG, BasePolicy, Controller, ControllerConfig, SpeculationController
-from spyglass.cost import CostCurve
+from spyglass.cost import BatchShape, CostCurve
 from spyglass.drafters.base import DraftRequest
 from spyglass.sequence import Sequence
 from spyglass.tree import DRAFT_SOURCE, SPAN_SOURCE, DraftTree
@@ -117,17 +117,18 @@ class ChainDepthController(BasePolicy):
         self,
         st: _ChainControl,
         context: int,
-        batch: int,
+        batch: int | BatchShape,
         limit: int,
         nodes: list[_Node] | None = None,
         free: bool = False,
     ) -> int:
         """`nodes`: the chain's, whose span conditionals are calibrated here by the sequence's spans so far; `free`:
-        no draft step was run (a model-free proposal)."""
+        no draft step was run (a model-free proposal). Sets `gains` (per depth, the tokens expected)."""
         cost, c = self.cost, self.config
         draft_s = 0.0 if free else st.draft_s
-        best, best_rate = 0, cost.rate(1.0, cost.verify(1, context, batch))
+        best, best_rate = 0, cost.step_rate(1.0, 1, context, batch)
         gain = p = 1.0
+        self.gains = [1.0]
         calibration = (st.span[0] + c.span_prior) / (st.span[1] + c.span_prior)
         for d in range(1, limit + 1):
             if nodes and nodes[d - 1][0] is not None:
@@ -136,18 +137,19 @@ class ChainDepthController(BasePolicy):
                 hits, trials = st.accepted[d - 1] if d <= len(st.accepted) else (c.chain_prior, 1.0)
                 p *= hits / trials
             gain += p
-            rate = cost.rate(gain, cost.verify(d + 1, context, batch), cost.drafting(draft_s, d))
+            self.gains.append(gain)
+            rate = cost.step_rate(gain, d + 1, context, batch, cost.drafting(draft_s, d))
             if rate > best_rate:
                 best, best_rate = d, rate
         return best
 
-    def wants_draft(self, seq: Sequence) -> DraftRequest | None:
+    def wants_draft(self, seq: Sequence, batch: int = 1) -> DraftRequest | None:
         st = self._state(seq)
         self._resolve(seq, st)
         st.free_only = False
         if st.deepest == 0:  # the first step drafts as deep as the drafter goes: evidence for every depth
             return DraftRequest()
-        depth = self._best_depth(st, seq.committed, 1, st.deepest)
+        depth = self._best_depth(st, seq.committed, batch, st.deepest)
         if depth == 0:
             if st.plain_streak >= self.config.chain_probe:
                 return DraftRequest(1)
@@ -156,7 +158,7 @@ class ChainDepthController(BasePolicy):
         st.drafted += 1
         return DraftRequest(min(st.deepest, depth + (st.drafted % self.config.chain_explore == 0)))
 
-    def size(self, seq: Sequence, tree: DraftTree, batch: int) -> DraftTree:
+    def size(self, seq: Sequence, tree: DraftTree, batch: int | BatchShape) -> DraftTree:
         st = self._state(seq)
         stats = seq.stats.control
         stats.proposed_nodes += len(tree) - 1
@@ -169,6 +171,7 @@ class ChainDepthController(BasePolicy):
             # accept it (sum p*q against sum min(p, q)), so unverified probes would keep a sampled chain plain:
             # verify the probe's first token (a decision from the history only, so still exact).
             st.verified = min(1, tree.max_depth)
+        self.last_gain = self.gains[min(st.verified, len(self.gains) - 1)]
         if tree.max_depth > st.verified:  # the unverified rest, scored once committed
             rest = [int(t) for t, d in zip(tree.tokens.tolist(), tree.depths, strict=True) if d > st.verified]
             st.rest = (seq.num_tokens - 1 + st.verified, rest, st.verified + 1, st.nodes[st.verified :])

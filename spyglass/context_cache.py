@@ -5,6 +5,11 @@ token prefix up to the block's end, under a namespace (model id, dtype, position
 block is only ever reused after exactly the same tokens. Values use a small typed binary format
 with a CRC32 (no pickle). A miss, a corrupt value or any Redis failure only costs recomputation.
 The total size is bounded: the oldest blocks are evicted first.
+
+Writes go through a writer thread (the engine loop only copies the blocks out of its KV pool). The cache
+knows which blocks are queued or being written, so a request that arrives right after another with the same
+prefix can wait for them (`writing`, and `lookup` waits up to `write_wait_s`) instead of recomputing what
+is about to be stored.
 """
 
 from __future__ import annotations
@@ -78,6 +83,9 @@ class CacheStats:
     stored_blocks: int = 0
     errors: int = 0
     evicted_blocks: int = 0
+    write_s: float = 0.0  # the writer's time (encoding, checksums, Redis round trips): off the engine loop
+    copy_s: float = 0.0  # the engine loop's time copying blocks out of its KV pool for the writer
+    wait_s: float = 0.0  # lookups' time waiting for blocks still being written
 
 
 @dataclass
@@ -90,6 +98,7 @@ class ContextCache:
     block_size: int = 256
     max_bytes: int = 4 << 30
     async_writes: bool = True
+    write_wait_s: float = 30.0  # longest a lookup waits for its prefix's blocks still being written
     stats: CacheStats = field(default_factory=CacheStats)
     client: Any = None
 
@@ -100,6 +109,8 @@ class ContextCache:
 
             self._redis = redis.Redis.from_url(self.url, socket_timeout=5.0, socket_connect_timeout=2.0)
         self._queue: queue.Queue | None = None
+        self._pending: dict[str, int] = {}  # key -> queued writes of it not yet done
+        self._written = threading.Condition()
         self._prefix = f"spyglass:ctx:{self.namespace}"
 
     # --- keys ----------------------------------------------------------------------------------
@@ -115,14 +126,31 @@ class ContextCache:
         return keys
 
     # --- read ----------------------------------------------------------------------------------
+    def _lookup_keys(self, tokens: torch.Tensor | list[int], max_tokens: int | None) -> list[str]:
+        limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
+        return self.block_keys(tokens[:limit], limit // self.block_size)
+
+    def writing(self, tokens: torch.Tensor | list[int], max_tokens: int | None = None) -> bool:
+        """Whether some block a lookup of `tokens` would read is queued or being written."""
+        if self._redis is None or not self._pending:
+            return False
+        keys = self._lookup_keys(tokens, max_tokens)
+        with self._written:
+            return any(k in self._pending for k in keys)
+
     def lookup(self, tokens: torch.Tensor | list[int], max_tokens: int | None = None) -> list[torch.Tensor]:
-        """The longest run of cached blocks from the start of `tokens` (at most `max_tokens` tokens)."""
+        """The longest run of cached blocks from the start of `tokens` (at most `max_tokens` tokens), after the
+        writes of those blocks still queued have been done (waiting `write_wait_s` at most)."""
         if self._redis is None:
             return []
-        limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
-        keys = self.block_keys(tokens[:limit], limit // self.block_size)
+        keys = self._lookup_keys(tokens, max_tokens)
         if not keys:
             return []
+        if self._pending:
+            t0 = time.perf_counter()
+            with self._written:
+                self._written.wait_for(lambda: not any(k in self._pending for k in keys), self.write_wait_s)
+            self.stats.wait_s += time.perf_counter() - t0
         blocks: list[torch.Tensor] = []
         try:
             pipe = self._redis.pipeline(transaction=False)
@@ -167,16 +195,17 @@ class ContextCache:
         keys = self.block_keys(tokens, max(blocks) + 1)
         items = [(keys[i], t) for i, t in sorted(blocks.items())]
         if self.async_writes:
+            with self._written:
+                for key, _ in items:
+                    self._pending[key] = self._pending.get(key, 0) + 1
             self._writer().put(items)
         else:
             self._write(items)
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait for queued asynchronous writes (tests, shutdown)."""
-        if self._queue is not None:
-            deadline = time.time() + timeout
-            while self._queue.unfinished_tasks and time.time() < deadline:
-                time.sleep(0.01)
+        with self._written:
+            self._written.wait_for(lambda: not self._pending, timeout)
 
     @property
     def _index_key(self) -> str:
@@ -194,9 +223,16 @@ class ContextCache:
             try:
                 self._write(items)
             finally:
+                with self._written:
+                    for key, _ in items:
+                        left = self._pending.pop(key) - 1
+                        if left:
+                            self._pending[key] = left
+                    self._written.notify_all()
                 self._queue.task_done()
 
     def _write(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        t0 = time.perf_counter()
         try:
             for key, tensor in items:
                 if self._redis.exists(key):
@@ -212,6 +248,8 @@ class ContextCache:
         except Exception as e:  # noqa: BLE001 - a failed store only costs a later recomputation
             log.warning("context cache store failed: %s", e)
             self.stats.errors += 1
+        finally:
+            self.stats.write_s += time.perf_counter() - t0
 
     def _evict(self) -> None:
         used = int(self._redis.get("spyglass:ctx-bytes") or 0)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from spyglass.cost import CostCurve, StepCost
+from spyglass.cost import BatchShape, CostCurve, StepCost
 from spyglass.drafters.base import DraftRequest
 from spyglass.sequence import Sequence
 from spyglass.tree import DraftTree
@@ -60,14 +60,15 @@ class Controller(Protocol):
     decoding); and the verdict to learn from (`observe`)."""
 
     curve: CostCurve
+    last_gain: float  # the tokens the tree `size` returned last is expected to make (1: plain)
 
-    def wants_draft(self, seq: Sequence) -> DraftRequest | None: ...
+    def wants_draft(self, seq: Sequence, batch: int = 1) -> DraftRequest | None: ...
 
     def skip(self, seq: Sequence) -> None: ...
 
     def note_draft_time(self, seq: Sequence, seconds: float, depth: int = 1) -> None: ...
 
-    def size(self, seq: Sequence, tree: DraftTree, batch: int) -> DraftTree: ...
+    def size(self, seq: Sequence, tree: DraftTree, batch: int | BatchShape) -> DraftTree: ...
 
     def observe(self, seq: Sequence, tree: DraftTree, accepted: Accepted) -> None: ...
 
@@ -92,6 +93,7 @@ class BasePolicy:
         self.config = config
         self.cost = StepCost(curve, cost_by_depth)
         self.free_part = free_part
+        self.last_gain = 1.0
 
     def _state(self, seq: Sequence):
         if seq.control is None:
@@ -137,10 +139,10 @@ class SpeculationController(BasePolicy):
     def _new_state(self) -> _SeqControl:
         return _SeqControl(backoff=self.config.first_backoff)
 
-    def wants_draft(self, seq: Sequence) -> DraftRequest | None:
-        """What the drafter should propose for `seq` this step; None while a sequence decodes plainly between probes:
-        its drafter need not run at all (a drafter with a model-free part still proposes from that part alone,
-        `DraftRequest.free_only`)."""
+    def wants_draft(self, seq: Sequence, batch: int = 1) -> DraftRequest | None:
+        """What the drafter should propose for `seq` this step (in a batch of `batch` sequences); None while a
+        sequence decodes plainly between probes: its drafter need not run at all (a drafter with a model-free part
+        still proposes from that part alone, `DraftRequest.free_only`)."""
         st = self._state(seq)
         st.free_only = False
         if st.plain_streak == 0:
@@ -149,7 +151,9 @@ class SpeculationController(BasePolicy):
         st.probing = st.plain_streak >= st.backoff
         # A drafter that costs almost nothing (model-free lookups) proposes every step: the sizing then decides
         # from its scores whether this step's tree pays (a long fresh match often does, right after a miss).
-        if st.probing or st.draft_s <= self.config.cheap_draft * self.curve.time(1, seq.committed):
+        # "Almost nothing" is relative to the sequence's share of a batched decode step, which shrinks as the batch
+        # grows: at 4-8 streams a lookup that was 2% of a lone decode step is 6-12% of its share.
+        if st.probing or st.draft_s <= self.config.cheap_draft * self.cost.share(seq.committed, batch):
             return DraftRequest()
         # Else wait for a probe, even if drafting has paid on average (drafting on through such steps never engaged
         # for LongSpec or DFlash on one Zen 4 machine, and moved the composite's tau by +0.2 / +0.06 / -0.6 on three
@@ -200,11 +204,13 @@ class SpeculationController(BasePolicy):
             s[i] = s[p] * min(1.0, cond[i] * self.calibration(seq, depths[i], sources[i]))
         return s
 
-    def size(self, seq: Sequence, tree: DraftTree, batch: int) -> DraftTree:
-        """The subtree of `tree` to verify this step."""
+    def size(self, seq: Sequence, tree: DraftTree, batch: int | BatchShape) -> DraftTree:
+        """The subtree of `tree` to verify this step, priced in a batch of `batch` rows like it or, given the rest of
+        the step's batch (`BatchShape`), for the whole step's expected tokens per second."""
         st = self._state(seq)
         stats = seq.stats.control
         stats.proposed_nodes += len(tree) - 1
+        self.last_gain = 1.0
         if len(tree) == 1:
             return tree
         scores = self.scores(seq, tree)
@@ -212,18 +218,18 @@ class SpeculationController(BasePolicy):
         # at most the largest tree the curve was measured for
         order = sorted(range(1, len(tree)), key=lambda i: -scores[i])[: max(self.curve.sizes) - 1]
         ctx, cost = seq.committed, self.cost
-        plain_rate = cost.rate(1.0, cost.verify(1, ctx, batch))
+        plain_rate = cost.step_rate(1.0, 1, ctx, batch)
         free = st.free_only
         draft_s = 0.0 if free else st.draft_s  # a model-free part alone costs next to nothing
         best_k, best_rate, best_total, gain, depth = 0, plain_rate, 0.0, 1.0, 0
         for k, i in enumerate(order, start=1):
             gain += scores[i]
             depth = max(depth, depths[i])
-            verify = cost.verify(k + 1, ctx, batch)
-            best_total = max(best_total, cost.rate(gain, verify, cost.drafting(draft_s, depth)))  # drafting included
+            drafting = cost.drafting(draft_s, depth)
+            best_total = max(best_total, cost.step_rate(gain, k + 1, ctx, batch, drafting))  # drafting included
             # what verifying adds from now on: the drafting is spent (charged to every node too, DFlash on Zen 4
             # verified nothing on ~1 drafted step in 5 whose tree paid its verification)
-            rate = cost.rate(gain, verify)
+            rate = cost.step_rate(gain, k + 1, ctx, batch)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         paid = best_total > plain_rate  # drafting this step beat plain decoding, its own time included
@@ -246,7 +252,9 @@ class SpeculationController(BasePolicy):
             st.plain_streak = 0 if again else st.plain_streak + 1
         stats.drafted_steps += 1
         stats.verified_nodes += best_k
-        kept = tree.subtree(tree.best_nodes(scores, best_k))
+        kept_nodes = tree.best_nodes(scores, best_k)
+        self.last_gain = 1.0 + sum(scores[i] for i in kept_nodes if i)
+        kept = tree.subtree(kept_nodes)
         st.kept_depth = kept.max_depth
         return kept
 
@@ -290,3 +298,24 @@ class SpeculationController(BasePolicy):
                 st.plain_streak, st.backoff = 0, self.config.first_backoff
             else:
                 st.plain_streak, st.backoff = 1, min(self.config.max_backoff, st.backoff * 2)
+
+
+def size_batch(rows: list[tuple[Sequence, DraftTree | None, Controller | None]]) -> list[DraftTree]:
+    """Each row's tree to verify in one step: (sequence, its drafter's tree or None when it did not draft, its
+    controller or None when sizing is off), sized for the step's whole batch, every method's. The rows are sized
+    one after another, each against the rows sized before it and the plain rows still to come (`BatchShape`), so a
+    row keeps only nodes that raise the whole step's expected tokens per second on the measured cost curve: the
+    step expects at least plain decoding's tokens per second for this batch (a probe aside)."""
+    shape = BatchShape.plain([seq.committed for seq, _, _ in rows])
+    trees = []
+    for seq, tree, ctl in rows:
+        if tree is None:  # plain decoding, or the controller keeps this sequence plain until its next probe
+            if ctl is not None:
+                ctl.skip(seq)
+            tree = DraftTree.root_only(seq.root)
+        elif ctl is not None:
+            others = shape.plus(-1, seq.committed, -1.0)  # this row leaves the plain rows
+            tree = ctl.size(seq, tree, others)
+            shape = others.plus(len(tree), seq.committed, ctl.last_gain)
+        trees.append(tree)
+    return trees

@@ -140,6 +140,33 @@ class CostCurve:
 
 
 @dataclass(frozen=True)
+class BatchShape:
+    """The rest of a step's batch as one sequence's sizing sees it: the tokens the other rows verify, the sum over
+    those tokens of their prefix lengths, and the tokens they are expected to make. The engine sizes the rows one
+    after another, each against the rows sized before it and the plain rows still to size, so each row keeps
+    only what raises the whole step's expected tokens per second."""
+
+    tokens: int = 0
+    context_tokens: int = 0
+    gain: float = 0.0
+
+    @classmethod
+    def plain(cls, contexts: list[int]) -> BatchShape:
+        """A batch of plain rows over these prefixes."""
+        return cls(len(contexts), sum(contexts), float(len(contexts)))
+
+    def plus(self, tokens: int, context: int, gain: float) -> BatchShape:
+        return BatchShape(self.tokens + tokens, self.context_tokens + tokens * context, self.gain + gain)
+
+    def time(self, curve: CostCurve, tokens: int = 0, context: int = 0) -> float:
+        """One forward of these rows and `tokens` more over a `context`-token prefix, on `curve`: the curve's
+        time for all the tokens at their token-weighted mean prefix (the attention reads each token's own prefix,
+        the matmuls see every token)."""
+        n = self.tokens + tokens
+        return curve.time(n, (self.context_tokens + tokens * context) / max(n, 1))
+
+
+@dataclass(frozen=True)
 class StepCost:
     """Prices one sequence's speculative step on `curve`. `cost_by_depth`: the drafter runs one step per depth and
     drafts only as deep as asked (LongSpec, GLIDE), so drafting is charged per drafted depth, not per step."""
@@ -164,6 +191,22 @@ class StepCost:
         """Expected tokens per second of a step that expects `gain` tokens."""
         return gain / (verify + drafting)
 
+    def step_rate(
+        self, gain: float, tokens: int, context: int, batch: int | BatchShape, drafting: float = 0.0
+    ) -> float:
+        """Expected tokens per second of a step in which this sequence verifies `tokens` expecting `gain`: with a
+        `BatchShape`, of the whole step (the other rows' tokens and gains with this one's, this drafting added to
+        the step); with a batch size, of this sequence's share of a batch of rows like it."""
+        if isinstance(batch, BatchShape):
+            return (batch.gain + gain) / (batch.time(self.curve, tokens, context) + drafting)
+        return self.rate(gain, self.verify(tokens, context, batch), drafting)
+
+    def share(self, context: int, batch: int | BatchShape) -> float:
+        """This sequence's share of a plain step's time at this batch (what a decode step costs it)."""
+        if isinstance(batch, BatchShape):
+            return batch.time(self.curve, 1, context) / (batch.tokens + 1)
+        return self.verify(1, context, batch)
+
 
 _CURVES: dict[tuple, CostCurve] = {}
 
@@ -187,3 +230,48 @@ def measured_curve(target, cache) -> CostCurve:
     if key not in _CURVES:
         _CURVES[key] = CostCurve.measure(target, cache)
     return _CURVES[key]
+
+
+_PREFILL_RATES: dict[tuple, float] = {}
+
+
+@torch.inference_mode()
+def measure_prefill_rate(target, cache, chunk: int = 256, context: int = 2048, repeats: int = 2) -> float:
+    """Prompt tokens per second of a `chunk`-token prefill forward over a `context`-token prefix on this machine
+    (the median of `repeats` after a warm-up): what sizes the engine's per-step prefill budget. A chunk late in a
+    long prompt costs more (its attention reads a longer prefix), so the prefix is that of a long prompt's middle
+    rather than none. The prefix K/V are zeros, as for the cost curve."""
+    from spyglass.models.llama import Segment
+
+    slot = cache.allocate()
+    try:
+        chunk = max(1, min(chunk, cache.capacity // 2))
+        context = max(0, min(context, cache.capacity - chunk))
+        for layer in range(cache.n_layers):
+            k, v = cache.layer(slot, layer)
+            k[:, :context].zero_()
+            v[:, :context].zero_()
+        vocab = target.args.vocab_size
+        times = []
+        for _ in range(repeats + 1):  # the first warms up the shape
+            cache.lengths[slot] = context
+            ids, pos = torch.randint(0, vocab, (chunk,)), torch.arange(context, context + chunk)
+            seg = Segment(slot, context, ids, pos, None, "last")
+            t0 = time.perf_counter()
+            target([seg], cache)
+            if cache.device.type == "cuda":
+                torch.cuda.synchronize(cache.device)
+            times.append(time.perf_counter() - t0)
+    finally:
+        cache.lengths[slot] = 0
+        cache.release(slot)
+    return chunk / max(statistics.median(times[1:]), 1e-9)
+
+
+def measured_prefill_rate(target, cache, chunk: int = 256) -> float:
+    """`measure_prefill_rate` once per process for this model, dtype, thread count and capacity."""
+    key = (target.model_id, repr(target.args), str(target.dtype), target.linear_backend, torch.get_num_threads(),
+           cache.capacity, str(cache.device), chunk)  # fmt: skip
+    if key not in _PREFILL_RATES:
+        _PREFILL_RATES[key] = measure_prefill_rate(target, cache, chunk)
+    return _PREFILL_RATES[key]

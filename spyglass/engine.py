@@ -1,8 +1,10 @@
 """SpecEngine: prefill, then draft -> verify -> accept -> commit over a continuous batch.
 
 Every running sequence contributes one draft tree to a single packed target forward per step; new
-requests are prefilled between steps and join the batch, finished ones leave it. Plain decoding is
-the same loop with root-only trees (`drafter=None`).
+requests are prefilled in chunks, a bounded number of prompt tokens per step in forwards of their own
+(chunked prefill), so the running sequences keep decoding while a long prompt is read; a prompt joins
+the batch once its prefill completes, finished ones leave it. Plain decoding is the same loop with
+root-only trees (`drafter=None`).
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ import torch
 
 from spyglass.chain_controller import controller_for
 from spyglass.context_cache import ContextCache, kv_blocks_from_cache, load_blocks_into_cache
-from spyglass.controller import Controller, ControllerConfig
-from spyglass.cost import CostCurve, measured_curve
+from spyglass.controller import Controller, ControllerConfig, size_batch
+from spyglass.cost import CostCurve, measured_curve, measured_prefill_rate
 from spyglass.detokenize import TextStream
 from spyglass.device import synchronize
 from spyglass.drafters.base import Drafter, DraftRequest, NullDrafter
@@ -34,7 +36,13 @@ from spyglass.verify import Accepted, accept
 class EngineConfig:
     max_batch: int = 4
     max_context: int | None = None  # KV capacity per sequence: a cap in 2..the model's window (default: the window)
-    prefill_chunk: int = 512
+    prefill_chunk: int = 512  # most prompt tokens in one prefill forward
+    # Chunked prefill: the most prompt tokens a step prefills while other sequences decode, so a decoding stream
+    # waits about `prefill_step_s` at most for other prompts between two of its rounds. None: measured at start-up,
+    # the tokens this machine prefills in `prefill_step_s` (spyglass.cost.measured_prefill_rate). A prompt's chunks
+    # are min(prefill_chunk, budget) tokens; with no sequence decoding a step prefills up to 4 of them.
+    prefill_budget: int | None = None
+    prefill_step_s: float = 0.25
     # Tree sizing: "measure" = the speculation controller with the verify-cost curve measured at start-up on
     # this machine; "off" = verify every node the drafter proposes. A CostCurve here is used as given.
     controller: str | CostCurve = "measure"
@@ -114,9 +122,28 @@ class SpecEngine:
             drafts = named[method] is not None and self.config.controller != "off"
             self.controllers[method] = controller_for(d, curve, cfg.control) if drafts else None
         self._capture = tuple(sorted(capture))
+        self.prefill_budget = self._prefill_budget()
+        # a prompt's chunks are cut at multiples of this from where its prefill starts, whatever else the step
+        # prefills: its K/V are computed by the same forwards under any load
+        self.prefill_chunk = min(cfg.prefill_chunk, self.prefill_budget)
         self.waiting: deque[Sequence] = deque()
+        self.prefilling: deque[Sequence] = deque()  # hold a slot, in admission order (see _prefill_step)
         self.running: list[Sequence] = []
         self.eos_ids = set(target.args.eos_token_ids)
+
+    def _prefill_budget(self) -> int:
+        cfg = self.config
+        if cfg.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, not {cfg.prefill_chunk}")
+        if cfg.prefill_budget is not None:
+            if cfg.prefill_budget < 1:
+                raise ValueError(f"prefill_budget must be >= 1 token, not {cfg.prefill_budget}")
+            return cfg.prefill_budget
+        if cfg.prefill_step_s <= 0:
+            raise ValueError(f"prefill_step_s must be > 0, not {cfg.prefill_step_s}")
+        tokens = cfg.prefill_step_s * measured_prefill_rate(self.target, self.cache, min(cfg.prefill_chunk, 256))
+        # whole multiples of 32 tokens (an odd chunk size runs slower matmuls), at most a full chunk's worth
+        return int(min(max(32, tokens // 32 * 32), cfg.prefill_chunk))
 
     @property
     def drafter(self) -> Drafter:
@@ -157,6 +184,13 @@ class SpecEngine:
                 self.waiting.remove(seq)
                 seq.finish("abort")
                 return True
+        for seq in list(self.prefilling):
+            if seq.seq_id == seq_id:
+                self.prefilling.remove(seq)
+                seq.finish("abort")
+                self._drafter(seq).release(seq)  # what it kept of the chunks' hidden states
+                self.cache.release(seq.slot)
+                return True
         for seq in self.running:
             if seq.seq_id == seq_id:
                 seq.finish("abort")
@@ -166,16 +200,15 @@ class SpecEngine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
 
     # --- the loop -----------------------------------------------------------------------------
     def step(self) -> list[Event]:
-        """Admit waiting requests (prefill), then one speculative round over the running batch; one event per
-        sequence that advanced."""
-        admitted = []
-        while self.waiting and len(admitted) < self.cache.free_slots:
-            admitted.append(self.waiting.popleft())
-        events = {ev.seq.seq_id: ev for ev in (self._prefill(admitted) if admitted else [])}
+        """Admit waiting requests to free slots, prefill at most the step's budget of their prompt tokens, then one
+        speculative round over the running batch (with the prompts whose prefill completed); one event per sequence
+        that advanced."""
+        self._admit()
+        events = {ev.seq.seq_id: ev for ev in self._prefill_step()}
         batch = [s for s in self.running if not s.finished]
         if batch:
             for ev in self._spec_round(batch):
@@ -185,48 +218,69 @@ class SpecEngine:
             self._retire(seq)
         return list(events.values())
 
-    def _prefill(self, seqs: list[Sequence]) -> list[Event]:
-        """Prefill admitted prompts in packed forwards of at most `prefill_chunk` tokens per sequence
-        and `4 * prefill_chunk` tokens per forward, then pick each first token."""
-        t0 = time.perf_counter()
-        chunk = self.config.prefill_chunk
-        for seq in seqs:
+    def _admit(self) -> None:
+        """Waiting requests take free slots in arrival order, each loading its longest cached prefix once. A prompt
+        whose prefix blocks the context cache is still writing (a follow-up sent right after its first request)
+        waits for them while the engine has other work, rather than computing what is about to be stored; with
+        nothing else to do its lookup waits for them."""
+        deferred = []
+        while self.waiting and self.cache.free_slots:
+            seq = self.waiting.popleft()
+            if (self.running or self.prefilling) and self._prefix_being_written(seq):
+                deferred.append(seq)
+                continue
             seq.slot = self.cache.allocate()
+            seq.stats.t_admit = time.perf_counter()
             seq.stats.cached_prefix_tokens = self._load_cached_prefix(seq)
-        pending = {seq.seq_id: seq for seq in seqs}
-        last_logits: dict[str, torch.Tensor] = {}
-        while pending:
-            segments, owners, budget = [], [], 4 * chunk
-            for seq in list(pending.values()):
-                start = self.cache.lengths[seq.slot]
-                take = min(chunk, seq.num_tokens - start)
-                if segments and take > budget:
-                    break
-                toks = seq.tokens[start : start + take].clone()
-                segments.append(Segment(seq.slot, start, toks, torch.arange(start, start + take), None, "last"))
-                owners.append(seq)
-                budget -= take
-            for j, (seq, seg, lg) in enumerate(zip(owners, segments, self._forward(segments), strict=True)):
-                self._hidden(seq, seg.start, j, list(range(len(seg.tokens))))
-                self.cache.commit(seq.slot, seg.start, list(range(len(seg.tokens))))
-                if self.cache.lengths[seq.slot] == seq.num_tokens:
-                    last_logits[seq.seq_id] = lg[-1]
-                    del pending[seq.seq_id]
-        for seq in seqs:
-            self._store_prefix(seq)
+            self.prefilling.append(seq)
+        self.waiting.extendleft(reversed(deferred))
+
+    def _prefix_being_written(self, seq: Sequence) -> bool:
+        cc = self.context_cache
+        return cc is not None and self._reads_cache(seq) and cc.writing(seq.tokens, seq.num_tokens - 1)
+
+    def _prefill_step(self) -> list[Event]:
+        """Prefill chunks of the admitted prompts, at most `prefill_budget` tokens while sequences decode (else
+        4 chunks), one chunk per forward. Each chunk goes to the prompt with the least work left less its credit,
+        the tokens prefilled for other prompts since it was admitted (ties: the earlier admitted): a short prompt
+        is not held up behind a long one, prompts admitted together finish one after another rather than all at
+        the end, and a long prompt passed over by shorter ones gains credit until it goes first, so none starves.
+        Each prompt whose prefill completes picks its first token and joins the running batch."""
+        budget = self.prefill_budget if self.running else 4 * self.prefill_chunk
+        done: list[tuple[Sequence, torch.Tensor]] = []
+        while self.prefilling:
+            seq = min(self.prefilling, key=lambda s: s.num_tokens - self.cache.lengths[s.slot] - s.prefill_credit)
+            start = self.cache.lengths[seq.slot]
+            take = min(self.prefill_chunk, seq.num_tokens - start)
+            if take > budget:
+                break
+            budget -= take
+            for other in self.prefilling:
+                if other is not seq:
+                    other.prefill_credit += take
+            t0 = time.perf_counter()
+            seg = Segment(seq.slot, start, seq.tokens[start : start + take].clone(), torch.arange(start, start + take),
+                          None, "last")  # fmt: skip
+            (logits,) = self._forward([seg])
+            self._hidden(seq, start, 0, list(range(take)))
+            self.cache.commit(seq.slot, start, list(range(take)))
+            seq.stats.prefill_compute_time += time.perf_counter() - t0
+            if self.cache.lengths[seq.slot] == seq.num_tokens:
+                self.prefilling.remove(seq)
+                done.append((seq, logits[-1]))
         events = []
-        for seq in seqs:
+        for seq, last in done:
+            self._store_prefix(seq)
             seq.stats.prefill_tokens = seq.num_tokens
             self.running.append(seq)
-            new = self._append(seq, [self._choose(last_logits[seq.seq_id], seq)])
+            new = self._append(seq, [self._choose(last, seq)])
             if not seq.finished:
                 self._drafter(seq).start(seq)
             events.append(Event(seq, new, self._release(seq)))
-        # The first tokens leave with these events, after the drafters' own set-up (e.g. a draft model's prompt
-        # prefill): that set-up is prompt processing, so it counts in the time to first token, not in decoding.
-        now = time.perf_counter()
-        for seq in seqs:
-            seq.stats.prefill_time = now - t0
+            # The first token leaves with this event, after the drafter's own set-up (e.g. a draft model's prompt
+            # prefill): that set-up is prompt processing, so it counts in the time to first token, not in decoding.
+            now = time.perf_counter()
+            seq.stats.prefill_time = now - seq.stats.t_admit
             seq.stats.t_first_token = now
             if seq.finished:  # it ended at its first token
                 seq.stats.t_end = now
@@ -240,20 +294,27 @@ class SpecEngine:
         on a miss; its requests prefill the whole prompt instead (they still store it for the other methods). One
         that keeps only the last token's (LongSpec: `traits.newest_hidden_only`) gets it from the computed tail."""
         cc = self.context_cache
-        traits = self._drafter(seq).traits
-        if cc is None or (traits.hidden_layers and not traits.newest_hidden_only):
+        if cc is None or not self._reads_cache(seq):
             return 0
         blocks = cc.lookup(seq.tokens, max_tokens=seq.num_tokens - 1)
         return load_blocks_into_cache(self.cache, seq.slot, blocks, cc.block_size)
 
+    def _reads_cache(self, seq: Sequence) -> bool:
+        traits = self._drafter(seq).traits
+        return not (traits.hidden_layers and not traits.newest_hidden_only)
+
     def _store_prefix(self, seq: Sequence) -> None:
+        """Hand the prompt's new full blocks to the context cache's writer (a copy of them: the slot moves on)."""
         cc = self.context_cache
         if cc is None:
             return
         first = seq.stats.cached_prefix_tokens // cc.block_size
         last = seq.num_tokens // cc.block_size
         if last > first:
-            cc.store(seq.tokens.clone(), kv_blocks_from_cache(self.cache, seq.slot, first, last, cc.block_size))
+            t0 = time.perf_counter()
+            blocks = kv_blocks_from_cache(self.cache, seq.slot, first, last, cc.block_size)
+            cc.stats.copy_s += time.perf_counter() - t0
+            cc.store(seq.tokens.clone(), blocks)
 
     def _choose(self, logits: torch.Tensor, seq: Sequence) -> int:
         rows = process_in_context(logits.unsqueeze(0), seq.params, seq.tokens)
@@ -264,7 +325,7 @@ class SpecEngine:
         proposed: dict[int, DraftTree] = {}
         for method, group in self._by_method(batch).items():
             ctl = self.controllers[method]
-            wants = {id(s): DraftRequest() if ctl is None else ctl.wants_draft(s) for s in group}
+            wants = {id(s): DraftRequest() if ctl is None else ctl.wants_draft(s, len(batch)) for s in group}
             drafting = [s for s in group if wants[id(s)] is not None]
             if not drafting:
                 continue
@@ -282,17 +343,7 @@ class SpecEngine:
                     if seq.drafted_before:
                         ctl.note_draft_time(seq, share, proposed[id(seq)].max_depth)
                     seq.drafted_before = True
-        trees = []
-        for seq in batch:
-            ctl = self.controllers[seq.method]
-            tree = proposed.get(id(seq))
-            if tree is None:  # plain decoding, or the controller keeps this sequence plain until its next probe
-                if ctl is not None:
-                    ctl.skip(seq)
-                tree = DraftTree.root_only(seq.root)
-            elif ctl is not None:
-                tree = ctl.size(seq, tree, len(batch))  # priced at the step's whole batch, every method's
-            trees.append(tree)
+        trees = size_batch([(seq, proposed.get(id(seq)), self.controllers[seq.method]) for seq in batch])
         t1 = time.perf_counter()
         segments = []
         for seq, tree in zip(batch, trees, strict=True):

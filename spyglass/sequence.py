@@ -44,11 +44,13 @@ class SeqStats:
     drafted_nodes: int = 0
     draft_time: float = 0.0
     verify_time: float = 0.0
-    prefill_time: float = 0.0
+    prefill_time: float = 0.0  # admission to first token (chunked prefill: steps shared with decoding streams)
+    prefill_compute_time: float = 0.0  # of that, the prefill forwards of this prompt
     prefill_tokens: int = 0
     cached_prefix_tokens: int = 0
     batch_sizes: list[int] = field(default_factory=list)
     t_start: float = field(default_factory=time.perf_counter)
+    t_admit: float | None = None  # given a KV slot (its prefill starts)
     t_first_token: float | None = None
     t_end: float | None = None
     control: ControllerStats = field(default_factory=ControllerStats)
@@ -78,6 +80,7 @@ class SeqStats:
             "draft_time_s": self.draft_time,
             "verify_time_s": self.verify_time,
             "prefill_time_s": self.prefill_time,
+            "prefill_compute_s": self.prefill_compute_time,
             "prefill_tokens": self.prefill_tokens,
             "cached_prefix_tokens": self.cached_prefix_tokens,
             "ttft_s": (self.t_first_token - self.t_start) if self.t_first_token else None,
@@ -98,6 +101,7 @@ class Sequence:
         self._buf[: self.num_prompt] = torch.tensor(prompt_ids, dtype=torch.long)
         self.num_tokens = self.num_prompt
         self.slot: int | None = None
+        self.prefill_credit = 0  # prompt tokens the engine prefilled for other prompts while this one waited
         self.generator: torch.Generator | None = None
         if not params.greedy:
             self.generator = torch.Generator()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import uuid
+
 import pytest
 import redis
 import torch
@@ -222,3 +225,50 @@ def test_bf16_blocks_hold_half_the_bytes_and_are_never_read_in_fp32(load_tiny, r
     assert seq.output_ids == plain_generate(bf16, prompt, params)
     with pytest.raises(ValueError, match="not a dtype"):
         kv_namespace("m", "fp16")
+
+
+class GatedCache(ContextCache):
+    """A real cache whose writer waits for `gate`: blocks stay 'being written' until the test opens it."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.gate = threading.Event()
+
+    def _write(self, items) -> None:
+        self.gate.wait()
+        super()._write(items)
+
+
+def test_a_lookup_waits_for_blocks_still_being_written(redis_server):
+    cc = GatedCache(redis_server.url, f"gated-{uuid.uuid4().hex}", block_size=4)
+    tokens = list(range(3, 23))
+    cc.store(tokens, {b: torch.full((2, 1, 1, 4, 2), float(b)) for b in range(5)})
+    assert cc.writing(tokens, 19) and not cc.writing(list(range(100, 120)))
+    found = []
+    reader = threading.Thread(target=lambda: found.extend(cc.lookup(tokens, max_tokens=19)))
+    reader.start()
+    cc.gate.set()
+    reader.join(timeout=30)
+    assert [float(b[0, 0, 0, 0, 0]) for b in found] == [0.0, 1.0, 2.0, 3.0]  # every block of the 19-token prefix
+    assert not cc.writing(tokens, 19) and cc.stats.stored_blocks == 5 and cc.stats.write_s > 0
+
+
+def test_a_follow_up_waits_for_its_prefix_while_others_decode_then_loads_all_of_it(tiny_target, redis_server):
+    cc = GatedCache(redis_server.url, f"follow-{uuid.uuid4().hex}", block_size=16)
+    prompt = torch.randint(3, tiny_target.args.vocab_size, (75,), generator=torch.Generator().manual_seed(1)).tolist()
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    engine = SpecEngine(tiny_target, None, EngineConfig(max_batch=2, max_context=256), context_cache=cc)
+    first = engine.add_request(prompt, params)
+    engine.step()  # prefilled: its 4 full blocks are queued for the (gated) writer
+    assert cc.writing(prompt, 74) and cc.stats.copy_s > 0
+    second = engine.add_request(prompt, params)
+    before = first.num_generated
+    engine.step()
+    assert second in engine.waiting and first.num_generated == before + 1  # the first decodes on, the second waits
+    cc.gate.set()
+    cc.flush()
+    engine.step()
+    assert second.stats.cached_prefix_tokens == 64  # the whole prefix but the last partial block
+    while engine.has_work:
+        engine.step()
+    assert first.output_ids == second.output_ids == plain_generate(tiny_target, prompt, params)

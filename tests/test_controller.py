@@ -556,3 +556,62 @@ def test_a_sequences_first_drafting_step_is_not_timed(tiny_target):
     assert seq.drafted_before and seq.control.draft_s == 0.0
     engine.step()
     assert seq.control.draft_s > 0.0
+
+
+# A compute-bound curve shaped like SmolLM2 fp32's on 2 cores: a decode step 40-75 ms, each extra token 5-10 ms
+BATCH_CURVE = CostCurve(
+    [256, 4096],
+    [1, 2, 4, 8, 16, 32, 64],
+    [[0.040, 0.048, 0.062, 0.090, 0.150, 0.270, 0.510], [0.075, 0.085, 0.100, 0.130, 0.200, 0.340, 0.620]],
+    cpu="synthetic",
+)
+
+
+@pytest.mark.parametrize("policy", [SpeculationController, ChainDepthController])
+@pytest.mark.parametrize("batch", [2, 4, 8, 16])
+def test_a_batched_step_never_expects_fewer_tokens_per_second_than_plain_decoding(policy, batch):
+    """Trees sized for the step's whole batch: whatever mix of sure and doubtful chains the rows bring, the sized
+    step's expected tokens per second on the measured curve is at least plain decoding's for that batch."""
+    from spyglass.controller import size_batch
+    from spyglass.cost import BatchShape
+
+    g = torch.Generator().manual_seed(batch)
+    ctl = policy(BATCH_CURVE, ControllerConfig(), cost_by_depth=False)
+    rows, chains = [], []
+    for i in range(batch):
+        seq = Sequence(_prompt(int(torch.randint(50, 4000, (), generator=g)), seed=i), SamplingParams())
+        seq.drafted_before = True
+        sure = float(torch.rand((), generator=g)) ** 0.3  # per-token chance given the parent: 0.0-1.0, mostly high
+        depth = int(torch.randint(1, 9, (), generator=g))
+        scores = [sure**d for d in range(depth + 1)]
+        rows.append((seq, DraftTree.chain(seq.root, list(range(3, 3 + depth)), scores=scores), ctl))
+        chains.append(scores)
+    trees = size_batch(rows)
+    kept = [len(t) - 1 for t in trees]
+
+    def expected_gain(i: int, d: int) -> float:  # what the policy believes of depth d (no evidence yet: its prior)
+        if policy is SpeculationController:
+            return 1.0 + sum(chains[i][1 : d + 1])
+        return 1.0 + sum(ControllerConfig().chain_prior ** k for k in range(1, d + 1))
+
+    step = BatchShape()
+    for i, ((seq, _, _), d) in enumerate(zip(rows, kept, strict=True)):
+        step = step.plus(d + 1, seq.committed, expected_gain(i, d))
+    plain = BatchShape.plain([seq.committed for seq, _, _ in rows])
+    assert step.gain / step.time(BATCH_CURVE) >= plain.gain / plain.time(BATCH_CURVE) * (1 - 1e-9)
+    if policy is SpeculationController:
+        assert any(kept), "no row kept a node: the check above would be vacuous"
+
+
+def test_a_row_keeps_fewer_nodes_in_a_speculating_batch_than_among_plain_rows():
+    """The rows are priced for the whole step: a tree that pays beside plain rows pays less beside rows that already
+    verify long trees (each extra token costs the same, the step's rate is higher), never more."""
+    from spyglass.cost import BatchShape
+
+    tree_scores = [0.8**d for d in range(9)]
+    seq = Sequence(_prompt(500), SamplingParams())
+    tree = DraftTree.chain(seq.root, list(range(3, 11)), scores=tree_scores)
+    among_plain = SpeculationController(BATCH_CURVE).size(seq, tree, BatchShape.plain([500] * 3))
+    seq2 = Sequence(_prompt(500), SamplingParams())
+    among_trees = SpeculationController(BATCH_CURVE).size(seq2, tree, BatchShape(3 * 6, 3 * 6 * 500, 3 * 4.0))
+    assert len(among_trees) <= len(among_plain) and len(among_plain) > 1

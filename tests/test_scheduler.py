@@ -1,0 +1,132 @@
+"""The engine's scheduler: chunked prefill under a per-step token budget, counted in steps (no clocks).
+
+Running sequences get a token in every step while another prompt is prefilled, a long prompt shares the budget with
+prompts admitted after it, and greedy outputs stay those of plain decoding."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from spyglass.drafters.suffix import SuffixDrafter
+from spyglass.engine import EngineConfig, SpecEngine, plain_generate
+from spyglass.sampling import SamplingParams
+from tests.tiny import free_tokens_curve
+
+GREEDY = SamplingParams(max_new_tokens=200, ignore_eos=True)  # long enough to decode through the other's prefill
+
+
+def prompt(vocab: int, n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("drafter", [None, "suffix"])
+def test_a_decoding_sequence_gets_a_token_every_step_while_a_long_prompt_is_prefilled(tiny_target, drafter):
+    vocab = tiny_target.args.vocab_size
+    short, long = prompt(vocab, 12, 1), prompt(vocab, 300, 2)
+    budget = 32
+    engine = SpecEngine(
+        tiny_target,
+        SuffixDrafter(max_depth=6) if drafter else None,
+        EngineConfig(max_batch=2, max_context=512, prefill_budget=budget, controller=free_tokens_curve()),
+    )
+    assert engine.prefill_budget == budget and engine.prefill_chunk == budget
+    a = engine.add_request(short, GREEDY)
+    engine.step()  # a's prefill (nobody decodes yet) and its first round
+    assert a.num_generated >= 1
+    b = engine.add_request(long, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    steps_to_first = 0
+    while b.num_generated == 0:
+        before, prefilled = a.num_generated, engine.cache.lengths[b.slot] if b.slot is not None else 0
+        engine.step()
+        steps_to_first += 1
+        assert a.num_generated > before or a.finished, "the decoding stream stalled during the other's prefill"
+        if b.num_generated == 0:
+            assert engine.cache.lengths[b.slot] - prefilled <= budget  # the step's prefill stayed in its budget
+    # the first token comes with the step that completes the prefill: no later than the budget implies
+    assert steps_to_first == math.ceil(len(long) / budget)
+    assert a.num_generated >= steps_to_first  # a advanced in every one of those steps
+    while engine.has_work:
+        engine.step()
+    assert a.output_ids == plain_generate(tiny_target, short, GREEDY)
+    assert b.output_ids == plain_generate(tiny_target, long, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert engine.cache.free_slots == 2
+
+
+def test_a_long_prompt_does_not_starve_a_short_one_admitted_after_it(tiny_target):
+    vocab = tiny_target.args.vocab_size
+    long, short = prompt(vocab, 400, 3), prompt(vocab, 40, 4)
+    engine = SpecEngine(tiny_target, None, EngineConfig(max_batch=2, max_context=512, prefill_chunk=16))
+    assert engine.prefill_chunk == 16  # a prompt's chunk size: fixed by the configuration, not by the load
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    first = engine.add_request(long, params)
+    second = engine.add_request(short, params)
+    steps = 0
+    while second.num_generated == 0:
+        engine.step()
+        steps += 1
+    assert first.num_generated == 0, "the short prompt waited for the long one"
+    # the short prompt has less work left: its 3 chunks go first, within the first step's 4
+    assert steps == 1
+    while engine.has_work:
+        engine.step()
+    assert first.output_ids == plain_generate(tiny_target, long, params)
+    assert second.output_ids == plain_generate(tiny_target, short, params)
+
+
+def test_prompts_admitted_together_finish_one_after_another(tiny_target):
+    vocab = tiny_target.args.vocab_size
+    engine = SpecEngine(tiny_target, None, EngineConfig(max_batch=2, max_context=512, prefill_chunk=16))
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    first, second = (engine.add_request(prompt(vocab, 128, seed), params) for seed in (7, 8))
+    engine.step()  # 4 chunks of 16 tokens, all to the first (equal work left: the earlier admitted goes first)
+    assert engine.cache.lengths[first.slot] == 64 and engine.cache.lengths[second.slot] == 0
+    engine.step()
+    assert first.num_generated >= 1 and second.num_generated == 0  # its first token did not wait for the other
+
+
+def test_a_long_prompt_is_not_starved_by_short_ones_arriving_all_the_time(tiny_target):
+    vocab = tiny_target.args.vocab_size
+    engine = SpecEngine(tiny_target, None, EngineConfig(max_batch=4, max_context=512, prefill_chunk=16))
+    assert engine.prefill_budget == 16  # one chunk a step while anything decodes
+    long = engine.add_request(prompt(vocab, 200, 9), SamplingParams(max_new_tokens=4, ignore_eos=True))
+    engine.add_request(prompt(vocab, 16, 10), SamplingParams(max_new_tokens=60, ignore_eos=True))  # decodes on
+    steps = 0
+    while long.num_generated == 0:
+        # a new one-chunk prompt every step: shortest-first alone would give every step's budget to them
+        if engine.cache.free_slots:
+            engine.add_request(prompt(vocab, 16, 100 + steps), SamplingParams(max_new_tokens=1, ignore_eos=True))
+        engine.step()
+        steps += 1
+        assert steps <= 2 * math.ceil(200 / 16) + 2, "the long prompt starved"
+    while engine.has_work:
+        engine.step()
+    assert long.output_ids == plain_generate(tiny_target, prompt(vocab, 200, 9), long.params)
+
+
+def test_abort_while_prefilling_frees_the_slot(tiny_target):
+    vocab = tiny_target.args.vocab_size
+    engine = SpecEngine(tiny_target, None, EngineConfig(max_batch=1, max_context=512, prefill_budget=32))
+    decoding = engine.add_request(prompt(vocab, 8, 5), GREEDY)
+    engine.step()
+    engine.abort(decoding.seq_id)
+    seq = engine.add_request(prompt(vocab, 300, 6), GREEDY)
+    engine.add_request(prompt(vocab, 300, 6), GREEDY)  # waits for the slot
+    engine.step()  # admitted; with nobody decoding the step prefills 4 chunks, not all 300 tokens
+    assert seq in engine.prefilling and 0 < engine.cache.lengths[seq.slot] < 300
+    assert engine.abort(seq.seq_id) and seq.finish_reason == "abort"
+    engine.step()  # the slot went to the waiting request
+    assert not engine.waiting and len(engine.prefilling) == 1 and engine.cache.free_slots == 0
+
+
+def test_the_budget_is_measured_against_the_latency_target_and_bad_values_are_refused(tiny_target):
+    small = SpecEngine(tiny_target, None, EngineConfig(max_batch=1, max_context=512, prefill_step_s=1e-9))
+    assert small.prefill_budget == 32  # the floor: a step always makes progress
+    big = SpecEngine(tiny_target, None, EngineConfig(max_batch=1, max_context=512, prefill_step_s=1e3))
+    assert big.prefill_budget == big.config.prefill_chunk  # at most a full chunk
+    for bad in ({"prefill_budget": 0}, {"prefill_step_s": 0.0}, {"prefill_chunk": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SpecEngine(tiny_target, None, EngineConfig(max_batch=1, max_context=512, **bad))

@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kernels.aten_prefix import fused_attention_with_lse, prefix_kernel
+from kernels.aten_prefix import choose_prefix_kernel, fused_attention_with_lse, prefix_kernel
 from kernels.aten_prefix import prefix_attention as aten_prefix_attention
 from kernels.reference import merge_attention
 
@@ -215,18 +215,31 @@ def gpu_tree_attention_batched(
     return out.to(q.dtype)
 
 
+BACKENDS = ("auto", "cpu", "triton", "reference", "eager", "sdpa_masked", "sdpa_hf")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Map "auto" to a concrete backend for tensors on `device`; reject unknown names early."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+    if backend != "auto":
+        return backend
+    if device.type == "cuda":
+        return "triton" if triton_available() else "cpu"
+    return "cpu"
+
+
 def served_kernels(device: torch.device, dtype: torch.dtype, head_dim: int, backend: str = "auto") -> dict[str, str]:
     """The attention kernels a model on `device` in `dtype` runs its verify passes with (a replica's `info()`):
     `backend` ("auto": the model's `attention_backend`) resolved, the tree part and the prefix part with its LSE."""
     from kernels import cpu as cpu_kernels
-    from spyglass.attention import resolve_backend
 
     resolved = resolve_backend(backend, device)
     capability = None
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         capability = (props.major, props.minor)
-    native = device.type == "cpu" and dtype == torch.float32 and cpu_kernels.native() is not None
+    native = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_kernels.native() is not None
     return kernel_plan(device.type, dtype, head_dim, resolved, capability, flash_attn_available(), native)
 
 
@@ -241,10 +254,8 @@ def kernel_plan(
 ) -> dict[str, str]:
     """`served_kernels` given the facts: a GPU runs the Triton tree kernel (`backend` "triton") with flash-attn's
     kvcache kernel for the prefix where flash-attn is installed (fp16/bf16), else ATen's fused kernel
-    (`choose_prefix_kernel`); without Triton the torch hybrid. The CPU runs the kernels of kernels/cpu_ops.cpp in fp32
-    where they are built (`cpu_ops`), else the torch hybrid on ATen's flash attention."""
-    from spyglass.attention import choose_prefix_kernel
-
+    (`choose_prefix_kernel`); without Triton the torch hybrid. The CPU runs the kernels of kernels/cpu_ops.cpp (fp32,
+    bf16) where they are built (`cpu_ops`), else the torch hybrid on ATen's flash attention."""
     out = {"attention_backend": backend}
     tree = "triton fused_mask_attn" if backend == "triton" else "torch masked attention"
     if device_type == "cuda":

@@ -51,7 +51,7 @@ class VerifierConfig:
     max_queued: int = 8  # requests waiting for a KV slot beyond max_batch
     max_new_tokens_limit: int = 4096
     default_max_new_tokens: int = 128
-    prefill_chunk: int = 512
+    prefill_chunk: int | None = None  # prompt tokens per prefill forward (None: EngineConfig's)
     redis_url: str | None = None
     cache_block_size: int = 128
     cache_max_bytes: int = 2 << 30
@@ -494,7 +494,8 @@ def build_engine(cfg: VerifierConfig) -> tuple[Any, Any, dict[str, Any]]:
         m: build_drafter(m, target, max_batch=cfg.max_batch, max_context=capacity, loaded=loaded, **cfg.drafter_options)
         for m in cfg.methods
     }
-    econf = EngineConfig(max_batch=cfg.max_batch, max_context=capacity, prefill_chunk=cfg.prefill_chunk)
+    chunk = {} if cfg.prefill_chunk is None else {"prefill_chunk": cfg.prefill_chunk}
+    econf = EngineConfig(max_batch=cfg.max_batch, max_context=capacity, **chunk)
     engine = SpecEngine(target, config=econf, tokenizer=tokenizer, context_cache=cache, drafters=drafters)
     info = {
         "model": resolved.model_id,

@@ -39,10 +39,8 @@ from kernels.aten_prefix import (
     prefix_attention,
     prefix_kernel,  # noqa: F401 - read here by bench/gpu_check.py
 )
-from kernels.dispatch import gpu_tree_attention, gpu_tree_attention_batched, triton_available
+from kernels.dispatch import gpu_tree_attention, gpu_tree_attention_batched, resolve_backend
 from kernels.dispatch import prefix_attention as gpu_prefix_attention
-
-BACKENDS = ("auto", "cpu", "triton", "reference", "eager", "sdpa_masked", "sdpa_hf")
 
 
 def _fold_groups(q: torch.Tensor, n_kv: int) -> torch.Tensor:
@@ -106,17 +104,6 @@ def merge_partial(
 
 def causal_mask(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool, device=device).tril_()
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """Map "auto" to a concrete backend for tensors on `device`; reject unknown names early."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
-    if backend != "auto":
-        return backend
-    if device.type == "cuda":
-        return "triton" if triton_available() else "cpu"
-    return "cpu"
 
 
 def tree_attention(

@@ -25,7 +25,7 @@ from spyglass.device import synchronize
 from spyglass.drafters.base import Drafter, DraftRequest, NullDrafter
 from spyglass.kv_cache import context_capacity
 from spyglass.limits import RequestError, check_method, check_prompt_ids
-from spyglass.models.llama import Segment, Transformer
+from spyglass.models.llama import PREFILL_CHUNK, Segment, Transformer
 from spyglass.sampling import SamplingParams, process_in_context, sample
 from spyglass.sequence import Sequence
 from spyglass.tree import DraftTree
@@ -36,11 +36,13 @@ from spyglass.verify import Accepted, accept
 class EngineConfig:
     max_batch: int = 4
     max_context: int | None = None  # KV capacity per sequence: a cap in 2..the model's window (default: the window)
-    prefill_chunk: int = 512  # most prompt tokens in one prefill forward
+    # Prompt tokens per prefill forward. Fixed, so a prompt's K/V come from the same forwards under any load (and
+    # in `plain_generate`): the faster prefill matmuls give a row bits that depend on the rows beside it.
+    prefill_chunk: int = PREFILL_CHUNK
     # Chunked prefill: the most prompt tokens a step prefills while other sequences decode, so a decoding stream
     # waits about `prefill_step_s` at most for other prompts between two of its rounds. None: measured at start-up,
-    # the tokens this machine prefills in `prefill_step_s` (spyglass.cost.measured_prefill_rate). A prompt's chunks
-    # are min(prefill_chunk, budget) tokens; with no sequence decoding a step prefills up to 4 of them.
+    # the tokens this machine prefills in `prefill_step_s` (spyglass.cost.measured_prefill_rate), in whole chunks,
+    # 1 to 4; with no sequence decoding a step prefills 4 chunks.
     prefill_budget: int | None = None
     prefill_step_s: float = 0.25
     # Tree sizing: "measure" = the speculation controller with the verify-cost curve measured at start-up on
@@ -122,10 +124,8 @@ class SpecEngine:
             drafts = named[method] is not None and self.config.controller != "off"
             self.controllers[method] = controller_for(d, curve, cfg.control) if drafts else None
         self._capture = tuple(sorted(capture))
+        self.prefill_chunk = cfg.prefill_chunk
         self.prefill_budget = self._prefill_budget()
-        # a prompt's chunks are cut at multiples of this from where its prefill starts, whatever else the step
-        # prefills: its K/V are computed by the same forwards under any load
-        self.prefill_chunk = min(cfg.prefill_chunk, self.prefill_budget)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: deque[Sequence] = deque()  # hold a slot, in admission order (see _prefill_step)
         self.running: list[Sequence] = []
@@ -138,12 +138,12 @@ class SpecEngine:
         if cfg.prefill_budget is not None:
             if cfg.prefill_budget < 1:
                 raise ValueError(f"prefill_budget must be >= 1 token, not {cfg.prefill_budget}")
-            return cfg.prefill_budget
-        if cfg.prefill_step_s <= 0:
-            raise ValueError(f"prefill_step_s must be > 0, not {cfg.prefill_step_s}")
-        tokens = cfg.prefill_step_s * measured_prefill_rate(self.target, self.cache, min(cfg.prefill_chunk, 256))
-        # whole multiples of 32 tokens (an odd chunk size runs slower matmuls), at most a full chunk's worth
-        return int(min(max(32, tokens // 32 * 32), cfg.prefill_chunk))
+            tokens = cfg.prefill_budget
+        else:
+            if cfg.prefill_step_s <= 0:
+                raise ValueError(f"prefill_step_s must be > 0, not {cfg.prefill_step_s}")
+            tokens = cfg.prefill_step_s * measured_prefill_rate(self.target, self.cache, cfg.prefill_chunk)
+        return int(min(4, max(1, tokens // cfg.prefill_chunk)) * cfg.prefill_chunk)  # whole chunks: 1 to 4
 
     @property
     def drafter(self) -> Drafter:

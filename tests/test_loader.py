@@ -480,11 +480,13 @@ def test_resolve_dtype_auto_and_explicit(monkeypatch) -> None:
     for spec in ("float32", "bfloat16"):  # explicit choices pass through, whatever the device and the model
         assert resolve_dtype(spec, "cpu", "bfloat16") == resolve_dtype(spec, "cuda:0", "float32") == spec
     assert resolve_dtype("auto", "cuda", "float32") == resolve_dtype("auto", "cuda:1", None) == "bfloat16"
-    monkeypatch.setattr(loader, "CPU_BF16_DEFAULT", False)  # the CPU bf16 path not (yet) lossless: fp32
+    monkeypatch.setattr(loader, "cpu_bf16_lossless", lambda: False)  # no C++ kernels: bf16 not lossless, fp32
     assert resolve_dtype("auto", "cpu", "bfloat16") == "float32"
-    monkeypatch.setattr(loader, "CPU_BF16_DEFAULT", True)
+    monkeypatch.setattr(loader, "cpu_bf16_lossless", lambda: True)
     assert resolve_dtype("auto", "cpu", "bfloat16") == "bfloat16"
     assert resolve_dtype("auto", "cpu", "float32") == resolve_dtype("auto", "cpu", "float16") == "float32"
+    monkeypatch.undo()
+    assert loader.cpu_bf16_lossless()  # the kernels build here (make setup installs g++)
     for bad in ("fp16", "float16", "", "bf16"):
         with pytest.raises(ValueError, match="unsupported dtype .*auto, float32, bfloat16"):
             resolve_dtype(bad, "cpu", "bfloat16")
@@ -495,12 +497,12 @@ def test_resolve_dtype_auto_and_explicit(monkeypatch) -> None:
 def test_resolve_model_auto_picks_the_directory_of_the_chosen_dtype(monkeypatch, cache_root: Path) -> None:
     import spyglass.models.loader as loader
 
-    monkeypatch.setattr(loader, "CPU_BF16_DEFAULT", False)
+    monkeypatch.setattr(loader, "cpu_bf16_lossless", lambda: False)
     cpu = resolve_model(None, "auto", cache_root=cache_root)
     assert cpu.dtype == "float32" and cpu.path.name == "float32"
     gpu = resolve_model(None, "auto", cache_root=cache_root, device="cuda:0")
     assert gpu.dtype == "bfloat16" and gpu.path.name == "bfloat16"
-    monkeypatch.setattr(loader, "CPU_BF16_DEFAULT", True)  # the embedded default is stored in bf16
+    monkeypatch.setattr(loader, "cpu_bf16_lossless", lambda: True)  # the embedded default is stored in bf16
     assert resolve_model(None, "auto", cache_root=cache_root).dtype == "bfloat16"
 
 

@@ -31,7 +31,9 @@ def test_a_decoding_sequence_gets_a_token_every_step_while_a_long_prompt_is_pref
     engine = SpecEngine(
         tiny_target,
         SuffixDrafter(max_depth=6) if drafter else None,
-        EngineConfig(max_batch=2, max_context=512, prefill_budget=budget, controller=free_tokens_curve()),
+        EngineConfig(
+            max_batch=2, max_context=512, prefill_chunk=budget, prefill_budget=budget, controller=free_tokens_curve()
+        ),  # fmt: skip
     )
     assert engine.prefill_budget == budget and engine.prefill_chunk == budget
     a = engine.add_request(short, GREEDY)
@@ -109,7 +111,7 @@ def test_a_long_prompt_is_not_starved_by_short_ones_arriving_all_the_time(tiny_t
 
 def test_abort_while_prefilling_frees_the_slot(tiny_target):
     vocab = tiny_target.args.vocab_size
-    engine = SpecEngine(tiny_target, None, EngineConfig(max_batch=1, max_context=512, prefill_budget=32))
+    engine = SpecEngine(tiny_target, None, EngineConfig(max_batch=1, max_context=512, prefill_chunk=32))
     decoding = engine.add_request(prompt(vocab, 8, 5), GREEDY)
     engine.step()
     engine.abort(decoding.seq_id)
@@ -124,9 +126,9 @@ def test_abort_while_prefilling_frees_the_slot(tiny_target):
 
 def test_the_budget_is_measured_against_the_latency_target_and_bad_values_are_refused(tiny_target):
     small = SpecEngine(tiny_target, None, EngineConfig(max_batch=1, max_context=512, prefill_step_s=1e-9))
-    assert small.prefill_budget == 32  # the floor: a step always makes progress
+    assert small.prefill_budget == small.prefill_chunk  # the floor, one chunk: a step always makes progress
     big = SpecEngine(tiny_target, None, EngineConfig(max_batch=1, max_context=512, prefill_step_s=1e3))
-    assert big.prefill_budget == big.config.prefill_chunk  # at most a full chunk
+    assert big.prefill_budget == 4 * big.prefill_chunk  # at most what a step prefills with nobody decoding
     for bad in ({"prefill_budget": 0}, {"prefill_step_s": 0.0}, {"prefill_chunk": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SpecEngine(tiny_target, None, EngineConfig(max_batch=1, max_context=512, **bad))

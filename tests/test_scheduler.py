@@ -92,7 +92,8 @@ def test_prompts_admitted_together_finish_one_after_another(tiny_target):
 
 def test_a_long_prompt_is_not_starved_by_short_ones_arriving_all_the_time(tiny_target):
     vocab = tiny_target.args.vocab_size
-    engine = SpecEngine(tiny_target, None, EngineConfig(max_batch=4, max_context=512, prefill_chunk=16))
+    config = EngineConfig(max_batch=4, max_context=512, prefill_chunk=16, prefill_budget=16)
+    engine = SpecEngine(tiny_target, None, config)
     assert engine.prefill_budget == 16  # one chunk a step while anything decodes
     long = engine.add_request(prompt(vocab, 200, 9), SamplingParams(max_new_tokens=4, ignore_eos=True))
     engine.add_request(prompt(vocab, 16, 10), SamplingParams(max_new_tokens=60, ignore_eos=True))  # decodes on

@@ -44,8 +44,9 @@ def _add_generate(sub) -> None:
         "--dtype",
         choices=["auto", "float32", "bfloat16"],
         default="auto",
-        help="auto (default): bf16 on a GPU; on the CPU fp32, or the model's stored bf16 where that is lossless",
+        help="auto (default): bf16 on a GPU; on the CPU the stored dtype where the C++ kernels build, else fp32",
     )
+    p.add_argument("--device", default="auto", help=f"where the model runs: {DEVICE_HELP} (default auto)")
     p.add_argument("--method", default="suffix", help=f"{' | '.join(METHODS)} (default suffix)")
     p.add_argument("--draft-model", default=None, help="small-lm: draft model source (same tokenizer)")
     p.add_argument(

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from spyglass.limits import SAMPLING_RULES, check_max_new_tokens, check_method
+from spyglass.limits import SAMPLING_RULES, RequestError, check_max_new_tokens, check_method
 
 try:
     from ray import serve
@@ -303,8 +303,6 @@ class EngineLoop:
                 return
 
     def _add(self, live: _Live) -> None:
-        from spyglass.engine import RequestError  # replica-only (torch): see the note at the imports
-
         try:
             live.seq = self.engine.add_request(live.prompt_ids, live.params, live.request_id, live.method)
         except (RequestError, ValueError) as e:

@@ -49,6 +49,7 @@ from bench.common import (
     machine_load,
     median,
     plot_panels,
+    random_tree_mask,
     run_clean,
     time_interleaved,
     wait_for_quiet,
@@ -70,16 +71,6 @@ HEADLINE_KERNELS = {("smollm2", "float32", 16384, 68)}  # the figures' configura
 HEADLINE_BLOCKS = 5
 MIN_BLOCK_S = 0.4  # fast configurations get more repeats: short blocks are noisy and hard to vet
 RETRIES = [3]  # re-runs of a measurement block that other processes disturbed (set from --retries)
-
-
-def random_tree_mask(n: int, seed: int) -> torch.Tensor:
-    """Ancestor-or-self mask of a random recursive tree with n nodes (node 0 = root)."""
-    g = torch.Generator().manual_seed(seed)
-    mask = torch.eye(n, dtype=torch.bool)
-    for i in range(1, n):
-        parent = int(torch.randint(0, i, (), generator=g))
-        mask[i] |= mask[parent]
-    return mask
 
 
 # --------------------------------------------------------------------------- 1. prefix choice
@@ -206,7 +197,8 @@ def bench_kernel(contexts: list[int], trees: list[int], repeats: int, gate: Idle
                     kbuf = torch.randn(hkv, s + n, d, dtype=dtype)
                     vbuf = torch.randn(hkv, s + n, d, dtype=dtype)
                     q = torch.randn(h, n, d, dtype=dtype)
-                    args = (q, kbuf[:, :s], vbuf[:, :s], kbuf[:, s:], vbuf[:, s:], random_tree_mask(n, seed=n))
+                    mask = random_tree_mask(n, torch.Generator().manual_seed(n))
+                    args = (q, kbuf[:, :s], vbuf[:, :s], kbuf[:, s:], vbuf[:, s:], mask)
                     fns = {
                         b: (lambda b=b, a=args: attn.tree_attention(*a, backend=b))
                         for b in ("cpu", "eager", "sdpa_masked")

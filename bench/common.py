@@ -264,6 +264,38 @@ def percentile(values: Sequence[float], q: float) -> float:
     return float(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo))
 
 
+def ratio(a: float | None, b: float | None, digits: int | None = None) -> float | None:
+    """a / b (rounded to `digits` where given); None where either is missing or b is 0."""
+    if a is None or not b:
+        return None
+    return a / b if digits is None else round(a / b, digits)
+
+
+def median_of(values: Sequence[float | None], all_present: bool = False) -> float | None:
+    """The median of the values that exist, None where none does; with `all_present`, None where any is missing."""
+    kept = [v for v in values if v is not None]
+    if not kept or (all_present and len(kept) < len(values)):
+        return None
+    return median(kept)
+
+
+def worst(values: Sequence[float | None], lowest: bool = True) -> float | None:
+    """The lowest (or, `lowest=False`, the highest) value; None where there is none or any is missing."""
+    if not values or any(v is None for v in values):
+        return None
+    return min(values) if lowest else max(values)
+
+
+def random_tree_mask(n: int, gen: torch.Generator, reach: int | None = None) -> torch.Tensor:
+    """Ancestor-or-self mask of a random tree of n nodes (node 0 the root): each node's parent drawn from the `reach`
+    nodes before it (from all of them where None)."""
+    mask = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        low = 0 if reach is None else max(0, i - reach)
+        mask[i] |= mask[int(torch.randint(low, i, (), generator=gen))]
+    return mask
+
+
 def time_call(fn: Callable[[], Any], repeats: int = 7, warmup: int = 1) -> dict[str, Any]:
     """Median wall time of `fn()` in ms over `repeats` calls after `warmup` untimed ones."""
     for _ in range(warmup):

@@ -60,13 +60,16 @@ if __package__ in (None, ""):  # allow `python bench/gpu_check.py`
 
 import torch  # noqa: E402
 
+from bench.common import plot_panels, random_tree_mask  # noqa: E402
 from spyglass import attention as attn  # noqa: E402
+from spyglass.kv_cache import kv_bytes_per_token  # noqa: E402
 from spyglass.models.llama import ModelArgs, Segment, Transformer  # noqa: E402
 from spyglass.tree import DraftTree  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 HBM_BYTES_PER_S = 4.8e12  # the H200's datasheet HBM3e bandwidth
 SECTIONS = ("kernels", "engine", "served", "speed")
+TREE_REACH = 6  # random trees: a node's parent is one of the 6 nodes before it (deep trees, as drafters build)
 
 # Llama-3.1-8B's shape (what the speed section runs; the weights are random)
 LLAMA_8B = ModelArgs(
@@ -347,11 +350,6 @@ def sample_prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
 # ----------------------------------------------------------------------------------------------- 1. kernels
 
 
-def random_tree_mask(n: int, gen: torch.Generator) -> torch.Tensor:
-    parents = [-1] + [int(torch.randint(max(0, i - 6), i, (), generator=gen)) for i in range(1, n)]
-    return DraftTree(torch.zeros(n, dtype=torch.long), parents).ancestor_mask()
-
-
 def max_err(out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> tuple[float, bool]:
     """Max |out - ref| and whether every element is within atol + rtol * |ref| (NaN fails)."""
     out, ref = out.double(), ref.double()
@@ -390,7 +388,7 @@ def section_kernels(report: Report, budget: Budget, device: torch.device, tiny: 
         m = max(sizes)
         mask = torch.zeros(len(sizes), m, m, dtype=torch.bool)
         for b, size in enumerate(sizes):
-            mask[b, :size, :size] = random_tree_mask(size, gen)
+            mask[b, :size, :size] = random_tree_mask(size, gen, TREE_REACH)
         return mask.to(device)
 
     def case(what: str, fn: Callable[[], tuple[float, bool, dict]]) -> None:
@@ -449,7 +447,7 @@ def section_kernels(report: Report, budget: Budget, device: torch.device, tiny: 
         (atol, rtol), _ = TOL[dtype]
         q, kp, vp = rnd(h, n, d, dtype=dtype, mul=2.0), rnd(hkv, s, d, dtype=dtype), rnd(hkv, s, d, dtype=dtype)
         kt, vt = rnd(hkv, n, d, dtype=dtype), rnd(hkv, n, d, dtype=dtype)
-        mask = random_tree_mask(n, gen).to(device)
+        mask = random_tree_mask(n, gen, TREE_REACH).to(device)
         out = attn.tree_attention(q, kp, vp, kt, vt, mask, d**-0.5, backend="triton")
         e, ok = max_err(out, attn.reference_attention(q, kp, vp, kt, vt, mask, d**-0.5), atol, rtol)
         return e, ok, {}
@@ -843,11 +841,6 @@ def weight_bytes(model: Transformer) -> int:
     return total
 
 
-def kv_bytes(model: Transformer, context: int) -> int:
-    a = model.args
-    return 2 * a.n_layers * a.n_kv_heads * a.head_dim * context * model.dtype.itemsize
-
-
 def filled_cache(model: Transformer, context: int, batch: int, room: int):
     """A KV cache of `batch` slots holding `context` random committed tokens each (attention's cost does not
     depend on the values), with `room` free positions after them."""
@@ -901,6 +894,7 @@ def section_speed(report: Report, budget: Budget, device: torch.device, tiny: bo
     dtype = torch.bfloat16
     model = random_model(args, device, dtype, seed=0, name="random-llama-3.1-8b-shape")
     wbytes = weight_bytes(model)
+    kv_token = kv_bytes_per_token(model.args, model.dtype)  # K and V of one token, every layer
     fig["model"] = {"shape": "Llama-3.1-8B" if not tiny else "tiny", "layers": args.n_layers,
                     "full_layers": LLAMA_8B.n_layers, "dtype": "bfloat16", "weight_bytes_read_per_step": wbytes,
                     "weights": "random, generated on the device",
@@ -921,14 +915,14 @@ def section_speed(report: Report, budget: Budget, device: torch.device, tiny: bo
     fig["decode"] = decode
 
     def decode_modes(ctx: int, modes: list[str]) -> None:
-        need = kv_bytes(model, ctx + 128)
+        need = kv_token * (ctx + 128)
         if need > kv_budget:
             why = f"KV cache needs {need / 2**30:.1f} GiB, {kv_budget / 2**30:.1f} free"
             report.skip(sec, f"decode ctx {ctx}", why)
             return
         cache = filled_cache(model, ctx, 1, 128)
         segs = verify_segments(model, cache, 1, 1, ctx, gen)
-        bytes_step = wbytes + kv_bytes(model, ctx)
+        bytes_step = wbytes + kv_token * ctx
         row = decode.setdefault(str(ctx), {"bytes_per_step": bytes_step})
         for mode in modes:
             if not budget.has(150 if mode.startswith("compile") else 40):
@@ -987,7 +981,7 @@ def section_speed(report: Report, budget: Budget, device: torch.device, tiny: bo
     for ctx in contexts:
         for batch in batches:
             name = f"ctx{ctx}_b{batch}"
-            need = kv_bytes(model, ctx + ks[-1]) * batch
+            need = kv_token * (ctx + ks[-1]) * batch
             if need > kv_budget:
                 report.skip(
                     sec, f"verify {name}", f"KV cache needs {need / 2**30:.1f} GiB, {kv_budget / 2**30:.1f} free"
@@ -1052,7 +1046,7 @@ def attention_backends(report: Report, budget: Budget, model: Transformer, conte
     n = 16 if tiny else 64
     hybrid = attn.resolve_backend("auto", device)  # "triton" on a GPU
     gen = torch.Generator().manual_seed(1)
-    mask = random_tree_mask(n, gen).to(device)
+    mask = random_tree_mask(n, gen, TREE_REACH).to(device)
     out: dict[str, Any] = {"tree_nodes": n, "hybrid_backend": hybrid}
     for ctx in contexts[1:]:
         if not budget.has(30):
@@ -1104,8 +1098,6 @@ def goals(report: Report, fig: dict[str, Any], contexts, ks) -> None:
 
 
 def plot(report: Report) -> Path | None:
-    from bench.common import plot_panels
-
     speed = report.figures.get("speed") or {}
     panels = []
     curves = speed.get("verify_cost") or {}

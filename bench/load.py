@@ -43,6 +43,7 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import RESULTS_DIR, machine_load, plot_panels, write_results  # noqa: E402
+from bench.common import log as bench_log  # noqa: E402
+from bench.common import ratio as common_ratio  # noqa: E402
 from bench.peers import PEERS_DIR, VLLM_SPEC, find_libiomp5, find_tcmalloc  # noqa: E402
 
 SERVERS = ("spyglass-suffix", "spyglass-ar", "vllm-plain", "vllm-suffix")
@@ -69,9 +72,7 @@ KEEP = (
     *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "p50", "p99")),
 )  # fmt: skip
 
-
-def log(msg: str) -> None:
-    print(f"[load {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+log = partial(bench_log, tag="load")
 
 
 # --- workloads ----------------------------------------------------------------------------------------------------
@@ -352,9 +353,7 @@ def figures_of(raw: dict[str, Any]) -> dict[str, Any]:
     def get(key: str, srv: str, metric: str) -> float | None:
         return (runs.get(key) or {}).get(srv, {}).get(metric)
 
-    def ratio(a: float | None, b: float | None) -> float | None:
-        return round(a / b, 3) if a is not None and b else None
-
+    ratio = partial(common_ratio, digits=3)
     f: dict[str, Any] = {}
     for c in (1, 4, 16):
         f[f"duration_vs_vllm_suffix_c{c}"] = ratio(get(f"long_c{c}", sg, "duration"), get(f"long_c{c}", vs, "duration"))

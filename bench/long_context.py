@@ -70,9 +70,12 @@ from bench.common import (  # noqa: E402
     RESULTS_DIR,
     CpuWatch,
     code_fingerprint,
+    load_model,
     machine_load,
     median,
+    median_of,
     plot_panels,
+    ratio,
     reset_peak_rss,
     vm_status,
     wait_for_quiet,
@@ -84,8 +87,6 @@ from spyglass.cost import CostCurve, cpu_model  # noqa: E402
 from spyglass.drafters import METHODS, build_drafter  # noqa: E402
 from spyglass.engine import EngineConfig, SpecEngine  # noqa: E402
 from spyglass.kv_cache import kv_bytes_per_token  # noqa: E402
-from spyglass.models.llama import load_transformer  # noqa: E402
-from spyglass.models.loader import load_tokenizer, resolve_model  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -309,16 +310,6 @@ def chunk_rate(chunks: list[dict], lo: float, hi: float) -> float | None:
     return sum(c["tokens"] for c in sel) / sum(c["s"] for c in sel) if sel else None
 
 
-def med(values: list) -> float | None:
-    """The median of the values that exist (None where none does)."""
-    values = [v for v in values if v is not None]
-    return median(values) if values else None
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
 def by_length(rows: dict, tasks: list[HeldOutTask], lengths: list[tuple[str, int]]) -> dict[str, list[dict]]:
     return {label: [rows[t.name] for t in tasks if t.name.endswith(f"@{label}")] for label, _ in lengths}
 
@@ -329,28 +320,28 @@ def summarise(rows: dict, tasks: list[HeldOutTask], lengths: list[tuple[str, int
     methods = list(next(iter(rows.values()))["methods"])
     for label, rs in at.items():
         if DEFAULT_METHOD in methods:
-            figures[f"speedup_{label}_default"] = med([r["methods"][DEFAULT_METHOD]["speedup"] for r in rs])
+            figures[f"speedup_{label}_default"] = median_of([r["methods"][DEFAULT_METHOD]["speedup"] for r in rs])
         for m in methods[1:]:  # every method but plain decoding
             for key in ("speedup", "e2e_speedup", "tau", "draft_state_bytes"):
-                figures[f"{key}_{label}_{m}"] = med([r["methods"][m][key] for r in rs])
-        figures[f"ar_tok_s_{label}"] = med([r["methods"]["ar"]["tok_s"] for r in rs])
-        figures[f"output_copied_{label}"] = med([r.get("output_copied") for r in rs])
-        figures[f"ttft_miss_s_{label}"] = med([r["miss"]["ttft_s"] for r in rs])
-        figures[f"ttft_hit_s_{label}"] = med([r["methods"]["ar"]["ttft_s"] for r in rs])
-        figures[f"cache_hit_ttft_speedup_{label}"] = med(
+                figures[f"{key}_{label}_{m}"] = median_of([r["methods"][m][key] for r in rs])
+        figures[f"ar_tok_s_{label}"] = median_of([r["methods"]["ar"]["tok_s"] for r in rs])
+        figures[f"output_copied_{label}"] = median_of([r.get("output_copied") for r in rs])
+        figures[f"ttft_miss_s_{label}"] = median_of([r["miss"]["ttft_s"] for r in rs])
+        figures[f"ttft_hit_s_{label}"] = median_of([r["methods"]["ar"]["ttft_s"] for r in rs])
+        figures[f"cache_hit_ttft_speedup_{label}"] = median_of(
             [ratio(r["miss"]["ttft_s"], r["methods"]["ar"]["ttft_s"]) for r in rs]
         )
-        figures[f"cache_store_s_{label}"] = med([r["miss"]["stored_s"] for r in rs])
-        figures[f"prefill_tok_s_{label}"] = med([r["miss"]["prefill_tok_s"] for r in rs])
+        figures[f"cache_store_s_{label}"] = median_of([r["miss"]["stored_s"] for r in rs])
+        figures[f"prefill_tok_s_{label}"] = median_of([r["miss"]["prefill_tok_s"] for r in rs])
         figures[f"peak_rss_mib_{label}"] = max(
             max([r["miss"]["peak_rss_mib"]] + [x["peak_rss_mib"] for x in r["methods"].values()]) for r in rs
         )
-        figures[f"kv_bytes_{label}"] = med([r["methods"]["ar"]["kv_bytes"] for r in rs])
+        figures[f"kv_bytes_{label}"] = median_of([r["methods"]["ar"]["kv_bytes"] for r in rs])
     figures["kv_slot_bytes"] = next(iter(rows.values()))["methods"]["ar"]["kv_slot_bytes"]
     (lo, lo_n), (hi, _) = lengths[0], lengths[-1]
     if hi != lo:
         figures[f"prefill_tok_s_{hi}_vs_{lo}"] = ratio(figures[f"prefill_tok_s_{hi}"], figures[f"prefill_tok_s_{lo}"])
-        figures[f"prefill_chunk_tok_s_{hi}_vs_{lo}"] = med(
+        figures[f"prefill_chunk_tok_s_{hi}_vs_{lo}"] = median_of(
             [
                 ratio(
                     chunk_rate(r["miss"]["chunks"], 0.9 * r["prompt_tokens"], float("inf")),
@@ -379,12 +370,12 @@ def panels(rows: dict, tasks: list[HeldOutTask], lengths: list[tuple[str, int]])
     methods = [m for m in next(iter(rows.values()))["methods"] if m != "ar"]
 
     def per_length(get) -> list[float]:
-        return [med([get(r) for r in rs]) for rs in at.values()]
+        return [median_of([get(r) for r in rs]) for rs in at.values()]
 
     chunk_series = {}
     for label, rs in at.items():
         starts = sorted({c["start"] for r in rs for c in r["miss"]["chunks"]})
-        rates = [med([chunk_rate(r["miss"]["chunks"], s, s + 1) for r in rs]) for s in starts]
+        rates = [median_of([chunk_rate(r["miss"]["chunks"], s, s + 1) for r in rs]) for s in starts]
         chunk_series[label] = (starts, rates)
     return [
         {
@@ -482,10 +473,10 @@ def main(argv: list[str] | None = None) -> Path:
 
     from services.local_redis import LocalRedis
 
-    resolved = {d: resolve_model(args.model, dtype=d) for d in dtypes}
-    targets = {d: load_transformer(resolved[d].path, dtype=getattr(torch, d)) for d in dtypes}
-    model_id = resolved[dtypes[0]].model_id
-    tokenizer = load_tokenizer(resolved[dtypes[0]].path)
+    loaded = {d: load_model(args.model, dtype=d) for d in dtypes}
+    targets = {d: target for d, (target, _, _) in loaded.items()}
+    _, tokenizer, resolved = loaded[dtypes[0]]
+    model_id = resolved.model_id
     window = targets[dtypes[0]].args.max_position
     lengths = parse_lengths(args.lengths, window, args.max_new_tokens)
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
@@ -611,7 +602,9 @@ def main(argv: list[str] | None = None) -> Path:
     if len(dtypes) == 2:
         at = {d: by_length(rows[d], tasks, lengths) for d in dtypes}
         xs = [median([r["prompt_tokens"] for r in rs]) for rs in at[d0].values()]
-        plain = {d: (xs, [med([r["methods"]["ar"]["tok_s"] for r in rs]) for rs in at[d].values()]) for d in dtypes}
+        plain = {
+            d: (xs, [median_of([r["methods"]["ar"]["tok_s"] for r in rs]) for rs in at[d].values()]) for d in dtypes
+        }
         plot.insert(
             0,
             {"title": "plain decode tok/s, fp32 and bf16", "xlabel": "prompt tokens", "ylabel": "tok/s", "logx": True,

@@ -38,6 +38,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -50,11 +51,14 @@ from bench.common import (  # noqa: E402
     IdleGate,
     environment,
     machine_load,
-    median,
+    median_of,
     plot_panels,
+    ratio,
     wait_for_quiet,
+    worst,
     write_results,
 )
+from bench.common import log as bench_log  # noqa: E402
 
 WORKER = ROOT / "bench" / "peer_worker.py"
 PEERS_DIR = ROOT / ".cache" / "peers"
@@ -72,8 +76,8 @@ LLAMACPP_METHODS = ("plain", "pld")
 DTYPES = ("float32", "bfloat16")
 DTYPE_TAG = {"float32": "", "bfloat16": "@bf16"}  # a lane label's dtype suffix
 
-
-_T0 = time.monotonic()
+log = partial(bench_log, tag="peers")
+med = partial(median_of, all_present=True)  # a figure over the prompts: None where any prompt lacks it
 
 
 def no_machine_paths(value: Any) -> Any:
@@ -87,10 +91,6 @@ def no_machine_paths(value: Any) -> Any:
     if isinstance(value, str) and value.startswith("/") and Path(value).is_absolute():
         return repo_relative(value)
     return value
-
-
-def log(msg: str) -> None:
-    print(f"[peers {time.monotonic() - _T0:6.1f}s] {msg}", flush=True)
 
 
 # --- worker processes ------------------------------------------------------------------------------------------
@@ -412,22 +412,6 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
         if x != y:
             return i
     return min(len(a), len(b))
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def worst(values: list[float | None], lowest: bool = True) -> float | None:
-    if not values or any(v is None for v in values):
-        return None
-    return min(values) if lowest else max(values)
-
-
-def med(values: list[float | None]) -> float | None:
-    if not values or any(v is None for v in values):
-        return None
-    return median(values)
 
 
 def make_figures(rows: dict[str, dict], setup: Setup) -> dict[str, Any]:

@@ -56,10 +56,13 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import (  # noqa: E402
     RESULTS_DIR,
+    load_model,
     machine_load,
     median,
+    median_of,
     percentile,
     plot_panels,
+    ratio,
     wait_for_quiet,
     write_results,
 )
@@ -95,15 +98,6 @@ def decode_rate(t1: float, tn: float, n: int, streams: int) -> float | None:
     """`rate`, or None (a void sample, left out of the median) where the 1-token wave took as long as the n-token
     one: other work on the machine swamped the decode."""
     return round(rate(t1, tn, n, streams), 3) if tn > t1 else None
-
-
-def median_of(values: list[float | None]) -> float | None:
-    kept = [v for v in values if v is not None]
-    return median(kept) if kept else None
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
 def bench_grpc_vs_inprocess(client, engine_run, prompt: str, n: int, repeats: int) -> dict:
@@ -715,8 +709,6 @@ def main() -> None:
     from spyglass.demo import code_edit_task
     from spyglass.drafters import build_drafter
     from spyglass.engine import EngineConfig, SpecEngine
-    from spyglass.models.llama import load_transformer
-    from spyglass.models.loader import load_tokenizer, resolve_model
     from spyglass.sampling import SamplingParams
 
     torch.set_num_threads(args.threads)
@@ -753,9 +745,7 @@ def main() -> None:
     raw["rss"] = bench_rss(rss_verifier)
     phase("rss")
 
-    resolved = resolve_model(None, dtype="float32")
-    model = load_transformer(resolved.path)
-    tok = load_tokenizer(resolved.path)
+    model, tok, _ = load_model()
     prompts = heldout_prompts(tok, q)
     print(f"plain-decoding references of {len(prompts)} held-out prompts:", flush=True)
     refs = plain_references(model, prompts, max(mixed_n, sweep_n))

@@ -56,6 +56,8 @@ def native():
     global builds
     builds += 1
     try:
+        # inside the try: torch.utils.cpp_extension imports setuptools, which a bare torch install may lack (then
+        # the torch ops run, as for a missing compiler); only a build needs it
         from torch.utils.cpp_extension import load
 
         arch = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else ["-mcpu=native"]

@@ -105,7 +105,7 @@ class ContextCache:
     def __post_init__(self) -> None:
         self._redis = self.client
         if self.url:
-            import redis
+            import redis  # only a cache on a Redis URL needs it: the core runs without redis (tests/test_core_imports)
 
             self._redis = redis.Redis.from_url(self.url, socket_timeout=5.0, socket_connect_timeout=2.0)
         self._queue: queue.Queue | None = None

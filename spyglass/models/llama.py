@@ -9,7 +9,9 @@ HF transformers is used only to read the config (and the RoPE frequencies) and a
 
 from __future__ import annotations
 
+import ctypes
 import json
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -103,6 +105,8 @@ def on_device(segments: list[Segment], device: torch.device) -> list[Segment]:
 
 def rope_frequencies(config_dir: Path | None, args: ModelArgs, cfg: dict) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling for the model's RoPE type (default, linear, llama3, yarn...)."""
+    # transformers, a heavy import: only a checkpoint's RoPE needs it, a model built from ModelArgs (tests,
+    # bench/gpu_check.py) never does
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -396,9 +400,6 @@ def into_huge_pages(model: nn.Module) -> None:
     cache's state. A 1-token step streams every weight once; from huge pages it ran 4-6% faster on a 2-core Zen 4 VM
     (processes alternated: SmolLM2-135M 24.8 -> 23.6 ms at 2K context, 31.3 -> 29.2 at 6K; Qwen2.5-Coder-0.5B 59.8
     -> 56.2 at 2K). Values are copied unchanged; tied weights stay one tensor."""
-    import ctypes
-    import sys
-
     tensors = [t for t in [*model.parameters(), *model.buffers()] if t.device.type == "cpu" and t.numel()]
     if not tensors:  # a model on an accelerator
         return

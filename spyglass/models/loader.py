@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from safetensors import safe_open
+
 log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
@@ -204,8 +206,6 @@ def _check_safetensors_file(path: Path) -> None:
         raise ModelLoadError(f"truncated safetensors file ({have} data bytes, header needs {data_end}): {path}")
     # Second opinion from the library itself (also validates dtypes/shapes against offsets).
     try:
-        from safetensors import safe_open
-
         with safe_open(str(path), framework="numpy") as st:
             st.keys()
     except Exception as e:  # noqa: BLE001 - any library failure means the file is unusable
@@ -347,7 +347,7 @@ def _check_gguf_file(path: Path) -> str:
     if magic != _GGUF_MAGIC:
         raise ModelLoadError(f"corrupt GGUF file (bad magic {magic!r}, expected {_GGUF_MAGIC!r}): {path}")
     try:
-        from gguf import GGUFReader
+        from gguf import GGUFReader  # only a .gguf source needs gguf (and the numpy it loads)
 
         reader = GGUFReader(str(path), "r")
         size = path.stat().st_size
@@ -417,6 +417,8 @@ def _file_lock(lock_path: Path) -> Iterator[None]:
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize with transformers; save float32 + bfloat16 safetensors and tokenizer into ``out_dir``."""
     _set_offline()
+    # after _set_offline: huggingface_hub reads the offline switches when first imported; torch and transformers
+    # load only where a GGUF file is converted (resolving a cached model or reading its files needs neither)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -629,7 +631,7 @@ def load_tokenizer(path: Path) -> Any:
     if not path.is_dir():
         raise ModelLoadError(f"tokenizer directory does not exist: {path}")
     _set_offline()
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # after _set_offline (as in _convert_gguf)
 
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

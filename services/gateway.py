@@ -29,7 +29,6 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
-from ray.util import metrics
 
 from protos import spyglass_pb2 as pb
 from services.grpc_api import MALFORMED  # a request the gRPC layer could not parse: INVALID_ARGUMENT
@@ -294,6 +293,8 @@ def chunk_to_pb(item: dict[str, Any]) -> pb.GenerateChunk:
 
 
 def _make_metrics():
+    from ray.util import metrics
+
     latency = metrics.Histogram(
         "spyglass_request_latency_seconds",
         description="End-to-end request latency at the gateway.",

@@ -29,9 +29,6 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import ray
-from ray._private import ray_constants
-
 HOST_ENV = "SPYGLASS_GRPC_HOST"
 TLS_CERT_ENV = "SPYGLASS_TLS_CERT"
 TLS_KEY_ENV = "SPYGLASS_TLS_KEY"
@@ -43,7 +40,6 @@ _TARGET = "ray.serve._private.default_impl"
 
 def check() -> None:
     """Raise RuntimeError unless Serve still adds its gRPC port through `default_impl.add_grpc_address`."""
-    # Serve's internals, imported here: at the top they would import Serve in every worker the hook runs in
     from ray.serve._private import default_impl, grpc_util
 
     start = getattr(grpc_util, "start_grpc_server", None)
@@ -72,7 +68,7 @@ def server_credentials(cert: str | None, key: str | None):
         return None
     if not (cert and key):
         raise ValueError(f"TLS needs both a certificate and its key ({TLS_CERT_ENV} and {TLS_KEY_ENV})")
-    import grpc  # only TLS needs it: every worker of the job imports this module (the hook), few serve gRPC
+    import grpc
 
     try:
         pair = (Path(key).read_bytes(), Path(cert).read_bytes())
@@ -138,6 +134,9 @@ def runtime_env() -> dict:
 
 def hook_installed() -> bool:
     """Whether the connected Ray job's workers run `install` (ray.init was given `runtime_env()`)."""
+    import ray
+    from ray._private import ray_constants
+
     if not ray.is_initialized():  # get_runtime_context() would start a cluster
         return False
     env = ray.get_runtime_context().runtime_env or {}
@@ -162,7 +161,7 @@ def controller_env(host: str, tls_cert: str | None = None, tls_key: str | None =
         raise ValueError(f"gRPC host {host!r}: {e}") from e
     creds = server_credentials(tls_cert, tls_key)
     if creds is not None:  # grpc checks the PEM and that the key matches only when a port is added
-        import grpc  # as in server_credentials
+        import grpc
 
         probe = grpc.server(ThreadPoolExecutor(1))
         try:

@@ -22,15 +22,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from spyglass.limits import SAMPLING_RULES, RequestError, check_max_new_tokens, check_method
+from spyglass.limits import SAMPLING_RULES, check_max_new_tokens, check_method
 
 try:
     from ray import serve
 except ImportError:  # the engine and its builder run without Ray (bench/gpu_check.py on a bare GPU machine)
     serve = None
-# torch and the engine stack (spyglass.sampling, .engine, .models, kernels) are imported inside the code a replica
-# runs: services.app, the Serve application builder (run by the driver and by Serve's build task), imports this
-# module for `Verifier` and loads no torch. Ray's own APIs are imported where used: the engine runs without Ray.
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +76,7 @@ def encode_prompt(tokenizer, text: str, raw: bool, messages: list[dict[str, str]
     if messages:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template: send a prompt (raw text) instead of messages")
-        from jinja2 import TemplateError  # transformers' optional dependency, needed by chat templates only
+        from jinja2 import TemplateError
 
         try:
             ids = tokenizer.apply_chat_template(
@@ -101,7 +98,7 @@ def encode_prompt(tokenizer, text: str, raw: bool, messages: list[dict[str, str]
 
 def sampling_from_request(req: dict[str, Any], cfg: VerifierConfig):
     """Build SamplingParams from a request dict (ValueError with a message on bad values)."""
-    from spyglass.sampling import SamplingParams  # replica-only (torch): see the note at the imports
+    from spyglass.sampling import SamplingParams
 
     s = req.get("sampling") or {}
     max_new = int(req.get("max_new_tokens") or cfg.default_max_new_tokens)
@@ -255,7 +252,7 @@ class EngineLoop:
 
     # --- the loop thread ------------------------------------------------------------------------------
     def _run(self) -> None:
-        import torch  # replica-only: see the note at the imports
+        import torch
 
         if self.cfg.threads:
             torch.set_num_threads(self.cfg.threads)
@@ -303,6 +300,8 @@ class EngineLoop:
                 return
 
     def _add(self, live: _Live) -> None:
+        from spyglass.engine import RequestError
+
         try:
             live.seq = self.engine.add_request(live.prompt_ids, live.params, live.request_id, live.method)
         except (RequestError, ValueError) as e:
@@ -417,7 +416,7 @@ def warm_up(engine, tokenizer, cfg: VerifierConfig, prompt_tokens: int | None = 
     and acceptance, and decode steps over a long prefix. So every method serves, in-process, two requests
     together on a synthetic repetitive prompt (greedy and sampled) with the context cache detached: nothing is
     written to Redis and no real request is affected. Returns what was done and how long it took."""
-    from spyglass.sampling import SamplingParams  # replica-only (torch): see the note at the imports
+    from spyglass.sampling import SamplingParams
 
     t0 = time.perf_counter()
     ids = encode_prompt(tokenizer, WARMUP_TEXT, raw=False)  # also compiles the chat template
@@ -439,7 +438,7 @@ def warm_up(engine, tokenizer, cfg: VerifierConfig, prompt_tokens: int | None = 
                 SamplingParams(max_new_tokens=new, ignore_eos=True, temperature=0.8, top_p=0.95, seed=0),
             ]
             t = time.perf_counter()
-            import torch  # replica-only: see the note at the imports
+            import torch
 
             with torch.inference_mode():
                 seqs = engine.run(prompts, params, method=method)
@@ -457,7 +456,7 @@ def warm_up(engine, tokenizer, cfg: VerifierConfig, prompt_tokens: int | None = 
 def build_engine(cfg: VerifierConfig) -> tuple[Any, Any, dict[str, Any]]:
     """Load the target once and build the replica's SpecEngine: every method's drafter over one KV pool of
     `max_batch` slots, one continuous batch and one target forward per step (sharing the context cache)."""
-    import torch  # this and the engine stack below: replica-only, see the note at the imports
+    import torch
 
     from kernels.dispatch import served_kernels
     from spyglass.context_cache import ContextCache, kv_namespace
@@ -533,7 +532,7 @@ def _make_metrics(name: str) -> Callable[[str, float, dict[str, str] | None], No
 
     vLLM writes `vllm:spec_decode_...`; Ray 2.60 deprecates ':' in metric names and its exporter drops
     such metrics, so ours are `spyglass_spec_decode_...` (scraped as `ray_spyglass_spec_decode_..._total`)."""
-    from ray.util import metrics  # Ray: only a Serve replica records metrics
+    from ray.util import metrics
 
     tags = ("replica",)
     counters = {
@@ -599,7 +598,7 @@ class Verifier:
             # cost curve (what a verify of k tokens costs) at construction, and a curve timed with Ray's
             # OMP_NUM_THREADS (the replica's num_cpus, often 1) sized every tree for a machine it was not running on.
             engine, tokenizer, self._info = build_engine(self.cfg)
-            import ray  # Ray: a Serve replica only (the module imports without it)
+            import ray
 
             self._info["ray_gpu_ids"] = [str(i) for i in ray.get_gpu_ids()]  # the accelerators Ray assigned
             if self.cfg.warmup_prompt_tokens > 0:

@@ -19,6 +19,7 @@ import pytest
 from services.gateway import Admission, GatewayConfig, QueueFull, affinity_key, route
 from spyglass.client import AsyncClient, Client, SpyglassError
 from spyglass.engine import plain_generate
+from spyglass.models.loader import resolve_model_dtype
 from spyglass.sampling import SamplingParams
 
 MAX_CONTEXT = 2048
@@ -232,6 +233,13 @@ async def _collect(loop, req: dict) -> list[dict]:
 
 # --- the deployed stack ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
+def served(smollm2, smollm2_bf16):
+    """The embedded model in the dtype the replica's "auto" resolves to here (bf16 where the C++ kernels build), and
+    its tokenizer: the in-process references run in the served dtype."""
+    return smollm2_bf16 if resolve_model_dtype(None) == "bfloat16" else smollm2
+
+
+@pytest.fixture(scope="module")
 def stack(ray_cluster, redis_server):
     from ray import serve
 
@@ -273,14 +281,14 @@ def client(grpc_address):
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2):
+def reference(served):
     """In-process references: the same engine configuration as the verifier, and plain decoding."""
     from services.verifier import encode_prompt
     from spyglass.drafters import build_drafter
     from spyglass.engine import EngineConfig, SpecEngine, plain_generate
     from spyglass.sampling import SamplingParams
 
-    model, tok = smollm2
+    model, tok = served
 
     def ids(text: str) -> list[int]:
         return encode_prompt(tok, text, raw=False)
@@ -314,7 +322,7 @@ def test_health_and_model_info(client):
     assert info["context_length"] == MAX_CONTEXT
     assert info["methods"] == SERVED_METHODS and info["default_method"] == "ngram"
     assert info["num_verifiers"] == 1 and info["max_batch"] == MAX_BATCH and info["context_cache"]
-    assert info["device"] == "cpu" and info["dtype"] == "float32"  # the replica's "auto" defaults, resolved here
+    assert info["device"] == "cpu" and info["dtype"] == resolve_model_dtype(None)  # "auto", resolved here
     health = client.health()
     assert health["status"] == "ok"
     (rep,) = health["replicas"]
@@ -363,12 +371,12 @@ def test_every_served_drafter_equals_plain_decoding(client, reference, method):
     assert s.get("controller_verified_nodes", 0) > 0 or s.get("controller_plain_steps", 0) > 0
 
 
-def test_stop_string_inside_an_accepted_run_ends_the_stream_where_plain_decoding_does(client, smollm2, reference):
+def test_stop_string_inside_an_accepted_run_ends_the_stream_where_plain_decoding_does(client, served, reference):
     """A prompt that repeats a sentence: suffix drafting copies it in long accepted runs and the stop phrase falls
     inside one; the streamed token ids end at plain decoding's last token and the text at the stop."""
     from tests.test_stops import REPEAT_PROMPT
 
-    model, tok = smollm2
+    model, tok = served
     stop = "lazy dog"
     params = SamplingParams(max_new_tokens=64, stop=(stop,))
     expected = plain_generate(model, reference["ids"](REPEAT_PROMPT), params, tok)
@@ -642,11 +650,11 @@ def test_openai_chat_plain_and_streamed(openai_client, client, reference):
     wait_idle(client)
 
 
-def test_chat_messages_through_the_sdk_and_openai_equal_plain_decoding(openai_client, client, smollm2):
+def test_chat_messages_through_the_sdk_and_openai_equal_plain_decoding(openai_client, client, served):
     from spyglass.engine import plain_generate
     from spyglass.sampling import SamplingParams
 
-    model, tok = smollm2
+    model, tok = served
     messages = [
         {"role": "system", "content": "You answer in one short line."},
         {"role": "user", "content": "Name a primary colour."},

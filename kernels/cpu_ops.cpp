@@ -1038,19 +1038,6 @@ static void rows_tile_bf16(RowsBf16X x, int64_t ldx, const at::BFloat16* w, Rows
 }
 #else
 using RowsBf16X = const float*;  // x widened to fp32, rows zero-padded to a multiple of L
-typedef uint16_t rows_vhalf __attribute__((vector_size(L * sizeof(uint16_t))));
-typedef uint32_t rows_vword __attribute__((vector_size(L * sizeof(uint32_t))));
-
-// L bf16 from p as fp32.
-static inline vfloat rows_widen_bf16(const at::BFloat16* p) {
-  rows_vhalf h;
-  std::memcpy(&h, p, sizeof(h));
-  const rows_vword u = __builtin_convertvector(h, rows_vword) << 16;
-  vfloat f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
 template <int M, int R>
 static void rows_tile_bf16(RowsBf16X x, int64_t ldx, const at::BFloat16* w, RowsBias b, at::BFloat16* y, int64_t N,
                            int64_t K, int64_t n0, int64_t n1) {
@@ -1070,7 +1057,7 @@ static void rows_tile_bf16(RowsBf16X x, int64_t ldx, const at::BFloat16* w, Rows
       vfloat wv[R];
       for (int r = 0; r < R; r++) {
         __builtin_prefetch(w0 + ahead + r * K + k, 0, 2);
-        wv[r] = rows_widen_bf16(w0 + r * K + k);
+        wv[r] = vload(w0 + r * K + k);
       }
       step(k, wv);
     }
@@ -1079,7 +1066,7 @@ static void rows_tile_bf16(RowsBf16X x, int64_t ldx, const at::BFloat16* w, Rows
       for (int r = 0; r < R; r++) {
         at::BFloat16 pad[L] = {};
         std::copy(w0 + r * K + Kv, w0 + r * K + K, pad);
-        wv[r] = rows_widen_bf16(pad);
+        wv[r] = vload(pad);
       }
       step(Kv, wv);
     }

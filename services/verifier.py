@@ -600,7 +600,8 @@ class Verifier:
             engine, tokenizer, self._info = build_engine(self.cfg)
             import ray
 
-            self._info["ray_gpu_ids"] = [str(i) for i in ray.get_gpu_ids()]  # the accelerators Ray assigned
+            # the accelerators Ray assigned; none outside Ray (get_gpu_ids there would start a local cluster)
+            self._info["ray_gpu_ids"] = [str(i) for i in ray.get_gpu_ids()] if ray.is_initialized() else []
             if self.cfg.warmup_prompt_tokens > 0:
                 report = warm_up(engine, tokenizer, self.cfg, self.cfg.warmup_prompt_tokens)
                 self._info["warmup_s"] = report["seconds"]

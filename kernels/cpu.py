@@ -73,6 +73,21 @@ def native():
         return None
 
 
+@functools.cache
+def build_for(march: str):
+    """The same source built for another x86 target (`-march=x86-64-v3`: AVX2, no AVX-512; `skylake-avx512`:
+    AVX-512 without its bf16 dot products), so the tests check the paths this CPU's own build does not take."""
+    from torch.utils.cpp_extension import load
+
+    return load(
+        f"spyglass_cpu_{march.replace('-', '_')}_" + build_name().rsplit("_", 1)[1],
+        [str(SOURCE)],
+        extra_cflags=[*CFLAGS, f"-march={march}"],
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )
+
+
 # ----------------------------------------------------------------------------- references (plain torch)
 
 
@@ -98,10 +113,17 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 
 
 def cache_attention_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, mask: torch.Tensor | None, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    mask: torch.Tensor | None,
+    scale: float,
+    magnitude: bool = False,
 ) -> torch.Tensor:
     """q `[H, n, D]` over cache keys `[Hkv, >= start + n, D]`: all of 0..start-1, then the n new tokens' own keys
-    through `mask` `[n, n]` (None = causal) -> `[n, H * D]`, in fp64 then rounded to q's dtype."""
+    through `mask` `[n, n]` (None = causal) -> `[n, H * D]`, in fp64 then rounded to q's dtype. `magnitude`: the
+    same sum over |v| instead (fp64), the scale of the error of a kernel that rounds the probabilities to bf16."""
     h, n, d = q.shape
     g = h // k.shape[0]
     kk = k[:, : start + n].double().repeat_interleave(g, 0)
@@ -110,4 +132,5 @@ def cache_attention_reference(
     visible[:, start:] = mask if mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
     scores = torch.einsum("hnd,hsd->hns", q.double(), kk) * scale
     p = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-    return torch.einsum("hns,hsd->hnd", p, vv).transpose(0, 1).reshape(n, h * d).to(q.dtype)
+    out = torch.einsum("hns,hsd->hnd", p, vv.abs() if magnitude else vv).transpose(0, 1).reshape(n, h * d)
+    return out if magnitude else out.to(q.dtype)

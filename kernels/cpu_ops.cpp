@@ -374,37 +374,64 @@ inline float hsum(vfloat v) {  // a fixed tree over the lanes
   return a[0];
 }
 
-// S [MR, NV vectors from j0] = Q [MR, D] @ Kt [D, kNB] (those columns).
-template <int MR, int NV>
-inline void score_tile(const float* Q, const float* Kt, int64_t D, int64_t j0, float* S) {
+// A score is a chain of steps over the head dims from 0, in one of two kinds of operand (QE):
+// - fp32 (float): one dim per step, q * k + acc (q already scaled);
+// - bf16 pairs (uint32_t, the bits of dims 2i and 2i + 1): acc + q0 * k0 + q1 * k1 per step (both products exact in
+//   fp32), AVX512-BF16's vdpbf16ps where the CPU has it, else two multiply-adds, and the sum scaled at the end: half
+//   the steps, and a bf16 key block is transposed as pairs (half the shuffles of widened dims).
+// One machine runs one kind of step for a dtype everywhere, so the packed and the in-register paths agree.
+inline vuint vload(const uint32_t* p) {
+  vuint v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline vfloat score_step(float q, vfloat k, vfloat acc) { return vfma(q, k, acc); }
+inline vfloat score_step(uint32_t q, vuint k, vfloat acc) {
+#if defined(__AVX512BF16__)
+  const __m512 r = _mm512_dpbf16_ps(reinterpret_cast<__m512&>(acc), (__m512bh)reinterpret_cast<__m512i&>(k),
+                                    (__m512bh)_mm512_set1_epi32(static_cast<int>(q)));
+  return reinterpret_cast<const vfloat&>(r);
+#else
+  const vuint hi = k & 0xFFFF0000u, lo = k << 16;
+  acc = vfma(bf16_value(static_cast<uint16_t>(q >> 16)), reinterpret_cast<const vfloat&>(hi), acc);
+  return vfma(bf16_value(static_cast<uint16_t>(q)), reinterpret_cast<const vfloat&>(lo), acc);
+#endif
+}
+// The score operand of a dtype: fp32 rows, or bf16 pairs
+template <typename E>
+using score_elem = std::conditional_t<std::is_same_v<E, float>, float, uint32_t>;
+
+// S [MR, NV vectors from j0] = Q [MR, Dq] @ Kt [Dq, kNB] (those columns) * scale; Dq operands per row (score_elem).
+template <int MR, int NV, typename QE>
+inline void score_tile(const QE* Q, const QE* Kt, int64_t Dq, int64_t j0, float* S, float scale) {
   vfloat acc[MR][NV] = {};
-  for (int64_t d = 0; d < D; d++) {
-    vfloat k[NV];
+  for (int64_t d = 0; d < Dq; d++) {
+    decltype(vload(Kt)) k[NV];
     for (int v = 0; v < NV; v++) k[v] = vload(Kt + d * kNB + j0 + v * L);
     for (int r = 0; r < MR; r++) {
-      const float x = Q[r * D + d];
-      for (int v = 0; v < NV; v++) acc[r][v] = vfma(x, k[v], acc[r][v]);
+      const QE x = Q[r * Dq + d];
+      for (int v = 0; v < NV; v++) acc[r][v] = score_step(x, k[v], acc[r][v]);
     }
   }
   for (int r = 0; r < MR; r++)
-    for (int v = 0; v < NV; v++) vstore(S + r * kNB + j0 + v * L, acc[r][v]);
+    for (int v = 0; v < NV; v++) vstore(S + r * kNB + j0 + v * L, acc[r][v] * scale);
 }
 
-// S [MR, nvec vectors of keys] = Q [MR, D] @ Kt [D, kNB]: the first nvec * L keys of the block. Each score is the
-// same sum in the same order whatever nvec and MR.
-template <int MR>
-inline void score_tiles(const float* Q, const float* Kt, int64_t D, int64_t nvec, float* S) {
+// S [MR, nvec vectors of keys] = Q [MR, Dq] @ Kt [Dq, kNB] * scale: the first nvec * L keys of the block. Each score
+// is the same sum in the same order whatever nvec and MR.
+template <int MR, typename QE>
+inline void score_tiles(const QE* Q, const QE* Kt, int64_t Dq, int64_t nvec, float* S, float scale) {
   for (int64_t j0 = 0; j0 < nvec * L; j0 += kNV * L) {
     const int64_t rest = nvec - j0 / L;
     if (rest >= kNV) {
-      score_tile<MR, kNV>(Q, Kt, D, j0, S);
+      score_tile<MR, kNV>(Q, Kt, Dq, j0, S, scale);
       continue;
     }
     switch (rest) {  // the diagonal block of a causal chunk: only the keys its rows see
-      case 1: score_tile<MR, 1>(Q, Kt, D, j0, S); break;
+      case 1: score_tile<MR, 1>(Q, Kt, Dq, j0, S, scale); break;
 #if defined(__AVX512F__)
-      case 2: score_tile<MR, 2>(Q, Kt, D, j0, S); break;
-      case 3: score_tile<MR, 3>(Q, Kt, D, j0, S); break;
+      case 2: score_tile<MR, 2>(Q, Kt, Dq, j0, S, scale); break;
+      case 3: score_tile<MR, 3>(Q, Kt, Dq, j0, S, scale); break;
 #endif
     }
   }
@@ -463,6 +490,91 @@ inline void pv_tile(const float* P, const float* alpha, const TV* Vb, int64_t ld
   }
 }
 
+// K's rows as score operands: fp32 as they are, bf16 as pairs (32-bit words, moved by the fp32 shuffles bit for bit)
+inline const float* key_words(const float* K) { return K; }
+inline const float* key_words(const bf16* K) { return reinterpret_cast<const float*>(K); }
+
+// bf16 P @ V in pair steps (AVX-512 builds, D a multiple of 32), half the multiply-adds of pv_tile: a key block's V
+// rows interleaved by pairs of keys (Vt: pair p's row holds D words, (V[2p][d], V[2p+1][d]) for the dims d in
+// pv_dim order, pack_v_pairs) and each row's P rounded to bf16 pairs (as ATen's bf16 flash attention rounds P). O
+// rows then hold their dims in pv_dim order, put in place as they are stored.
+// O [MR, D] = O * alpha (per row) + P [MR, :jn] @ V [jn, D]; rows Dp apart.
+template <int MR, int NV>
+inline void pv_pairs_cols(const uint32_t (*Pp)[kNB / 2], const float* alpha, const uint32_t* Vt, int64_t D,
+                          int64_t np, int64_t c0, int64_t Dp, float* O) {
+  vfloat acc[MR][NV];
+  for (int r = 0; r < MR; r++)
+    for (int v = 0; v < NV; v++) acc[r][v] = vload(O + r * Dp + c0 + v * L) * alpha[r];
+  for (int64_t p = 0; p < np; p++) {
+    vuint x[NV];
+    for (int v = 0; v < NV; v++) x[v] = vload(Vt + p * D + c0 + v * L);
+    for (int r = 0; r < MR; r++)
+      for (int v = 0; v < NV; v++) acc[r][v] = score_step(Pp[r][p], x[v], acc[r][v]);
+  }
+  for (int r = 0; r < MR; r++)
+    for (int v = 0; v < NV; v++) vstore(O + r * Dp + c0 + v * L, acc[r][v]);
+}
+
+// out[0..32) = the bf16 bits of x[0..32), 0 from x[n] on (n < 32).
+inline void to_bf16_32(const float* x, int64_t n, uint16_t* out) {
+#if defined(__AVX512F__)
+  const auto mask = [](int64_t k) { return static_cast<__mmask16>(k >= 16 ? 0xFFFF : (k <= 0 ? 0 : (1u << k) - 1)); };
+  const __m512 a = _mm512_maskz_loadu_ps(mask(n), x), b = _mm512_maskz_loadu_ps(mask(n - 16), x + 16);
+#if defined(__AVX512BF16__)
+  _mm512_storeu_si512(out, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a)));
+#else
+  const auto round = [](__m512 v) {  // bf16_bits without the NaN case (P has none)
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd);
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+  };
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), round(a));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), round(b));
+#endif
+#else
+  for (int64_t i = 0; i < 32; i++) out[i] = i < n ? bf16_bits(x[i]) : 0;
+#endif
+}
+
+template <int MR>
+inline void pv_pairs(const float* P, const float* alpha, const uint32_t* Vt, int64_t D, int64_t jn, int64_t Dp,
+                     float* O) {
+  const int64_t np = (jn + 1) / 2;
+  uint32_t Pp[MR][kNB / 2];
+  for (int r = 0; r < MR; r++)
+    for (int64_t j = 0; j < 2 * np; j += 32)  // words (even key, odd key): the keys' bf16 bits in order
+      to_bf16_32(P + r * kNB + j, jn - j, reinterpret_cast<uint16_t*>(Pp[r]) + j);
+  int64_t c0 = 0;
+  for (; c0 + kCV * L <= D; c0 += kCV * L) pv_pairs_cols<MR, kCV>(Pp, alpha, Vt, D, np, c0, Dp, O);
+  for (; c0 < D; c0 += L) pv_pairs_cols<MR, 1>(Pp, alpha, Vt, D, np, c0, Dp, O);
+}
+
+#if defined(__AVX512F__)
+constexpr bool kPairPV = true;
+// The head dim at position i of a pair-packed row: 32-dim halves, each two vectors (unpacklo, unpackhi of two key
+// rows), whose 128-bit lanes hold 4 dims each.
+inline int64_t pv_dim(int64_t i) { return i / 32 * 32 + (i % 16) / 4 * 8 + (i / 16) % 2 * 4 + i % 4; }
+
+// Vt [ceil(jn / 2), D] = keys 0..jn-1 of the block (rows of V, D apart) interleaved by pairs (see pv_pairs); the
+// last pair of an odd jn has zeros for its second key.
+inline void pack_v_pairs(const bf16* V, int64_t jn, int64_t D, uint32_t* Vt) {
+  for (int64_t p = 0; p < (jn + 1) / 2; p++) {
+    const bf16* a = V + 2 * p * D;
+    for (int64_t h = 0; h < D; h += 32) {
+      const __m512i x = _mm512_loadu_si512(a + h);
+      const __m512i y = 2 * p + 1 < jn ? _mm512_loadu_si512(a + D + h) : _mm512_setzero_si512();
+      _mm512_storeu_si512(Vt + p * D + h, _mm512_unpacklo_epi16(x, y));
+      _mm512_storeu_si512(Vt + p * D + h + 16, _mm512_unpackhi_epi16(x, y));
+    }
+  }
+}
+#else
+constexpr bool kPairPV = false;
+inline int64_t pv_dim(int64_t i) { return i; }
+inline void pack_v_pairs(const bf16*, int64_t, int64_t, uint32_t*) {}
+#endif
+
 #if defined(__AVX512F__)
 inline __m512 load_row16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load_row16(const bf16* p) {  // widened: the bf16 bits are the upper half of the fp32's
@@ -498,36 +610,42 @@ inline void transpose16(const E* in, int64_t ld_in, __m512* k) {
   }
 }
 
-// S [MR, kNB] = Q [MR, D] @ K [kNB keys, D]^T for a whole block of keys read from their rows (fp32 or bf16; D a
-// multiple of 16), each group of 16 keys transposed in registers: every score the same chain of multiply-adds over
-// d from 0 as score_tile's on the packed keys (the same bits), without the packed copy: a decode step's few rows.
-// The next block's K and V (next_k, next_v, or null) are prefetched a few lines per 16 x 16 step, spread over the
-// block: a burst of prefetches would wait on the memory like the loads.
+// S [MR, kNB] = Q [MR, Dq] @ K [kNB keys, Dq]^T * scale for a whole block of keys read from their rows (Dq operands
+// per row, a multiple of 16), each group of 16 keys transposed in registers: every score the same chain of steps
+// over the operands from 0 as score_tile's on the packed keys (the same bits), without the packed copy: a decode
+// step's few rows. The next block's K and V (next_k, next_v, or null) are prefetched a few lines per 16 x 16 step,
+// spread over the block: a burst of prefetches would wait on the memory like the loads.
 template <int MR, typename E>
-inline void score_rows(const float* Q, const E* K, int64_t D, float* S, const E* next_k, const E* next_v) {
-  constexpr int64_t lines = 4 * sizeof(E);  // per step: the block's bytes / its (kNB / 16) * (D / 16) steps
+inline void score_rows(const score_elem<E>* Q, const E* K, int64_t Dq, float* S, float scale, const E* next_k,
+                       const E* next_v) {
+  using QE = score_elem<E>;
+  using KV = decltype(vload(static_cast<const QE*>(nullptr)));  // a vector of 16 keys' operands
+  const int64_t lines = kNB * Dq * 4 / 64 / ((kNB / 16) * (Dq / 16));  // per step: the block's lines / its steps
+  const float* Kw = key_words(K);
   int64_t step = 0;
   for (int64_t j0 = 0; j0 < kNB; j0 += 16) {
-    __m512 acc[MR];
-    for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t d0 = 0; d0 < D; d0 += 16, step++) {
+    vfloat acc[MR] = {};
+    for (int64_t d0 = 0; d0 < Dq; d0 += 16, step++) {
       if (next_k)
         for (int64_t b = step * lines * 64; b < (step + 1) * lines * 64; b += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(next_k) + b, 0, 3);
-          __builtin_prefetch(reinterpret_cast<const char*>(next_v) + b, 0, 3);
+          __builtin_prefetch(reinterpret_cast<const char*>(next_k) + b, 0, 2);
+          __builtin_prefetch(reinterpret_cast<const char*>(next_v) + b, 0, 2);
         }
       __m512 k[16];
-      transpose16(K + j0 * D + d0, D, k);
-      for (int i = 0; i < 16; i++)
-        for (int r = 0; r < MR; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(Q[r * D + d0 + i]), k[i], acc[r]);
+      transpose16(Kw + j0 * Dq + d0, Dq, k);
+      for (int i = 0; i < 16; i++) {
+        const KV kv = reinterpret_cast<const KV&>(k[i]);
+        for (int r = 0; r < MR; r++) acc[r] = score_step(Q[r * Dq + d0 + i], kv, acc[r]);
+      }
     }
-    for (int r = 0; r < MR; r++) _mm512_storeu_ps(S + r * kNB + j0, acc[r]);
+    for (int r = 0; r < MR; r++) vstore(S + r * kNB + j0, acc[r] * scale);
   }
 }
 
 constexpr int64_t kScoreRowsMax = 8;  // most rows score_rows takes: a decode step's GQA group
 template <typename E>
-constexpr void (*kScoreRows[kScoreRowsMax])(const float*, const E*, int64_t, float*, const E*, const E*) = {
+constexpr void (*kScoreRows[kScoreRowsMax])(const score_elem<E>*, const E*, int64_t, float*, float, const E*,
+                                            const E*) = {
     score_rows<1, E>, score_rows<2, E>, score_rows<3, E>, score_rows<4, E>,
     score_rows<5, E>, score_rows<6, E>, score_rows<7, E>, score_rows<8, E>};
 constexpr bool kHasScoreRows = true;
@@ -536,24 +654,26 @@ constexpr int64_t kScoreRowsMax = kMR;
 constexpr bool kHasScoreRows = false;
 #endif
 
-// Kt [D, kNB] = the block's `valid` keys (rows of K, D apart) transposed (fp32), zero past them.
+// Kt [Dq, kNB] = the block's `valid` keys (rows of K) as score operands (fp32, or bf16 pairs), transposed; zero past
+// them.
 template <typename E>
-inline void pack_keys(const E* K, int64_t valid, int64_t D, float* Kt) {
+inline void pack_keys(const E* K, int64_t valid, int64_t Dq, score_elem<E>* Kt) {
+  const float* Kw = key_words(K);
 #if defined(__AVX512F__)
-  if (valid == kNB && D % 16 == 0) {
+  if (valid == kNB && Dq % 16 == 0) {
     for (int64_t j = 0; j < kNB; j += 16)
-      for (int64_t d = 0; d < D; d += 16) {
+      for (int64_t d = 0; d < Dq; d += 16) {
         __m512 k[16];
-        transpose16(K + j * D + d, D, k);
-        for (int i = 0; i < 16; i++) _mm512_storeu_ps(Kt + (d + i) * kNB + j, k[i]);
+        transpose16(Kw + j * Dq + d, Dq, k);
+        for (int i = 0; i < 16; i++) std::memcpy(Kt + (d + i) * kNB + j, &k[i], sizeof(k[i]));
       }
     return;
   }
 #endif
   for (int64_t j = 0; j < valid; j++)
-    for (int64_t d = 0; d < D; d++) Kt[d * kNB + j] = load_elem(K + j * D + d);
+    for (int64_t d = 0; d < Dq; d++) std::memcpy(Kt + d * kNB + j, Kw + j * Dq + d, sizeof(float));
   if (valid < kNB)
-    for (int64_t d = 0; d < D; d++) std::fill(Kt + d * kNB + valid, Kt + (d + 1) * kNB, 0.0f);
+    for (int64_t d = 0; d < Dq; d++) std::fill(Kt + d * kNB + valid, Kt + (d + 1) * kNB, score_elem<E>{});
 }
 
 // Folds a key chunk's softmax state (mc, lc, oc: max, sum, unnormalised out) into a row's running one (m, l, o), chunk
@@ -570,31 +690,35 @@ inline void fold_chunk(float& m, float& l, float* o, float mc, float lc, const f
 // One register tile of MR query rows (scaled, D apart) against one packed key block: the scores of its first nvec
 // vectors of keys, row r seeing the block's first seen[r] keys (none: all of them), the online softmax step, and
 // P @ V over the block's first jn keys.
-template <typename TV>
+template <typename QE, typename TV>
 struct TileStep {
-  const float *Q, *Kt;
-  const TV* Vb;
-  int64_t ldv, D, Dp, nvec, jn;
+  const QE *Q, *Kt;
+  float scale;
+  const TV* Vb;  // V rows (fp32 or bf16), or bf16 pairs (uint32_t, pv_pairs)
+  int64_t ldv, D, Dq, Dp, nvec, jn;
   const int64_t* seen;
   float *S, *P, *alpha, *M, *Ls, *O;
 };
 
-template <int MR, typename TV>
-void attend_tile(const TileStep<TV>& s) {
-  if (s.Kt) score_tiles<MR>(s.Q, s.Kt, s.D, s.nvec, s.S);  // else the scores are in S already (score_rows)
+template <int MR, typename QE, typename TV>
+void attend_tile(const TileStep<QE, TV>& s) {
+  if (s.Kt) score_tiles<MR>(s.Q, s.Kt, s.Dq, s.nvec, s.S, s.scale);  // else the scores are in S already (score_rows)
   if (s.seen)
     for (int r = 0; r < MR; r++) {
       float* sr = s.S + r * kNB;
       std::fill(sr + std::clamp<int64_t>(s.seen[r], 0, s.nvec * L), sr + s.nvec * L, kNegInf);
     }
   softmax_tile<MR>(s.S, s.nvec, s.P, s.M, s.Ls, s.alpha);
-  pv_tile<MR>(s.P, s.alpha, s.Vb, s.ldv, s.jn, s.Dp, s.O);
+  if constexpr (std::is_same_v<TV, uint32_t>)
+    pv_pairs<MR>(s.P, s.alpha, s.Vb, s.D, s.jn, s.Dp, s.O);
+  else
+    pv_tile<MR>(s.P, s.alpha, s.Vb, s.ldv, s.jn, s.Dp, s.O);
 }
 
-template <typename TV>
-constexpr void (*kAttendTiles[kMR])(const TileStep<TV>&) = {  // [rows - 1]
-    attend_tile<1, TV>, attend_tile<2, TV>, attend_tile<3, TV>,
-    attend_tile<4, TV>, attend_tile<5, TV>, attend_tile<6, TV>};
+template <typename QE, typename TV>
+constexpr void (*kAttendTiles[kMR])(const TileStep<QE, TV>&) = {  // [rows - 1]
+    attend_tile<1, QE, TV>, attend_tile<2, QE, TV>, attend_tile<3, QE, TV>,
+    attend_tile<4, QE, TV>, attend_tile<5, QE, TV>, attend_tile<6, QE, TV>};
 
 // Asks for a block of memory to be brought towards the cache while the current block is computed.
 inline void prefetch_bytes(const void* p, int64_t bytes) {
@@ -615,7 +739,11 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
 template <typename E>
 torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                   int64_t start, double scale) {
+  using QE = score_elem<E>;
   const int64_t H = c.H, n = c.n, D = c.D, hkv = c.hkv, g = c.g, length = start + n;
+  constexpr bool fp32 = std::is_same_v<E, float>;
+  TORCH_CHECK(fp32 || D % 2 == 0, "tile_attention: a bf16 head dim must be even");
+  const int64_t Dq = D * sizeof(E) / sizeof(QE);  // score operands per row: D fp32, D / 2 bf16 pairs
   const int64_t Dp = (D + kCV * L - 1) / (kCV * L) * (kCV * L);  // O rows padded to whole P @ V tiles
   const bool* mp = c.mp;
   // with a mask: the new tokens each token sees, in order (seen_at[t]..seen_at[t + 1] of seen_new)
@@ -657,23 +785,28 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
   E* yp = y.data_ptr<E>();
   const int64_t ksh = k_cache.stride(0), vsh = v_cache.stride(0);
   const float sc = static_cast<float>(scale);
+  const float score_scale = std::is_same_v<E, float> ? 1.0f : sc;  // fp32 q rows are scaled as loaded, pairs after
   // V rows are read in place where they are whole P @ V tiles and either fp32 or read by at most two tiles of rows (a
   // decode step, a tree token's GQA group); else through an fp32 copy of the block, widened and padded once
-  const bool pad_v = Dp != D, wide_v = std::is_same_v<E, float>;
+  const bool pad_v = Dp != D, wide_v = fp32;
+  const bool pairs = !fp32 && kPairPV && D % 32 == 0;  // P @ V in pair steps (pv_pairs): every path of the call
+  const auto dim = [&](int64_t i) { return pairs ? pv_dim(i) : i; };  // where O's entry i goes
   std::atomic<int64_t> next{0};
   std::atomic<bool> unseen{false};  // a row that sees no key (a mask row without its own token)
   const int64_t workers = std::min<int64_t>(threads, items.size());
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const int64_t rows_max = g * TB;
-    std::vector<float> Kt(D * kNB), Vp(kNB * Dp, 0.0f), S(kScoreRowsMax * kNB), P(kMR * kNB), alpha(kMR);
-    std::vector<float> Q(rows_max * D), O(rows_max * Dp), M(rows_max), Ls(rows_max);  // the chunk's softmax state
+    std::vector<QE> Kt(Dq * kNB), Q(rows_max * Dq);
+    std::vector<float> Vp(kNB * Dp, 0.0f), S(kScoreRowsMax * kNB), P(kMR * kNB), alpha(kMR);
+    std::vector<uint32_t> Vt(pairs ? kNB / 2 * D : 0);
+    std::vector<float> O(rows_max * Dp), M(rows_max), Ls(rows_max);  // the chunk's softmax state
     std::vector<float> RO(rows_max * D), RM(rows_max), RL(rows_max);                   // the folded chunks'
     std::vector<int64_t> seen(rows_max);
     std::vector<E> Kg(mp ? kNB * D : 0), Vg(mp ? kNB * D : 0);  // a token's gathered key block
     // tiles of up to kMR rows over rows [r0, r1) against the keys packed in Kt (or, kt null, their scores in S
     // already) and the block's V rows Vs (`valid` of them), the tiles' rows seeing its first jn keys (row r: sn[r],
     // nullptr: all)
-    const auto run_tiles = [&](int64_t r0, int64_t r1, const float* kt, const E* Vs, int64_t valid, int64_t jn,
+    const auto run_tiles = [&](int64_t r0, int64_t r1, const QE* kt, const E* Vs, int64_t valid, int64_t jn,
                                const int64_t* sn) {
       const auto run = [&](const auto* Vb, int64_t ldv) {
         using TV = std::remove_cv_t<std::remove_pointer_t<decltype(Vb)>>;
@@ -681,11 +814,16 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
           const int64_t mr = std::min<int64_t>(kMR, r1 - row0);
           const int64_t tn = sn ? std::min(jn, sn[row0 + mr - 1]) : jn;  // rows are in token order: the last sees most
           if (tn <= 0) continue;
-          kAttendTiles<TV>[mr - 1]({Q.data() + row0 * D, kt, Vb, ldv, D, Dp, (tn + L - 1) / L, tn,
+          kAttendTiles<QE, TV>[mr - 1]({Q.data() + row0 * Dq, kt, score_scale, Vb, ldv, D, Dq, Dp, (tn + L - 1) / L, tn,
                                     sn ? sn + row0 : nullptr, S.data() + (kt ? 0 : (row0 - r0) * kNB), P.data(),
                                     alpha.data(), M.data() + row0, Ls.data() + row0, O.data() + row0 * Dp});
         }
       };
+      if constexpr (!std::is_same_v<E, float>)
+        if (pairs) {
+          pack_v_pairs(Vs, std::min(valid, jn), D, Vt.data());
+          return run(static_cast<const uint32_t*>(Vt.data()), D);
+        }
       if (!pad_v && (wide_v || r1 - r0 <= 2 * kMR)) return run(Vs, D);
       for (int64_t j = 0; j < std::min(valid, jn); j++)
         for (int64_t d = 0; d < D; d++) Vp[j * Dp + d] = load_elem(Vs + j * D + d);
@@ -694,9 +832,12 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
     for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(items.size());) {
       const Item it = items[i];
       const int64_t tb = it.t1 - it.t0, rows = g * tb;
-      for (int64_t r = 0; r < rows; r++) {  // the item's query rows, scaled
+      for (int64_t r = 0; r < rows; r++) {  // the item's query rows: fp32 scaled, bf16 as pairs
         const E* src = qp + ((it.kv * g + r % g) * n + it.t0 + r / g) * D;
-        for (int64_t d = 0; d < D; d++) Q[r * D + d] = load_elem(src + d) * sc;
+        if constexpr (std::is_same_v<E, float>)
+          for (int64_t d = 0; d < D; d++) Q[r * D + d] = src[d] * sc;
+        else
+          std::memcpy(Q.data() + r * Dq, src, D * sizeof(E));
       }
       const auto new_chunk = [&] {
         std::fill(O.begin(), O.begin() + rows * Dp, 0.0f);
@@ -711,7 +852,7 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
       const int64_t kend = std::min(mp ? length : start + it.t1, split ? (it.chunk + 1) * kChunkKeys : length);
       const E* Kh = kc + it.kv * ksh;
       const E* Vh = vc + it.kv * vsh;
-      const bool score_rows_fit = kHasScoreRows && D % 16 == 0 && rows <= kScoreRowsMax;
+      const bool score_rows_fit = kHasScoreRows && Dq % 16 == 0 && rows <= kScoreRowsMax;
       for (int64_t kb = split ? it.chunk * kChunkKeys : 0; kb < kend; kb += kNB) {
         const bool more = kb + 2 * kNB <= kend;  // a next whole block: on its way while this one is computed
         if (more && !(score_rows_fit && kb + kNB <= start)) {
@@ -728,7 +869,7 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
               std::memcpy(Kg.data() + p * D, Kh + key * D, D * sizeof(E));
               std::memcpy(Vg.data() + p * D, Vh + key * D, D * sizeof(E));
             }
-            pack_keys(Kg.data(), vis, D, Kt.data());
+            pack_keys(Kg.data(), vis, Dq, Kt.data());
             const int64_t r0 = (t - it.t0) * g;
             std::fill(seen.begin() + r0, seen.begin() + r0 + g, vis);
             run_tiles(r0, r0 + g, Kt.data(), Vg.data(), vis, vis, seen.data());
@@ -737,11 +878,11 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
           const int64_t valid = std::min(kNB, length - kb);
           if (score_rows_fit && kb + kNB <= start) {  // a few rows (a decode step): no packed copy of the keys
 #if defined(__AVX512F__)
-            kScoreRows<E>[rows - 1](Q.data(), Kh + kb * D, D, S.data(), more ? Kh + (kb + kNB) * D : nullptr,
-                                    Vh + (kb + kNB) * D);
+            kScoreRows<E>[rows - 1](Q.data(), Kh + kb * D, Dq, S.data(), score_scale,
+                                    more ? Kh + (kb + kNB) * D : nullptr, Vh + (kb + kNB) * D);
 #endif
             run_tiles(0, rows, nullptr, Vh + kb * D, valid, valid, nullptr);
-          } else if (pack_keys(Kh + kb * D, valid, D, Kt.data()); kb + kNB <= start) {
+          } else if (pack_keys(Kh + kb * D, valid, Dq, Kt.data()); kb + kNB <= start) {
             run_tiles(0, rows, Kt.data(), Vh + kb * D, valid, valid, nullptr);
           } else {
             for (int64_t r = 0; r < rows; r++) seen[r] = std::min(start + it.t0 + r / g + 1, length) - kb;
@@ -771,7 +912,7 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
         }
         const float inv = 1.0f / RL[r];
         E* out = yp + (it.t0 + r / g) * H * D + (it.kv * g + r % g) * D;
-        for (int64_t d = 0; d < D; d++) store_elem(out + d, RO[r * D + d] * inv);
+        for (int64_t d = 0; d < D; d++) store_elem(out + dim(d), RO[r * D + d] * inv);
       }
     }
   });
@@ -792,7 +933,7 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
         }
         const float inv = 1.0f / l;
         E* out = yp + (r / g) * H * D + (kv * g + r % g) * D;
-        for (int64_t d = 0; d < D; d++) store_elem(out + d, o[d] * inv);
+        for (int64_t d = 0; d < D; d++) store_elem(out + dim(d), o[d] * inv);
       }
     });
   TORCH_CHECK(!unseen, "tile_attention: a query row sees no key (a mask row without its own token?)");

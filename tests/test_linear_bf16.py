@@ -81,15 +81,7 @@ def test_rows_linear_bf16_shapes_and_errors():
 def test_portable_build_is_row_invariant_too(tmp_path):
     """Without AVX-512 (an AVX2 build of the same file: bf16 widened to fp32 as it is loaded, 8 lanes) the kernel
     still matches the product and gives every row its 1-row bits, in bf16 and fp32."""
-    from torch.utils.cpp_extension import load
-
-    built = load(
-        "spyglass_cpu_avx2_" + cpu.build_name().rsplit("_", 1)[1],
-        [str(cpu.SOURCE)],
-        extra_cflags=[*cpu.CFLAGS, "-march=x86-64-v3"],
-        extra_ldflags=["-fopenmp"],
-        verbose=False,
-    )
+    built = cpu.build_for("x86-64-v3")
     for dtype in (torch.bfloat16, torch.float32):
         for n_out, n_in in [(77, 33), (60, 576), (25, 17)]:
             w, x, b = _inputs(n_out, n_in, 70, dtype)

@@ -50,7 +50,7 @@ run: setup
 
 # Two worker processes (pytest-xdist), one per core, each file in one worker: 16 min here on 2 cores (23 in one).
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests --durations=25
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests --durations=40
 
 # The bf16 cases alone (marker `bf16`: greedy identity of every drafter, the sampling suite, the context cache, the
 # shipped drafts, the benches' smoke runs, in bfloat16; `make test` runs them too).

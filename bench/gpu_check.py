@@ -725,13 +725,14 @@ def section_served(report: Report, budget: Budget, device: torch.device, tiny: b
     path = random_checkpoint(Path(tmp.name) / "random-smollm2-shape", args, rope_theta=1e5, std=0.2 if tiny else 0.02)
     fig["model"] = {"shape": "tiny" if tiny else "SmolLM2-135M", "layers": args.n_layers, "vocab": args.vocab_size,
                     "weights": "random (fp32 checkpoint)", "methods": list(methods)}  # fmt: skip
-    prompts = [p * (1 if tiny else 4) for p in sample_prompts(args.vocab_size, 2 * len(methods), seed=4)]
+    # four copies: prompts past a prefill chunk (256 tokens), the grain of a context-cache hit
+    prompts = [p * 4 for p in sample_prompts(args.vocab_size, 2 * len(methods), seed=4)]
     per_method = [m for m in methods for _ in range(2)]
     params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
 
     def replica(dtype: str):
         cfg = VerifierConfig(model=str(path), device="auto", dtype=dtype, methods=list(methods), max_batch=max(batches),
-                             max_context=512 if tiny else 2048, cache_block_size=block)  # fmt: skip
+                             max_context=1024 if tiny else 2048, cache_block_size=block)  # fmt: skip
         engine, _, info = build_engine(cfg)
         engine.context_cache = ContextCache(None, f"{info['model']}:{info['dtype']}", block_size=block,
                                             async_writes=False, client=MemoryStore())  # fmt: skip

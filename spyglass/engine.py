@@ -9,6 +9,7 @@ root-only trees (`drafter=None`).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -237,7 +238,7 @@ class SpecEngine:
 
     def _prefix_being_written(self, seq: Sequence) -> bool:
         cc = self.context_cache
-        return cc is not None and self._reads_cache(seq) and cc.writing(seq.tokens, seq.num_tokens - 1)
+        return cc is not None and self._reads_cache(seq) and cc.writing(seq.tokens, self._loadable(seq, cc))
 
     def _prefill_step(self) -> list[Event]:
         """Prefill chunks of the admitted prompts, at most `prefill_budget` tokens while sequences decode (else
@@ -287,7 +288,8 @@ class SpecEngine:
         return events
 
     def _load_cached_prefix(self, seq: Sequence) -> int:
-        """Fill the slot from the context cache's longest cached prefix (leaving >= 1 token to compute).
+        """Fill the slot from the context cache's longest cached prefix of whole prefill chunks (leaving >= 1 token
+        to compute).
 
         The cache holds K/V only. A drafter that reads the target's hidden states of the prompt (DFlash, TokenSwift:
         `traits.hidden_layers`) would see none for a cached part, and so draft from a shorter context on a hit than
@@ -296,8 +298,16 @@ class SpecEngine:
         cc = self.context_cache
         if cc is None or not self._reads_cache(seq):
             return 0
-        blocks = cc.lookup(seq.tokens, max_tokens=seq.num_tokens - 1)
-        return load_blocks_into_cache(self.cache, seq.slot, blocks, cc.block_size)
+        # Whole prefill chunks only: the rest is then computed in the chunks plain decoding computes (a prefill
+        # chunk's matmuls give a row bits that depend on the chunk's row count, in bf16 above all).
+        blocks = cc.lookup(seq.tokens, max_tokens=self._loadable(seq, cc))
+        grain = math.lcm(cc.block_size, self.prefill_chunk) // cc.block_size  # blocks per whole chunks
+        return load_blocks_into_cache(self.cache, seq.slot, blocks[: len(blocks) // grain * grain], cc.block_size)
+
+    def _loadable(self, seq: Sequence, cc: ContextCache) -> int:
+        """The most prompt tokens a cache hit may fill: whole prefill chunks and whole blocks, >= 1 token left."""
+        grain = math.lcm(cc.block_size, self.prefill_chunk)
+        return (seq.num_tokens - 1) // grain * grain
 
     def _reads_cache(self, seq: Sequence) -> bool:
         traits = self._drafter(seq).traits

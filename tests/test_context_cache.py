@@ -54,7 +54,9 @@ def test_engine_reuses_cached_prefix(tiny_target, redis_server):
     reference = plain_generate(tiny_target, prompt, params)
     outs = []
     for _ in range(2):
-        engine = SpecEngine(tiny_target, None, EngineConfig(max_batch=2, max_context=256), context_cache=cc)
+        engine = SpecEngine(
+            tiny_target, None, EngineConfig(max_batch=2, max_context=256, prefill_chunk=16), context_cache=cc
+        )
         (seq,) = engine.run([prompt], params)
         outs.append(seq)
     assert outs[0].stats.cached_prefix_tokens == 0
@@ -73,7 +75,10 @@ def test_hidden_state_drafter_prefills_whole_prompt_and_stores_it(tiny_target, r
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
     drafters = {"tokenswift": build_tokenswift(tiny_target, "untrained", budget=20, sinks=4), "ar": None}
     engine = SpecEngine(
-        tiny_target, config=EngineConfig(max_batch=2, max_context=256), context_cache=cc, drafters=drafters
+        tiny_target,
+        config=EngineConfig(max_batch=2, max_context=256, prefill_chunk=16),
+        context_cache=cc,
+        drafters=drafters,
     )
     (first,) = engine.run([prompt], params, method="tokenswift")
     assert first.stats.cached_prefix_tokens == 0 and cc.stats.stored_blocks == 4  # stored for the other methods
@@ -98,7 +103,9 @@ def test_newest_hidden_drafter_uses_a_hit(tiny_target, redis_server):
     cc = ContextCache(redis_server.url, f"newest-{id(tiny_target)}", block_size=16, async_writes=False)
     prompt = torch.randint(3, tiny_target.args.vocab_size, (70,), generator=torch.Generator().manual_seed(5)).tolist()
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
-    engine = SpecEngine(tiny_target, drafter, EngineConfig(max_batch=2, max_context=256), context_cache=cc)
+    engine = SpecEngine(
+        tiny_target, drafter, EngineConfig(max_batch=2, max_context=256, prefill_chunk=16), context_cache=cc
+    )
     seen = []
     start = drafter.start
     drafter.start = lambda seq: (start(seq), seen.append(seq.drafter_state.hidden.clone()))
@@ -127,7 +134,9 @@ def test_redis_down_is_a_miss(tiny_target, tmp_path):
     server.stop()
     prompt = list(range(3, 40))
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    engine = SpecEngine(tiny_target, None, EngineConfig(max_batch=1, max_context=128), context_cache=cc)
+    engine = SpecEngine(
+        tiny_target, None, EngineConfig(max_batch=1, max_context=128, prefill_chunk=8), context_cache=cc
+    )
     (seq,) = engine.run([prompt], params)
     assert seq.output_ids == plain_generate(tiny_target, prompt, params)
     assert seq.stats.cached_prefix_tokens == 0 and cc.stats.errors >= 1
@@ -158,7 +167,7 @@ def test_partial_hit_loads_the_shared_blocks_only(tiny_target, redis_server):
     first = torch.randint(3, tiny_target.args.vocab_size, (100,), generator=g).tolist()
     second = first[:70] + torch.randint(3, tiny_target.args.vocab_size, (40,), generator=g).tolist()
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
-    config = EngineConfig(max_batch=1, max_context=256)
+    config = EngineConfig(max_batch=1, max_context=256, prefill_chunk=16)
     SpecEngine(tiny_target, None, config, context_cache=cc).run([first], params)
     misses = cc.stats.misses
     (seq,) = SpecEngine(tiny_target, None, config, context_cache=cc).run([second], params)
@@ -214,12 +223,16 @@ def test_bf16_blocks_hold_half_the_bytes_and_are_never_read_in_fp32(load_tiny, r
     reference = plain_generate(fp32, prompt, params)
     fresh = ContextCache(redis_server.url, kv_namespace(f"fresh-{id(fp32)}", torch.float32), 16, async_writes=False)
     for cache in (fresh, caches[torch.bfloat16]):
-        engine = SpecEngine(fp32, None, EngineConfig(max_batch=1, max_context=64), context_cache=cache)
+        engine = SpecEngine(
+            fp32, None, EngineConfig(max_batch=1, max_context=64, prefill_chunk=16), context_cache=cache
+        )
         (seq,) = engine.run([prompt], params)
         assert seq.stats.cached_prefix_tokens == 0
         assert seq.output_ids == reference
     # while a bf16 engine reuses its own
-    engine = SpecEngine(bf16, None, EngineConfig(max_batch=1, max_context=64), context_cache=caches[torch.bfloat16])
+    engine = SpecEngine(
+        bf16, None, EngineConfig(max_batch=1, max_context=64, prefill_chunk=16), context_cache=caches[torch.bfloat16]
+    )
     (seq,) = engine.run([prompt], params)
     assert seq.stats.cached_prefix_tokens == 32
     assert seq.output_ids == plain_generate(bf16, prompt, params)
@@ -257,7 +270,8 @@ def test_a_follow_up_waits_for_its_prefix_while_others_decode_then_loads_all_of_
     cc = GatedCache(redis_server.url, f"follow-{uuid.uuid4().hex}", block_size=16)
     prompt = torch.randint(3, tiny_target.args.vocab_size, (75,), generator=torch.Generator().manual_seed(1)).tolist()
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
-    engine = SpecEngine(tiny_target, None, EngineConfig(max_batch=2, max_context=256), context_cache=cc)
+    config = EngineConfig(max_batch=2, max_context=256, prefill_chunk=32)  # a step prefills 4 chunks: all 75 tokens
+    engine = SpecEngine(tiny_target, None, config, context_cache=cc)
     first = engine.add_request(prompt, params)
     engine.step()  # prefilled: its 4 full blocks are queued for the (gated) writer
     assert cc.writing(prompt, 74) and cc.stats.copy_s > 0

@@ -5,6 +5,7 @@ decoding's; the prompt's K/V go through a real Redis context cache, stored and l
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -15,7 +16,7 @@ from bench.tasks import long_tasks
 from spyglass.context_cache import ContextCache
 from spyglass.drafters import build_drafter
 from spyglass.engine import EngineConfig, SpecEngine, plain_generate
-from spyglass.models.llama import load_transformer
+from spyglass.models.llama import PREFILL_CHUNK, load_transformer
 from spyglass.sampling import SamplingParams
 from tests.tiny import free_tokens_curve
 
@@ -80,7 +81,8 @@ def test_long_prompt_greedy_is_plain_decoding(qwen, redis_server, label, length,
             own = blocks_in_slot(engine, seq.slot, n_blocks)
             assert all(torch.equal(a, b) for a, b in zip(stored, own, strict=True)), "stored K/V differ"
         else:
-            loaded = (len(prompt) - 1) // BLOCK
+            grain = math.lcm(BLOCK, PREFILL_CHUNK)  # whole blocks of whole prefill chunks
+            loaded = (len(prompt) - 1) // grain * grain // BLOCK
             assert seq.stats.cached_prefix_tokens == loaded * BLOCK
             own = blocks_in_slot(engine, seq.slot, loaded)
             assert all(torch.equal(a, b) for a, b in zip(stored, own, strict=False)), "loaded K/V differ"

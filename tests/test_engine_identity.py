@@ -17,7 +17,7 @@ from spyglass.models.llama import load_transformer
 from spyglass.sampling import SamplingParams
 from tests.tiny import DTYPES, free_tokens_curve, layer_copy_draft, make_prompts, trained_tiny, with_copy_head
 
-N_PROMPTS = 12
+N_PROMPTS = 8  # two waves of batch 4
 
 
 def drafters(target):

@@ -10,7 +10,7 @@ file is rewritten after every section, so a run cut short still leaves what it m
 
 1. kernels (bf16 and fp16; fp32 references from the same rounded inputs): the Triton tree kernel `fused_mask_attn`
    (trees of 1-128 nodes, GQA, a batch of padded trees), the prefix part with its log-sum-exp (1K-128K keys, on the
-   kernel `spyglass.attention.prefix_kernel` picks: ATen's fused flash op when flash-attn is absent), the exact LSE
+   kernel `kernels.aten_prefix.prefix_kernel` picks: ATen's fused flash op when flash-attn is absent), the exact LSE
    merge of two key halves, and the whole hybrid (one sequence; a batch of different committed lengths, and one of
    equal lengths, which takes the single-launch prefix path). Max errors are printed and asserted.
 2. engine: greedy `SpecEngine` output equals plain decoding (`plain_generate`) token for token for ar, ngram, suffix,
@@ -62,6 +62,7 @@ if __package__ in (None, ""):  # allow `python bench/gpu_check.py`
 import torch  # noqa: E402
 
 from bench.common import plot_panels, random_tree_mask  # noqa: E402
+from kernels.aten_prefix import prefix_kernel  # noqa: E402
 from spyglass import attention as attn  # noqa: E402
 from spyglass.kv_cache import kv_bytes_per_token  # noqa: E402
 from spyglass.models.llama import ModelArgs, Segment, Transformer  # noqa: E402
@@ -425,7 +426,7 @@ def section_kernels(report: Report, budget: Budget, device: torch.device, tiny: 
         scale = d**-0.5
         q, k, v = rnd(h, n, d, dtype=dtype, mul=2.0), rnd(hkv, s, d, dtype=dtype), rnd(hkv, s, d, dtype=dtype)
         qf = q.reshape(hkv, (h // hkv) * n, d)
-        kernel = "flash_attn" if flash_attn_available() and device.type == "cuda" else attn.prefix_kernel(qf, k, v)
+        kernel = "flash_attn" if flash_attn_available() and device.type == "cuda" else prefix_kernel(qf, k, v)
         fig["prefix_kernel"][str(dtype).removeprefix("torch.")] = kernel
         out, lse = prefix_attention(q, k, v, scale)
         ref, ref_lse = fp32_prefix_reference(qf, k, v, scale)

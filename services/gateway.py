@@ -293,7 +293,7 @@ def chunk_to_pb(item: dict[str, Any]) -> pb.GenerateChunk:
 
 
 def _make_metrics():
-    from ray.util import metrics
+    from ray.util import metrics  # Ray: in the Serve replica that records them (at the top, it crashed test_serving)
 
     latency = metrics.Histogram(
         "spyglass_request_latency_seconds",

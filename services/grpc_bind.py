@@ -40,7 +40,7 @@ _TARGET = "ray.serve._private.default_impl"
 
 def check() -> None:
     """Raise RuntimeError unless Serve still adds its gRPC port through `default_impl.add_grpc_address`."""
-    from ray.serve._private import default_impl, grpc_util
+    from ray.serve._private import default_impl, grpc_util  # Serve's internals: only where the hook is checked
 
     start = getattr(grpc_util, "start_grpc_server", None)
     code = getattr(start, "__code__", None)
@@ -68,7 +68,7 @@ def server_credentials(cert: str | None, key: str | None):
         return None
     if not (cert and key):
         raise ValueError(f"TLS needs both a certificate and its key ({TLS_CERT_ENV} and {TLS_KEY_ENV})")
-    import grpc
+    import grpc  # every Ray worker imports this module (the setup hook): grpc only where TLS is configured
 
     try:
         pair = (Path(key).read_bytes(), Path(cert).read_bytes())
@@ -134,7 +134,7 @@ def runtime_env() -> dict:
 
 def hook_installed() -> bool:
     """Whether the connected Ray job's workers run `install` (ray.init was given `runtime_env()`)."""
-    import ray
+    import ray  # Ray: this module is a Ray worker's setup hook, imported before Ray is set up
     from ray._private import ray_constants
 
     if not ray.is_initialized():  # get_runtime_context() would start a cluster
@@ -161,7 +161,7 @@ def controller_env(host: str, tls_cert: str | None = None, tls_key: str | None =
         raise ValueError(f"gRPC host {host!r}: {e}") from e
     creds = server_credentials(tls_cert, tls_key)
     if creds is not None:  # grpc checks the PEM and that the key matches only when a port is added
-        import grpc
+        import grpc  # as in server_credentials: only where TLS is configured
 
         probe = grpc.server(ThreadPoolExecutor(1))
         try:

@@ -76,7 +76,7 @@ def encode_prompt(tokenizer, text: str, raw: bool, messages: list[dict[str, str]
     if messages:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template: send a prompt (raw text) instead of messages")
-        from jinja2 import TemplateError
+        from jinja2 import TemplateError  # transformers' optional dependency, needed only by chat templates
 
         try:
             ids = tokenizer.apply_chat_template(
@@ -98,7 +98,7 @@ def encode_prompt(tokenizer, text: str, raw: bool, messages: list[dict[str, str]
 
 def sampling_from_request(req: dict[str, Any], cfg: VerifierConfig):
     """Build SamplingParams from a request dict (ValueError with a message on bad values)."""
-    from spyglass.sampling import SamplingParams
+    from spyglass.sampling import SamplingParams  # torch: in the replica only (see build_engine)
 
     s = req.get("sampling") or {}
     max_new = int(req.get("max_new_tokens") or cfg.default_max_new_tokens)
@@ -252,7 +252,7 @@ class EngineLoop:
 
     # --- the loop thread ------------------------------------------------------------------------------
     def _run(self) -> None:
-        import torch
+        import torch  # in the replica only (see build_engine)
 
         if self.cfg.threads:
             torch.set_num_threads(self.cfg.threads)
@@ -300,7 +300,7 @@ class EngineLoop:
                 return
 
     def _add(self, live: _Live) -> None:
-        from spyglass.engine import RequestError
+        from spyglass.engine import RequestError  # torch: in the replica only (see build_engine)
 
         try:
             live.seq = self.engine.add_request(live.prompt_ids, live.params, live.request_id, live.method)
@@ -416,7 +416,7 @@ def warm_up(engine, tokenizer, cfg: VerifierConfig, prompt_tokens: int | None = 
     and acceptance, and decode steps over a long prefix. So every method serves, in-process, two requests
     together on a synthetic repetitive prompt (greedy and sampled) with the context cache detached: nothing is
     written to Redis and no real request is affected. Returns what was done and how long it took."""
-    from spyglass.sampling import SamplingParams
+    from spyglass.sampling import SamplingParams  # torch: in the replica only (see build_engine)
 
     t0 = time.perf_counter()
     ids = encode_prompt(tokenizer, WARMUP_TEXT, raw=False)  # also compiles the chat template
@@ -456,7 +456,7 @@ def warm_up(engine, tokenizer, cfg: VerifierConfig, prompt_tokens: int | None = 
 def build_engine(cfg: VerifierConfig) -> tuple[Any, Any, dict[str, Any]]:
     """Load the target once and build the replica's SpecEngine: every method's drafter over one KV pool of
     `max_batch` slots, one continuous batch and one target forward per step (sharing the context cache)."""
-    import torch
+    import torch  # torch and the library: in the replica, not in the driver that deploys it (services/app.py)
 
     from kernels.dispatch import served_kernels
     from spyglass.context_cache import ContextCache, kv_namespace

@@ -37,7 +37,6 @@ from kernels.aten_prefix import (
     _flash_cpu,
     _softmax_with_lse,
     prefix_attention,
-    prefix_kernel,  # noqa: F401 - read here by bench/gpu_check.py
 )
 from kernels.dispatch import gpu_tree_attention, gpu_tree_attention_batched, resolve_backend
 from kernels.dispatch import prefix_attention as gpu_prefix_attention

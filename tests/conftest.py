@@ -21,6 +21,13 @@ os.environ.setdefault("SPYGLASS_CACHE", str(Path(__file__).resolve().parents[1] 
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Back to one thread before every test: a test (or an engine loop built in process) that set more would leave
+    the rest of its worker's tests oversubscribed (seen: a file's tests 10x slower after a served test)."""
+    torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `long` (minutes of Qwen prefill each: `make test-long`) run only when `-m` names them."""
     if "long" in (config.getoption("markexpr") or ""):

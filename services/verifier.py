@@ -598,7 +598,7 @@ class Verifier:
             # cost curve (what a verify of k tokens costs) at construction, and a curve timed with Ray's
             # OMP_NUM_THREADS (the replica's num_cpus, often 1) sized every tree for a machine it was not running on.
             engine, tokenizer, self._info = build_engine(self.cfg)
-            import ray
+            import ray  # optional in this module: the engine builder runs without Ray (bench/gpu_check.py)
 
             # the accelerators Ray assigned; none outside Ray (get_gpu_ids there would start a local cluster)
             self._info["ray_gpu_ids"] = [str(i) for i in ray.get_gpu_ids()] if ray.is_initialized() else []

@@ -379,14 +379,15 @@ inline float hsum(vfloat v) {  // a fixed tree over the lanes
 // - bf16 pairs (uint32_t, the bits of dims 2i and 2i + 1): acc + q0 * k0 + q1 * k1 per step (both products exact in
 //   fp32), AVX512-BF16's vdpbf16ps where the CPU has it, else two multiply-adds, and the sum scaled at the end: half
 //   the steps, and a bf16 key block is transposed as pairs (half the shuffles of widened dims).
-// One machine runs one kind of step for a dtype everywhere, so the packed and the in-register paths agree.
+// One machine runs one kind of step for a dtype everywhere, so the packed and the in-register paths agree. P @ V
+// takes the same steps (pv_cols): a key's P times its V row, or a pair of keys' P (bf16) times their V pair row.
 inline vuint vload(const uint32_t* p) {
   vuint v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-inline vfloat score_step(float q, vfloat k, vfloat acc) { return vfma(q, k, acc); }
-inline vfloat score_step(uint32_t q, vuint k, vfloat acc) {
+inline vfloat dot_step(float q, vfloat k, vfloat acc) { return vfma(q, k, acc); }
+inline vfloat dot_step(uint32_t q, vuint k, vfloat acc) {
 #if defined(__AVX512BF16__)
   const __m512 r = _mm512_dpbf16_ps(reinterpret_cast<__m512&>(acc), (__m512bh)reinterpret_cast<__m512i&>(k),
                                     (__m512bh)_mm512_set1_epi32(static_cast<int>(q)));
@@ -410,7 +411,7 @@ inline void score_tile(const QE* Q, const QE* Kt, int64_t Dq, int64_t j0, float*
     for (int v = 0; v < NV; v++) k[v] = vload(Kt + d * kNB + j0 + v * L);
     for (int r = 0; r < MR; r++) {
       const QE x = Q[r * Dq + d];
-      for (int v = 0; v < NV; v++) acc[r][v] = score_step(x, k[v], acc[r][v]);
+      for (int v = 0; v < NV; v++) acc[r][v] = dot_step(x, k[v], acc[r][v]);
     }
   }
   for (int r = 0; r < MR; r++)
@@ -469,25 +470,30 @@ inline void softmax_tile(const float* S, int64_t nvec, float* P, float* m, float
   }
 }
 
+// O [MR, NV vectors from c0] = O * alpha (per row) + W [MR, :steps] @ Vb [steps, those columns]: a step is one key
+// (W fp32, Vb rows fp32 or bf16 widened as loaded) or a pair of keys (W bf16 pairs, Vb pair rows: pv_pairs); W rows
+// ldw apart, Vb rows ldv apart, O rows Dp apart.
+template <int MR, int NV, typename W, typename TV>
+inline void pv_cols(const W* Pw, int64_t ldw, const float* alpha, const TV* Vb, int64_t ldv, int64_t steps,
+                    int64_t c0, int64_t Dp, float* O) {
+  vfloat acc[MR][NV];
+  for (int r = 0; r < MR; r++)
+    for (int v = 0; v < NV; v++) acc[r][v] = vload(O + r * Dp + c0 + v * L) * alpha[r];
+  for (int64_t j = 0; j < steps; j++) {
+    decltype(vload(Vb)) x[NV];
+    for (int v = 0; v < NV; v++) x[v] = vload(Vb + j * ldv + c0 + v * L);
+    for (int r = 0; r < MR; r++)
+      for (int v = 0; v < NV; v++) acc[r][v] = dot_step(Pw[r * ldw + j], x[v], acc[r][v]);
+  }
+  for (int r = 0; r < MR; r++)
+    for (int v = 0; v < NV; v++) vstore(O + r * Dp + c0 + v * L, acc[r][v]);
+}
+
 // O [MR, Dp] = O * alpha (per row) + P [MR, :jn] @ Vb [jn, Dp] (rows ldv apart; fp32, or bf16 widened as loaded).
 template <int MR, typename TV>
 inline void pv_tile(const float* P, const float* alpha, const TV* Vb, int64_t ldv, int64_t jn, int64_t Dp,
                     float* O) {
-  for (int64_t c0 = 0; c0 < Dp; c0 += kCV * L) {
-    vfloat acc[MR][kCV];
-    for (int r = 0; r < MR; r++)
-      for (int v = 0; v < kCV; v++) acc[r][v] = vload(O + r * Dp + c0 + v * L) * alpha[r];
-    for (int64_t j = 0; j < jn; j++) {
-      vfloat x[kCV];
-      for (int v = 0; v < kCV; v++) x[v] = vload(Vb + j * ldv + c0 + v * L);
-      for (int r = 0; r < MR; r++) {
-        const float p = P[r * kNB + j];
-        for (int v = 0; v < kCV; v++) acc[r][v] = vfma(p, x[v], acc[r][v]);
-      }
-    }
-    for (int r = 0; r < MR; r++)
-      for (int v = 0; v < kCV; v++) vstore(O + r * Dp + c0 + v * L, acc[r][v]);
-  }
+  for (int64_t c0 = 0; c0 < Dp; c0 += kCV * L) pv_cols<MR, kCV>(P, kNB, alpha, Vb, ldv, jn, c0, Dp, O);
 }
 
 // K's rows as score operands: fp32 as they are, bf16 as pairs (32-bit words, moved by the fp32 shuffles bit for bit)
@@ -499,22 +505,6 @@ inline const float* key_words(const bf16* K) { return reinterpret_cast<const flo
 // pv_dim order, pack_v_pairs) and each row's P rounded to bf16 pairs (as ATen's bf16 flash attention rounds P). O
 // rows then hold their dims in pv_dim order, put in place as they are stored.
 // O [MR, D] = O * alpha (per row) + P [MR, :jn] @ V [jn, D]; rows Dp apart.
-template <int MR, int NV>
-inline void pv_pairs_cols(const uint32_t (*Pp)[kNB / 2], const float* alpha, const uint32_t* Vt, int64_t D,
-                          int64_t np, int64_t c0, int64_t Dp, float* O) {
-  vfloat acc[MR][NV];
-  for (int r = 0; r < MR; r++)
-    for (int v = 0; v < NV; v++) acc[r][v] = vload(O + r * Dp + c0 + v * L) * alpha[r];
-  for (int64_t p = 0; p < np; p++) {
-    vuint x[NV];
-    for (int v = 0; v < NV; v++) x[v] = vload(Vt + p * D + c0 + v * L);
-    for (int r = 0; r < MR; r++)
-      for (int v = 0; v < NV; v++) acc[r][v] = score_step(Pp[r][p], x[v], acc[r][v]);
-  }
-  for (int r = 0; r < MR; r++)
-    for (int v = 0; v < NV; v++) vstore(O + r * Dp + c0 + v * L, acc[r][v]);
-}
-
 // out[0..32) = the bf16 bits of x[0..32), 0 from x[n] on (n < 32).
 inline void to_bf16_32(const float* x, int64_t n, uint16_t* out) {
 #if defined(__AVX512F__)
@@ -546,8 +536,8 @@ inline void pv_pairs(const float* P, const float* alpha, const uint32_t* Vt, int
     for (int64_t j = 0; j < 2 * np; j += 32)  // words (even key, odd key): the keys' bf16 bits in order
       to_bf16_32(P + r * kNB + j, jn - j, reinterpret_cast<uint16_t*>(Pp[r]) + j);
   int64_t c0 = 0;
-  for (; c0 + kCV * L <= D; c0 += kCV * L) pv_pairs_cols<MR, kCV>(Pp, alpha, Vt, D, np, c0, Dp, O);
-  for (; c0 < D; c0 += L) pv_pairs_cols<MR, 1>(Pp, alpha, Vt, D, np, c0, Dp, O);
+  for (; c0 + kCV * L <= D; c0 += kCV * L) pv_cols<MR, kCV>(Pp[0], kNB / 2, alpha, Vt, D, np, c0, Dp, O);
+  for (; c0 < D; c0 += L) pv_cols<MR, 1>(Pp[0], kNB / 2, alpha, Vt, D, np, c0, Dp, O);
 }
 
 #if defined(__AVX512F__)
@@ -635,7 +625,7 @@ inline void score_rows(const score_elem<E>* Q, const E* K, int64_t Dq, float* S,
       transpose16(Kw + j0 * Dq + d0, Dq, k);
       for (int i = 0; i < 16; i++) {
         const KV kv = reinterpret_cast<const KV&>(k[i]);
-        for (int r = 0; r < MR; r++) acc[r] = score_step(Q[r * Dq + d0 + i], kv, acc[r]);
+        for (int r = 0; r < MR; r++) acc[r] = dot_step(Q[r * Dq + d0 + i], kv, acc[r]);
       }
     }
     for (int r = 0; r < MR; r++) vstore(S + r * kNB + j0, acc[r] * scale);

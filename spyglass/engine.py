@@ -221,13 +221,14 @@ class SpecEngine:
 
     def _admit(self) -> None:
         """Waiting requests take free slots in arrival order, each loading its longest cached prefix once. A prompt
-        whose prefix blocks the context cache is still writing (a follow-up sent right after its first request)
-        waits for them while the engine has other work, rather than computing what is about to be stored; with
-        nothing else to do its lookup waits for them."""
+        whose prefix blocks the context cache is still writing (a follow-up sent right after its first request), or
+        that shares at least half its loadable prefix with a prompt being prefilled (several questions about one
+        document arriving together), waits while the engine has other work, rather than computing what is about to
+        be stored; with nothing else to do its lookup waits for the blocks being written."""
         deferred = []
         while self.waiting and self.cache.free_slots:
             seq = self.waiting.popleft()
-            if (self.running or self.prefilling) and self._prefix_being_written(seq):
+            if (self.running or self.prefilling) and (self._prefix_being_written(seq) or self._prefix_in_prefill(seq)):
                 deferred.append(seq)
                 continue
             seq.slot = self.cache.allocate()
@@ -239,6 +240,23 @@ class SpecEngine:
     def _prefix_being_written(self, seq: Sequence) -> bool:
         cc = self.context_cache
         return cc is not None and self._reads_cache(seq) and cc.writing(seq.tokens, self._loadable(seq, cc))
+
+    def _prefix_in_prefill(self, seq: Sequence) -> bool:
+        """Whether a prompt being prefilled starts with at least half of the whole chunks `seq` could load from the
+        context cache: that prompt stores them when its prefill completes."""
+        cc = self.context_cache
+        if cc is None or not self.prefilling or not self._reads_cache(seq):
+            return False
+        loadable = self._loadable(seq, cc)
+        grain = math.lcm(cc.block_size, self.prefill_chunk)
+        if loadable == 0:
+            return False
+        for other in self.prefilling:
+            n = min(loadable, other.num_tokens // cc.block_size * cc.block_size)
+            same = int((seq.tokens[:n] == other.tokens[:n]).cumprod(0).sum()) if n else 0
+            if same // grain * grain * 2 >= loadable:
+                return True
+        return False
 
     def _prefill_step(self) -> list[Event]:
         """Prefill chunks of the admitted prompts, at most `prefill_budget` tokens while sequences decode (else

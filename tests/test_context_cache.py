@@ -286,3 +286,25 @@ def test_a_follow_up_waits_for_its_prefix_while_others_decode_then_loads_all_of_
     while engine.has_work:
         engine.step()
     assert first.output_ids == second.output_ids == plain_generate(tiny_target, prompt, params)
+
+
+def test_questions_about_one_document_wait_for_it_to_be_stored_then_load_it(tiny_target, redis_server):
+    """Several prompts sharing a long prefix arrive together: the first prefills it, the others wait until it is
+    stored and load it rather than computing it again; every output equals plain decoding."""
+    cc = ContextCache(redis_server.url, f"shared-{uuid.uuid4().hex}", block_size=16)
+    g = torch.Generator().manual_seed(2)
+    doc = torch.randint(3, tiny_target.args.vocab_size, (130,), generator=g).tolist()
+    asks = [doc + torch.randint(3, tiny_target.args.vocab_size, (5,), generator=g).tolist() for _ in range(3)]
+    other = torch.randint(3, tiny_target.args.vocab_size, (135,), generator=g).tolist()  # shares nothing
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    engine = SpecEngine(
+        tiny_target, None, EngineConfig(max_batch=4, max_context=256, prefill_chunk=32), context_cache=cc
+    )
+    seqs = [engine.add_request(p, params) for p in [*asks, other]]
+    engine.step()
+    assert list(engine.waiting) == seqs[1:3]  # the unrelated prompt is admitted beside the first
+    while engine.has_work:
+        engine.step()
+    assert [s.stats.cached_prefix_tokens for s in seqs] == [0, 128, 128, 0]  # 128: whole 32-token chunks, 1 left
+    for s, p in zip(seqs, [*asks, other], strict=True):
+        assert s.output_ids == plain_generate(tiny_target, p, params)

@@ -246,7 +246,7 @@ def plan(args) -> list[tuple[str, dict]]:
     runs += [("long", {"rate": r}) for r in args.rates]
     for w in ("shared", "copy"):
         runs += [(w, {"concurrency": c}) for c in args.concurrency if c in (1, 4)]
-    return runs
+    return [(w, load) for w, load in runs if w in args.workloads]
 
 
 def label(workload: str, load: dict) -> str:
@@ -258,6 +258,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="one short run per server (2 prompts of 1K tokens, 16 new)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--servers", default=",".join(SERVERS), help=f"from {', '.join(SERVERS)}")
+    ap.add_argument("--workloads", default="long,shared,copy", help="from long, shared, copy")
     ap.add_argument("--concurrency", default="1,2,4,8,16")
     ap.add_argument("--rates", default="0.05,0.1", help="Poisson arrival rates (requests/s) on the long load")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -275,6 +276,9 @@ def main() -> int:
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
     args.rates = [float(r) for r in args.rates.split(",") if r]
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    if bad := [w for w in args.workloads if w not in ("long", "shared", "copy")]:
+        ap.error(f"--workloads takes long, shared, copy; got {bad}")
     servers = [s for s in args.servers.split(",") if s]
     if bad := [s for s in servers if s not in SERVERS]:
         ap.error(f"--servers takes {', '.join(SERVERS)}; got {bad}")

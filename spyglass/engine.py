@@ -248,9 +248,9 @@ class SpecEngine:
         if cc is None or not self.prefilling or not self._reads_cache(seq):
             return False
         loadable = self._loadable(seq, cc)
-        grain = math.lcm(cc.block_size, self.prefill_chunk)
         if loadable == 0:
             return False
+        grain = math.lcm(cc.block_size, self.prefill_chunk)
         for other in self.prefilling:
             n = min(loadable, other.num_tokens // cc.block_size * cc.block_size)
             same = int((seq.tokens[:n] == other.tokens[:n]).cumprod(0).sum()) if n else 0

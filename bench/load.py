@@ -343,7 +343,11 @@ def main() -> int:
             raw["texts_equal"][key] = [x == y for x, y in zip(a, b, strict=True)]
     raw["wall_s"] = round(time.monotonic() - t_all, 1)
     figures = figures_of(raw)
-    meta = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "model": model_dir.name}
+
+    def shown(v):  # a path as the repository sees it, not this machine's
+        return (str(v.relative_to(ROOT)) if v.is_relative_to(ROOT) else v.name) if isinstance(v, Path) else v
+
+    meta = {"args": {k: shown(v) for k, v in vars(args).items()}, "model": model_dir.name}
     path = write_results(name, figures, raw, meta)
     plot(raw, RESULTS_DIR / f"{name}.png", args.dtype)
     log(f"wrote {path}: {json.dumps(figures)}")

@@ -250,7 +250,7 @@ class SpecEngine:
         loadable = self._loadable(seq, cc)
         if loadable == 0:
             return False
-        grain = math.lcm(cc.block_size, self.prefill_chunk)
+        grain = self._cache_grain(cc)
         for other in self.prefilling:
             n = min(loadable, other.num_tokens // cc.block_size * cc.block_size)
             same = int((seq.tokens[:n] == other.tokens[:n]).cumprod(0).sum()) if n else 0
@@ -319,12 +319,16 @@ class SpecEngine:
         # Whole prefill chunks only: the rest is then computed in the chunks plain decoding computes (a prefill
         # chunk's matmuls give a row bits that depend on the chunk's row count, in bf16 above all).
         blocks = cc.lookup(seq.tokens, max_tokens=self._loadable(seq, cc))
-        grain = math.lcm(cc.block_size, self.prefill_chunk) // cc.block_size  # blocks per whole chunks
+        grain = self._cache_grain(cc) // cc.block_size  # blocks per whole chunks
         return load_blocks_into_cache(self.cache, seq.slot, blocks[: len(blocks) // grain * grain], cc.block_size)
 
+    def _cache_grain(self, cc: ContextCache) -> int:
+        """Tokens a cache hit loads in: whole prefill chunks and whole blocks."""
+        return math.lcm(cc.block_size, self.prefill_chunk)
+
     def _loadable(self, seq: Sequence, cc: ContextCache) -> int:
-        """The most prompt tokens a cache hit may fill: whole prefill chunks and whole blocks, >= 1 token left."""
-        grain = math.lcm(cc.block_size, self.prefill_chunk)
+        """The most prompt tokens a cache hit may fill: whole grains (`_cache_grain`), >= 1 token left."""
+        grain = self._cache_grain(cc)
         return (seq.num_tokens - 1) // grain * grain
 
     def _reads_cache(self, seq: Sequence) -> bool:

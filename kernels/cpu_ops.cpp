@@ -1278,10 +1278,173 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch:
   return y;
 }
 
+// ----------------------------------------------------------------------------- lanes_linear: prefill GEMM
+// x [M, K] @ w [N, K]^T (+ bias) for prefill chunks of any size, fp32 or bf16: the x rows lie in the lanes of the
+// vectors (L rows per packed tile, its columns transposed once per call) and each weight is broadcast to them, so
+// y[m, n] is one chain of steps over k in order in lane m % L of one accumulator, the same instructions for every row
+// however many share the call, with no reduction across lanes. A prompt prefilled in chunks of any sizes therefore
+// gets the same bits (the engine may size chunks by load), where a GEMM library picks its summation order by the row
+// count. A step is dot_step's: an fp32 multiply-add, or a bf16 pair of k (vdpbf16ps with AVX512-BF16). Unlike
+// `rows` (which sums a row's products in lanes, then across them), nothing is wasted on row counts that are
+// multiples of L and the weights are read once per block of rows, so it runs at the GEMM libraries' speed from a few
+// dozen rows up; below L rows most lanes idle.
+#if defined(__AVX512F__)
+constexpr int kLanesMV = 2, kLanesNR = 12;  // a tile: MV packed tiles of L rows x NR weight rows (24 accumulators)
+#else
+constexpr int kLanesMV = 1, kLanesNR = 8;
+#endif
+
+// x [M, Kw] words (fp32 values, or bf16 pairs as uint32) -> xt [ceil(M / L)][Kw][L], rows past M zero.
+template <typename Wd>
+static void lanes_pack(const Wd* x, int64_t M, int64_t Kw, Wd* xt) {
+  const int64_t tiles = (M + L - 1) / L;
+  at::parallel_for(0, tiles, 1, [&](int64_t a, int64_t e) {
+    for (int64_t t = a; t < e; t++) {
+      const int64_t rows = std::min<int64_t>(L, M - t * L);
+      const Wd* src = x + t * L * Kw;
+      Wd* dst = xt + t * Kw * L;
+      int64_t k = 0;
+#if defined(__AVX512F__)
+      if (rows == L)  // whole 16 x 16 blocks through registers (bit moves: the words are copied, never computed on)
+        for (; k + 16 <= Kw; k += 16) {
+          __m512 v[16];
+          transpose16(reinterpret_cast<const float*>(src + k), Kw, v);
+          for (int d = 0; d < 16; d++) _mm512_storeu_ps(reinterpret_cast<float*>(dst + (k + d) * L), v[d]);
+        }
+#endif
+      for (; k < Kw; k++)
+        for (int64_t j = 0; j < L; j++) dst[k * L + j] = j < rows ? src[j * Kw + k] : Wd{};
+    }
+  });
+}
+
+inline float lanes_word(const float* w, int64_t i) { return w[i]; }
+inline uint32_t lanes_word(const bf16* w, int64_t i) {  // elements 2i and 2i + 1: a pair in one word
+  uint32_t u;
+  std::memcpy(&u, w + 2 * i, sizeof(u));
+  return u;
+}
+
+// out [NR][MV * L] = the MV tiles of xt (Kw words each) against weight rows w0, w0 + K, ... (NR of them)
+template <int MV, int NR, typename E, typename Wd>
+static inline void lanes_tile(const Wd* xt, int64_t Kw, const E* w0, int64_t K, float* out) {
+  using XV = std::conditional_t<std::is_same_v<Wd, float>, vfloat, vuint>;
+  vfloat acc[MV][NR] = {};
+  for (int64_t p = 0; p < Kw; p++) {
+    XV xv[MV];
+    for (int i = 0; i < MV; i++) xv[i] = vload(xt + (i * Kw + p) * L);
+    for (int r = 0; r < NR; r++) {
+      const Wd q = lanes_word(w0 + r * K, p);
+      for (int i = 0; i < MV; i++) acc[i][r] = dot_step(q, xv[i], acc[i][r]);
+    }
+  }
+  for (int r = 0; r < NR; r++)
+    for (int i = 0; i < MV; i++) vstore(out + (r * MV + i) * L, acc[i][r]);
+}
+
+// y rows 0..rows (ldy apart), columns 0..kLanesNR = the transposed accumulators out [kLanesNR][L] (rows ldo apart)
+// plus the bias, rounded to E.
+template <typename E>
+static inline void lanes_store(const float* out, int64_t ldo, const float* bias, int64_t rows, E* y, int64_t ldy) {
+#if defined(__AVX512F__)
+  __m512 v[16];
+  transpose16(out, ldo, v);  // v[j]: row j's kLanesNR outputs (and 16 - kLanesNR unused lanes)
+  const __m512 bv = _mm512_loadu_ps(bias);
+  constexpr __mmask16 keep = (1u << kLanesNR) - 1;
+  for (int64_t j = 0; j < rows; j++) {
+    const __m512 s = _mm512_add_ps(v[j], bv);
+    if constexpr (std::is_same_v<E, float>) {
+      _mm512_mask_storeu_ps(y + j * ldy, keep, s);
+    } else {  // bf16_bits, 16 at a time
+      const __m512i u = _mm512_castps_si512(s);
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+      __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+      r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(s, s, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+      _mm256_mask_storeu_epi16(y + j * ldy, keep, _mm512_cvtepi32_epi16(r));
+    }
+  }
+#else
+  for (int64_t j = 0; j < rows; j++)
+    for (int r = 0; r < kLanesNR; r++) store_elem(y + j * ldy + r, out[r * ldo + j] + bias[r]);
+#endif
+}
+
+template <typename E>
+static void lanes_run(const E* x, const E* w, RowsBias b, E* y, int64_t M, int64_t N, int64_t K) {
+  using Wd = std::conditional_t<std::is_same_v<E, float>, float, uint32_t>;
+  constexpr int MV = kLanesMV, NR = kLanesNR;
+  const int64_t Kw = std::is_same_v<E, float> ? K : K / 2, tiles = (M + L - 1) / L;
+  std::unique_ptr<Wd[]> xt(new Wd[tiles * Kw * L]);
+  lanes_pack(reinterpret_cast<const Wd*>(x), M, Kw, xt.get());
+  // tiles per block: a block's packed rows (~256 KB) stay in the core's L2 while the thread's weight rows pass by
+  const int64_t per_block = std::max<int64_t>(MV, (256 << 10) / (Kw * L * 4) / MV * MV);
+  const int64_t groups = (N + NR - 1) / NR;
+  at::parallel_for(0, groups, 1, [&](int64_t a, int64_t e) {
+    alignas(64) float out[16 * MV * L];  // NR rows, room for 16 (lanes_store transposes 16)
+    for (int64_t b0 = 0; b0 < tiles; b0 += per_block) {
+      const int64_t b1 = std::min(tiles, b0 + per_block);
+      for (int64_t g = a; g < e; g++) {
+        const int64_t n0 = std::min(g * NR, N - NR);  // the last group overlaps the one before: the same values
+        float bias[16] = {};
+        for (int r = 0; r < NR; r++) bias[r] = b.at(n0 + r);
+        for (int64_t t = b0; t < b1; t += MV) {
+          const int mv = std::min<int64_t>(MV, b1 - t);
+          if (mv == MV)
+            lanes_tile<MV, NR>(xt.get() + t * Kw * L, Kw, w + n0 * K, K, out);
+          else
+            lanes_tile<1, NR>(xt.get() + t * Kw * L, Kw, w + n0 * K, K, out);
+          for (int i = 0; i < mv; i++)
+            lanes_store(out + i * L, mv * L, bias, std::min<int64_t>(L, M - (t + i) * L), y + (t + i) * L * N + n0, N);
+        }
+      }
+    }
+  });
+}
+
+// x [..., K] @ w [N, K]^T (+ bias [N]) -> [..., N]: x and w both fp32 (a bias in fp32) or both bf16 (a bias in bf16
+// or fp32, K even; out in bf16), N at least kLanesNR.
+torch::Tensor lanes_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  const auto dt = w.scalar_type();
+  const bool bf = dt == torch::kBFloat16;
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "lanes_linear: x and the weight must be CPU tensors");
+  TORCH_CHECK((dt == torch::kFloat32 || bf) && x.scalar_type() == dt,
+              "lanes_linear: x and the weight must be both float32 or both bfloat16, got ", x.scalar_type(), " and ",
+              dt);
+  TORCH_CHECK(w.is_contiguous() && x.dim() >= 1 && w.dim() == 2, "lanes_linear: x [..., K] and a contiguous [N, K]");
+  const int64_t K = x.size(-1), M = x.numel() ? x.numel() / K : 0, N = w.size(0);
+  TORCH_CHECK(w.size(1) == K, "lanes_linear: x has ", K, " features, the weight ", w.size(1));
+  TORCH_CHECK(!bf || K % 2 == 0, "lanes_linear: bf16 takes an even number of features, got ", K);
+  TORCH_CHECK(N >= kLanesNR, "lanes_linear: at least ", kLanesNR, " outputs, got ", N);
+  x = x.contiguous();
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto y = torch::empty(sizes, x.options());
+  if (M == 0) return y;
+  torch::Tensor b;
+  RowsBias rb;
+  if (bias.has_value()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.device().is_cpu() && (b.scalar_type() == torch::kFloat32 || (bf && b.scalar_type() == dt)),
+                "lanes_linear: bias must be a CPU float32", bf ? " or bfloat16" : "", " tensor, got ", b.scalar_type());
+    TORCH_CHECK(b.numel() == N, "lanes_linear: bias has ", b.numel(), " entries for ", N, " outputs");
+    if (b.scalar_type() == torch::kFloat32)
+      rb.f = b.data_ptr<float>();
+    else
+      rb.h = b.data_ptr<at::BFloat16>();
+  }
+  if (bf)
+    lanes_run(reinterpret_cast<const bf16*>(x.data_ptr()), reinterpret_cast<const bf16*>(w.data_ptr()), rb,
+              reinterpret_cast<bf16*>(y.data_ptr()), M, N, K);
+  else
+    lanes_run(x.data_ptr<float>(), w.data_ptr<float>(), rb, y.data_ptr<float>(), M, N, K);
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("silu_mul", &silu_mul);
   m.def("rope_write", &rope_write);
   m.def("tile_attention", &tile_attention);
   m.def("rows_linear", &rows_linear);
+  m.def("lanes_linear", &lanes_linear);
 }

@@ -232,15 +232,11 @@ def measured_curve(target, cache) -> CostCurve:
     return _CURVES[key]
 
 
-_PREFILL_RATES: dict[tuple, float] = {}
-
-
 @torch.inference_mode()
 def measure_prefill_rate(target, cache, chunk: int = 256, context: int = 2048, repeats: int = 2) -> float:
     """Prompt tokens per second of a `chunk`-token prefill forward over a `context`-token prefix on this machine
-    (the median of `repeats` after a warm-up): what sizes the engine's per-step prefill budget. A chunk late in a
-    long prompt costs more (its attention reads a longer prefix), so the prefix is that of a long prompt's middle
-    rather than none. The prefix K/V are zeros, as for the cost curve."""
+    (the median of `repeats` after a warm-up): what sizes the engine's per-step prefill budget (`PrefillCost`).
+    The prefix K/V are zeros, as for the cost curve."""
     from spyglass.models.llama import Segment
 
     slot = cache.allocate()
@@ -268,10 +264,30 @@ def measure_prefill_rate(target, cache, chunk: int = 256, context: int = 2048, r
     return chunk / max(statistics.median(times[1:]), 1e-9)
 
 
-def measured_prefill_rate(target, cache, chunk: int = 256) -> float:
-    """`measure_prefill_rate` once per process for this model, dtype, thread count and capacity."""
+@dataclass(frozen=True)
+class PrefillCost:
+    """Seconds per prompt token of a prefill chunk `context` tokens into a prompt: `base` (the linears, the same at
+    any point) plus `per_context` per token before it (the attention reads them all)."""
+
+    base: float
+    per_context: float
+
+    def seconds_per_token(self, context: int) -> float:
+        return self.base + self.per_context * max(0, context)
+
+
+_PREFILL_COSTS: dict[tuple, PrefillCost] = {}
+PREFILL_FAR = 4096  # the context of the second measured chunk (less where the capacity is smaller)
+
+
+def measured_prefill_cost(target, cache, chunk: int = 256) -> PrefillCost:
+    """A chunk's cost per token measured at the start of a prompt and PREFILL_FAR tokens in (`measure_prefill_rate`),
+    joined by a line; once per process for this model, dtype, thread count and capacity."""
     key = (target.model_id, repr(target.args), str(target.dtype), target.linear_backend, torch.get_num_threads(),
            cache.capacity, str(cache.device), chunk)  # fmt: skip
-    if key not in _PREFILL_RATES:
-        _PREFILL_RATES[key] = measure_prefill_rate(target, cache, chunk)
-    return _PREFILL_RATES[key]
+    if key not in _PREFILL_COSTS:
+        far = max(1, min(PREFILL_FAR, cache.capacity - min(chunk, cache.capacity // 2)))
+        near_s = 1 / measure_prefill_rate(target, cache, chunk, context=0)
+        far_s = 1 / measure_prefill_rate(target, cache, chunk, context=far)
+        _PREFILL_COSTS[key] = PrefillCost(near_s, max(0.0, far_s - near_s) / far)
+    return _PREFILL_COSTS[key]

@@ -20,7 +20,7 @@ import torch
 from spyglass.chain_controller import controller_for
 from spyglass.context_cache import ContextCache, kv_blocks_from_cache, load_blocks_into_cache
 from spyglass.controller import Controller, ControllerConfig, size_batch
-from spyglass.cost import CostCurve, measured_curve, measured_prefill_rate
+from spyglass.cost import CostCurve, measured_curve, measured_prefill_cost
 from spyglass.detokenize import TextStream
 from spyglass.device import synchronize
 from spyglass.drafters.base import Drafter, DraftRequest, NullDrafter
@@ -32,18 +32,23 @@ from spyglass.sequence import Sequence
 from spyglass.tree import DraftTree
 from spyglass.verify import Accepted, accept
 
+PREFILL_GRAIN = 16  # the least prompt tokens a step prefills where chunks may have any size (the prefill GEMM's lanes)
+
 
 @dataclass
 class EngineConfig:
     max_batch: int = 4
     max_context: int | None = None  # KV capacity per sequence: a cap in 2..the model's window (default: the window)
-    # Prompt tokens per prefill forward. Fixed, so a prompt's K/V come from the same forwards under any load (and
-    # in `plain_generate`): the faster prefill matmuls give a row bits that depend on the rows beside it.
+    # Prompt tokens per prefill forward, at most. Where the model's prefill is row-invariant
+    # (`Transformer.prefill_row_invariant`: a prompt's K/V do not depend on its chunks) a step may prefill fewer, to
+    # keep to its budget, and a cache hit loads any whole blocks; otherwise every chunk but a prompt's last has this
+    # size, so a prompt's K/V come from the same forwards under any load (and in `plain_generate`).
     prefill_chunk: int = PREFILL_CHUNK
     # Chunked prefill: the most prompt tokens a step prefills while other sequences decode, so a decoding stream
-    # waits about `prefill_step_s` at most for other prompts between two of its rounds. None: measured at start-up,
-    # the tokens this machine prefills in `prefill_step_s` (spyglass.cost.measured_prefill_rate), in whole chunks,
-    # 1 to 4; with no sequence decoding a step prefills 4 chunks.
+    # waits about `prefill_step_s` at most for other prompts between two of its rounds. None: what this machine
+    # prefills in `prefill_step_s` at the prompt's point (spyglass.cost.measured_prefill_cost: a chunk late in a long
+    # prompt costs more), in multiples of PREFILL_GRAIN tokens or, with fixed chunks, whole chunks; at least one such
+    # unit, at most 4 chunks, which is what a step prefills with no sequence decoding.
     prefill_budget: int | None = None
     prefill_step_s: float = 0.25
     # Tree sizing: "measure" = the speculation controller with the verify-cost curve measured at start-up on
@@ -126,25 +131,38 @@ class SpecEngine:
             self.controllers[method] = controller_for(d, curve, cfg.control) if drafts else None
         self._capture = tuple(sorted(capture))
         self.prefill_chunk = cfg.prefill_chunk
-        self.prefill_budget = self._prefill_budget()
+        self.any_chunk = bool(getattr(target, "prefill_row_invariant", False))
+        # the least a step prefills of a prompt (unless less is left): a fixed chunk, or PREFILL_GRAIN tokens
+        self.prefill_unit = min(PREFILL_GRAIN, cfg.prefill_chunk) if self.any_chunk else cfg.prefill_chunk
+        self.prefill_cost = self._prefill_cost()
         self.waiting: deque[Sequence] = deque()
         self.prefilling: deque[Sequence] = deque()  # hold a slot, in admission order (see _prefill_step)
         self.running: list[Sequence] = []
         self.eos_ids = set(target.args.eos_token_ids)
 
-    def _prefill_budget(self) -> int:
+    def _prefill_cost(self):
         cfg = self.config
         if cfg.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, not {cfg.prefill_chunk}")
         if cfg.prefill_budget is not None:
             if cfg.prefill_budget < 1:
                 raise ValueError(f"prefill_budget must be >= 1 token, not {cfg.prefill_budget}")
+            return None
+        if cfg.prefill_step_s <= 0:
+            raise ValueError(f"prefill_step_s must be > 0, not {cfg.prefill_step_s}")
+        return measured_prefill_cost(self.target, self.cache, cfg.prefill_chunk)
+
+    def prefill_budget(self, context: int = 0) -> int:
+        """Prompt tokens a step prefills while sequences decode, for a prompt `context` tokens in: the configured
+        budget, or what takes `prefill_step_s` there; in units of PREFILL_GRAIN tokens (whole chunks where chunks
+        have a fixed size), at least one, at most 4 chunks."""
+        cfg = self.config
+        if self.prefill_cost is None:
             tokens = cfg.prefill_budget
         else:
-            if cfg.prefill_step_s <= 0:
-                raise ValueError(f"prefill_step_s must be > 0, not {cfg.prefill_step_s}")
-            tokens = cfg.prefill_step_s * measured_prefill_rate(self.target, self.cache, cfg.prefill_chunk)
-        return int(min(4, max(1, tokens // cfg.prefill_chunk)) * cfg.prefill_chunk)  # whole chunks: 1 to 4
+            tokens = cfg.prefill_step_s / self.prefill_cost.seconds_per_token(context)
+        unit = self.prefill_unit
+        return int(min(4 * self.prefill_chunk, max(unit, tokens // unit * unit)))
 
     @property
     def drafter(self) -> Drafter:
@@ -264,14 +282,19 @@ class SpecEngine:
         the tokens prefilled for other prompts since it was admitted (ties: the earlier admitted): a short prompt
         is not held up behind a long one, prompts admitted together finish one after another rather than all at
         the end, and a long prompt passed over by shorter ones gains credit until it goes first, so none starves.
-        Each prompt whose prefill completes picks its first token and joins the running batch."""
-        budget = self.prefill_budget if self.running else 4 * self.prefill_chunk
+        Each prompt whose prefill completes picks its first token and joins the running batch. The budget is that
+        of the first prompt's point (`prefill_budget`); where chunks may have any size (`any_chunk`), a chunk is cut
+        to what is left of it."""
+        budget = None
         done: list[tuple[Sequence, torch.Tensor]] = []
         while self.prefilling:
             seq = min(self.prefilling, key=lambda s: s.num_tokens - self.cache.lengths[s.slot] - s.prefill_credit)
             start = self.cache.lengths[seq.slot]
-            take = min(self.prefill_chunk, seq.num_tokens - start)
-            if take > budget:
+            if budget is None:
+                budget = self.prefill_budget(start) if self.running else 4 * self.prefill_chunk
+            left = seq.num_tokens - start
+            take = min(self.prefill_chunk, left, budget if self.any_chunk else left)
+            if take > budget or take < min(left, self.prefill_unit):
                 break
             budget -= take
             for other in self.prefilling:
@@ -316,15 +339,15 @@ class SpecEngine:
         cc = self.context_cache
         if cc is None or not self._reads_cache(seq):
             return 0
-        # Whole prefill chunks only: the rest is then computed in the chunks plain decoding computes (a prefill
-        # chunk's matmuls give a row bits that depend on the chunk's row count, in bf16 above all).
+        # With fixed chunks, whole prefill chunks only: the rest is then computed in the chunks plain decoding
+        # computes (a library's prefill matmuls give a row bits that depend on the chunk's row count).
         blocks = cc.lookup(seq.tokens, max_tokens=self._loadable(seq, cc))
         grain = self._cache_grain(cc) // cc.block_size  # blocks per whole chunks
         return load_blocks_into_cache(self.cache, seq.slot, blocks[: len(blocks) // grain * grain], cc.block_size)
 
     def _cache_grain(self, cc: ContextCache) -> int:
-        """Tokens a cache hit loads in: whole prefill chunks and whole blocks."""
-        return math.lcm(cc.block_size, self.prefill_chunk)
+        """Tokens a cache hit loads in: whole blocks, and whole prefill chunks where chunks have a fixed size."""
+        return cc.block_size if self.any_chunk else math.lcm(cc.block_size, self.prefill_chunk)
 
     def _loadable(self, seq: Sequence, cc: ContextCache) -> int:
         """The most prompt tokens a cache hit may fill: whole grains (`_cache_grain`), >= 1 token left."""

@@ -18,6 +18,7 @@ from spyglass.context_cache import (
     kv_namespace,
 )
 from spyglass.engine import EngineConfig, SpecEngine, plain_generate
+from spyglass.models.llama import load_transformer
 from spyglass.sampling import SamplingParams
 from tests.redis_server import RedisServer
 
@@ -174,6 +175,24 @@ def test_partial_hit_loads_the_shared_blocks_only(tiny_target, redis_server):
     assert seq.stats.cached_prefix_tokens == 64 and cc.stats.misses == misses + 1  # stopped at the 5th block
     assert seq.output_ids == plain_generate(tiny_target, second, params)
     assert len(cc.lookup(second)) == 6  # its own blocks were stored after the shared ones: a full hit now
+
+
+def test_a_hit_loads_any_whole_blocks_where_chunks_may_be_cut(tiny_dir, redis_server):
+    """With a row-invariant prefill (`lanes`), a hit is not held to whole 48-token chunks: all 4 shared blocks of 16
+    load (a fixed-chunk engine would load 48 tokens), and the output is still plain decoding's."""
+    model = load_transformer(tiny_dir["llama"], dtype=torch.bfloat16, linear_backend="prefill:lanes")
+    cc = ContextCache(redis_server.url, f"blocks-{id(model)}", block_size=16, async_writes=False)
+    g = torch.Generator().manual_seed(2)
+    first = torch.randint(3, model.args.vocab_size, (100,), generator=g).tolist()
+    second = first[:70] + torch.randint(3, model.args.vocab_size, (40,), generator=g).tolist()
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    config = EngineConfig(max_batch=1, max_context=256, prefill_chunk=48)
+    SpecEngine(model, None, config, context_cache=cc).run([first], params)
+    engine = SpecEngine(model, None, config, context_cache=cc)
+    assert engine.any_chunk and engine._cache_grain(cc) == 16
+    (seq,) = engine.run([second], params)
+    assert seq.stats.cached_prefix_tokens == 64
+    assert seq.output_ids == plain_generate(model, second, params)
 
 
 def test_eviction_under_the_limit_drops_whole_old_prefixes_first(redis_server):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from kernels import cpu
 from spyglass.kv_cache import CacheFullError
 from spyglass.models import linear
+from spyglass.models.linear import set_linear_backend
 from spyglass.models.llama import Block, Segment, load_transformer
 from spyglass.sampling import SamplingParams
 
@@ -274,6 +276,49 @@ def test_rows_linear_matches_and_is_row_count_invariant(n_out, n_in):
         ops.rows_linear(x[:2], w, torch.randn(n_out + 1))
 
 
+@pytest.mark.parametrize("march", [None, "x86-64-v3", "skylake-avx512"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lanes_linear_matches_and_is_row_count_invariant(march, dtype):
+    """The prefill GEMM, in this CPU's build and in the AVX2 and AVX-512-without-BF16 builds: any run of rows from
+    one call equals the same rows in a call of their own, bit for bit (rows in vector lanes, padded tiles, blocks of
+    rows, the last group of weight rows overlapping the one before), and the product within the dtype's rounding;
+    a bias in fp32 or in the dtype."""
+    if march is not None and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 builds")
+    mod = ops if march is None else cpu.build_for(march)
+    tol = {torch.float32: 1e-4, torch.bfloat16: 0.05}[dtype]
+    for n_out, n_in in [(960, 576), (576, 1536), (13, 40), (100, 64)]:
+        g = torch.Generator().manual_seed(n_out + n_in)
+        w = (torch.randn(n_out, n_in, generator=g) / n_in**0.5).to(dtype)
+        x = torch.randn(300, n_in, generator=g).to(dtype)
+        for bias in (None, torch.randn(n_out, generator=g), torch.randn(n_out, generator=g).to(dtype)):
+            whole = mod.lanes_linear(x, w, bias)
+            want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+            torch.testing.assert_close(whole.double(), want, rtol=tol, atol=tol)
+            for m in (1, 2, 15, 16, 17, 31, 33, 100, 256):
+                start = (m * 7) % (300 - m + 1)
+                assert torch.equal(mod.lanes_linear(x[start : start + m], w, bias), whole[start : start + m]), m
+    with pytest.raises(RuntimeError, match="even number of features"):
+        mod.lanes_linear(torch.zeros(2, 5, dtype=torch.bfloat16), torch.zeros(16, 5, dtype=torch.bfloat16), None)
+    with pytest.raises(RuntimeError, match="at least"):
+        mod.lanes_linear(torch.zeros(2, 8), torch.zeros(4, 8), None)
+
+
+def test_lanes_backend_takes_every_shape():
+    """The `lanes` backend runs the shapes its kernel does not take (few outputs, odd bf16 features) on `rows`:
+    row-invariant either way."""
+    for dtype in DTYPES:
+        for n_out, n_in in [(4, 16), (40, 33)]:
+            layer = linear.Linear(n_in, n_out).to(dtype)
+            assert linear.set_linear_backend(layer, "lanes") == "lanes" and linear.prefill_row_invariant(layer)
+            x = torch.randn(40, n_in).to(dtype)
+            with torch.inference_mode():
+                y = layer(x)
+                assert torch.equal(layer(x[3:5]), y[3:5])
+            torch.testing.assert_close(y.float(), F.linear(x, layer.weight, layer.bias).float(), rtol=0.05, atol=0.05)
+    assert not linear.prefill_row_invariant(linear.Linear(4, 4))  # no plan: aten
+
+
 def test_rows_kernel_in_linear_plans():
     """`rows` takes any row count, so a plan may name it in every bucket."""
     assert "rows" in linear.KERNELS and linear.LOSSLESS_KERNELS == ("rows",)
@@ -405,6 +450,35 @@ def test_verify_pass_logits_equal_decode_steps(tiny_dir, family, dtype):
                     step = model([seg], cache)[0]
                     cache.commit(slot, pos, [0])
                 assert torch.equal(step[0], verified[t]), (family, start, t, path)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_prefill_chunks_of_any_size_give_the_same_bits(tiny_dir, family, dtype):
+    """With the prefill on `lanes` (and the layers on the kernels), a prompt prefilled in chunks of any sizes, across
+    a 512-key chunk edge of the attention, leaves the same K/V in the cache and the same last logits, bit for bit:
+    the engine may size chunks by load. A library prefill plan is not row-invariant, and the model says so."""
+    model = load_transformer(tiny_dir[family], dtype=dtype, linear_backend="prefill:lanes")
+    assert model.prefill_row_invariant
+    tokens = torch.randint(3, model.args.vocab_size, (700,), generator=torch.Generator().manual_seed(3))
+    seen = []
+    for sizes in ([256], [1, 37, 200, 64], [700], [16, 500, 3]):
+        cache = model.new_cache(768, 1)
+        slot = cache.allocate()
+        start, i, last = 0, 0, None
+        while start < 700:
+            n = min(sizes[i % len(sizes)], 700 - start)
+            last = model([Segment(slot, start, tokens[start : start + n], torch.arange(start, start + n), None,
+                                  "last")], cache)[0][-1]  # fmt: skip
+            cache.commit(slot, start, list(range(n)))
+            start, i = start + n, i + 1
+        kv = [t[:, :700].clone() for layer in range(cache.n_layers) for t in cache.layer(slot, layer)]
+        seen.append((last, kv))
+    for last, kv in seen[1:]:
+        assert torch.equal(last, seen[0][0])
+        assert all(torch.equal(a, b) for a, b in zip(kv, seen[0][1], strict=True))
+    set_linear_backend(model, "prefill:onednn" if linear.onednn_supported(model.lm_head.weight) else "prefill:aten")
+    assert not model.prefill_row_invariant
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

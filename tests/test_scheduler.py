@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from spyglass.drafters.suffix import SuffixDrafter
-from spyglass.engine import EngineConfig, SpecEngine, plain_generate
+from spyglass.engine import PREFILL_GRAIN, EngineConfig, SpecEngine, plain_generate
+from spyglass.models.llama import load_transformer
 from spyglass.sampling import SamplingParams
 from tests.tiny import free_tokens_curve
 
@@ -35,7 +36,7 @@ def test_a_decoding_sequence_gets_a_token_every_step_while_a_long_prompt_is_pref
             max_batch=2, max_context=512, prefill_chunk=budget, prefill_budget=budget, controller=free_tokens_curve()
         ),  # fmt: skip
     )
-    assert engine.prefill_budget == budget and engine.prefill_chunk == budget
+    assert engine.prefill_budget() == budget and engine.prefill_chunk == budget
     a = engine.add_request(short, GREEDY)
     engine.step()  # a's prefill (nobody decodes yet) and its first round
     assert a.num_generated >= 1
@@ -94,7 +95,7 @@ def test_a_long_prompt_is_not_starved_by_short_ones_arriving_all_the_time(tiny_t
     vocab = tiny_target.args.vocab_size
     config = EngineConfig(max_batch=4, max_context=512, prefill_chunk=16, prefill_budget=16)
     engine = SpecEngine(tiny_target, None, config)
-    assert engine.prefill_budget == 16  # one chunk a step while anything decodes
+    assert engine.prefill_budget() == 16  # one chunk a step while anything decodes
     long = engine.add_request(prompt(vocab, 200, 9), SamplingParams(max_new_tokens=4, ignore_eos=True))
     engine.add_request(prompt(vocab, 16, 10), SamplingParams(max_new_tokens=60, ignore_eos=True))  # decodes on
     steps = 0
@@ -127,9 +128,57 @@ def test_abort_while_prefilling_frees_the_slot(tiny_target):
 
 def test_the_budget_is_measured_against_the_latency_target_and_bad_values_are_refused(tiny_target):
     small = SpecEngine(tiny_target, None, EngineConfig(max_batch=1, max_context=512, prefill_step_s=1e-9))
-    assert small.prefill_budget == small.prefill_chunk  # the floor, one chunk: a step always makes progress
+    assert small.prefill_budget() == small.prefill_unit  # the floor: a step always makes progress
     big = SpecEngine(tiny_target, None, EngineConfig(max_batch=1, max_context=512, prefill_step_s=1e3))
-    assert big.prefill_budget == 4 * big.prefill_chunk  # at most what a step prefills with nobody decoding
+    assert big.prefill_budget() == 4 * big.prefill_chunk  # at most what a step prefills with nobody decoding
+    cost = big.prefill_cost
+    assert cost.base > 0 and cost.per_context >= 0  # a chunk later in a prompt costs no less
+    mid = SpecEngine(tiny_target, None, EngineConfig(max_batch=1, max_context=512, prefill_step_s=cost.base * 100))
+    assert mid.prefill_budget(0) >= mid.prefill_budget(10**6)
     for bad in ({"prefill_budget": 0}, {"prefill_step_s": 0.0}, {"prefill_chunk": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SpecEngine(tiny_target, None, EngineConfig(max_batch=1, max_context=512, **bad))
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def any_chunk_target(request, tiny_dir):
+    """A tiny target whose prefill is row-invariant (`lanes`): the engine may cut chunks to its budget."""
+    model = load_transformer(tiny_dir["llama"], dtype=request.param, linear_backend="prefill:lanes")
+    assert model.prefill_row_invariant
+    return model
+
+
+def test_chunks_cut_to_the_budget_keep_plain_decodings_tokens(any_chunk_target):
+    """With a row-invariant prefill a step prefills what its budget holds (48 tokens, not the 256-token chunk), the
+    decoding stream advancing every step; both outputs still equal plain decoding's, which prefills in whole chunks."""
+    model, vocab = any_chunk_target, any_chunk_target.args.vocab_size
+    short, long = prompt(vocab, 12, 11), prompt(vocab, 300, 12)
+    config = EngineConfig(max_batch=2, max_context=512, prefill_chunk=256, prefill_budget=48)
+    engine = SpecEngine(model, SuffixDrafter(max_depth=6), config)
+    assert engine.any_chunk and engine.prefill_budget() == 48
+    a = engine.add_request(short, GREEDY)
+    engine.step()
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    b = engine.add_request(long, params)
+    steps = 0
+    while b.num_generated == 0:
+        before, prefilled = a.num_generated, engine.cache.lengths[b.slot] if b.slot is not None else 0
+        engine.step()
+        steps += 1
+        assert a.num_generated > before or a.finished
+        if b.num_generated == 0:
+            assert engine.cache.lengths[b.slot] - prefilled == 48
+    assert steps == math.ceil(300 / 48)
+    while engine.has_work:
+        engine.step()
+    assert a.output_ids == plain_generate(model, short, GREEDY)
+    assert b.output_ids == plain_generate(model, long, params)
+
+
+def test_the_measured_budget_is_in_grains_where_chunks_may_be_cut(any_chunk_target):
+    engine = SpecEngine(any_chunk_target, None, EngineConfig(max_batch=1, max_context=512, prefill_step_s=1e-9))
+    assert engine.any_chunk and engine.prefill_unit == PREFILL_GRAIN
+    assert engine.prefill_budget() == PREFILL_GRAIN  # the floor: a grain, not a whole chunk
+    cost = engine.prefill_cost
+    engine.config.prefill_step_s = cost.seconds_per_token(0) * 100
+    assert engine.prefill_budget(0) % PREFILL_GRAIN == 0 and PREFILL_GRAIN <= engine.prefill_budget(0) <= 4 * 256

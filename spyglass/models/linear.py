@@ -18,6 +18,13 @@ twice their fp32 and 1.3-1.8x `rows` in bf16. So each process times the kernels 
 bucket of row counts, and keeps a plan: the fastest kernel per bucket. Autograd always takes `F.linear` (the oneDNN
 op has no backward).
 
+A library's prefill chunk gives a row bits that depend on the chunk's row count, so the engine would have to prefill
+a prompt in the same chunks under any load. `lanes` (kernels/cpu_ops.cpp lanes_linear: x rows in vector lanes, each
+output one multiply-add chain over k) is row-invariant at the libraries' speed from a few dozen rows (2 Zen 4
+cores, SmolLM2's shapes at 256 rows: ~370 GFLOP/s bf16, ~185 fp32, as oneDNN). Where it is measured within
+LANES_SLACK of the fastest library kernel at a chunk's rows, it runs every prefill chunk (`prefill_row_invariant`),
+and the engine sizes chunks by load (a GEMM library with AMX, far faster, keeps fixed chunks).
+
 Backends (`set_linear_backend`): "auto", the default, is `"prefill:<measured plan>"`: the plan for prefill chunks,
 `rows` for every other forward (lossless). A kernel name or a plan without the "prefill:" prefix runs every forward
 on it: for experiments, lossless only when it is `rows` throughout.
@@ -37,8 +44,11 @@ from torch import nn
 
 from kernels import cpu as cpu_kernels
 
-KERNELS = ("aten", "onednn", "wfirst", "rows")
-LOSSLESS_KERNELS = ("rows",)  # row-invariant: a row's bits do not depend on the other rows of its call
+KERNELS = ("aten", "onednn", "wfirst", "rows", "lanes")
+LOSSLESS_KERNELS = ("rows",)  # every forward on it is lossless: a decode step's rows equal a verify pass's
+ROW_INVARIANT_KERNELS = ("rows", "lanes")  # a row's bits do not depend on the other rows of its call
+LANES_ROWS = 256  # rows (a prefill chunk) at which `lanes` is timed against the measured prefill plan
+LANES_SLACK = 1.05  # `lanes` runs prefill when at most this much slower: chunks of any size then give the same bits
 PREFILL_PREFIX = "prefill:"  # "prefill:<plan>": the plan for prefill chunks, `rows` for every other forward
 # plan[i] is the kernel for row counts up to ROW_BUCKETS[i] (the last entry also serves every larger count: prefill
 # chunks); single counts to 8 (libraries switch algorithms there: MKL at 4), then verify passes up to 64 rows
@@ -68,6 +78,15 @@ def _rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Ten
     return cpu_kernels.native().rows_linear(x, w, b)
 
 
+def _lanes(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """kernels/cpu_ops.cpp's prefill GEMM (x rows in vector lanes): row-invariant at the GEMM libraries' speed from a
+    few dozen rows. The shapes it does not take (fewer than 12 outputs, bf16 with odd features) run on `rows`, also
+    row-invariant: the kernel follows the shape, never the row count."""
+    if w.shape[0] < 12 or (w.dtype == torch.bfloat16 and w.shape[1] % 2):
+        return _rows(x, w, b)
+    return cpu_kernels.native().lanes_linear(x, w, b)
+
+
 def rows_supported(weight: torch.Tensor) -> bool:
     return (
         weight.device.type == "cpu"
@@ -76,7 +95,7 @@ def rows_supported(weight: torch.Tensor) -> bool:
     )
 
 
-_KERNEL_FNS = {"aten": _aten, "onednn": _onednn, "wfirst": _weights_first, "rows": _rows}
+_KERNEL_FNS = {"aten": _aten, "onednn": _onednn, "wfirst": _weights_first, "rows": _rows, "lanes": _lanes}
 
 
 def _bucket(rows: int) -> int:
@@ -236,13 +255,17 @@ def _time_kernels(kernels: list[str], sample, rows: int, min_rounds: int, max_ro
 @torch.inference_mode()
 def measure_linear_plan(model: nn.Module, repeats: int = 2) -> tuple[str, ...]:
     """The fastest kernel per row bucket, each timed on a sample of the model's layers (`_timing_sample`) at the
-    bucket's largest row count, over `repeats` to twice that many rounds (`_time_kernels`). Measured once per
+    bucket's largest row count, over `repeats` to twice that many rounds (`_time_kernels`); then the row-invariant
+    `lanes` against them all at a prefill chunk's LANES_ROWS rows: within LANES_SLACK of the fastest, it takes every
+    bucket, so prefill chunks of any size give a prompt the same bits (`prefill_row_invariant`). Measured once per
     process for a given set of shapes, dtype and thread count."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if not linears or linears[0].weight.device.type != "cpu":
         return ("aten",) * len(ROW_BUCKETS)
     w0 = linears[0].weight
-    kernels = [k for k in KERNELS if (k != "onednn" or onednn_supported(w0)) and (k != "rows" or rows_supported(w0))]
+    native = rows_supported(w0)
+    onednn = onednn_supported(w0)
+    kernels = [k for k in KERNELS if k != "lanes" and (k != "onednn" or onednn) and (k != "rows" or native)]
     shapes = tuple((tuple(m.weight.shape), m.bias is not None) for m in linears)
     key = (shapes, str(w0.dtype), torch.get_num_threads())
     if key not in _PLANS:
@@ -250,8 +273,22 @@ def measure_linear_plan(model: nn.Module, repeats: int = 2) -> tuple[str, ...]:
         for rows in ROW_BUCKETS:
             est = _time_kernels(kernels, _timing_sample(linears, rows), rows, repeats, 2 * repeats)
             plan.append(min(est, key=est.get))
+        if native:  # one row-invariant kernel for every prefill chunk, if it costs the chunks at most LANES_SLACK
+            sample = _timing_sample(linears, LANES_ROWS)
+            est = _time_kernels([*kernels, "lanes"], sample, LANES_ROWS, repeats, 2 * repeats)
+            if est.get("lanes", float("inf")) <= LANES_SLACK * min(t for k, t in est.items() if k != "lanes"):
+                plan = ["lanes"] * len(ROW_BUCKETS)
         _PLANS[key] = tuple(plan)
     return _PLANS[key]
+
+
+def prefill_row_invariant(model: nn.Module) -> bool:
+    """Whether every `Linear` of `model` runs its prefill chunks on one row-invariant kernel (its plan is `rows` or
+    `lanes` throughout): then a row's bits do not depend on the chunk it is prefilled in."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    return bool(linears) and all(
+        m.plan is not None and len(set(m.plan)) == 1 and m.plan[0] in ROW_INVARIANT_KERNELS for m in linears
+    )
 
 
 def set_linear_backend(model: nn.Module, backend: str = "auto") -> str:
@@ -271,7 +308,7 @@ def set_linear_backend(model: nn.Module, backend: str = "auto") -> str:
             f"the oneDNN linear backend has no kernel for {w.dtype} weights on {w.device} here "
             "(fp32 on the CPU; bf16 where the CPU has AVX-512 BF16 or AMX)"
         )
-    if ("rows" in plan or invariant) and linears and not rows_supported(w := linears[0].weight):
+    if ("rows" in plan or "lanes" in plan or invariant) and linears and not rows_supported(w := linears[0].weight):
         raise ValueError(
             f"the 'rows' linear kernel needs fp32 or bf16 weights on the CPU and the built CPU kernels "
             f"(kernels/cpu.py); got {w.dtype} on {w.device}"

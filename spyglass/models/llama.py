@@ -29,7 +29,7 @@ from spyglass.attention import (
     tree_attention,
 )
 from spyglass.kv_cache import CacheFullError, KVCache
-from spyglass.models.linear import Linear, row_invariant, set_linear_backend
+from spyglass.models.linear import Linear, prefill_row_invariant, row_invariant, set_linear_backend
 
 
 @dataclass(frozen=True)
@@ -272,6 +272,20 @@ class Transformer(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.embed.weight.device
+
+    @property
+    def prefill_row_invariant(self) -> bool:
+        """Whether a prompt's K/V and logits do not depend on the chunks it is prefilled in: the layers on the CPU
+        kernels (a token's attention depends only on its query and its keys) and the linears' prefill on one
+        row-invariant kernel (spyglass.models.linear)."""
+        on_kernels = (
+            self.device.type == "cpu"
+            and self.dtype in (torch.float32, torch.bfloat16)
+            and resolve_backend(self.attention_backend, self.device) == "cpu"
+            and all(layer.native for layer in self.layers)
+            and cpu_kernels.native() is not None
+        )
+        return on_kernels and prefill_row_invariant(self)
 
     def new_cache(self, capacity: int, max_slots: int) -> KVCache:
         a = self.args

@@ -744,9 +744,11 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
       if (mp[t * n + j]) seen_new.push_back(j);
     seen_at[t + 1] = seen_new.size();
   }
-  // tokens per item: a multiple of kMR, at most kItemTokens, few enough for ~4 items per thread; split: all of them
+  // tokens per item: a multiple of kMR, at most kItemTokens, few enough for ~4 items per thread and a number of items
+  // the threads share evenly (9 like items on 2 threads: one waits for the last a ninth of the time); split: all
   const int64_t threads = at::get_num_threads();
-  const int64_t per_head = std::max<int64_t>(1, (4 * threads + hkv - 1) / hkv);
+  int64_t per_head = std::max<int64_t>(1, (4 * threads + hkv - 1) / hkv);
+  while (hkv * per_head % threads) per_head++;
   const bool split = n <= kSplitTokens;
   const int64_t TB = split ? n : std::clamp<int64_t>(((n + per_head - 1) / per_head + kMR - 1) / kMR * kMR, kMR,
                                                       kItemTokens);

@@ -39,10 +39,11 @@ PREFILL_GRAIN = 16  # the least prompt tokens a step prefills where chunks may h
 class EngineConfig:
     max_batch: int = 4
     max_context: int | None = None  # KV capacity per sequence: a cap in 2..the model's window (default: the window)
-    # Prompt tokens per prefill forward, at most. Where the model's prefill is row-invariant
-    # (`Transformer.prefill_row_invariant`: a prompt's K/V do not depend on its chunks) a step may prefill fewer, to
-    # keep to its budget, and a cache hit loads any whole blocks; otherwise every chunk but a prompt's last has this
-    # size, so a prompt's K/V come from the same forwards under any load (and in `plain_generate`).
+    # Prompt tokens per prefill forward. Where the model's prefill is row-invariant
+    # (`Transformer.prefill_row_invariant`: a prompt's K/V do not depend on its chunks) a forward takes the step's
+    # budget instead (fewer tokens while others decode, up to 4 chunks when none does) and a cache hit loads any whole
+    # blocks; otherwise every chunk but a prompt's last has this size, so a prompt's K/V come from the same forwards
+    # under any load (and in `plain_generate`).
     prefill_chunk: int = PREFILL_CHUNK
     # Chunked prefill: the most prompt tokens a step prefills while other sequences decode, so a decoding stream
     # waits about `prefill_step_s` at most for other prompts between two of its rounds. None: what this machine
@@ -278,13 +279,13 @@ class SpecEngine:
 
     def _prefill_step(self) -> list[Event]:
         """Prefill chunks of the admitted prompts, at most `prefill_budget` tokens while sequences decode (else
-        4 chunks), one chunk per forward. Each chunk goes to the prompt with the least work left less its credit,
-        the tokens prefilled for other prompts since it was admitted (ties: the earlier admitted): a short prompt
+        4 chunks), one chunk per forward (`any_chunk`: a chunk is what is left of the budget). Each chunk goes to the
+        prompt with the least work left less its credit, the tokens prefilled for other prompts since it was admitted
+        (ties: the earlier admitted): a short prompt
         is not held up behind a long one, prompts admitted together finish one after another rather than all at
         the end, and a long prompt passed over by shorter ones gains credit until it goes first, so none starves.
         Each prompt whose prefill completes picks its first token and joins the running batch. The budget is that
-        of the first prompt's point (`prefill_budget`); where chunks may have any size (`any_chunk`), a chunk is cut
-        to what is left of it."""
+        of the first prompt's point (`prefill_budget`)."""
         budget = None
         done: list[tuple[Sequence, torch.Tensor]] = []
         while self.prefilling:
@@ -293,7 +294,9 @@ class SpecEngine:
             if budget is None:
                 budget = self.prefill_budget(start) if self.running else 4 * self.prefill_chunk
             left = seq.num_tokens - start
-            take = min(self.prefill_chunk, left, budget if self.any_chunk else left)
+            # cut to the budget where chunks may have any size: the step's whole budget in one forward (with nobody
+            # decoding, 1024 tokens: a 4K prompt prefills ~7% sooner than in 256-token forwards in bf16, ~4% in fp32)
+            take = min(left, budget) if self.any_chunk else min(left, self.prefill_chunk)
             if take > budget or take < min(left, self.prefill_unit):
                 break
             budget -= take

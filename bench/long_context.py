@@ -579,6 +579,7 @@ def main(argv: list[str] | None = None) -> Path:
         "context_cache": {"block_size": args.block_size, "max_bytes": args.cache_max_bytes},
         "kv_bytes_per_token": kv_bytes_per_token(target.args, target.dtype),
         "linear_backend": target.linear_backend,
+        "prefill_row_invariant": target.prefill_row_invariant,  # a cache hit then loads any whole blocks
         "cost_curve": curves[d0].to_dict(),
         "cost_curve_measure_s": curve_s[d0],
         **(

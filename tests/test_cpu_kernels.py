@@ -481,6 +481,37 @@ def test_prefill_chunks_of_any_size_give_the_same_bits(tiny_dir, family, dtype):
     assert not model.prefill_row_invariant
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_prefills_last_layer_runs_only_the_rows_asked_for(tiny_dir, dtype):
+    """Past its K/V, a prefill's last layer runs only the rows whose logits are asked for (one of a "last" segment's,
+    none of a segment without logits): the same logits and K/V, bit for bit, as every row (which it runs when a
+    drafter reads that layer's hidden states)."""
+    model = load_transformer(tiny_dir["llama"], dtype=dtype, linear_backend="prefill:lanes")
+    tokens = torch.randint(3, model.args.vocab_size, (300,), generator=torch.Generator().manual_seed(5))
+    last = model.args.n_layers - 1
+    rows_seen = []
+    hook = model.layers[last].wo.register_forward_hook(lambda m, args, out: rows_seen.append(args[0].shape[0]))
+    seen = []
+    try:
+        for capture in ((), (last,)):
+            model.capture_layers = capture
+            cache = model.new_cache(512, 2)
+            a, b = cache.allocate(), cache.allocate()
+            segs = [Segment(a, 0, tokens[:200], torch.arange(200), None, "last"),
+                    Segment(b, 0, tokens[200:], torch.arange(100), None, None)]  # fmt: skip
+            logits = model(segs, cache)
+            assert logits[1] is None and logits[0].shape[0] == 1
+            kv = [t[:, :200].clone() for layer in range(cache.n_layers) for t in cache.layer(a, layer)]
+            kv += [t[:, :100].clone() for layer in range(cache.n_layers) for t in cache.layer(b, layer)]
+            seen.append((logits[0], kv))
+    finally:
+        hook.remove()
+        model.capture_layers = ()
+    assert rows_seen == [1, 300]
+    assert torch.equal(seen[0][0], seen[1][0])
+    assert all(torch.equal(x, y) for x, y in zip(seen[0][1], seen[1][1], strict=True))
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_bf16_model_on_kernels_matches_torch_ops(tiny_dir, family):
     """bf16 on the kernels and on the torch ops (each rounding its output to bf16 the same way): prefill and decode

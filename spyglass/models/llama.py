@@ -140,6 +140,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def _tail_rows(segments: list[Segment], tails: list[int], device) -> torch.Tensor:
+    """Indices of the packed rows that are each segment's last `tails[i]` rows."""
+    idx, offset = [], 0
+    for seg, keep in zip(segments, tails, strict=True):
+        n = seg.tokens.shape[0]
+        idx.extend(range(offset + n - keep, offset + n))
+        offset += n
+    return torch.tensor(idx, dtype=torch.long, device=device)
+
+
 class Block(nn.Module):
     native = True  # run the CPU kernels of kernels/cpu_ops.cpp where they are built (fp32 or bf16 on the CPU)
 
@@ -154,11 +164,18 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(a.hidden_size, a.rms_eps)
         self.mlp_norm = RMSNorm(a.hidden_size, a.rms_eps)
 
-    def forward(self, x, cos, sin, segments: list[Segment], cache: KVCache, layer: int, backend: str):
+    def forward(self, x, cos, sin, segments: list[Segment], cache: KVCache, layer: int, backend: str, tails=None):
+        """The layer over the packed new tokens, writing their K/V. `tails` (a prefill's last layer): per segment, how
+        many of its last rows to return (the others only write their K/V, on the CPU kernels computing nothing
+        more); None: every row."""
         on_cpu = backend == "cpu" or (backend == "auto" and x.device.type == "cpu")  # "auto" is "cpu" there
         native = x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)  # the kernels' dtypes
         if on_cpu and native and self.native and (ops := cpu_kernels.native()):
-            return self._forward_native(ops, x, cos, sin, segments, cache, layer)
+            return self._forward_native(ops, x, cos, sin, segments, cache, layer, tails)
+        out = self._forward_torch(x, cos, sin, segments, cache, layer, backend)
+        return out if tails is None else out[_tail_rows(segments, tails, x.device)]
+
+    def _forward_torch(self, x, cos, sin, segments: list[Segment], cache: KVCache, layer: int, backend: str):
         a = self.a
         t = x.shape[0]
         q_dim, kv_dim = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
@@ -191,7 +208,7 @@ class Block(nn.Module):
         gate, up = self.w_gate_up(self.mlp_norm(h)).chunk(2, dim=-1)
         return h + self.w_down(F.silu(gate) * up)
 
-    def _forward_native(self, ops, x, cos, sin, segments: list[Segment], cache: KVCache, layer: int):
+    def _forward_native(self, ops, x, cos, sin, segments: list[Segment], cache: KVCache, layer: int, tails=None):
         """The same layer in a few fused CPU kernels: RMSNorm, RoPE + cache write, attention over the cache
         (tile_attention for every number of new tokens: a token's result depends only on its query and the keys it
         sees, so a verify pass equals the decode steps it replaces), SwiGLU. fp32 or bf16: each kernel rounds its
@@ -202,14 +219,21 @@ class Block(nn.Module):
         qkv = self.wqkv(ops.rms_norm(x, self.attn_norm.weight, self.attn_norm.eps))
         outs = []
         offset = 0
-        for seg in segments:
+        for i, seg in enumerate(segments):
             n = seg.tokens.shape[0]
             if seg.start + n > cache.capacity:
                 raise CacheFullError(f"slot {seg.slot}: {seg.start + n} tokens exceed the capacity {cache.capacity}")
             k_all, v_all = cache.layer(seg.slot, layer)
             q = ops.rope_write(qkv, cos, sin, k_all, v_all, offset, n, seg.start, a.n_heads)  # [H, n, D]
-            outs.append(ops.tile_attention(q, k_all, v_all, seg.start, seg.mask, a.head_dim**-0.5))
+            keep = n if tails is None else tails[i]
+            if keep:  # a row's attention depends only on its query and the keys it sees: the last rows alone
+                q = q if keep == n else q[:, n - keep :].contiguous()
+                outs.append(ops.tile_attention(q, k_all, v_all, seg.start + n - keep, seg.mask, a.head_dim**-0.5))
             offset += n
+        if tails is not None:
+            if not outs:
+                return x[:0]
+            x = x[_tail_rows(segments, tails, x.device)]
         h = x + self.wo(torch.cat(outs) if len(outs) > 1 else outs[0])
         return h + self.w_down(ops.silu_mul(self.w_gate_up(ops.rms_norm(h, self.mlp_norm.weight, self.mlp_norm.eps))))
 
@@ -322,8 +346,13 @@ class Transformer(nn.Module):
         backend = resolve_backend(self.attention_backend, self.device)
         capture = getattr(self, "capture_layers", ())
         kept: dict[int, torch.Tensor] = {}
+        # a prefill's last layer: only the rows whose logits are asked for go past their K/V (unless a drafter reads
+        # that layer's hidden states)
+        tails = [{"all": s.tokens.shape[0], "last": 1}.get(s.logits, 0) for s in segments]
+        last = len(self.layers) - 1
+        cut = last not in capture and all(s.mask is None for s in segments) and sum(tails) < tokens.shape[0]
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, segments, cache, i, backend)
+            x = layer(x, cos, sin, segments, cache, i, backend, tails if cut and i == last else None)
             if i in capture:
                 kept[i] = x
         if capture:  # hidden states (layer outputs) of every new token, per segment, for drafters that read them
@@ -343,10 +372,13 @@ class Transformer(nn.Module):
             offset += n
         if not rows:
             return [None] * len(segments)
+        if cut:  # x holds those rows only, in order
+            picked = x
         # consecutive rows (one segment, or every row of several) are a view: no index tensor to copy to the device
-        picked = (
-            x[rows[0] : rows[-1] + 1] if rows[-1] - rows[0] + 1 == len(rows) else x[torch.tensor(rows, device=x.device)]
-        )
+        elif rows[-1] - rows[0] + 1 == len(rows):
+            picked = x[rows[0] : rows[-1] + 1]
+        else:
+            picked = x[torch.tensor(rows, device=x.device)]
         h = self.norm(picked)
         logits = self.lm_head(h).float()
         return [None if p is None else logits[p[0] : p[0] + p[1]] for p in picks]

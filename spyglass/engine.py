@@ -281,9 +281,9 @@ class SpecEngine:
         """Prefill chunks of the admitted prompts, at most `prefill_budget` tokens while sequences decode (else
         4 chunks), one chunk per forward (`any_chunk`: a chunk is what is left of the budget). Each chunk goes to the
         prompt with the least work left less its credit, the tokens prefilled for other prompts since it was admitted
-        (ties: the earlier admitted): a short prompt
-        is not held up behind a long one, prompts admitted together finish one after another rather than all at
-        the end, and a long prompt passed over by shorter ones gains credit until it goes first, so none starves.
+        (ties: the earlier admitted): a short prompt is not held up behind a long one, prompts admitted together
+        finish one after another rather than all at the end, and a long prompt passed over by shorter ones gains
+        credit until it goes first, so none starves.
         Each prompt whose prefill completes picks its first token and joins the running batch. The budget is that
         of the first prompt's point (`prefill_budget`)."""
         budget = None

@@ -197,3 +197,19 @@ def test_measured_plan_on_the_real_model(smollm2):
     finally:
         Block.native = True
         set_linear_backend(model, plan)
+
+
+def test_auto_takes_lanes_for_prefill_where_measured_close_and_keeps_drafts_on_the_measured_plan(tiny_dir, monkeypatch):
+    """ "auto": where `lanes` is timed within LANES_SLACK at a prefill chunk's rows, every prefill bucket runs it (the
+    model says its prefill is row-invariant); a draft beside it takes the measured plan, `lanes` left out (few rows
+    are its worst case); where `lanes` is slower the measured plan runs prefill."""
+    model = load_transformer(tiny_dir["llama"], linear_backend="aten")
+    library = measure_linear_plan(model)
+    assert "lanes" not in library
+    for wins in (True, False):
+        monkeypatch.setattr(linear_mod, "lanes_for_prefill", lambda m, wins=wins: wins)
+        name = set_linear_backend(model, "auto")
+        assert model.draft_linear_backend == plan_name(library, True)
+        assert name == (plan_name(("lanes",) * len(ROW_BUCKETS), True) if wins else plan_name(library, True))
+        assert model.prefill_row_invariant is (wins or set(library) == {"rows"})
+    assert set_linear_backend(model, "prefill:onednn") == model.draft_linear_backend == "prefill:onednn"

@@ -156,7 +156,7 @@ class DFlashDrafter:
     def bind(self, target: Transformer, cache) -> None:
         self.capacity, self.cache = cache.capacity, cache
         self.keys_layer = target.args.n_layers - 1  # a copy head points over the target's last-layer keys
-        set_linear_backend(self.draft, target.linear_backend)  # the kernel measured faster for the target
+        set_linear_backend(self.draft, target.draft_linear_backend)  # the kernels measured faster here
         if self.local is not None:
             self.local.prepare(self.draft.vocab_ids)
 

@@ -202,7 +202,7 @@ class LongSpecDrafter:
 
     def bind(self, target: Transformer, cache: KVCache) -> None:
         self.cache = cache
-        set_linear_backend(self.draft, target.linear_backend)  # the kernel measured faster for the target
+        set_linear_backend(self.draft, target.draft_linear_backend)  # the kernels measured faster here
         self.layers_read = self.draft.target_layers(target.args.n_layers)  # the last one is the target's last
         self.feature_layers = self.draft.feature_layers(target.args.n_layers)
 

@@ -255,32 +255,50 @@ def _time_kernels(kernels: list[str], sample, rows: int, min_rounds: int, max_ro
 
 @torch.inference_mode()
 def measure_linear_plan(model: nn.Module, repeats: int = 2) -> tuple[str, ...]:
-    """The fastest kernel per row bucket, each timed on a sample of the model's layers (`_timing_sample`) at the
-    bucket's largest row count, over `repeats` to twice that many rounds (`_time_kernels`); then the row-invariant
-    `lanes` against them all at a prefill chunk's LANES_ROWS rows: within LANES_SLACK of the fastest, it takes every
-    bucket, so prefill chunks of any size give a prompt the same bits (`prefill_row_invariant`). Measured once per
-    process for a given set of shapes, dtype and thread count."""
+    """The fastest library kernel (or `rows`) per row bucket, each timed on a sample of the model's layers
+    (`_timing_sample`) at the bucket's largest row count, over `repeats` to twice that many rounds (`_time_kernels`).
+    Measured once per process for a given set of shapes, dtype and thread count."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if not linears or linears[0].weight.device.type != "cpu":
         return ("aten",) * len(ROW_BUCKETS)
-    w0 = linears[0].weight
-    native = rows_supported(w0)
-    onednn = onednn_supported(w0)
-    kernels = [k for k in KERNELS if k != "lanes" and (k != "onednn" or onednn) and (k != "rows" or native)]
-    shapes = tuple((tuple(m.weight.shape), m.bias is not None) for m in linears)
-    key = (shapes, str(w0.dtype), torch.get_num_threads())
+    key = _plan_key(linears)
     if key not in _PLANS:
+        kernels = _library_kernels(linears[0].weight)
         plan = []
         for rows in ROW_BUCKETS:
             est = _time_kernels(kernels, _timing_sample(linears, rows), rows, repeats, 2 * repeats)
             plan.append(min(est, key=est.get))
-        if native:  # one row-invariant kernel for every prefill chunk, if it costs the chunks at most LANES_SLACK
-            sample = _timing_sample(linears, LANES_ROWS)
-            est = _time_kernels([*kernels, "lanes"], sample, LANES_ROWS, repeats, 2 * repeats)
-            if est.get("lanes", float("inf")) <= LANES_SLACK * min(t for k, t in est.items() if k != "lanes"):
-                plan = ["lanes"] * len(ROW_BUCKETS)
         _PLANS[key] = tuple(plan)
     return _PLANS[key]
+
+
+_LANES: dict[tuple, bool] = {}
+
+
+def lanes_for_prefill(model: nn.Module, repeats: int = 2) -> bool:
+    """Whether `lanes` times within LANES_SLACK of the fastest other kernel at a prefill chunk's LANES_ROWS rows on
+    the model's layers: then it runs every prefill chunk, so chunks of any size give a prompt the same bits
+    (`prefill_row_invariant`). Measured once per process for a given set of shapes, dtype and thread count."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    if not linears or not rows_supported(linears[0].weight):
+        return False
+    key = _plan_key(linears)
+    if key not in _LANES:
+        kernels = [*_library_kernels(linears[0].weight), "lanes"]
+        est = _time_kernels(kernels, _timing_sample(linears, LANES_ROWS), LANES_ROWS, repeats, 2 * repeats)
+        _LANES[key] = est.get("lanes", float("inf")) <= LANES_SLACK * min(t for k, t in est.items() if k != "lanes")
+    return _LANES[key]
+
+
+def _plan_key(linears: list[Linear]) -> tuple:
+    w0 = linears[0].weight
+    return tuple((tuple(m.weight.shape), m.bias is not None) for m in linears), str(w0.dtype), torch.get_num_threads()
+
+
+def _library_kernels(w0: torch.Tensor) -> list[str]:
+    """The kernels a plan picks from: every one that runs here but `lanes` (timed on its own, for prefill)."""
+    onednn = onednn_supported(w0)
+    return [k for k in KERNELS if k != "lanes" and (k != "onednn" or onednn) and (k != "rows" or rows_supported(w0))]
 
 
 def prefill_row_invariant(model: nn.Module) -> bool:
@@ -297,13 +315,19 @@ def set_linear_backend(model: nn.Module, backend: str = "auto") -> str:
     forward on the row-invariant `rows` kernel (lossless; a plan for every forward where `rows` cannot run: not on
     the CPU, not fp32/bf16, the kernels not built); "prefill:<plan>" does the same with that plan; a kernel name or
     a plan alone runs every forward on it (not lossless unless it is `rows`: a verify pass may round differently
-    from a decode step). A backend string (`model.linear_backend` of another model) copies it. Returns its name."""
+    from a decode step). A backend string (`model.linear_backend` of another model) copies it. Returns its name.
+    `model.draft_linear_backend` is what a draft beside it takes: the measured plan without `lanes` (few rows are
+    `lanes`' worst case, and a draft's rows need no invariance), or the plan given."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if backend == "auto":
         plan = measure_linear_plan(model)
         invariant = bool(linears) and rows_supported(linears[0].weight)
+        model.draft_linear_backend = plan_name(plan, invariant)  # a draft's few-row calls: the measured plan
+        if invariant and lanes_for_prefill(model):
+            plan = ("lanes",) * len(ROW_BUCKETS)
     else:
         plan, invariant = parse_backend(backend)
+        model.draft_linear_backend = plan_name(plan, invariant)
     if "onednn" in plan and linears and not onednn_supported(w := linears[0].weight):
         raise ValueError(
             f"the oneDNN linear backend has no kernel for {w.dtype} weights on {w.device} here "

@@ -287,6 +287,7 @@ class Transformer(nn.Module):
         self.rope_scaling = rope_scaling
         self.attention_backend = "auto"  # GPU: flash-attn prefix + Triton tree kernel; CPU: ATen flash
         self.linear_backend = "aten"  # or "onednn" (CPU): see spyglass.models.linear; load_transformer measures
+        self.draft_linear_backend = "aten"  # what a draft beside it runs (set_linear_backend)
         self.model_id = "unnamed"
 
     @property

@@ -1223,38 +1223,54 @@ constexpr RowsBf16TileFn kRowsBf16Tiles[kGroup] = {  // [m - 1]: the tile for a 
     rows_tile_bf16<4, tile_rows<4>()>, rows_tile_bf16<5, tile_rows<5>()>, rows_tile_bf16<6, tile_rows<6>()>,
     rows_tile_bf16<7, tile_rows<7>()>, rows_tile_bf16<8, tile_rows<8>()>};
 
+// The checks and set-up every linear kernel shares: x [..., K] and a contiguous weight [N, K], both fp32 or both bf16,
+// a bias of N entries in fp32 (or, for bf16, in bf16); y [..., N] in x's dtype (empty when x has no rows).
+struct LinearCall {
+  torch::Tensor x, y, b;  // x contiguous; b keeps the contiguous bias alive for rb
+  RowsBias rb;
+  int64_t M, N, K;
+  bool bf16;
+};
+
+LinearCall check_linear(const char* who, torch::Tensor x, const torch::Tensor& w,
+                        const c10::optional<torch::Tensor>& bias) {
+  const auto dt = w.scalar_type();
+  LinearCall c;
+  c.bf16 = dt == torch::kBFloat16;
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), who, ": x and the weight must be CPU tensors");
+  TORCH_CHECK((dt == torch::kFloat32 || c.bf16) && x.scalar_type() == dt, who,
+              ": x and the weight must be both float32 or both bfloat16, got ", x.scalar_type(), " and ", dt);
+  TORCH_CHECK(w.is_contiguous(), who, ": weight must be contiguous");
+  TORCH_CHECK(x.dim() >= 1 && w.dim() == 2, who, ": x [..., K] and a weight [N, K]");
+  c.K = x.size(-1), c.M = x.numel() ? x.numel() / c.K : 0, c.N = w.size(0);
+  TORCH_CHECK(w.size(1) == c.K, who, ": x has ", c.K, " features, the weight ", w.size(1));
+  c.x = x.contiguous();
+  auto sizes = c.x.sizes().vec();
+  sizes.back() = c.N;
+  c.y = torch::empty(sizes, c.x.options());
+  if (bias.has_value()) {
+    c.b = bias->contiguous();
+    TORCH_CHECK(c.b.device().is_cpu() && (c.b.scalar_type() == torch::kFloat32 || (c.bf16 && c.b.scalar_type() == dt)),
+                who, ": bias must be a CPU float32", c.bf16 ? " or bfloat16" : "", " tensor, got ", c.b.scalar_type());
+    TORCH_CHECK(c.b.numel() == c.N, who, ": bias has ", c.b.numel(), " entries for ", c.N, " outputs");
+    if (c.b.scalar_type() == torch::kFloat32)
+      c.rb.f = c.b.data_ptr<float>();
+    else
+      c.rb.h = c.b.data_ptr<at::BFloat16>();
+  }
+  return c;
+}
+
 // x [..., K] @ w [N, K]^T (+ bias [N]) -> [..., N], any number of rows: x and w both fp32 (a bias in fp32) or both
 // bf16 (a bias in bf16 or fp32; out in bf16).
 torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  const auto dt = w.scalar_type();
-  const bool bf16 = dt == torch::kBFloat16;
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "rows_linear: x and the weight must be CPU tensors");
-  TORCH_CHECK((dt == torch::kFloat32 || bf16) && x.scalar_type() == dt,
-              "rows_linear: x and the weight must be both float32 or both bfloat16, got ", x.scalar_type(), " and ",
-              dt);
-  TORCH_CHECK(w.is_contiguous(), "rows_linear: weight must be contiguous");
-  TORCH_CHECK(x.dim() >= 1 && w.dim() == 2, "rows_linear: x [..., K] and a weight [N, K]");
-  const int64_t K = x.size(-1), M = x.numel() ? x.numel() / K : 0, N = w.size(0);
-  TORCH_CHECK(w.size(1) == K, "rows_linear: x has ", K, " features, the weight ", w.size(1));
-  x = x.contiguous();
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  auto y = torch::empty(sizes, x.options());
+  const LinearCall c = check_linear("rows_linear", x, w, bias);
+  const int64_t M = c.M, N = c.N, K = c.K;
+  const RowsBias rb = c.rb;
+  torch::Tensor y = c.y;
+  x = c.x;
   if (M == 0) return y;
-  torch::Tensor b;
-  RowsBias rb;
-  if (bias.has_value()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.device().is_cpu() && (b.scalar_type() == torch::kFloat32 || (bf16 && b.scalar_type() == dt)),
-                "rows_linear: bias must be a CPU float32", bf16 ? " or bfloat16" : "", " tensor, got ",
-                b.scalar_type());
-    TORCH_CHECK(b.numel() == N, "rows_linear: bias has ", b.numel(), " entries for ", N, " outputs");
-    if (b.scalar_type() == torch::kFloat32)
-      rb.f = b.data_ptr<float>();
-    else
-      rb.h = b.data_ptr<at::BFloat16>();
-  }
-  if (!bf16) {
+  if (!c.bf16) {
     const float* xp = x.data_ptr<float>();
     const float* wp = w.data_ptr<float>();
     float* yp = y.data_ptr<float>();
@@ -1406,40 +1422,16 @@ static void lanes_run(const E* x, const E* w, RowsBias b, E* y, int64_t M, int64
 // x [..., K] @ w [N, K]^T (+ bias [N]) -> [..., N]: x and w both fp32 (a bias in fp32) or both bf16 (a bias in bf16
 // or fp32, K even; out in bf16), N at least kLanesNR.
 torch::Tensor lanes_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  const auto dt = w.scalar_type();
-  const bool bf = dt == torch::kBFloat16;
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "lanes_linear: x and the weight must be CPU tensors");
-  TORCH_CHECK((dt == torch::kFloat32 || bf) && x.scalar_type() == dt,
-              "lanes_linear: x and the weight must be both float32 or both bfloat16, got ", x.scalar_type(), " and ",
-              dt);
-  TORCH_CHECK(w.is_contiguous() && x.dim() >= 1 && w.dim() == 2, "lanes_linear: x [..., K] and a contiguous [N, K]");
-  const int64_t K = x.size(-1), M = x.numel() ? x.numel() / K : 0, N = w.size(0);
-  TORCH_CHECK(w.size(1) == K, "lanes_linear: x has ", K, " features, the weight ", w.size(1));
-  TORCH_CHECK(!bf || K % 2 == 0, "lanes_linear: bf16 takes an even number of features, got ", K);
-  TORCH_CHECK(N >= kLanesNR, "lanes_linear: at least ", kLanesNR, " outputs, got ", N);
-  x = x.contiguous();
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  auto y = torch::empty(sizes, x.options());
-  if (M == 0) return y;
-  torch::Tensor b;
-  RowsBias rb;
-  if (bias.has_value()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.device().is_cpu() && (b.scalar_type() == torch::kFloat32 || (bf && b.scalar_type() == dt)),
-                "lanes_linear: bias must be a CPU float32", bf ? " or bfloat16" : "", " tensor, got ", b.scalar_type());
-    TORCH_CHECK(b.numel() == N, "lanes_linear: bias has ", b.numel(), " entries for ", N, " outputs");
-    if (b.scalar_type() == torch::kFloat32)
-      rb.f = b.data_ptr<float>();
-    else
-      rb.h = b.data_ptr<at::BFloat16>();
-  }
-  if (bf)
-    lanes_run(reinterpret_cast<const bf16*>(x.data_ptr()), reinterpret_cast<const bf16*>(w.data_ptr()), rb,
-              reinterpret_cast<bf16*>(y.data_ptr()), M, N, K);
+  const LinearCall c = check_linear("lanes_linear", x, w, bias);
+  TORCH_CHECK(!c.bf16 || c.K % 2 == 0, "lanes_linear: bf16 takes an even number of features, got ", c.K);
+  TORCH_CHECK(c.N >= kLanesNR, "lanes_linear: at least ", kLanesNR, " outputs, got ", c.N);
+  if (c.M == 0) return c.y;
+  if (c.bf16)
+    lanes_run(reinterpret_cast<const bf16*>(c.x.data_ptr()), reinterpret_cast<const bf16*>(w.data_ptr()), c.rb,
+              reinterpret_cast<bf16*>(c.y.data_ptr()), c.M, c.N, c.K);
   else
-    lanes_run(x.data_ptr<float>(), w.data_ptr<float>(), rb, y.data_ptr<float>(), M, N, K);
-  return y;
+    lanes_run(c.x.data_ptr<float>(), w.data_ptr<float>(), c.rb, c.y.data_ptr<float>(), c.M, c.N, c.K);
+  return c.y;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

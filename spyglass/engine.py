@@ -345,7 +345,7 @@ class SpecEngine:
         # With fixed chunks, whole prefill chunks only: the rest is then computed in the chunks plain decoding
         # computes (a library's prefill matmuls give a row bits that depend on the chunk's row count).
         blocks = cc.lookup(seq.tokens, max_tokens=self._loadable(seq, cc))
-        grain = self._cache_grain(cc) // cc.block_size  # blocks per whole chunks
+        grain = self._cache_grain(cc) // cc.block_size  # blocks per grain
         return load_blocks_into_cache(self.cache, seq.slot, blocks[: len(blocks) // grain * grain], cc.block_size)
 
     def _cache_grain(self, cc: ContextCache) -> int:

@@ -204,7 +204,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "context_length", "methods", "default_method", "max_new_tokens_limit", "max_batch", "num_verifiers", "vocab_size", "context_cache", "cache_block_size", "max_queued", "dtype", "device")
+    __slots__ = ("model", "context_length", "methods", "default_method", "max_new_tokens_limit", "max_batch", "num_verifiers", "vocab_size", "context_cache", "cache_block_size", "max_queued", "dtype", "device", "linear_backend")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     METHODS_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +218,7 @@ class ModelInfo(_message.Message):
     MAX_QUEUED_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    LINEAR_BACKEND_FIELD_NUMBER: _ClassVar[int]
     model: str
     context_length: int
     methods: _containers.RepeatedScalarFieldContainer[str]
@@ -231,4 +232,5 @@ class ModelInfo(_message.Message):
     max_queued: int
     dtype: str
     device: str
-    def __init__(self, model: _Optional[str] = ..., context_length: _Optional[int] = ..., methods: _Optional[_Iterable[str]] = ..., default_method: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., max_batch: _Optional[int] = ..., num_verifiers: _Optional[int] = ..., vocab_size: _Optional[int] = ..., context_cache: _Optional[bool] = ..., cache_block_size: _Optional[int] = ..., max_queued: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    linear_backend: str
+    def __init__(self, model: _Optional[str] = ..., context_length: _Optional[int] = ..., methods: _Optional[_Iterable[str]] = ..., default_method: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., max_batch: _Optional[int] = ..., num_verifiers: _Optional[int] = ..., vocab_size: _Optional[int] = ..., context_cache: _Optional[bool] = ..., cache_block_size: _Optional[int] = ..., max_queued: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., linear_backend: _Optional[str] = ...) -> None: ...

@@ -52,6 +52,9 @@ class VerifierConfig:
     max_new_tokens_limit: int = 4096
     default_max_new_tokens: int = 128
     prefill_chunk: int | None = None  # prompt tokens per prefill forward (None: EngineConfig's)
+    # the target's matmul kernels (spyglass.models.linear.set_linear_backend): "auto" times them at load; a replica's
+    # reported `linear_backend` pins the same kernels, so replicas and restarts round every prompt alike
+    linear_backend: str = "auto"
     redis_url: str | None = None
     cache_block_size: int = 128
     cache_max_bytes: int = 2 << 30
@@ -474,7 +477,9 @@ def build_engine(cfg: VerifierConfig) -> tuple[Any, Any, dict[str, Any]]:
         raise ValueError(f"verifier config names a method twice: {cfg.methods}")
     device = resolve_device(cfg.device)
     resolved = resolve_model(cfg.model, dtype=cfg.dtype, device=device)  # "auto" resolved here (resolve_dtype)
-    target = load_transformer(resolved.path, dtype=getattr(torch, resolved.dtype), device=device)
+    target = load_transformer(
+        resolved.path, dtype=getattr(torch, resolved.dtype), device=device, linear_backend=cfg.linear_backend
+    )
     target.eval()
     tokenizer = load_tokenizer(resolved.path)
     # one pool of max_batch slots serves every method

@@ -19,6 +19,7 @@ import pytest
 from services.gateway import Admission, GatewayConfig, QueueFull, affinity_key, route
 from spyglass.client import AsyncClient, Client, SpyglassError
 from spyglass.engine import plain_generate
+from spyglass.models.linear import parse_backend
 from spyglass.models.llama import PREFILL_CHUNK
 from spyglass.models.loader import resolve_model_dtype
 from spyglass.sampling import SamplingParams
@@ -228,16 +229,40 @@ def test_a_replicas_drafters_share_the_targets_weights_and_load_each_draft_check
             assert seq.output_ids == reference, m
 
 
+def test_a_pinned_linear_backend_is_the_replicas_and_a_bad_one_fails_the_build():
+    """`linear_backend` in the verifier config pins the target's kernels (another replica's reported backend makes
+    this one round alike); an unknown one fails the build naming the choices."""
+    from services.verifier import VerifierConfig, build_engine
+
+    cfg = {"methods": ["ngram"], "max_batch": 1, "max_context": 256, "threads": 1}
+    engine, _, info = build_engine(VerifierConfig(**cfg, linear_backend="rows"))
+    assert info["linear_backend"] == engine.target.linear_backend == "rows" and engine.target.prefill_row_invariant
+    with pytest.raises(ValueError, match="unknown linear backend 'fastest'.*choose 'auto'"):
+        build_engine(VerifierConfig(**cfg, linear_backend="fastest"))
+
+
 async def _collect(loop, req: dict) -> list[dict]:
     return [item async for item in loop.generate(req)]
 
 
 # --- the deployed stack ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def served(smollm2, smollm2_bf16):
-    """The embedded model in the dtype the replica's "auto" resolves to here (bf16 where the C++ kernels build), and
-    its tokenizer: the in-process references run in the served dtype."""
-    return smollm2_bf16 if resolve_model_dtype(None) == "bfloat16" else smollm2
+def served(client):
+    """The embedded model as the replica serves it, and its tokenizer: the in-process references. Its dtype is what
+    the replica's "auto" resolved to, and its matmul kernels the ones the replica measured fastest
+    (ModelInfo.linear_backend): two kernels may round a near tie apart, and plain decoding on other kernels than the
+    replica's may then pick the other token."""
+    import torch
+
+    from spyglass.models.llama import load_transformer
+    from spyglass.models.loader import load_tokenizer, resolve_model
+
+    info = client.model_info()
+    resolved = resolve_model(None, dtype=info["dtype"])
+    dtype = getattr(torch, info["dtype"])
+    model = load_transformer(resolved.path, dtype=dtype, linear_backend=info["linear_backend"])
+    assert model.linear_backend == info["linear_backend"]
+    return model, load_tokenizer(resolved.path)
 
 
 @pytest.fixture(scope="module")
@@ -324,6 +349,7 @@ def test_health_and_model_info(client):
     assert info["methods"] == SERVED_METHODS and info["default_method"] == "ngram"
     assert info["num_verifiers"] == 1 and info["max_batch"] == MAX_BATCH and info["context_cache"]
     assert info["device"] == "cpu" and info["dtype"] == resolve_model_dtype(None)  # "auto", resolved here
+    assert parse_backend(info["linear_backend"])  # the kernels the replica measured, as a backend string
     health = client.health()
     assert health["status"] == "ok"
     (rep,) = health["replicas"]
@@ -502,7 +528,9 @@ def test_deadline_exceeded_frees_the_sequence(client):
     assert after["aborted"] == before["aborted"] + 1
 
 
-def test_repeated_long_prompt_hits_the_context_cache(client):
+def test_repeated_long_prompt_hits_the_context_cache(client, served):
+    import math
+
     from spyglass.demo import code_edit_task
 
     # a unique ~1K-token prompt so earlier runs cannot have cached it
@@ -511,9 +539,12 @@ def test_repeated_long_prompt_hits_the_context_cache(client):
     assert first.stats["cached_prefix_tokens"] == 0 and first.stats["prompt_tokens"] > 512
     # sent right after the first finished: its blocks may still be on their way to Redis, and the lookup waits
     # for them rather than recomputing what is about to be stored: the whole prefix loads (all but the last token),
-    # in whole prefill chunks (the rest is computed in the chunks plain decoding computes)
+    # in whole blocks where prefill chunks may have any size (row-invariant prefill kernels), else in whole prefill
+    # chunks (the rest is computed in the chunks plain decoding computes)
     second = client.generate_text(prompt, max_new_tokens=8)
-    cached = (second.stats["prompt_tokens"] - 1) // PREFILL_CHUNK * PREFILL_CHUNK
+    block = client.model_info()["cache_block_size"]
+    grain = block if served[0].prefill_row_invariant else math.lcm(block, PREFILL_CHUNK)
+    cached = (second.stats["prompt_tokens"] - 1) // grain * grain
     assert second.stats["cached_prefix_tokens"] == cached >= 512
     assert second.token_ids == first.token_ids and second.text == first.text
     counters = client.health()["replicas"][0]["counters"]

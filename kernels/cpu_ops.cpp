@@ -785,7 +785,7 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
   const auto dim = [&](int64_t i) { return pairs ? pv_dim(i) : i; };  // where O's entry i goes
   std::atomic<int64_t> next{0};
   std::atomic<bool> unseen{false};  // a row that sees no key (a mask row without its own token)
-  const int64_t workers = std::min<int64_t>(threads, items.size());
+  const int64_t n_items = items.size(), workers = std::min(threads, n_items);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const int64_t rows_max = g * TB;
     std::vector<QE> Kt(Dq * kNB), Q(rows_max * Dq);
@@ -821,7 +821,7 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
         for (int64_t d = 0; d < D; d++) Vp[j * Dp + d] = load_elem(Vs + j * D + d);
       run(static_cast<const float*>(Vp.data()), Dp);
     };
-    for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(items.size());) {
+    for (int64_t i; (i = next.fetch_add(1)) < n_items;) {
       const Item it = items[i];
       const int64_t tb = it.t1 - it.t0, rows = g * tb;
       for (int64_t r = 0; r < rows; r++) {  // the item's query rows: fp32 scaled, bf16 as pairs
@@ -870,8 +870,13 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
           const int64_t valid = std::min(kNB, length - kb);
           if (score_rows_fit && kb + kNB <= start) {  // a few rows (a decode step): no packed copy of the keys
 #if defined(__AVX512F__)
-            kScoreRows<E>[rows - 1](Q.data(), Kh + kb * D, Dq, S.data(), score_scale,
-                                    more ? Kh + (kb + kNB) * D : nullptr, Vh + (kb + kNB) * D);
+            // prefetched meanwhile: the item's next block, or from its last the first of the item taken next
+            const E *nk = more ? Kh + (kb + kNB) * D : nullptr, *nv = Vh + (kb + kNB) * D;
+            if (const int64_t p = next.load(std::memory_order_relaxed); !more && split && p < n_items) {
+              nk = kc + items[p].kv * ksh + items[p].chunk * kChunkKeys * D;
+              nv = vc + items[p].kv * vsh + items[p].chunk * kChunkKeys * D;
+            }
+            kScoreRows<E>[rows - 1](Q.data(), Kh + kb * D, Dq, S.data(), score_scale, nk, nv);
 #endif
             run_tiles(0, rows, nullptr, Vh + kb * D, valid, valid, nullptr);
           } else if (pack_keys(Kh + kb * D, valid, Dq, Kt.data()); kb + kNB <= start) {

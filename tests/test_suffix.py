@@ -106,6 +106,18 @@ def test_global_index_memory_is_bounded():
     assert g.nbytes() < 8 << 20
 
 
+def test_the_automaton_counts_its_transitions_as_it_grows():
+    """nbytes() reads a transition count kept as tokens are appended (GlobalIndex asks after every finished
+    request: a recount over every state was quadratic in the requests served); it equals a recount, clones
+    included."""
+    rng = random.Random(5)
+    sam = SuffixAutomaton()
+    for _ in range(3):
+        sam.extend(rng.randrange(6) for _ in range(400))  # a small alphabet: many repeats, so many clones
+        assert sam.edges == sum(len(d) for d in sam.next) > len(sam.tokens)
+    assert len(sam.length) > len(sam.tokens) + 1  # clones were made
+
+
 def _seq(tokens, max_new=32):
     seq = Sequence(tokens, SamplingParams(max_new_tokens=max_new))
     return seq

@@ -89,6 +89,7 @@ class SuffixAutomaton:
         self.last_end = [0]
         self.last = 0
         self.tokens: list[int] = []
+        self.edges = 0  # transitions in `next`, counted as they are added: nbytes() stays O(1)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -107,6 +108,7 @@ class SuffixAutomaton:
         p = self.last
         while p != -1 and tok not in self.next[p]:
             self.next[p][tok] = cur
+            self.edges += 1
             p = self.link[p]
         if p == -1:
             self.link[cur] = 0
@@ -116,6 +118,7 @@ class SuffixAutomaton:
                 self.link[cur] = q
             else:
                 clone = self._new(self.length[p] + 1, self.link[q], dict(self.next[q]), self.count[q], self.last_end[q])
+                self.edges += len(self.next[q])
                 while p != -1 and self.next[p].get(tok) == q:
                     self.next[p][tok] = clone
                     p = self.link[p]
@@ -156,8 +159,7 @@ class SuffixAutomaton:
 
     def nbytes(self) -> int:
         """A rough size: per state ~ 6 list slots + its dict, per transition ~ a dict entry."""
-        edges = sum(len(d) for d in self.next)
-        return 8 * 6 * len(self.length) + 64 * len(self.next) + 48 * edges + 8 * len(self.tokens)
+        return 8 * 6 * len(self.length) + 64 * len(self.next) + 48 * self.edges + 8 * len(self.tokens)
 
 
 class Matcher:

@@ -213,3 +213,38 @@ def test_auto_takes_lanes_for_prefill_where_measured_close_and_keeps_drafts_on_t
         assert name == (plan_name(("lanes",) * len(ROW_BUCKETS), True) if wins else plan_name(library, True))
         assert model.prefill_row_invariant is (wins or set(library) == {"rows"})
     assert set_linear_backend(model, "prefill:onednn") == model.draft_linear_backend == "prefill:onednn"
+
+
+def test_a_truncated_draft_steps_on_rows_while_its_shared_layers_prefill_on_lanes(tiny_dir, monkeypatch):
+    """The small-lm draft made of the target's first layers shares their `Linear`s and so their plan: with the
+    target on `prefill:lanes`, its prompt prefill runs `lanes` and its draft steps (a few rows each) run the decode
+    steps' `rows` kernel, never `lanes` (16 rows of work for one); the engine's output is still plain decoding's."""
+    from spyglass.drafters.small_lm import SmallLMDrafter, truncated_draft
+    from spyglass.engine import EngineConfig, SpecEngine, plain_generate
+    from tests.tiny import free_tokens_curve
+
+    target = load_transformer(tiny_dir["llama"], linear_backend="prefill:lanes")
+    drafter = SmallLMDrafter(truncated_draft(target, 1), gamma=4, max_batch=1, max_context=256)
+    calls: list[tuple[str, int]] = []
+    for name, fn in list(linear_mod._KERNEL_FNS.items()):
+        monkeypatch.setitem(
+            linear_mod._KERNEL_FNS,
+            name,
+            lambda x, w, b, name=name, fn=fn: calls.append((name, x.numel() // x.shape[-1])) or fn(x, w, b),
+        )
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12] * 6
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    engine = SpecEngine(target, drafter, EngineConfig(max_batch=1, max_context=256, controller=free_tokens_curve()))
+    seq = engine.add_request(prompt, params)
+    start = drafter.start
+    drafter.start = lambda s: (calls.append(("draft prefill", 0)), start(s), calls.append(("drafting", 0)))
+    while engine.has_work:
+        engine.step()
+    ran = list(calls)  # the engine's run alone
+    assert seq.output_ids == plain_generate(target, prompt, params)
+    assert seq.stats.steps < 12  # the drafts were used
+    at, then = ran.index(("draft prefill", 0)), ran.index(("drafting", 0))
+    assert {k for k, _ in ran[:at]} == {"lanes"}  # the target's prompt
+    assert {k for k, _ in ran[at + 1 : then]} == {"lanes"} and ("lanes", len(prompt)) in ran[at:then]
+    # then the draft's steps and the target's verify passes
+    assert {k for k, _ in ran[then + 1 :]} == {"rows"} and ("rows", 1) in ran[then:]

@@ -56,20 +56,20 @@ class SmallLMDrafter:
         depth = [requested_depth(s, w, self.gamma, self.cache.capacity) for s, w in zip(batch, wants, strict=True)]
         drafted: list[list[int]] = [[] for _ in batch]
         dists: list[list[torch.Tensor]] = [[] for _ in batch]
-        # Step 0 feeds every token the draft has not seen yet (the root plus any catch-up).
+        # Step 0 feeds every token the draft has not seen yet (the root plus any catch-up). A step asks for every
+        # row's logits, so its few rows run the decode steps' `rows` kernel, not a prefill plan (`lanes` computes
+        # 16 rows for one; a truncated draft shares the target's layers and their plan) and takes the last.
         feeds = [s.tokens[self.cache.lengths[st.slot] :].clone() for s, st in zip(batch, states, strict=True)]
         for d in range(max(depth, default=0)):
             rows = [i for i in range(len(batch)) if depth[i] > d]
             segments = []
             for i in rows:
                 slot, start = states[i].slot, self.cache.lengths[states[i].slot]
-                segments.append(
-                    Segment(slot, start, feeds[i], torch.arange(start, start + len(feeds[i])), None, "last")
-                )
+                segments.append(Segment(slot, start, feeds[i], torch.arange(start, start + len(feeds[i])), None, "all"))
             logits = self.draft(segments, self.cache)
             for i, seg, lg in zip(rows, segments, logits, strict=True):
                 self.cache.commit(seg.slot, seg.start, list(range(len(seg.tokens))))
-                tok, dist = choose_draft_token(batch[i], drafted[i], lg, states[i].generator)
+                tok, dist = choose_draft_token(batch[i], drafted[i], lg[-1:], states[i].generator)
                 drafted[i].append(tok)
                 dists[i].append(dist)
                 feeds[i] = torch.tensor([tok])

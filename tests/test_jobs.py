@@ -132,7 +132,8 @@ def test_local_train_runs_on_loopback_without_flooding_the_log(tiny_dir, tmp_pat
     env.pop("RAY_ADDRESS", None)
     env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # as a user's shell: the package sets it
     cmd = [sys.executable, "-m", "spyglass", "train", "configs/tiny-longspec.yaml", "--workdir", str(tmp_path)]
-    cmd += ["--set", f"model={tiny_dir['llama']}", "--set", "train.steps=6"]
+    cmd += ["--set", f"model={tiny_dir['llama']}", "--set", "train.steps=2", "--set", "train.checkpoint_every=2"]
+    cmd += ["--set", "corpus.max_contexts={train: 8, eval: 4}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]

@@ -28,16 +28,8 @@ def one_thread():
     torch.set_num_threads(1)
 
 
-# The files that take a minute or more (Ray clusters, training, the real model end to end): collected first, so that
-# `make test`'s two workers (whole files each, `--dist loadfile`) start on them and end on short files together.
-FIRST = ("test_jobs", "test_trainer", "test_smollm2", "test_serving", "test_sampling_fidelity", "test_peers_smoke",
-         "test_verifier_device")  # fmt: skip
-
-
 def pytest_collection_modifyitems(config, items):
-    """The long files first (FIRST, in that order); tests marked `long` (minutes of Qwen prefill each: `make
-    test-long`) run only when `-m` names them."""
-    items.sort(key=lambda item: FIRST.index(item.path.stem) if item.path.stem in FIRST else len(FIRST))
+    """Tests marked `long` (minutes of Qwen prefill each: `make test-long`) run only when `-m` names them."""
     if "long" in (config.getoption("markexpr") or ""):
         return
     skip = pytest.mark.skip(reason="long-context test: run with `make test-long` (pytest -m long)")

@@ -48,7 +48,7 @@ model-qwen: $(STAMP)
 run: setup
 	$(VENV)/bin/spyglass serve --once --demo-tokens 48
 
-# Two worker processes (pytest-xdist), one per core, each file in one worker: 16 min here on 2 cores (23 in one).
+# Two worker processes (pytest-xdist), one per core, each file in one worker: ~20 min here on 2 cores.
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests --durations=40
 

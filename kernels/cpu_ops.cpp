@@ -872,10 +872,11 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
 #if defined(__AVX512F__)
             // prefetched meanwhile: the item's next block, or from its last the first of the item taken next
             const E *nk = more ? Kh + (kb + kNB) * D : nullptr, *nv = Vh + (kb + kNB) * D;
-            if (const int64_t p = next.load(std::memory_order_relaxed); !more && split && p < n_items) {
-              nk = kc + items[p].kv * ksh + items[p].chunk * kChunkKeys * D;
-              nv = vc + items[p].kv * vsh + items[p].chunk * kChunkKeys * D;
-            }
+            if (!more && split)  // the shared counter read once an item, not every block
+              if (const int64_t p = next.load(std::memory_order_relaxed); p < n_items) {
+                nk = kc + items[p].kv * ksh + items[p].chunk * kChunkKeys * D;
+                nv = vc + items[p].kv * vsh + items[p].chunk * kChunkKeys * D;
+              }
             kScoreRows<E>[rows - 1](Q.data(), Kh + kb * D, Dq, S.data(), score_scale, nk, nv);
 #endif
             run_tiles(0, rows, nullptr, Vh + kb * D, valid, valid, nullptr);

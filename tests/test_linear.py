@@ -52,19 +52,25 @@ def test_each_kernel_matches_aten(kernel, dtype, bias):
         torch.testing.assert_close(layer(xt), F.linear(xt, layer.weight, layer.bias), atol=tol, rtol=tol)
 
 
-def test_plan_dispatches_by_row_count(monkeypatch):
-    """Each row count runs the kernel its bucket names (the last bucket also takes every larger count)."""
+def record_kernels(monkeypatch, entry=lambda name, x: name) -> list:
+    """Every linear kernel still runs, and each call appends `entry(kernel name, x)` to the list returned."""
     calls = []
 
     def recording(name, fn):
         def run(x, w, b):
-            calls.append(name)
+            calls.append(entry(name, x))
             return fn(x, w, b)
 
         return run
 
     for name, fn in list(linear_mod._KERNEL_FNS.items()):
         monkeypatch.setitem(linear_mod._KERNEL_FNS, name, recording(name, fn))
+    return calls
+
+
+def test_plan_dispatches_by_row_count(monkeypatch):
+    """Each row count runs the kernel its bucket names (the last bucket also takes every larger count)."""
+    calls = record_kernels(monkeypatch)
     layer = Linear(16, 8)
     layer.plan = ("onednn", "wfirst", "aten", "wfirst", "onednn", "aten", "wfirst", "onednn", "aten", "wfirst")
     rows = (1, 2, 3, 4, 5, 7, 8, 12, 20, 40, 64, 65, 128, 300)
@@ -81,11 +87,7 @@ def test_plan_dispatches_by_row_count(monkeypatch):
 def test_reduced_vocabulary_head_follows_the_heads_plan(monkeypatch):
     """A draft's reduced-vocabulary logits (`VocabSubset`) run the kernel the shared head's plan names for the
     row count, not a fixed one, and equal the full head's logits on those rows (-inf elsewhere)."""
-    calls = []
-    for name, fn in list(linear_mod._KERNEL_FNS.items()):
-        monkeypatch.setitem(
-            linear_mod._KERNEL_FNS, name, lambda x, w, b, name=name, fn=fn: calls.append(name) or fn(x, w, b)
-        )
+    calls = record_kernels(monkeypatch)
     head = Linear(16, 40, bias=False)
     head.plan = ("wfirst", "onednn", *("aten",) * (len(ROW_BUCKETS) - 2))
     subset = VocabSubset(torch.arange(0, 40, 3))
@@ -225,13 +227,7 @@ def test_a_truncated_draft_steps_on_rows_while_its_shared_layers_prefill_on_lane
 
     target = load_transformer(tiny_dir["llama"], linear_backend="prefill:lanes")
     drafter = SmallLMDrafter(truncated_draft(target, 1), gamma=4, max_batch=1, max_context=256)
-    calls: list[tuple[str, int]] = []
-    for name, fn in list(linear_mod._KERNEL_FNS.items()):
-        monkeypatch.setitem(
-            linear_mod._KERNEL_FNS,
-            name,
-            lambda x, w, b, name=name, fn=fn: calls.append((name, x.numel() // x.shape[-1])) or fn(x, w, b),
-        )
+    calls = record_kernels(monkeypatch, lambda name, x: (name, x.numel() // x.shape[-1]))
     prompt = [5, 6, 7, 8, 9, 10, 11, 12] * 6
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     engine = SpecEngine(target, drafter, EngineConfig(max_batch=1, max_context=256, controller=free_tokens_curve()))

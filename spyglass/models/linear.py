@@ -322,12 +322,11 @@ def set_linear_backend(model: nn.Module, backend: str = "auto") -> str:
     if backend == "auto":
         plan = measure_linear_plan(model)
         invariant = bool(linears) and rows_supported(linears[0].weight)
-        model.draft_linear_backend = plan_name(plan, invariant)  # a draft's few-row calls: the measured plan
-        if invariant and lanes_for_prefill(model):
-            plan = ("lanes",) * len(ROW_BUCKETS)
     else:
         plan, invariant = parse_backend(backend)
-        model.draft_linear_backend = plan_name(plan, invariant)
+    model.draft_linear_backend = plan_name(plan, invariant)  # a draft's few-row calls: the measured plan
+    if backend == "auto" and invariant and lanes_for_prefill(model):
+        plan = ("lanes",) * len(ROW_BUCKETS)
     if "onednn" in plan and linears and not onednn_supported(w := linears[0].weight):
         raise ValueError(
             f"the oneDNN linear backend has no kernel for {w.dtype} weights on {w.device} here "

@@ -10,6 +10,7 @@ HF transformers is used only to read the config (and the RoPE frequencies) and a
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 import sys
 from dataclasses import dataclass, replace
@@ -140,14 +141,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def _tail_rows(segments: list[Segment], tails: list[int], device) -> torch.Tensor:
-    """Indices of the packed rows that are each segment's last `tails[i]` rows."""
-    idx, offset = [], 0
+def _tail_rows(segments: list[Segment], tails: list[int]) -> list[int]:
+    """The packed rows that are each segment's last `tails[i]` rows, in order."""
+    rows, offset = [], 0
     for seg, keep in zip(segments, tails, strict=True):
-        n = seg.tokens.shape[0]
-        idx.extend(range(offset + n - keep, offset + n))
-        offset += n
-    return torch.tensor(idx, dtype=torch.long, device=device)
+        offset += seg.tokens.shape[0]
+        rows.extend(range(offset - keep, offset))
+    return rows
+
+
+def _rows_index(segments: list[Segment], tails: list[int], device) -> torch.Tensor:
+    return torch.tensor(_tail_rows(segments, tails), dtype=torch.long, device=device)
 
 
 class Block(nn.Module):
@@ -173,7 +177,7 @@ class Block(nn.Module):
         if on_cpu and native and self.native and (ops := cpu_kernels.native()):
             return self._forward_native(ops, x, cos, sin, segments, cache, layer, tails)
         out = self._forward_torch(x, cos, sin, segments, cache, layer, backend)
-        return out if tails is None else out[_tail_rows(segments, tails, x.device)]
+        return out if tails is None else out[_rows_index(segments, tails, x.device)]
 
     def _forward_torch(self, x, cos, sin, segments: list[Segment], cache: KVCache, layer: int, backend: str):
         a = self.a
@@ -233,7 +237,7 @@ class Block(nn.Module):
         if tails is not None:
             if not outs:
                 return x[:0]
-            x = x[_tail_rows(segments, tails, x.device)]
+            x = x[_rows_index(segments, tails, x.device)]
         h = x + self.wo(torch.cat(outs) if len(outs) > 1 else outs[0])
         return h + self.w_down(ops.silu_mul(self.w_gate_up(ops.rms_norm(h, self.mlp_norm.weight, self.mlp_norm.eps))))
 
@@ -347,8 +351,8 @@ class Transformer(nn.Module):
         backend = resolve_backend(self.attention_backend, self.device)
         capture = getattr(self, "capture_layers", ())
         kept: dict[int, torch.Tensor] = {}
-        # a prefill's last layer: only the rows whose logits are asked for go past their K/V (unless a drafter reads
-        # that layer's hidden states)
+        # per segment, how many of its last rows get logits; a prefill's last layer takes only those past their K/V
+        # (unless a drafter reads that layer's hidden states)
         tails = [{"all": s.tokens.shape[0], "last": 1}.get(s.logits, 0) for s in segments]
         last = len(self.layers) - 1
         cut = last not in capture and all(s.mask is None for s in segments) and sum(tails) < tokens.shape[0]
@@ -359,18 +363,7 @@ class Transformer(nn.Module):
         if capture:  # hidden states (layer outputs) of every new token, per segment, for drafters that read them
             bounds = torch.tensor([0, *(s.tokens.shape[0] for s in segments)]).cumsum(0).tolist()
             self.captured = [{i: h[a:b] for i, h in kept.items()} for a, b in zip(bounds, bounds[1:], strict=False)]
-        rows, offset, picks = [], 0, []
-        for s in segments:
-            n = s.tokens.shape[0]
-            if s.logits == "all":
-                picks.append((len(rows), n))
-                rows.extend(range(offset, offset + n))
-            elif s.logits == "last":
-                picks.append((len(rows), 1))
-                rows.append(offset + n - 1)
-            else:
-                picks.append(None)
-            offset += n
+        rows = _tail_rows(segments, tails)  # the rows whose logits are asked for
         if not rows:
             return [None] * len(segments)
         if cut:  # x holds those rows only, in order
@@ -382,7 +375,8 @@ class Transformer(nn.Module):
             picked = x[torch.tensor(rows, device=x.device)]
         h = self.norm(picked)
         logits = self.lm_head(h).float()
-        return [None if p is None else logits[p[0] : p[0] + p[1]] for p in picks]
+        starts = itertools.accumulate(tails, initial=0)
+        return [logits[a : a + k] if k else None for a, k in zip(starts, tails, strict=False)]
 
     def prefill(self, cache: KVCache, slot: int, tokens: torch.Tensor, chunk_size: int = PREFILL_CHUNK) -> torch.Tensor:
         """Chunked prefill of `tokens` into `slot` (committing them); returns the last token's logits."""

@@ -279,17 +279,19 @@ class SpecEngine:
 
     def _prefill_step(self) -> list[Event]:
         """Prefill chunks of the admitted prompts, at most `prefill_budget` tokens while sequences decode (else
-        4 chunks), one chunk per forward (`any_chunk`: a chunk is what is left of the budget). Each chunk goes to the
-        prompt with the least work left less its credit, the tokens prefilled for other prompts since it was admitted
-        (ties: the earlier admitted): a short prompt is not held up behind a long one, prompts admitted together
-        finish one after another rather than all at the end, and a long prompt passed over by shorter ones gains
-        credit until it goes first, so none starves.
+        4 chunks). Each chunk goes to the prompt with the least work left less its credit, the tokens prefilled for
+        other prompts since it was admitted (ties: the earlier admitted): a short prompt is not held up behind a long
+        one, prompts admitted together finish one after another rather than all at the end, and a long prompt passed
+        over by shorter ones gains credit until it goes first, so none starves. With fixed chunks each chunk is a
+        forward of its own; where chunks may have any size (`any_chunk`) a prompt takes what is left of the budget
+        and the step's chunks (several short prompts) share one forward, as a row's bits do not depend on its call.
         Each prompt whose prefill completes picks its first token and joins the running batch. The budget is that
         of the first prompt's point (`prefill_budget`)."""
         budget = None
         done: list[tuple[Sequence, torch.Tensor]] = []
-        while self.prefilling:
-            seq = min(self.prefilling, key=lambda s: s.num_tokens - self.cache.lengths[s.slot] - s.prefill_credit)
+        picks: list[tuple[Sequence, int, int]] = []  # (prompt, start, tokens) of the step's shared forward
+        while candidates := [s for s in self.prefilling if all(s is not p for p, _, _ in picks)]:
+            seq = min(candidates, key=lambda s: s.num_tokens - self.cache.lengths[s.slot] - s.prefill_credit)
             start = self.cache.lengths[seq.slot]
             if budget is None:
                 budget = self.prefill_budget(start) if self.running else 4 * self.prefill_chunk
@@ -303,16 +305,12 @@ class SpecEngine:
             for other in self.prefilling:
                 if other is not seq:
                     other.prefill_credit += take
-            t0 = time.perf_counter()
-            seg = Segment(seq.slot, start, seq.tokens[start : start + take].clone(), torch.arange(start, start + take),
-                          None, "last")  # fmt: skip
-            (logits,) = self._forward([seg])
-            self._hidden(seq, start, 0, list(range(take)))
-            self.cache.commit(seq.slot, start, list(range(take)))
-            seq.stats.prefill_compute_time += time.perf_counter() - t0
-            if self.cache.lengths[seq.slot] == seq.num_tokens:
-                self.prefilling.remove(seq)
-                done.append((seq, logits[-1]))
+            if self.any_chunk:
+                picks.append((seq, start, take))
+            else:
+                done += self._prefill_forward([(seq, start, take)])
+        if picks:
+            done += self._prefill_forward(picks)
         events = []
         for seq, last in done:
             self._store_prefix(seq)
@@ -330,6 +328,25 @@ class SpecEngine:
             if seq.finished:  # it ended at its first token
                 seq.stats.t_end = now
         return events
+
+    def _prefill_forward(self, picks: list[tuple[Sequence, int, int]]) -> list[tuple[Sequence, torch.Tensor]]:
+        """One forward over prompt chunks (prompt, start, tokens), committed; returns the prompts it completed with
+        their last row's logits, and leaves them out of `prefilling`."""
+        t0 = time.perf_counter()
+        segs = [Segment(seq.slot, start, seq.tokens[start : start + take].clone(), torch.arange(start, start + take),
+                        None, "last") for seq, start, take in picks]  # fmt: skip
+        logits = self._forward(segs)
+        done = []
+        for j, (seq, start, take) in enumerate(picks):
+            self._hidden(seq, start, j, list(range(take)))
+            self.cache.commit(seq.slot, start, list(range(take)))
+            if self.cache.lengths[seq.slot] == seq.num_tokens:
+                self.prefilling.remove(seq)
+                done.append((seq, logits[j][-1]))
+        share = (time.perf_counter() - t0) / sum(take for _, _, take in picks)
+        for seq, _, take in picks:
+            seq.stats.prefill_compute_time += share * take
+        return done
 
     def _load_cached_prefix(self, seq: Sequence) -> int:
         """Fill the slot from the context cache's longest cached prefix of whole prefill chunks (leaving >= 1 token

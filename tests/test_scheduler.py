@@ -182,3 +182,25 @@ def test_the_measured_budget_is_in_grains_where_chunks_may_be_cut(any_chunk_targ
     cost = engine.prefill_cost
     engine.config.prefill_step_s = cost.seconds_per_token(0) * 100
     assert engine.prefill_budget(0) % PREFILL_GRAIN == 0 and PREFILL_GRAIN <= engine.prefill_budget(0) <= 4 * 256
+
+
+def test_short_prompts_admitted_together_share_one_prefill_forward(any_chunk_target):
+    """Where chunks may have any size, the prompts a step prefills go through one forward (not one each), and every
+    output still equals plain decoding's (which prefills each prompt alone)."""
+    model, vocab = any_chunk_target, any_chunk_target.args.vocab_size
+    prompts = [prompt(vocab, n, 20 + n) for n in (9, 35, 50, 20)]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    config = EngineConfig(max_batch=4, max_context=512, controller=free_tokens_curve())
+    engine = SpecEngine(model, SuffixDrafter(max_depth=6), config)
+    forwards = []
+    real = engine._forward
+    engine._forward = lambda segments: forwards.append([len(s.tokens) for s in segments]) or real(segments)
+    seqs = [engine.add_request(p, params) for p in prompts]
+    engine.step()
+    assert all(s.num_generated >= 1 for s in seqs)  # every prompt's first token in the first step
+    prefills = [f for f in forwards if sorted(f) == sorted(len(p) for p in prompts)]
+    assert len(prefills) == 1 and len(forwards) == 2  # one prefill forward, one round of the four
+    while engine.has_work:
+        engine.step()
+    for p, s in zip(prompts, seqs, strict=True):
+        assert s.output_ids == plain_generate(model, p, params)

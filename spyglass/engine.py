@@ -47,9 +47,9 @@ class EngineConfig:
     prefill_chunk: int = PREFILL_CHUNK
     # Chunked prefill: the most prompt tokens a step prefills while other sequences decode, so a decoding stream
     # waits about `prefill_step_s` at most for other prompts between two of its rounds. None: what this machine
-    # prefills in `prefill_step_s` at the prompt's point (spyglass.cost.measured_prefill_cost: a chunk late in a long
-    # prompt costs more), in multiples of PREFILL_GRAIN tokens or, with fixed chunks, whole chunks; at least one such
-    # unit, at most 4 chunks, which is what a step prefills with no sequence decoding.
+    # prefills in `prefill_step_s` at the prompt's point (spyglass.cost.measured_prefill_cost: a forward's fixed cost,
+    # then a cost per token that grows with the context), in multiples of PREFILL_GRAIN tokens or, with fixed chunks,
+    # whole chunks; at least one such unit, at most 4 chunks, which is what a step prefills with no sequence decoding.
     prefill_budget: int | None = None
     prefill_step_s: float = 0.25
     # Tree sizing: "measure" = the speculation controller with the verify-cost curve measured at start-up on
@@ -161,7 +161,7 @@ class SpecEngine:
         if self.prefill_cost is None:
             tokens = cfg.prefill_budget
         else:
-            tokens = cfg.prefill_step_s / self.prefill_cost.seconds_per_token(context)
+            tokens = self.prefill_cost.tokens_in(cfg.prefill_step_s, context)
         unit = self.prefill_unit
         return int(min(4 * self.prefill_chunk, max(unit, tokens // unit * unit)))
 

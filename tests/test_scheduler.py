@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from spyglass.cost import PrefillCost
 from spyglass.drafters.suffix import SuffixDrafter
 from spyglass.engine import PREFILL_GRAIN, EngineConfig, SpecEngine, plain_generate
 from spyglass.models.llama import load_transformer
@@ -204,3 +205,15 @@ def test_short_prompts_admitted_together_share_one_prefill_forward(any_chunk_tar
         engine.step()
     for p, s in zip(prompts, seqs, strict=True):
         assert s.output_ids == plain_generate(model, p, params)
+
+
+def test_a_steps_prefill_time_pays_the_forwards_fixed_cost_first(any_chunk_target):
+    """The budget is what fits in `prefill_step_s` after a forward's fixed cost (measured with the cost per token at
+    start-up): 0.25 s at 1 ms a token after 50 ms of fixed cost is 200 tokens, not 250."""
+    cost = PrefillCost(base=1e-3, per_context=0.0, fixed=0.05)
+    assert cost.tokens_in(0.25, 0) == pytest.approx(200) and cost.tokens_in(0.04, 0) == 0
+    engine = SpecEngine(any_chunk_target, None, EngineConfig(max_batch=1, max_context=512))
+    measured = engine.prefill_cost
+    assert measured.fixed >= 0 and measured.base > 0 and measured.per_context >= 0
+    engine.config.prefill_step_s = measured.fixed + measured.seconds_per_token(0) * 100
+    assert engine.prefill_budget(0) == 96  # the 100 tokens after the fixed cost, in whole grains

@@ -20,12 +20,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.common import load_model, machine_load, median, wait_for_quiet, write_results  # noqa: E402
+from bench.common import load_model, machine_load, wait_for_quiet, write_results  # noqa: E402
 from bench.tasks import heldout_tasks  # noqa: E402
-from spyglass.cost import cpu_model  # noqa: E402
+from spyglass.cost import cpu_model, measure_prefill_rate  # noqa: E402
 from spyglass.drafters import build_drafter  # noqa: E402
 from spyglass.engine import EngineConfig, SpecEngine  # noqa: E402
-from spyglass.models.llama import Segment  # noqa: E402
 from spyglass.sampling import SamplingParams  # noqa: E402
 
 CHUNKS = (16, 48, 96, 192, 256, 512, 1024)
@@ -33,25 +32,11 @@ CHUNKS = (16, 48, 96, 192, 256, 512, 1024)
 
 def chunk_costs(model, contexts=(2048, 5120), repeats: int = 3) -> dict[str, dict[int, float]]:
     """Milliseconds per prompt token of one prefill forward of each chunk size after `context` (zeroed) tokens."""
-    cache = model.new_cache(max(contexts) + max(CHUNKS), 1)
-    slot = cache.allocate()
-    for layer in range(cache.n_layers):
-        k, v = cache.layer(slot, layer)
-        k.zero_()
-        v.zero_()
-    out = {}
-    for ctx in contexts:
-        cache.lengths[slot] = ctx
-        times: dict[int, list[float]] = {n: [] for n in CHUNKS}
-        for _ in range(repeats):
-            for n in CHUNKS:
-                ids = torch.randint(0, model.args.vocab_size, (n,))
-                seg = Segment(slot, ctx, ids, torch.arange(ctx, ctx + n), None, "last")
-                t0 = time.perf_counter()
-                model([seg], cache)
-                times[n].append((time.perf_counter() - t0) / n * 1e3)
-        out[str(ctx)] = {n: round(median(t), 3) for n, t in times.items()}
-    return out
+    cache = model.new_cache(2 * (max(contexts) + max(CHUNKS)), 1)  # measure_prefill_rate keeps chunks to half of it
+    return {
+        str(ctx): {n: round(1e3 / measure_prefill_rate(model, cache, n, ctx, repeats), 3) for n in CHUNKS}
+        for ctx in contexts
+    }
 
 
 def run(model, prompts: list[list[int]], streams: int, step_s: float, params: SamplingParams) -> dict:
@@ -123,21 +108,11 @@ def main(argv=None) -> Path:
     print("prefill ms/token by chunk:", costs, flush=True)
     same = all(r["outputs"] == runs[0]["outputs"] for r in runs)
     base = runs[0]
-    figures = {
-        "outputs_equal_across_configs": same,
-        **{
-            f"prefill_s_c{r['streams']}_{r['prefill_step_s']:g}_vs_c{base['streams']}": round(
-                r["prefill_s"] / base["prefill_s"], 3
-            )
-            for r in runs[1:]
-        },
-        **{
-            f"rounds_s_c{r['streams']}_{r['prefill_step_s']:g}_vs_c{base['streams']}": round(
-                r["rounds_s"] / base["rounds_s"], 3
-            )
-            for r in runs[1:]
-        },
-    }
+    figures = {"outputs_equal_across_configs": same}
+    for key in ("prefill_s", "rounds_s"):  # each configuration's time against the first one's
+        for r in runs[1:]:
+            name = f"{key}_c{r['streams']}_{r['prefill_step_s']:g}_vs_c{base['streams']}"
+            figures[name] = round(r[key] / base[key], 3)
     raw = {"runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs], "prefill_ms_per_token": costs}
     meta = {
         "what": "the engine's prefill and verify-round time at 1 and 4 streams on a prefill-bound load",

@@ -276,7 +276,14 @@ def test_rows_linear_matches_and_is_row_count_invariant(n_out, n_in):
         ops.rows_linear(x[:2], w, torch.randn(n_out + 1))
 
 
-@pytest.mark.parametrize("march", [None, "x86-64-v3", "skylake-avx512"])
+@pytest.mark.parametrize(
+    "march",
+    [
+        None,
+        "x86-64-v3",
+        pytest.param("skylake-avx512", marks=pytest.mark.skipif(not _avx512_here(), reason="no AVX-512 here")),
+    ],
+)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_lanes_linear_matches_and_is_row_count_invariant(march, dtype):
     """The prefill GEMM, in this CPU's build and in the AVX2 and AVX-512-without-BF16 builds: any run of rows from

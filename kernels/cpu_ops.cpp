@@ -386,6 +386,11 @@ inline vuint vload(const uint32_t* p) {
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
+#if defined(__AVX512BF16__)
+constexpr bool kDpbf16 = true;  // a pair step is one vdpbf16ps
+#else
+constexpr bool kDpbf16 = false;  // a pair step is two multiply-adds (high half first)
+#endif
 inline vfloat dot_step(float q, vfloat k, vfloat acc) { return vfma(q, k, acc); }
 inline vfloat dot_step(uint32_t q, vuint k, vfloat acc) {
 #if defined(__AVX512BF16__)
@@ -600,39 +605,91 @@ inline void transpose16(const E* in, int64_t ld_in, __m512* k) {
   }
 }
 
+#elif defined(__AVX2__)
+// k[c] = the 8 keys' word c (k[c] lane j = in[j * ld_in + c]) for 8 keys j x 8 words c, in registers: pairs of rows
+// interleaved by words, then by word pairs (each 128-bit lane then holds 4 rows of one column), then the halves
+// regrouped.
+inline void transpose8(const float* in, int64_t ld_in, __m256* k) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(in + i * ld_in);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {  // r[i + c], lane half h: rows i..i+3 of column 4h + c
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; c++) {
+    k[c] = _mm256_permute2f128_ps(r[c], r[4 + c], 0x20);
+    k[4 + c] = _mm256_permute2f128_ps(r[c], r[4 + c], 0x31);
+  }
+}
+#endif
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+constexpr int64_t kScoreRowsMax = 8;  // most rows score_rows takes: a decode step's GQA group
+constexpr int64_t kScoreRowsDq = 128;  // most operands per row it takes (a head dim of 128 fp32, 256 bf16)
+// k[c] lane j = in[j * ld_in + c]: a square of L keys x L words (fp32, or bf16 pairs) transposed in registers.
+inline void transpose_words(const float* in, int64_t ld_in, vfloat* k) {
+#if defined(__AVX512F__)
+  transpose16(in, ld_in, reinterpret_cast<__m512*>(k));
+#else
+  transpose8(in, ld_in, reinterpret_cast<__m256*>(k));
+#endif
+}
+
 // S [MR, kNB] = Q [MR, Dq] @ K [kNB keys, Dq]^T * scale for a whole block of keys read from their rows (Dq operands
-// per row, a multiple of 16), each group of 16 keys transposed in registers: every score the same chain of steps
-// over the operands from 0 as score_tile's on the packed keys (the same bits), without the packed copy: a decode
-// step's few rows. The next block's K and V (next_k, next_v, or null) are prefetched a few lines per 16 x 16 step,
+// per row, a multiple of L), each square of L keys x L operands transposed in registers: every score the same chain
+// of steps over the operands from 0 as score_tile's on the packed keys (the same bits), without the packed copy: a
+// decode step's few rows. The next block's K and V (next_k, next_v, or null) are prefetched a few lines per square,
 // spread over the block: a burst of prefetches would wait on the memory like the loads.
 template <int MR, typename E>
 inline void score_rows(const score_elem<E>* Q, const E* K, int64_t Dq, float* S, float scale, const E* next_k,
                        const E* next_v) {
   using QE = score_elem<E>;
-  using KV = decltype(vload(static_cast<const QE*>(nullptr)));  // a vector of 16 keys' operands
-  const int64_t lines = kNB * Dq * 4 / 64 / ((kNB / 16) * (Dq / 16));  // per step: the block's lines / its steps
+  using KV = decltype(vload(static_cast<const QE*>(nullptr)));  // a vector of L keys' operands
+  constexpr int64_t lines = L * L * 4 / 64;  // per square: the block's lines / its squares
   const float* Kw = key_words(K);
+  // bf16 pairs without the CPU's bf16 dot product: each q operand as its two halves' fp32 values (high, low)
+  constexpr bool kWidenPairs = std::is_same_v<QE, uint32_t> && !kDpbf16;
+  float Qw[kWidenPairs ? MR * kScoreRowsDq * 2 : 1];
+  if constexpr (kWidenPairs)
+    for (int64_t w = 0; w < MR * Dq; w++) {
+      Qw[2 * w] = bf16_value(static_cast<uint16_t>(Q[w] >> 16));
+      Qw[2 * w + 1] = bf16_value(static_cast<uint16_t>(Q[w]));
+    }
   int64_t step = 0;
-  for (int64_t j0 = 0; j0 < kNB; j0 += 16) {
+  for (int64_t j0 = 0; j0 < kNB; j0 += L) {
     vfloat acc[MR] = {};
-    for (int64_t d0 = 0; d0 < Dq; d0 += 16, step++) {
+    for (int64_t d0 = 0; d0 < Dq; d0 += L, step++) {
       if (next_k)
         for (int64_t b = step * lines * 64; b < (step + 1) * lines * 64; b += 64) {
           __builtin_prefetch(reinterpret_cast<const char*>(next_k) + b, 0, 2);
           __builtin_prefetch(reinterpret_cast<const char*>(next_v) + b, 0, 2);
         }
-      __m512 k[16];
-      transpose16(Kw + j0 * Dq + d0, Dq, k);
-      for (int i = 0; i < 16; i++) {
+      vfloat k[L];
+      transpose_words(Kw + j0 * Dq + d0, Dq, k);
+      for (int i = 0; i < L; i++) {
         const KV kv = reinterpret_cast<const KV&>(k[i]);
-        for (int r = 0; r < MR; r++) acc[r] = dot_step(Q[r * Dq + d0 + i], kv, acc[r]);
+        if constexpr (kWidenPairs) {  // dot_step's two multiply-adds, the q halves widened once a block
+          const vuint hi = kv & 0xFFFF0000u, lo = kv << 16;
+          for (int r = 0; r < MR; r++) {
+            const float* qw = Qw + (r * Dq + d0 + i) * 2;
+            acc[r] = vfma(qw[1], reinterpret_cast<const vfloat&>(lo), vfma(qw[0], reinterpret_cast<const vfloat&>(hi), acc[r]));
+          }
+        } else {
+          for (int r = 0; r < MR; r++) acc[r] = dot_step(Q[r * Dq + d0 + i], kv, acc[r]);
+        }
       }
     }
     for (int r = 0; r < MR; r++) vstore(S + r * kNB + j0, acc[r] * scale);
   }
 }
 
-constexpr int64_t kScoreRowsMax = 8;  // most rows score_rows takes: a decode step's GQA group
+
 template <typename E>
 constexpr void (*kScoreRows[kScoreRowsMax])(const score_elem<E>*, const E*, int64_t, float*, float, const E*,
                                             const E*) = {
@@ -640,7 +697,7 @@ constexpr void (*kScoreRows[kScoreRowsMax])(const score_elem<E>*, const E*, int6
     score_rows<5, E>, score_rows<6, E>, score_rows<7, E>, score_rows<8, E>};
 constexpr bool kHasScoreRows = true;
 #else
-constexpr int64_t kScoreRowsMax = kMR;
+constexpr int64_t kScoreRowsMax = kMR, kScoreRowsDq = 0;
 constexpr bool kHasScoreRows = false;
 #endif
 
@@ -649,13 +706,13 @@ constexpr bool kHasScoreRows = false;
 template <typename E>
 inline void pack_keys(const E* K, int64_t valid, int64_t Dq, score_elem<E>* Kt) {
   const float* Kw = key_words(K);
-#if defined(__AVX512F__)
-  if (valid == kNB && Dq % 16 == 0) {
-    for (int64_t j = 0; j < kNB; j += 16)
-      for (int64_t d = 0; d < Dq; d += 16) {
-        __m512 k[16];
-        transpose16(Kw + j * Dq + d, Dq, k);
-        for (int i = 0; i < 16; i++) std::memcpy(Kt + (d + i) * kNB + j, &k[i], sizeof(k[i]));
+#if defined(__AVX512F__) || defined(__AVX2__)
+  if (valid == kNB && Dq % L == 0) {
+    for (int64_t j = 0; j < kNB; j += L)
+      for (int64_t d = 0; d < Dq; d += L) {
+        vfloat k[L];
+        transpose_words(Kw + j * Dq + d, Dq, k);
+        for (int i = 0; i < L; i++) std::memcpy(Kt + (d + i) * kNB + j, &k[i], sizeof(k[i]));
       }
     return;
   }
@@ -844,7 +901,7 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
       const int64_t kend = std::min(mp ? length : start + it.t1, split ? (it.chunk + 1) * kChunkKeys : length);
       const E* Kh = kc + it.kv * ksh;
       const E* Vh = vc + it.kv * vsh;
-      const bool score_rows_fit = kHasScoreRows && Dq % 16 == 0 && rows <= kScoreRowsMax;
+      const bool score_rows_fit = kHasScoreRows && Dq % L == 0 && Dq <= kScoreRowsDq && rows <= kScoreRowsMax;
       for (int64_t kb = split ? it.chunk * kChunkKeys : 0; kb < kend; kb += kNB) {
         const bool more = kb + 2 * kNB <= kend;  // a next whole block: on its way while this one is computed
         if (more && !(score_rows_fit && kb + kNB <= start)) {
@@ -869,7 +926,7 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
         } else {  // every row sees the block's keys; a causal chunk's token t those up to start + t
           const int64_t valid = std::min(kNB, length - kb);
           if (score_rows_fit && kb + kNB <= start) {  // a few rows (a decode step): no packed copy of the keys
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
             // prefetched meanwhile: the item's next block, or from its last the first of the item taken next
             const E *nk = more ? Kh + (kb + kNB) * D : nullptr, *nv = Vh + (kb + kNB) * D;
             if (!more && split)  // the shared counter read once an item, not every block

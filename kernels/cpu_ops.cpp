@@ -1406,9 +1406,10 @@ inline uint32_t lanes_word(const bf16* w, int64_t i) {  // elements 2i and 2i + 
   return u;
 }
 
-// out [NR][MV * L] = the MV tiles of xt (Kw words each) against weight rows w0, w0 + K, ... (NR of them)
+// out [NR][MV * L] = the MV tiles of xt (Kw words each) against weight rows w0, w0 + K, ... (NR of them). Not
+// inlined: inlined into lanes_run (GCC 12, AVX2) its accumulators were stored to the stack at every step.
 template <int MV, int NR, typename E, typename Wd>
-static inline void lanes_tile(const Wd* xt, int64_t Kw, const E* w0, int64_t K, float* out) {
+static __attribute__((noinline)) void lanes_tile(const Wd* xt, int64_t Kw, const E* w0, int64_t K, float* out) {
   using XV = std::conditional_t<std::is_same_v<Wd, float>, vfloat, vuint>;
   vfloat acc[MV][NR] = {};
   for (int64_t p = 0; p < Kw; p++) {
@@ -1450,30 +1451,56 @@ static inline void lanes_store(const float* out, int64_t ldo, const float* bias,
 #endif
 }
 
+// bf16 without the CPU's bf16 dot product (`wide`): a pair step is two multiply-adds, the pair's high element first
+// (dot_step), so x and each group of weight rows are widened to fp32 once, each pair's two elements swapped, and the
+// fp32 tile runs over them: the same products in the same order as the pair steps, without unpacking a pair per step.
+// dst[i ^ 1] = src[i] widened to fp32, for i < n (even): each pair's elements swapped.
+inline void widen_pairs_swapped(const bf16* src, int64_t n, float* dst) {
+  vint swap;
+  for (int j = 0; j < L; j++) swap[j] = j ^ 1;
+  int64_t i = 0;
+  for (; i + L <= n; i += L) vstore(dst + i, __builtin_shuffle(vload(src + i), swap));
+  for (; i < n; i++) dst[i ^ 1] = load_elem(src + i);
+}
+
 template <typename E>
 static void lanes_run(const E* x, const E* w, RowsBias b, E* y, int64_t M, int64_t N, int64_t K) {
-  using Wd = std::conditional_t<std::is_same_v<E, float>, float, uint32_t>;
+  constexpr bool wide = !std::is_same_v<E, float> && !kDpbf16;
+  using Wd = std::conditional_t<std::is_same_v<E, float> || wide, float, uint32_t>;
   constexpr int MV = kLanesMV, NR = kLanesNR;
-  const int64_t Kw = std::is_same_v<E, float> ? K : K / 2, tiles = (M + L - 1) / L;
+  const int64_t Kw = std::is_same_v<Wd, float> ? K : K / 2, tiles = (M + L - 1) / L;
   std::unique_ptr<Wd[]> xt(new Wd[tiles * Kw * L]);
-  lanes_pack(reinterpret_cast<const Wd*>(x), M, Kw, xt.get());
+  if constexpr (wide) {
+    std::unique_ptr<float[]> xw(new float[M * K]);
+    widen_pairs_swapped(x, M * K, xw.get());  // K is even: i ^ 1 is the other element of i's pair
+    lanes_pack(xw.get(), M, K, xt.get());
+  } else {
+    lanes_pack(reinterpret_cast<const Wd*>(x), M, Kw, xt.get());
+  }
   // tiles per block: a block's packed rows (~256 KB) stay in the core's L2 while the thread's weight rows pass by
   const int64_t per_block = std::max<int64_t>(MV, (256 << 10) / (Kw * L * 4) / MV * MV);
   const int64_t groups = (N + NR - 1) / NR;
   at::parallel_for(0, groups, 1, [&](int64_t a, int64_t e) {
     alignas(64) float out[16 * MV * L];  // NR rows, room for 16 (lanes_store transposes 16)
+    std::vector<float> wf(wide ? NR * K : 0);  // wide: the group's weight rows
     for (int64_t b0 = 0; b0 < tiles; b0 += per_block) {
       const int64_t b1 = std::min(tiles, b0 + per_block);
       for (int64_t g = a; g < e; g++) {
         const int64_t n0 = std::min(g * NR, N - NR);  // the last group overlaps the one before: the same values
         float bias[16] = {};
         for (int r = 0; r < NR; r++) bias[r] = b.at(n0 + r);
+        if constexpr (wide)
+          widen_pairs_swapped(w + n0 * K, NR * K, wf.data());
+        const auto* wg = [&] {
+          if constexpr (wide) return static_cast<const float*>(wf.data());
+          else return w + n0 * K;
+        }();
         for (int64_t t = b0; t < b1; t += MV) {
           const int mv = std::min<int64_t>(MV, b1 - t);
           if (mv == MV)
-            lanes_tile<MV, NR>(xt.get() + t * Kw * L, Kw, w + n0 * K, K, out);
+            lanes_tile<MV, NR>(xt.get() + t * Kw * L, Kw, wg, K, out);
           else
-            lanes_tile<1, NR>(xt.get() + t * Kw * L, Kw, w + n0 * K, K, out);
+            lanes_tile<1, NR>(xt.get() + t * Kw * L, Kw, wg, K, out);
           for (int i = 0; i < mv; i++)
             lanes_store(out + i * L, mv * L, bias, std::min<int64_t>(L, M - (t + i) * L), y + (t + i) * L * N + n0, N);
         }

@@ -377,8 +377,9 @@ inline float hsum(vfloat v) {  // a fixed tree over the lanes
 // A score is a chain of steps over the head dims from 0, in one of two kinds of operand (QE):
 // - fp32 (float): one dim per step, q * k + acc (q already scaled);
 // - bf16 pairs (uint32_t, the bits of dims 2i and 2i + 1): acc + q0 * k0 + q1 * k1 per step (both products exact in
-//   fp32), AVX512-BF16's vdpbf16ps where the CPU has it, else two multiply-adds, and the sum scaled at the end: half
-//   the steps, and a bf16 key block is transposed as pairs (half the shuffles of widened dims).
+//   fp32), AVX512-BF16's vdpbf16ps where the CPU has it, else two multiply-adds (q's halves widened once, WidePair),
+//   and the sum scaled at the end: half the steps, and a bf16 key block is transposed as pairs (half the shuffles of
+//   widened dims).
 // One machine runs one kind of step for a dtype everywhere, so the packed and the in-register paths agree. P @ V
 // takes the same steps (pv_cols): a key's P times its V row, or a pair of keys' P (bf16) times their V pair row.
 inline vuint vload(const uint32_t* p) {
@@ -403,19 +404,30 @@ inline vfloat dot_step(uint32_t q, vuint k, vfloat acc) {
   return vfma(bf16_value(static_cast<uint16_t>(q)), reinterpret_cast<const vfloat&>(lo), acc);
 #endif
 }
-// The score operand of a dtype: fp32 rows, or bf16 pairs
+// Without the CPU's bf16 dot product, a q pair's two halves widened to fp32 once, before the steps that use it: the
+// same two multiply-adds as dot_step's, without converting q at every step.
+struct WidePair {
+  float hi, lo;
+};
+inline vfloat dot_step(WidePair q, vuint k, vfloat acc) {
+  return vfma(q.lo, (vfloat)(k << 16), vfma(q.hi, (vfloat)(k & 0xFFFF0000u), acc));  // vector casts: the same bits
+}
+// The score operand of a dtype: fp32 rows, or bf16 pairs; and of q, which takes bf16 pairs widened where the CPU has
+// no bf16 dot product.
 template <typename E>
 using score_elem = std::conditional_t<std::is_same_v<E, float>, float, uint32_t>;
+template <typename QE>
+using q_operand = std::conditional_t<std::is_same_v<QE, uint32_t> && !kDpbf16, WidePair, QE>;
 
 // S [MR, NV vectors from j0] = Q [MR, Dq] @ Kt [Dq, kNB] (those columns) * scale; Dq operands per row (score_elem).
 template <int MR, int NV, typename QE>
-inline void score_tile(const QE* Q, const QE* Kt, int64_t Dq, int64_t j0, float* S, float scale) {
+inline void score_tile(const q_operand<QE>* Q, const QE* Kt, int64_t Dq, int64_t j0, float* S, float scale) {
   vfloat acc[MR][NV] = {};
   for (int64_t d = 0; d < Dq; d++) {
     decltype(vload(Kt)) k[NV];
     for (int v = 0; v < NV; v++) k[v] = vload(Kt + d * kNB + j0 + v * L);
     for (int r = 0; r < MR; r++) {
-      const QE x = Q[r * Dq + d];
+      const q_operand<QE> x = Q[r * Dq + d];
       for (int v = 0; v < NV; v++) acc[r][v] = dot_step(x, k[v], acc[r][v]);
     }
   }
@@ -426,7 +438,7 @@ inline void score_tile(const QE* Q, const QE* Kt, int64_t Dq, int64_t j0, float*
 // S [MR, nvec vectors of keys] = Q [MR, Dq] @ Kt [Dq, kNB] * scale: the first nvec * L keys of the block. Each score
 // is the same sum in the same order whatever nvec and MR.
 template <int MR, typename QE>
-inline void score_tiles(const QE* Q, const QE* Kt, int64_t Dq, int64_t nvec, float* S, float scale) {
+inline void score_tiles(const q_operand<QE>* Q, const QE* Kt, int64_t Dq, int64_t nvec, float* S, float scale) {
   for (int64_t j0 = 0; j0 < nvec * L; j0 += kNV * L) {
     const int64_t rest = nvec - j0 / L;
     if (rest >= kNV) {
@@ -631,7 +643,6 @@ inline void transpose8(const float* in, int64_t ld_in, __m256* k) {
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 constexpr int64_t kScoreRowsMax = 8;  // most rows score_rows takes: a decode step's GQA group
-constexpr int64_t kScoreRowsDq = 128;  // most operands per row it takes (a head dim of 128 fp32, 256 bf16)
 // k[c] lane j = in[j * ld_in + c]: a square of L keys x L words (fp32, or bf16 pairs) transposed in registers.
 inline void transpose_words(const float* in, int64_t ld_in, vfloat* k) {
 #if defined(__AVX512F__)
@@ -647,20 +658,12 @@ inline void transpose_words(const float* in, int64_t ld_in, vfloat* k) {
 // decode step's few rows. The next block's K and V (next_k, next_v, or null) are prefetched a few lines per square,
 // spread over the block: a burst of prefetches would wait on the memory like the loads.
 template <int MR, typename E>
-inline void score_rows(const score_elem<E>* Q, const E* K, int64_t Dq, float* S, float scale, const E* next_k,
-                       const E* next_v) {
+inline void score_rows(const q_operand<score_elem<E>>* Q, const E* K, int64_t Dq, float* S, float scale,
+                       const E* next_k, const E* next_v) {
   using QE = score_elem<E>;
   using KV = decltype(vload(static_cast<const QE*>(nullptr)));  // a vector of L keys' operands
   constexpr int64_t lines = L * L * 4 / 64;  // per square: the block's lines / its squares
   const float* Kw = key_words(K);
-  // bf16 pairs without the CPU's bf16 dot product: each q operand as its two halves' fp32 values (high, low)
-  constexpr bool kWidenPairs = std::is_same_v<QE, uint32_t> && !kDpbf16;
-  float Qw[kWidenPairs ? MR * kScoreRowsDq * 2 : 1];
-  if constexpr (kWidenPairs)
-    for (int64_t w = 0; w < MR * Dq; w++) {
-      Qw[2 * w] = bf16_value(static_cast<uint16_t>(Q[w] >> 16));
-      Qw[2 * w + 1] = bf16_value(static_cast<uint16_t>(Q[w]));
-    }
   int64_t step = 0;
   for (int64_t j0 = 0; j0 < kNB; j0 += L) {
     vfloat acc[MR] = {};
@@ -674,15 +677,7 @@ inline void score_rows(const score_elem<E>* Q, const E* K, int64_t Dq, float* S,
       transpose_words(Kw + j0 * Dq + d0, Dq, k);
       for (int i = 0; i < L; i++) {
         const KV kv = reinterpret_cast<const KV&>(k[i]);
-        if constexpr (kWidenPairs) {  // dot_step's two multiply-adds, the q halves widened once a block
-          const vuint hi = kv & 0xFFFF0000u, lo = kv << 16;
-          for (int r = 0; r < MR; r++) {
-            const float* qw = Qw + (r * Dq + d0 + i) * 2;
-            acc[r] = vfma(qw[1], reinterpret_cast<const vfloat&>(lo), vfma(qw[0], reinterpret_cast<const vfloat&>(hi), acc[r]));
-          }
-        } else {
-          for (int r = 0; r < MR; r++) acc[r] = dot_step(Q[r * Dq + d0 + i], kv, acc[r]);
-        }
+        for (int r = 0; r < MR; r++) acc[r] = dot_step(Q[r * Dq + d0 + i], kv, acc[r]);
       }
     }
     for (int r = 0; r < MR; r++) vstore(S + r * kNB + j0, acc[r] * scale);
@@ -691,13 +686,13 @@ inline void score_rows(const score_elem<E>* Q, const E* K, int64_t Dq, float* S,
 
 
 template <typename E>
-constexpr void (*kScoreRows[kScoreRowsMax])(const score_elem<E>*, const E*, int64_t, float*, float, const E*,
-                                            const E*) = {
+constexpr void (*kScoreRows[kScoreRowsMax])(const q_operand<score_elem<E>>*, const E*, int64_t, float*, float,
+                                            const E*, const E*) = {
     score_rows<1, E>, score_rows<2, E>, score_rows<3, E>, score_rows<4, E>,
     score_rows<5, E>, score_rows<6, E>, score_rows<7, E>, score_rows<8, E>};
 constexpr bool kHasScoreRows = true;
 #else
-constexpr int64_t kScoreRowsMax = kMR, kScoreRowsDq = 0;
+constexpr int64_t kScoreRowsMax = kMR;
 constexpr bool kHasScoreRows = false;
 #endif
 
@@ -739,7 +734,8 @@ inline void fold_chunk(float& m, float& l, float* o, float mc, float lc, const f
 // P @ V over the block's first jn keys.
 template <typename QE, typename TV>
 struct TileStep {
-  const QE *Q, *Kt;
+  const q_operand<QE>* Q;
+  const QE* Kt;
   float scale;
   const TV* Vb;  // V rows (fp32 or bf16), or bf16 pairs (uint32_t, pv_pairs)
   int64_t ldv, D, Dq, Dp, nvec, jn;
@@ -845,7 +841,8 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
   const int64_t n_items = items.size(), workers = std::min(threads, n_items);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const int64_t rows_max = g * TB;
-    std::vector<QE> Kt(Dq * kNB), Q(rows_max * Dq);
+    std::vector<QE> Kt(Dq * kNB);
+    std::vector<q_operand<QE>> Q(rows_max * Dq);
     std::vector<float> Vp(kNB * Dp, 0.0f), S(kScoreRowsMax * kNB), P(kMR * kNB), alpha(kMR);
     std::vector<uint32_t> Vt(pairs ? kNB / 2 * D : 0);
     std::vector<float> O(rows_max * Dp), M(rows_max), Ls(rows_max);  // the chunk's softmax state
@@ -881,10 +878,12 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
     for (int64_t i; (i = next.fetch_add(1)) < n_items;) {
       const Item it = items[i];
       const int64_t tb = it.t1 - it.t0, rows = g * tb;
-      for (int64_t r = 0; r < rows; r++) {  // the item's query rows: fp32 scaled, bf16 as pairs
+      for (int64_t r = 0; r < rows; r++) {  // the item's query rows: fp32 scaled, bf16 as pairs (or widened pairs)
         const E* src = qp + ((it.kv * g + r % g) * n + it.t0 + r / g) * D;
         if constexpr (std::is_same_v<E, float>)
           for (int64_t d = 0; d < D; d++) Q[r * D + d] = src[d] * sc;
+        else if constexpr (std::is_same_v<q_operand<QE>, WidePair>)
+          for (int64_t w = 0; w < Dq; w++) Q[r * Dq + w] = {load_elem(src + 2 * w + 1), load_elem(src + 2 * w)};
         else
           std::memcpy(Q.data() + r * Dq, src, D * sizeof(E));
       }
@@ -901,7 +900,7 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
       const int64_t kend = std::min(mp ? length : start + it.t1, split ? (it.chunk + 1) * kChunkKeys : length);
       const E* Kh = kc + it.kv * ksh;
       const E* Vh = vc + it.kv * vsh;
-      const bool score_rows_fit = kHasScoreRows && Dq % L == 0 && Dq <= kScoreRowsDq && rows <= kScoreRowsMax;
+      const bool score_rows_fit = kHasScoreRows && Dq % L == 0 && rows <= kScoreRowsMax;
       for (int64_t kb = split ? it.chunk * kChunkKeys : 0; kb < kend; kb += kNB) {
         const bool more = kb + 2 * kNB <= kend;  // a next whole block: on its way while this one is computed
         if (more && !(score_rows_fit && kb + kNB <= start)) {

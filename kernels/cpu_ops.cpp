@@ -392,6 +392,14 @@ constexpr bool kDpbf16 = true;  // a pair step is one vdpbf16ps
 #else
 constexpr bool kDpbf16 = false;  // a pair step is two multiply-adds (high half first)
 #endif
+// Without the CPU's bf16 dot product, a q pair's two halves widened to fp32 (once, before the steps that use it, where
+// a caller can): the pair step's two multiply-adds, the high element first.
+struct WidePair {
+  float hi, lo;
+};
+inline vfloat dot_step(WidePair q, vuint k, vfloat acc) {
+  return vfma(q.lo, (vfloat)(k << 16), vfma(q.hi, (vfloat)(k & 0xFFFF0000u), acc));  // vector casts: the same bits
+}
 inline vfloat dot_step(float q, vfloat k, vfloat acc) { return vfma(q, k, acc); }
 inline vfloat dot_step(uint32_t q, vuint k, vfloat acc) {
 #if defined(__AVX512BF16__)
@@ -399,18 +407,8 @@ inline vfloat dot_step(uint32_t q, vuint k, vfloat acc) {
                                     (__m512bh)_mm512_set1_epi32(static_cast<int>(q)));
   return reinterpret_cast<const vfloat&>(r);
 #else
-  const vuint hi = k & 0xFFFF0000u, lo = k << 16;
-  acc = vfma(bf16_value(static_cast<uint16_t>(q >> 16)), reinterpret_cast<const vfloat&>(hi), acc);
-  return vfma(bf16_value(static_cast<uint16_t>(q)), reinterpret_cast<const vfloat&>(lo), acc);
+  return dot_step(WidePair{bf16_value(static_cast<uint16_t>(q >> 16)), bf16_value(static_cast<uint16_t>(q))}, k, acc);
 #endif
-}
-// Without the CPU's bf16 dot product, a q pair's two halves widened to fp32 once, before the steps that use it: the
-// same two multiply-adds as dot_step's, without converting q at every step.
-struct WidePair {
-  float hi, lo;
-};
-inline vfloat dot_step(WidePair q, vuint k, vfloat acc) {
-  return vfma(q.lo, (vfloat)(k << 16), vfma(q.hi, (vfloat)(k & 0xFFFF0000u), acc));  // vector casts: the same bits
 }
 // The score operand of a dtype: fp32 rows, or bf16 pairs; and of q, which takes bf16 pairs widened where the CPU has
 // no bf16 dot product.

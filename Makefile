@@ -48,7 +48,8 @@ model-qwen: $(STAMP)
 run: setup
 	$(VENV)/bin/spyglass serve --once --demo-tokens 48
 
-# Two worker processes (pytest-xdist), one per core, each file in one worker: ~20 min here on 2 cores.
+# Two worker processes (pytest-xdist), one per core, each file in one worker: ~21 min on 2 Zen 4 cores, 37 min on 2
+# (contended) Zen 3 cores.
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests --durations=40
 

@@ -397,6 +397,9 @@ constexpr bool kDpbf16 = false;  // a pair step is two multiply-adds (high half 
 struct WidePair {
   float hi, lo;
 };
+inline WidePair widen(uint32_t q) {  // the pair's bits: element 2i in the low half, 2i + 1 (hi) in the high one
+  return {bf16_value(static_cast<uint16_t>(q >> 16)), bf16_value(static_cast<uint16_t>(q))};
+}
 inline vfloat dot_step(WidePair q, vuint k, vfloat acc) {
   return vfma(q.lo, (vfloat)(k << 16), vfma(q.hi, (vfloat)(k & 0xFFFF0000u), acc));  // vector casts: the same bits
 }
@@ -407,7 +410,7 @@ inline vfloat dot_step(uint32_t q, vuint k, vfloat acc) {
                                     (__m512bh)_mm512_set1_epi32(static_cast<int>(q)));
   return reinterpret_cast<const vfloat&>(r);
 #else
-  return dot_step(WidePair{bf16_value(static_cast<uint16_t>(q >> 16)), bf16_value(static_cast<uint16_t>(q))}, k, acc);
+  return dot_step(widen(q), k, acc);
 #endif
 }
 // The score operand of a dtype: fp32 rows, or bf16 pairs; and of q, which takes bf16 pairs widened where the CPU has
@@ -881,7 +884,11 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
         if constexpr (std::is_same_v<E, float>)
           for (int64_t d = 0; d < D; d++) Q[r * D + d] = src[d] * sc;
         else if constexpr (std::is_same_v<q_operand<QE>, WidePair>)
-          for (int64_t w = 0; w < Dq; w++) Q[r * Dq + w] = {load_elem(src + 2 * w + 1), load_elem(src + 2 * w)};
+          for (int64_t w = 0; w < Dq; w++) {
+            uint32_t word;
+            std::memcpy(&word, src + 2 * w, sizeof(word));
+            Q[r * Dq + w] = widen(word);
+          }
         else
           std::memcpy(Q.data() + r * Dq, src, D * sizeof(E));
       }

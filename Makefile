@@ -48,10 +48,17 @@ model-qwen: $(STAMP)
 run: setup
 	$(VENV)/bin/spyglass serve --once --demo-tokens 48
 
-# Two worker processes (pytest-xdist), one per core, each file in one worker: ~21 min on 2 Zen 4 cores, 37 min on 2
-# (contended) Zen 3 cores.
+# Two worker processes (pytest-xdist), one per core, each file in one worker. Tests marked `heavy` (training runs
+# beyond one Ray Train run and one `ray job submit`, the peer and long-context benches' smoke runs) and `long` have
+# targets of their own.
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests --durations=40
+
+# The heavy tests: resumed and warm-started training, DeepSpeed ZeRO-2 in bf16 (its first run on a machine compiles
+# DeepSpeed's CPU ops, ~2.5 min), `spyglass train` starting its own cluster, the benches' smoke runs.
+.PHONY: test-heavy
+test-heavy: setup
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m heavy tests --durations=15
 
 # The bf16 cases alone (marker `bf16`: greedy identity of every drafter, the sampling suite, the context cache, the
 # shipped drafts, the benches' smoke runs, in bfloat16; `make test` runs them too).

@@ -601,8 +601,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--spyglass-linear",
         default=None,
-        help="spyglass's linear kernel plan: auto (measured at load, "
-        "the default) or a kernel name; --smoke: aten (no measuring)",
+        help="spyglass's linear kernel plan: auto (measured at load, the default) or a backend string; "
+        "--smoke: prefill:lanes (auto's usual outcome, lossless, nothing measured)",
     )
     ap.add_argument("--vllm-methods", default=",".join(VLLM_SPEC))
     ap.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE per vLLM process")
@@ -624,7 +624,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.retries < 0:
         ap.error("--retries must be >= 0")
     if args.spyglass_linear is None:
-        args.spyglass_linear = "aten" if args.smoke else "auto"
+        args.spyglass_linear = "prefill:lanes" if args.smoke else "auto"
     if args.smoke:
         args.max_context = min(args.max_context, 1024)
     if args.out is None:

@@ -18,7 +18,8 @@ from spyglass.device import DEVICE_HELP, resolve_device
 from spyglass.drafters import METHODS, build_drafter, resolve_method
 from spyglass.engine import EngineConfig, RequestError, SpecEngine
 from spyglass.kv_cache import context_capacity
-from spyglass.models.llama import load_transformer
+from spyglass.limits import check_prompt_ids
+from spyglass.models.llama import load_transformer, model_args
 from spyglass.models.loader import ModelLoadError, load_tokenizer, resolve_model
 from spyglass.sampling import SamplingParams
 
@@ -152,13 +153,22 @@ def _run_generate(args) -> int:
     try:
         resolved = resolve_model(args.model, dtype=args.dtype, device=device)  # "auto" resolved here (resolve_dtype)
         dtype = getattr(torch, resolved.dtype)
-        target = load_transformer(resolved.path, dtype=dtype, device=device)
         tokenizer = load_tokenizer(resolved.path)
+        shapes = model_args(resolved.path)
     except ModelLoadError as e:
         raise CliError(str(e)) from e
     prompt_ids = _encode(tokenizer, prompt, args.raw)
     try:
-        capacity = context_capacity(target.args, args.max_context, max_batch=1, dtype=dtype, device=target.device)
+        # the prompt and the context are checked before the weights load (and their kernels are timed)
+        capacity = context_capacity(shapes, args.max_context, max_batch=1, dtype=dtype, device=device)
+        check_prompt_ids(prompt_ids, shapes.vocab_size, capacity)
+    except (RequestError, ValueError) as e:
+        raise CliError(str(e)) from e
+    try:
+        target = load_transformer(resolved.path, dtype=dtype, device=device)
+    except ModelLoadError as e:
+        raise CliError(str(e)) from e
+    try:
         config = EngineConfig(max_batch=1, max_context=capacity)
         drafter = build_drafter(
             args.method,

@@ -397,6 +397,7 @@ constexpr bool kDpbf16 = false;  // a pair step is two multiply-adds (high half 
 struct WidePair {
   float hi, lo;
 };
+static_assert(sizeof(WidePair) == 2 * sizeof(float), "a row of WidePairs reads as its floats");
 inline WidePair widen(uint32_t q) {  // the pair's bits: element 2i in the low half, 2i + 1 (hi) in the high one
   return {bf16_value(static_cast<uint16_t>(q >> 16)), bf16_value(static_cast<uint16_t>(q))};
 }
@@ -697,6 +698,12 @@ constexpr int64_t kScoreRowsMax = kMR;
 constexpr bool kHasScoreRows = false;
 #endif
 
+// The operand of a packed key block: fp32, or bf16 pairs where the CPU has a bf16 dot product; without it the pairs
+// are widened as they are packed, each pair's high element first (the order of WidePair's two multiply-adds), so the
+// packed tiles run fp32 steps, the same products in the same order, on q's widened pairs read as floats.
+template <typename E>
+using packed_elem = std::conditional_t<kDpbf16, score_elem<E>, float>;
+
 // Kt [Dq, kNB] = the block's `valid` keys (rows of K) as score operands (fp32, or bf16 pairs), transposed; zero past
 // them.
 template <typename E>
@@ -717,6 +724,35 @@ inline void pack_keys(const E* K, int64_t valid, int64_t Dq, score_elem<E>* Kt) 
     for (int64_t d = 0; d < Dq; d++) std::memcpy(Kt + d * kNB + j, Kw + j * Dq + d, sizeof(float));
   if (valid < kNB)
     for (int64_t d = 0; d < Dq; d++) std::fill(Kt + d * kNB + valid, Kt + (d + 1) * kNB, score_elem<E>{});
+}
+
+// Kt [2 Dq, kNB] = the block's `valid` bf16 keys widened (packed_elem: rows 2w and 2w + 1 the high and low elements of
+// pair w), transposed; zero past them.
+inline void pack_keys(const bf16* K, int64_t valid, int64_t Dq, float* Kt) {
+  const float* Kw = key_words(K);
+  const auto put = [&](int64_t w, int64_t j, auto word) {  // word: one key's pair w, or a vector of keys' (from j)
+    using V = decltype(word);
+    const V hi = word & 0xFFFF0000u, lo = word << 16;
+    std::memcpy(Kt + 2 * w * kNB + j, &hi, sizeof(V));
+    std::memcpy(Kt + (2 * w + 1) * kNB + j, &lo, sizeof(V));
+  };
+#if defined(__AVX512F__) || defined(__AVX2__)
+  if (valid == kNB && Dq % L == 0) {
+    for (int64_t j = 0; j < kNB; j += L)
+      for (int64_t d = 0; d < Dq; d += L) {
+        vfloat k[L];
+        transpose_words(Kw + j * Dq + d, Dq, k);
+        for (int i = 0; i < L; i++) put(d + i, j, reinterpret_cast<const vuint&>(k[i]));
+      }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < kNB; j++)
+    for (int64_t w = 0; w < Dq; w++) {
+      uint32_t word = 0;
+      if (j < valid) std::memcpy(&word, Kw + j * Dq + w, sizeof(word));
+      put(w, j, word);
+    }
 }
 
 // Folds a key chunk's softmax state (mc, lc, oc: max, sum, unnormalised out) into a row's running one (m, l, o), chunk
@@ -784,10 +820,12 @@ template <typename E>
 torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                   int64_t start, double scale) {
   using QE = score_elem<E>;
+  using KT = packed_elem<E>;
   const int64_t H = c.H, n = c.n, D = c.D, hkv = c.hkv, g = c.g, length = start + n;
   constexpr bool fp32 = std::is_same_v<E, float>;
   TORCH_CHECK(fp32 || D % 2 == 0, "tile_attention: a bf16 head dim must be even");
   const int64_t Dq = D * sizeof(E) / sizeof(QE);  // score operands per row: D fp32, D / 2 bf16 pairs
+  const int64_t Dk = std::is_same_v<KT, QE> ? Dq : D;  // per packed row: the same, or D widened (packed_elem)
   const int64_t Dp = (D + kCV * L - 1) / (kCV * L) * (kCV * L);  // O rows padded to whole P @ V tiles
   const bool* mp = c.mp;
   // with a mask: the new tokens each token sees, in order (seen_at[t]..seen_at[t + 1] of seen_new)
@@ -842,8 +880,9 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
   const int64_t n_items = items.size(), workers = std::min(threads, n_items);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const int64_t rows_max = g * TB;
-    std::vector<QE> Kt(Dq * kNB);
+    std::vector<KT> Kt(Dk * kNB);
     std::vector<q_operand<QE>> Q(rows_max * Dq);
+    const auto* Qk = reinterpret_cast<const q_operand<KT>*>(Q.data());  // widened pairs as floats (packed_elem)
     std::vector<float> Vp(kNB * Dp, 0.0f), S(kScoreRowsMax * kNB), P(kMR * kNB), alpha(kMR);
     std::vector<uint32_t> Vt(pairs ? kNB / 2 * D : 0);
     std::vector<float> O(rows_max * Dp), M(rows_max), Ls(rows_max);  // the chunk's softmax state
@@ -853,7 +892,7 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
     // tiles of up to kMR rows over rows [r0, r1) against the keys packed in Kt (or, kt null, their scores in S
     // already) and the block's V rows Vs (`valid` of them), the tiles' rows seeing its first jn keys (row r: sn[r],
     // nullptr: all)
-    const auto run_tiles = [&](int64_t r0, int64_t r1, const QE* kt, const E* Vs, int64_t valid, int64_t jn,
+    const auto run_tiles = [&](int64_t r0, int64_t r1, const KT* kt, const E* Vs, int64_t valid, int64_t jn,
                                const int64_t* sn) {
       const auto run = [&](const auto* Vb, int64_t ldv) {
         using TV = std::remove_cv_t<std::remove_pointer_t<decltype(Vb)>>;
@@ -861,7 +900,7 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
           const int64_t mr = std::min<int64_t>(kMR, r1 - row0);
           const int64_t tn = sn ? std::min(jn, sn[row0 + mr - 1]) : jn;  // rows are in token order: the last sees most
           if (tn <= 0) continue;
-          kAttendTiles<QE, TV>[mr - 1]({Q.data() + row0 * Dq, kt, score_scale, Vb, ldv, D, Dq, Dp, (tn + L - 1) / L, tn,
+          kAttendTiles<KT, TV>[mr - 1]({Qk + row0 * Dk, kt, score_scale, Vb, ldv, D, Dk, Dp, (tn + L - 1) / L, tn,
                                     sn ? sn + row0 : nullptr, S.data() + (kt ? 0 : (row0 - r0) * kNB), P.data(),
                                     alpha.data(), M.data() + row0, Ls.data() + row0, O.data() + row0 * Dp});
         }

@@ -69,17 +69,16 @@ class CostCurve:
         sizes: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 64),
         repeats: int = 3,
     ) -> CostCurve:
-        """Time verify-shaped forwards on this machine: per context, `repeats` rounds over every size after a
-        warm-up round, and each size's median round. Rounds interleave the sizes and the median ignores one
-        lucky or unlucky pass: the controller compares the sizes' ratios, and a best-of-2 run was seen to
-        price the 1-token step 10-20% below the decode steps that followed (so drafting looked dearer than it
-        was: n-gram 0.98x against 1.62x on the same prompt in the next run). The prefix K/V are zeros: the
-        attention's cost does not depend on their values. The
-        sizes are dense where BLAS switches kernels (on one Sapphire Rapids: 3 tokens cost about 1.1 decode steps,
-        4 about 1.5, 12 more than 16; on Zen 4 at 5.6K: 3 cost more than 4, and 5 as much as 6), which
-        interpolating between neighbours would miss. `contexts` by default: 256, 2K and 6K tokens, then half the
-        cache's capacity and the capacity itself where it is longer (a 32K window is priced at 16K and 32K, not
-        extrapolated from 6K)."""
+        """Time verify-shaped forwards on this machine: per context, `repeats` rounds over every size (after one
+        warm-up round at the first context), and each size's median round. Rounds interleave the sizes and the
+        median ignores one lucky or unlucky pass: the controller compares the sizes' ratios, and a best-of-2 run
+        was seen to price the 1-token step 10-20% below the decode steps that followed (so drafting looked dearer
+        than it was: n-gram 0.98x against 1.62x on the same prompt in the next run). The prefix K/V are zeros: the
+        attention's cost does not depend on their values. The sizes are dense where BLAS switches kernels (on one
+        Sapphire Rapids: 3 tokens cost about 1.1 decode steps, 4 about 1.5, 12 more than 16; on Zen 4 at 5.6K: 3
+        cost more than 4, and 5 as much as 6), which interpolating between neighbours would miss. `contexts` by
+        default: 256, 2K and 6K tokens, then half the cache's capacity and the capacity itself where it is longer
+        (a 32K window is priced at 16K and 32K, not extrapolated from 6K)."""
         if contexts is None:
             contexts = (256, 2048, 6144, *(c for c in (cache.capacity // 2, cache.capacity) if c > 6144))
 
@@ -93,12 +92,12 @@ class CostCurve:
                 v[:, : ctxs[-1]].zero_()
             vocab = target.args.vocab_size
             table = []
-            for ctx in ctxs:
+            for i, ctx in enumerate(ctxs):
                 cache.lengths[slot] = ctx
                 segs = [Segment(slot, ctx, torch.randint(0, vocab, (n,)), torch.arange(ctx, ctx + n), None, "all")
                         for n in sizes]  # fmt: skip
                 rounds = []
-                for _ in range(repeats + 1):  # the first round warms up every shape
+                for _ in range(repeats + (i == 0)):  # a first round warms up every shape (once: the same shapes follow)
                     times = []
                     for seg in segs:
                         t0 = time.perf_counter()
@@ -107,7 +106,7 @@ class CostCurve:
                             torch.cuda.synchronize(cache.device)
                         times.append(time.perf_counter() - t0)
                     rounds.append(times)
-                table.append([statistics.median(col) for col in zip(*rounds[1:], strict=True)])
+                table.append([statistics.median(col) for col in zip(*rounds[i == 0 :], strict=True)])
         finally:
             cache.lengths[slot] = 0
             cache.release(slot)

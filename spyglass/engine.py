@@ -290,7 +290,8 @@ class SpecEngine:
         budget = None
         done: list[tuple[Sequence, torch.Tensor]] = []
         picks: list[tuple[Sequence, int, int]] = []  # (prompt, start, tokens) of the step's shared forward
-        while candidates := [s for s in self.prefilling if all(s is not p for p, _, _ in picks)]:
+        picked: set[int] = set()  # their ids
+        while candidates := [s for s in self.prefilling if id(s) not in picked]:
             seq = min(candidates, key=lambda s: s.num_tokens - self.cache.lengths[s.slot] - s.prefill_credit)
             start = self.cache.lengths[seq.slot]
             if budget is None:
@@ -307,6 +308,7 @@ class SpecEngine:
                     other.prefill_credit += take
             if self.any_chunk:
                 picks.append((seq, start, take))
+                picked.add(id(seq))
             else:
                 done += self._prefill_forward([(seq, start, take)])
         if picks:

@@ -28,14 +28,21 @@ def one_thread():
     torch.set_num_threads(1)
 
 
+# Markers whose tests run only when `-m` names them: minutes each, in make targets of their own.
+OPT_IN = {
+    "long": "long-context test: run with `make test-long` (pytest -m long)",
+    "heavy": "heavy run (training, the benches' smoke runs): run with `make test-heavy` (pytest -m heavy)",
+}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `long` (minutes of Qwen prefill each: `make test-long`) run only when `-m` names them."""
-    if "long" in (config.getoption("markexpr") or ""):
-        return
-    skip = pytest.mark.skip(reason="long-context test: run with `make test-long` (pytest -m long)")
-    for item in items:
-        if item.get_closest_marker("long") is not None:
-            item.add_marker(skip)
+    chosen = config.getoption("markexpr") or ""
+    for marker, reason in OPT_IN.items():
+        if marker in chosen:
+            continue
+        for item in items:
+            if item.get_closest_marker(marker) is not None:
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(scope="session")

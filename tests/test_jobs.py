@@ -124,6 +124,7 @@ def test_ray_job_submit_end_to_end(tiny_dir, tmp_path):
     assert (workdir / "train" / "checkpoints" / "step-000004" / "draft.safetensors").exists()
 
 
+@pytest.mark.heavy
 def test_local_train_runs_on_loopback_without_flooding_the_log(tiny_dir, tmp_path, ray_cluster):
     """`spyglass train` outside a job starts its own cluster; here beside the test session's, as a user's training
     beside a server. Its nodes are on loopback and Ray Train's cleaner neither warns every second (no dashboard)

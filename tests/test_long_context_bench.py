@@ -57,6 +57,7 @@ def test_methods_without_a_draft_for_the_model_are_skipped(tiny_target):
         method_builders(["suffix"], tiny_target, 256)
 
 
+@pytest.mark.heavy
 def test_smoke_run_writes_figures_and_every_output_is_plain_decoding(tmp_path):
     path = main(["--smoke", "--out-dir", str(tmp_path), "--methods", "ar,suffix,ngram", "--kinds", "repo,quote"])
     doc = json.loads(path.read_text())
@@ -85,6 +86,7 @@ def test_smoke_run_writes_figures_and_every_output_is_plain_decoding(tmp_path):
 
 
 @pytest.mark.bf16
+@pytest.mark.heavy
 def test_smoke_run_in_bf16_beside_fp32(tmp_path):
     """--dtype float32,bfloat16: every prompt in both dtypes, each output plain decoding's in its own dtype, the bf16
     figures beside the fp32 ones, K/V bytes per token halved."""

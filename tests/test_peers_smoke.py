@@ -16,6 +16,7 @@ import torch
 
 from tests.tiny import DTYPES
 
+pytestmark = pytest.mark.heavy  # make test-heavy
 ROOT = Path(__file__).resolve().parents[1]
 SPYGLASS_METHODS = ("ar", "suffix", "ngram", "composite-dflash")
 

@@ -64,6 +64,7 @@ def test_trainer_lowers_loss_with_two_workers(extracted, tiny_dir, tmp_path):
     assert sorted(p.name for p in (work / "train" / "checkpoints").glob("step-*")) == ["step-000020", "step-000030"]
 
 
+@pytest.mark.heavy
 def test_training_killed_midway_resumes_at_the_same_step(extracted, tiny_dir, tmp_path):
     work = _workdir(extracted, tmp_path)
     sets = [f"model={tiny_dir['llama']}", "train.steps=16", "train.checkpoint_every=5", "train.crash_at_step=12"]
@@ -85,6 +86,7 @@ def test_training_killed_midway_resumes_at_the_same_step(extracted, tiny_dir, tm
     assert state["step"] == 16
 
 
+@pytest.mark.heavy
 def test_warm_start_with_diagnose_reports_the_start_as_step_0(extracted, tiny_dir, tmp_path):
     """A warm-started run's step-0 line is the starting draft on the run's own held-out split: equal to the figures
     the run it starts from ended with."""
@@ -102,6 +104,7 @@ def test_warm_start_with_diagnose_reports_the_start_as_step_0(extracted, tiny_di
         assert recs[0][key] == pytest.approx(end[key], rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("stage", [2])  # the stage the configs use; ZeRO-1 ran here too until the CI budget grew tight
 def test_deepspeed_zero_bf16_path_runs(tiny_dir, tmp_path, ray_cluster, stage):
     """The first DeepSpeed start on a machine JIT-compiles its CPU ops (~2.5 min); later ones take seconds.

@@ -399,6 +399,11 @@ _WEIGHT_MAP = {
 }
 
 
+def model_args(path: str | Path) -> ModelArgs:
+    """The shapes of an HF-format model directory's model (its config.json), without loading its weights."""
+    return ModelArgs.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
+
+
 def load_transformer(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", linear_backend: str = "auto"
 ) -> Transformer:

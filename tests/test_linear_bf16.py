@@ -57,6 +57,20 @@ def test_rows_linear_rows_equal_the_row_alone(dtype, n_out, n_in):
             assert torch.equal(ops.rows_linear(x[start : start + m], w, bias), singles[start : start + m]), m
 
 
+@pytest.mark.parametrize("n_out,n_in", SHAPES[:4])
+def test_widen_is_the_fp32_product_of_the_widened_operands_rounded_once(n_out, n_in):
+    """`widen` (a bf16 prefill kernel where the CPU has no bf16 GEMM): the fp32 product of the operands widened, the
+    bias added in fp32, rounded to bf16 once; a plan may pick it for bf16 weights only."""
+    w, x, b = _inputs(n_out, n_in, 256, torch.bfloat16)
+    for bias in _biases(b, torch.bfloat16):
+        got = linear_mod._KERNEL_FNS["widen"](x, w, bias)
+        want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+        assert got.dtype == torch.bfloat16 and got.shape == (256, n_out)
+        # one rounding to bf16 of an fp32 sum: within a bf16 unit in the last place of the float64 product
+        assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-5).all()
+    assert "widen" in linear_mod._library_kernels(w) and "widen" not in linear_mod._library_kernels(w.float())
+
+
 def test_rows_linear_bf16_shapes_and_errors():
     w, x, b = _inputs(40, 48, 6, torch.bfloat16)
     assert torch.equal(ops.rows_linear(x.view(2, 3, 48), w, b), ops.rows_linear(x, w, b).view(2, 3, 40))

@@ -14,7 +14,9 @@ inner product reads the weights once for a few rows. On AMD Zen 3 (AVX2 only) bo
 rows, while the same product written weights-first (`W @ x^T`, MKL streaming the weights once past a few columns)
 costs about one pass from 2 rows on and is slow for one. On a Xeon with AMX, MKL's fp32 GEMV path runs 1-3 rows at
 nearly the cost of one. At hundreds of rows (Zen 4, one thread) oneDNN's and MKL's bf16 GEMMs run ~185 GFLOP/s,
-twice their fp32 and 1.3-1.8x `rows` in bf16. So each process times the kernels on the model's own weights, per
+twice their fp32 and 1.3-1.8x `rows` in bf16. Without bf16 GEMM instructions (AVX2, AVX-512F) the libraries' bf16
+GEMMs are slow; `widen` widens a bf16 call's operands for oneDNN's fp32 GEMM (Zen 3, 2 threads, 256 rows of SmolLM2's
+shapes: 64-86 GFLOP/s against `lanes`' 53-65). So each process times the kernels on the model's own weights, per
 bucket of row counts, and keeps a plan: the fastest kernel per bucket. Autograd always takes `F.linear` (the oneDNN
 op has no backward).
 
@@ -44,7 +46,7 @@ from torch import nn
 
 from kernels import cpu as cpu_kernels
 
-KERNELS = ("aten", "onednn", "wfirst", "rows", "lanes")
+KERNELS = ("aten", "onednn", "wfirst", "widen", "rows", "lanes")
 LOSSLESS_KERNELS = ("rows",)  # every forward on it is lossless: a decode step's rows equal a verify pass's
 ROW_INVARIANT_KERNELS = ("rows", "lanes")  # a row's bits do not depend on the other rows of its call
 LANES_ROWS = 256  # rows (a prefill chunk) at which `lanes` is timed against the measured prefill plan
@@ -73,6 +75,15 @@ def _weights_first(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> 
     return y.view(*x.shape[:-1], w.shape[0])
 
 
+def _widened(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """bf16 operands widened to fp32 for the call, through oneDNN's fp32 inner product (ATen's where oneDNN is
+    missing), the result rounded to bf16 once: on a CPU without bf16 GEMM instructions a prefill chunk then runs at
+    the fp32 GEMM's speed, the widening about 1/rows of the product's work."""
+    xf, wf, bf = x.float(), w.float(), None if b is None else b.float()
+    y = _onednn(xf, wf, bf) if torch.backends.mkldnn.is_available() else F.linear(xf, wf, bf)
+    return y.to(x.dtype)
+
+
 def _rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """kernels/cpu_ops.cpp's few-row product (fp32, or bf16 with fp32 sums): the weights read once per 64 rows, each
     output summed in one fixed order whatever the row count (a verify pass and a decode step agree bit for bit)."""
@@ -96,7 +107,14 @@ def rows_supported(weight: torch.Tensor) -> bool:
     )
 
 
-_KERNEL_FNS = {"aten": _aten, "onednn": _onednn, "wfirst": _weights_first, "rows": _rows, "lanes": _lanes}
+_KERNEL_FNS = {
+    "aten": _aten,
+    "onednn": _onednn,
+    "wfirst": _weights_first,
+    "widen": _widened,
+    "rows": _rows,
+    "lanes": _lanes,
+}
 
 
 def _bucket(rows: int) -> int:
@@ -296,9 +314,10 @@ def _plan_key(linears: list[Linear]) -> tuple:
 
 
 def _library_kernels(w0: torch.Tensor) -> list[str]:
-    """The kernels a plan picks from: every one that runs here but `lanes` (timed on its own, for prefill)."""
-    onednn = onednn_supported(w0)
-    return [k for k in KERNELS if k != "lanes" and (k != "onednn" or onednn) and (k != "rows" or rows_supported(w0))]
+    """The kernels a plan picks from: every one that runs here but `lanes` (timed on its own, for prefill); `widen`
+    for bf16 weights only (on fp32 ones it is oneDNN's)."""
+    runs = {"onednn": onednn_supported(w0), "rows": rows_supported(w0), "widen": w0.dtype == torch.bfloat16}
+    return [k for k in KERNELS if k != "lanes" and runs.get(k, True)]
 
 
 def prefill_row_invariant(model: nn.Module) -> bool:

@@ -704,6 +704,20 @@ constexpr bool kHasScoreRows = false;
 template <typename E>
 using packed_elem = std::conditional_t<kDpbf16, score_elem<E>, float>;
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+// fn(w, j, v) for a whole key block (kNB rows of Dq words, Dq a multiple of L): v = word w of keys j..j + L - 1, from
+// squares of L keys x L words transposed in registers.
+template <typename Fn>
+inline void key_word_vectors(const float* Kw, int64_t Dq, Fn&& fn) {
+  for (int64_t j = 0; j < kNB; j += L)
+    for (int64_t d = 0; d < Dq; d += L) {
+      vfloat k[L];
+      transpose_words(Kw + j * Dq + d, Dq, k);
+      for (int i = 0; i < L; i++) fn(d + i, j, reinterpret_cast<const vuint&>(k[i]));
+    }
+}
+#endif
+
 // Kt [Dq, kNB] = the block's `valid` keys (rows of K) as score operands (fp32, or bf16 pairs), transposed; zero past
 // them.
 template <typename E>
@@ -711,13 +725,8 @@ inline void pack_keys(const E* K, int64_t valid, int64_t Dq, score_elem<E>* Kt) 
   const float* Kw = key_words(K);
 #if defined(__AVX512F__) || defined(__AVX2__)
   if (valid == kNB && Dq % L == 0) {
-    for (int64_t j = 0; j < kNB; j += L)
-      for (int64_t d = 0; d < Dq; d += L) {
-        vfloat k[L];
-        transpose_words(Kw + j * Dq + d, Dq, k);
-        for (int i = 0; i < L; i++) std::memcpy(Kt + (d + i) * kNB + j, &k[i], sizeof(k[i]));
-      }
-    return;
+    const auto put = [&](int64_t w, int64_t j, vuint v) { std::memcpy(Kt + w * kNB + j, &v, sizeof(v)); };
+    return key_word_vectors(Kw, Dq, put);
   }
 #endif
   for (int64_t j = 0; j < valid; j++)
@@ -737,15 +746,7 @@ inline void pack_keys(const bf16* K, int64_t valid, int64_t Dq, float* Kt) {
     std::memcpy(Kt + (2 * w + 1) * kNB + j, &lo, sizeof(V));
   };
 #if defined(__AVX512F__) || defined(__AVX2__)
-  if (valid == kNB && Dq % L == 0) {
-    for (int64_t j = 0; j < kNB; j += L)
-      for (int64_t d = 0; d < Dq; d += L) {
-        vfloat k[L];
-        transpose_words(Kw + j * Dq + d, Dq, k);
-        for (int i = 0; i < L; i++) put(d + i, j, reinterpret_cast<const vuint&>(k[i]));
-      }
-    return;
-  }
+  if (valid == kNB && Dq % L == 0) return key_word_vectors(Kw, Dq, put);
 #endif
   for (int64_t j = 0; j < kNB; j++)
     for (int64_t w = 0; w < Dq; w++) {

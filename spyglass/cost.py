@@ -92,21 +92,25 @@ class CostCurve:
                 v[:, : ctxs[-1]].zero_()
             vocab = target.args.vocab_size
             table = []
-            for i, ctx in enumerate(ctxs):
+
+            def one_round(segs: list[Segment]) -> list[float]:
+                times = []
+                for seg in segs:
+                    t0 = time.perf_counter()
+                    target([seg], cache)
+                    if cache.device.type == "cuda":  # the forward only queued its kernels
+                        torch.cuda.synchronize(cache.device)
+                    times.append(time.perf_counter() - t0)
+                return times
+
+            for ctx in ctxs:
                 cache.lengths[slot] = ctx
                 segs = [Segment(slot, ctx, torch.randint(0, vocab, (n,)), torch.arange(ctx, ctx + n), None, "all")
                         for n in sizes]  # fmt: skip
-                rounds = []
-                for _ in range(repeats + (i == 0)):  # a first round warms up every shape (once: the same shapes follow)
-                    times = []
-                    for seg in segs:
-                        t0 = time.perf_counter()
-                        target([seg], cache)
-                        if cache.device.type == "cuda":  # the forward only queued its kernels
-                            torch.cuda.synchronize(cache.device)
-                        times.append(time.perf_counter() - t0)
-                    rounds.append(times)
-                table.append([statistics.median(col) for col in zip(*rounds[i == 0 :], strict=True)])
+                if ctx == ctxs[0]:
+                    one_round(segs)  # warms up every shape, once: the next contexts run the same shapes
+                rounds = [one_round(segs) for _ in range(repeats)]
+                table.append([statistics.median(col) for col in zip(*rounds, strict=True)])
         finally:
             cache.lengths[slot] = 0
             cache.release(slot)

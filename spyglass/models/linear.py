@@ -80,7 +80,7 @@ def _widened(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.
     missing), the result rounded to bf16 once: on a CPU without bf16 GEMM instructions a prefill chunk then runs at
     the fp32 GEMM's speed, the widening about 1/rows of the product's work."""
     xf, wf, bf = x.float(), w.float(), None if b is None else b.float()
-    y = _onednn(xf, wf, bf) if torch.backends.mkldnn.is_available() else F.linear(xf, wf, bf)
+    y = _onednn(xf, wf, bf) if _onednn_runs(torch.float32) else F.linear(xf, wf, bf)
     return y.to(x.dtype)
 
 

@@ -280,9 +280,9 @@ class PrefillCost:
     def seconds_per_token(self, context: int) -> float:
         return self.base + self.per_context * max(0, context)
 
-    def tokens_in(self, seconds: float, context: int) -> float:
-        """Prompt tokens one forward `context` tokens in prefills in `seconds` (0 when its fixed cost is more)."""
-        return max(0.0, seconds - self.fixed) / self.seconds_per_token(context)
+    def seconds(self, chunks: list[tuple[int, int]]) -> float:
+        """One forward over chunks (start, tokens): each chunk's tokens at its point of its prompt."""
+        return self.fixed + sum(take * self.seconds_per_token(start) for start, take in chunks)
 
 
 _PREFILL_COSTS: dict[tuple, PrefillCost] = {}

@@ -26,36 +26,44 @@ from spyglass.device import synchronize
 from spyglass.drafters.base import Drafter, DraftRequest, NullDrafter
 from spyglass.kv_cache import context_capacity
 from spyglass.limits import RequestError, check_method, check_prompt_ids
-from spyglass.models.llama import PREFILL_CHUNK, Segment, Transformer
+from spyglass.models.llama import PREFILL_CHUNK, Segment, StagedForward, Transformer
 from spyglass.sampling import SamplingParams, process_in_context, sample
 from spyglass.sequence import Sequence
 from spyglass.tree import DraftTree
 from spyglass.verify import Accepted, accept
 
-PREFILL_GRAIN = 16  # the least prompt tokens a step prefills where chunks may have any size (the prefill GEMM's lanes)
+PREFILL_GRAIN = 16  # the least tokens a forward prefills of a prompt where chunks may have any size (the GEMM's lanes)
 
 
 @dataclass
 class EngineConfig:
     max_batch: int = 4
     max_context: int | None = None  # KV capacity per sequence: a cap in 2..the model's window (default: the window)
-    # Prompt tokens per prefill forward. Where the model's prefill is row-invariant
-    # (`Transformer.prefill_row_invariant`: a prompt's K/V do not depend on its chunks) a forward takes the step's
-    # budget instead (fewer tokens while others decode, up to 4 chunks when none does) and a cache hit loads any whole
-    # blocks; otherwise every chunk but a prompt's last has this size, so a prompt's K/V come from the same forwards
-    # under any load (and in `plain_generate`).
+    # Prompt tokens per prefill forward while other sequences decode (4 chunks' worth when none does). Where the
+    # model's prefill is row-invariant (`Transformer.prefill_row_invariant`: a prompt's K/V do not depend on its
+    # chunks) several prompts may share a forward's tokens and a cache hit loads any whole blocks; otherwise every
+    # chunk but a prompt's last has this size, so a prompt's K/V come from the same forwards under any load (and in
+    # `plain_generate`).
     prefill_chunk: int = PREFILL_CHUNK
-    # Chunked prefill: the most prompt tokens a step prefills while other sequences decode, so a decoding stream
-    # waits about `prefill_step_s` at most for other prompts between two of its rounds. None: what this machine
-    # prefills in `prefill_step_s` at the prompt's point (spyglass.cost.measured_prefill_cost: a forward's fixed cost,
-    # then a cost per token that grows with the context), in multiples of PREFILL_GRAIN tokens or, with fixed chunks,
-    # whole chunks; at least one such unit, at most 4 chunks, which is what a step prefills with no sequence decoding.
-    prefill_budget: int | None = None
+    # Chunked prefill, spread over steps: while other sequences decode, a step runs a prefill forward's layers for
+    # about `prefill_step_s` (timed on its layers so far, before them from the cost measured at start-up:
+    # spyglass.cost.measured_prefill_cost), at least one, so a decoding stream waits about that long at most for
+    # other prompts between two of its rounds. `prefill_layers` fixes that number of layers instead.
     prefill_step_s: float = 0.25
+    prefill_layers: int | None = None
     # Tree sizing: "measure" = the speculation controller with the verify-cost curve measured at start-up on
     # this machine; "off" = verify every node the drafter proposes. A CostCurve here is used as given.
     controller: str | CostCurve = "measure"
     control: ControllerConfig = field(default_factory=ControllerConfig)  # the controller's tuned constants
+
+
+@dataclass
+class StagedPrefill:
+    """A prefill forward under way: its chunks (prompt, start, tokens) and the seconds its layers took so far."""
+
+    picks: list[tuple[Sequence, int, int]]
+    forward: StagedForward
+    seconds: float = 0.0
 
 
 @dataclass
@@ -133,9 +141,10 @@ class SpecEngine:
         self._capture = tuple(sorted(capture))
         self.prefill_chunk = cfg.prefill_chunk
         self.any_chunk = bool(getattr(target, "prefill_row_invariant", False))
-        # the least a step prefills of a prompt (unless less is left): a fixed chunk, or PREFILL_GRAIN tokens
+        # the least a forward prefills of a prompt (unless less is left): a fixed chunk, or PREFILL_GRAIN tokens
         self.prefill_unit = min(PREFILL_GRAIN, cfg.prefill_chunk) if self.any_chunk else cfg.prefill_chunk
         self.prefill_cost = self._prefill_cost()
+        self.staged: StagedPrefill | None = None  # a prefill forward whose layers run over several steps
         self.waiting: deque[Sequence] = deque()
         self.prefilling: deque[Sequence] = deque()  # hold a slot, in admission order (see _prefill_step)
         self.running: list[Sequence] = []
@@ -145,25 +154,26 @@ class SpecEngine:
         cfg = self.config
         if cfg.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, not {cfg.prefill_chunk}")
-        if cfg.prefill_budget is not None:
-            if cfg.prefill_budget < 1:
-                raise ValueError(f"prefill_budget must be >= 1 token, not {cfg.prefill_budget}")
+        if cfg.prefill_layers is not None:
+            if cfg.prefill_layers < 1:
+                raise ValueError(f"prefill_layers must be >= 1, not {cfg.prefill_layers}")
             return None
         if cfg.prefill_step_s <= 0:
             raise ValueError(f"prefill_step_s must be > 0, not {cfg.prefill_step_s}")
         return measured_prefill_cost(self.target, self.cache, cfg.prefill_chunk)
 
-    def prefill_budget(self, context: int = 0) -> int:
-        """Prompt tokens a step prefills while sequences decode, for a prompt `context` tokens in: the configured
-        budget, or what takes `prefill_step_s` there; in units of PREFILL_GRAIN tokens (whole chunks where chunks
-        have a fixed size), at least one, at most 4 chunks."""
-        cfg = self.config
+    def prefill_layers(self, staged: StagedPrefill) -> int:
+        """Layers of `staged` a step runs while sequences decode: the configured number, or those that take
+        `prefill_step_s` at the time its layers took so far (before any ran: the measured `PrefillCost` of its
+        chunks), at least one."""
         if self.prefill_cost is None:
-            tokens = cfg.prefill_budget
+            return self.config.prefill_layers
+        fwd = staged.forward
+        if fwd.layers_run:
+            per_layer = staged.seconds / fwd.layers_run
         else:
-            tokens = self.prefill_cost.tokens_in(cfg.prefill_step_s, context)
-        unit = self.prefill_unit
-        return int(min(4 * self.prefill_chunk, max(unit, tokens // unit * unit)))
+            per_layer = self.prefill_cost.seconds([(start, take) for _, start, take in staged.picks]) / fwd.n_layers
+        return max(1, int(self.config.prefill_step_s / max(per_layer, 1e-9)))
 
     @property
     def drafter(self) -> Drafter:
@@ -207,6 +217,8 @@ class SpecEngine:
         for seq in list(self.prefilling):
             if seq.seq_id == seq_id:
                 self.prefilling.remove(seq)
+                if self.staged and any(s is seq for s, _, _ in self.staged.picks):
+                    self.staged = None  # its chunks' K/V were not committed: the others' are computed again
                 seq.finish("abort")
                 self._drafter(seq).release(seq)  # what it kept of the chunks' hidden states
                 self.cache.release(seq.slot)
@@ -278,41 +290,39 @@ class SpecEngine:
         return False
 
     def _prefill_step(self) -> list[Event]:
-        """Prefill chunks of the admitted prompts, at most `prefill_budget` tokens while sequences decode (else
-        4 chunks). Each chunk goes to the prompt with the least work left less its credit, the tokens prefilled for
-        other prompts since it was admitted (ties: the earlier admitted): a short prompt is not held up behind a long
-        one, prompts admitted together finish one after another rather than all at the end, and a long prompt passed
-        over by shorter ones gains credit until it goes first, so none starves. With fixed chunks each chunk is a
-        forward of its own; where chunks may have any size (`any_chunk`) a prompt takes what is left of the budget
-        and the step's chunks (several short prompts) share one forward, as a row's bits do not depend on its call.
-        Each prompt whose prefill completes picks its first token and joins the running batch. The budget is that
-        of the first prompt's point (`prefill_budget`)."""
-        budget = None
+        """Prefill the admitted prompts: while sequences decode, the layers of one forward of up to a chunk's tokens
+        that take about `prefill_step_s` (`prefill_layers`; the forward goes on in the next steps), else whole
+        forwards of up to 4 chunks' tokens in all (`_pick_chunks`). Each prompt whose prefill completes picks its
+        first token and joins the running batch."""
+        budget = self.prefill_chunk if self.running else 4 * self.prefill_chunk  # the tokens of forwards it starts
         done: list[tuple[Sequence, torch.Tensor]] = []
-        picks: list[tuple[Sequence, int, int]] = []  # (prompt, start, tokens) of the step's shared forward
-        picked: set[int] = set()  # their ids
-        while candidates := [s for s in self.prefilling if id(s) not in picked]:
-            seq = min(candidates, key=lambda s: s.num_tokens - self.cache.lengths[s.slot] - s.prefill_credit)
-            start = self.cache.lengths[seq.slot]
-            if budget is None:
-                budget = self.prefill_budget(start) if self.running else 4 * self.prefill_chunk
-            left = seq.num_tokens - start
-            # cut to the budget where chunks may have any size: the step's whole budget in one forward (with nobody
-            # decoding, 1024 tokens: a 4K prompt prefills ~7% sooner than in 256-token forwards in bf16, ~4% in fp32)
-            take = min(left, budget) if self.any_chunk else min(left, self.prefill_chunk)
-            if take > budget or take < min(left, self.prefill_unit):
+        while True:
+            if self.staged is None:
+                if not (picks := self._pick_chunks(budget)):
+                    break
+                budget -= sum(take for _, _, take in picks)
+                segs = [
+                    Segment(seq.slot, start, seq.tokens[start : start + take].clone(),
+                            torch.arange(start, start + take), None, "last")
+                    for seq, start, take in picks
+                ]  # fmt: skip
+                self.target.capture_layers = self._capture
+                self.staged = StagedPrefill(picks, self.target.staged(segs, self.cache))
+            staged = self.staged
+            t0 = time.perf_counter()
+            try:
+                logits = staged.forward.run(self.prefill_layers(staged) if self.running else None)
+            except BaseException:
+                self.staged = None  # a forward that failed midway is not resumed
+                raise
+            synchronize(self.target.device)
+            staged.seconds += time.perf_counter() - t0
+            if logits is None:
+                break  # the step's layers are spent: the forward goes on in the next step
+            self.staged = None
+            done += self._commit_prefill(staged, logits)
+            if self.running:
                 break
-            budget -= take
-            for other in self.prefilling:
-                if other is not seq:
-                    other.prefill_credit += take
-            if self.any_chunk:
-                picks.append((seq, start, take))
-                picked.add(id(seq))
-            else:
-                done += self._prefill_forward([(seq, start, take)])
-        if picks:
-            done += self._prefill_forward(picks)
         events = []
         for seq, last in done:
             self._store_prefix(seq)
@@ -331,22 +341,45 @@ class SpecEngine:
                 seq.stats.t_end = now
         return events
 
-    def _prefill_forward(self, picks: list[tuple[Sequence, int, int]]) -> list[tuple[Sequence, torch.Tensor]]:
-        """One forward over prompt chunks (prompt, start, tokens), committed; returns the prompts it completed with
-        their last row's logits, and leaves them out of `prefilling`."""
-        t0 = time.perf_counter()
-        segs = [Segment(seq.slot, start, seq.tokens[start : start + take].clone(), torch.arange(start, start + take),
-                        None, "last") for seq, start, take in picks]  # fmt: skip
-        logits = self._forward(segs)
+    def _pick_chunks(self, budget: int) -> list[tuple[Sequence, int, int]]:
+        """The chunks (prompt, start, tokens) of the next prefill forward, at most `budget` tokens. Each goes to the
+        prompt with the least work left less its credit, the tokens prefilled for other prompts since it was
+        admitted (ties: the earlier admitted): a short prompt is not held up behind a long one, prompts admitted
+        together finish one after another rather than all at the end, and a long prompt passed over by shorter ones
+        gains credit until it goes first, so none starves. With fixed chunks a forward is one chunk; where chunks
+        may have any size (`any_chunk`) a prompt takes what is left of the budget and several short prompts share
+        the forward, as a row's bits do not depend on its call."""
+        picks: list[tuple[Sequence, int, int]] = []
+        picked: set[int] = set()  # their ids
+        while candidates := [s for s in self.prefilling if id(s) not in picked]:
+            seq = min(candidates, key=lambda s: s.num_tokens - self.cache.lengths[s.slot] - s.prefill_credit)
+            start = self.cache.lengths[seq.slot]
+            left = seq.num_tokens - start
+            take = min(left, budget) if self.any_chunk else min(left, self.prefill_chunk)
+            if take > budget or take < min(left, self.prefill_unit):
+                break
+            budget -= take
+            for other in self.prefilling:
+                if other is not seq:
+                    other.prefill_credit += take
+            picks.append((seq, start, take))
+            picked.add(id(seq))
+            if not self.any_chunk:
+                break
+        return picks
+
+    def _commit_prefill(self, staged: StagedPrefill, logits) -> list[tuple[Sequence, torch.Tensor]]:
+        """Commit a completed prefill forward's chunks; returns the prompts it completed with their last row's
+        logits, and leaves them out of `prefilling`."""
         done = []
-        for j, (seq, start, take) in enumerate(picks):
+        for j, (seq, start, take) in enumerate(staged.picks):
             self._hidden(seq, start, j, list(range(take)))
             self.cache.commit(seq.slot, start, list(range(take)))
             if self.cache.lengths[seq.slot] == seq.num_tokens:
                 self.prefilling.remove(seq)
                 done.append((seq, logits[j][-1]))
-        share = (time.perf_counter() - t0) / sum(take for _, _, take in picks)
-        for seq, _, take in picks:
+        share = staged.seconds / sum(take for _, _, take in staged.picks)
+        for seq, _, take in staged.picks:
             seq.stats.prefill_compute_time += share * take
         return done
 

@@ -1,6 +1,7 @@
-"""The engine's scheduler: chunked prefill under a per-step token budget, counted in steps (no clocks).
+"""The engine's scheduler: chunked prefill whose forwards run a few layers a step while others decode, counted in
+steps (no clocks).
 
-Running sequences get a token in every step while another prompt is prefilled, a long prompt shares the budget with
+Running sequences get a token in every step while another prompt is prefilled, a long prompt shares the prefill with
 prompts admitted after it, and greedy outputs stay those of plain decoding."""
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import torch
 
 from spyglass.cost import PrefillCost
 from spyglass.drafters.suffix import SuffixDrafter
-from spyglass.engine import PREFILL_GRAIN, EngineConfig, SpecEngine, plain_generate
-from spyglass.models.llama import load_transformer
+from spyglass.engine import EngineConfig, SpecEngine, StagedPrefill, plain_generate
+from spyglass.models.llama import Segment, load_transformer
 from spyglass.sampling import SamplingParams
 from tests.tiny import free_tokens_curve
 
@@ -29,15 +30,15 @@ def prompt(vocab: int, n: int, seed: int) -> list[int]:
 def test_a_decoding_sequence_gets_a_token_every_step_while_a_long_prompt_is_prefilled(tiny_target, drafter):
     vocab = tiny_target.args.vocab_size
     short, long = prompt(vocab, 12, 1), prompt(vocab, 300, 2)
-    budget = 32
+    chunk, layers = 32, tiny_target.args.n_layers
+    assert layers >= 2
     engine = SpecEngine(
         tiny_target,
         SuffixDrafter(max_depth=6) if drafter else None,
         EngineConfig(
-            max_batch=2, max_context=512, prefill_chunk=budget, prefill_budget=budget, controller=free_tokens_curve()
-        ),  # fmt: skip
+            max_batch=2, max_context=512, prefill_chunk=chunk, prefill_layers=1, controller=free_tokens_curve()
+        ),
     )
-    assert engine.prefill_budget() == budget and engine.prefill_chunk == budget
     a = engine.add_request(short, GREEDY)
     engine.step()  # a's prefill (nobody decodes yet) and its first round
     assert a.num_generated >= 1
@@ -49,9 +50,13 @@ def test_a_decoding_sequence_gets_a_token_every_step_while_a_long_prompt_is_pref
         steps_to_first += 1
         assert a.num_generated > before or a.finished, "the decoding stream stalled during the other's prefill"
         if b.num_generated == 0:
-            assert engine.cache.lengths[b.slot] - prefilled <= budget  # the step's prefill stayed in its budget
-    # the first token comes with the step that completes the prefill: no later than the budget implies
-    assert steps_to_first == math.ceil(len(long) / budget)
+            # a step runs one layer of a chunk's forward: the chunk is committed with its last layer
+            committed = engine.cache.lengths[b.slot] - prefilled
+            ran = steps_to_first % layers
+            assert committed == (chunk if ran == 0 else 0)
+            assert ran == 0 or engine.staged.forward.layers_run == ran
+    # the first token comes with the step that completes the prefill: a layer of each chunk a step
+    assert steps_to_first == math.ceil(len(long) / chunk) * layers
     assert a.num_generated >= steps_to_first  # a advanced in every one of those steps
     while engine.has_work:
         engine.step()
@@ -94,9 +99,8 @@ def test_prompts_admitted_together_finish_one_after_another(tiny_target):
 
 def test_a_long_prompt_is_not_starved_by_short_ones_arriving_all_the_time(tiny_target):
     vocab = tiny_target.args.vocab_size
-    config = EngineConfig(max_batch=4, max_context=512, prefill_chunk=16, prefill_budget=16)
-    engine = SpecEngine(tiny_target, None, config)
-    assert engine.prefill_budget() == 16  # one chunk a step while anything decodes
+    config = EngineConfig(max_batch=4, max_context=512, prefill_chunk=16, prefill_layers=tiny_target.args.n_layers)
+    engine = SpecEngine(tiny_target, None, config)  # one whole chunk a step while anything decodes
     long = engine.add_request(prompt(vocab, 200, 9), SamplingParams(max_new_tokens=4, ignore_eos=True))
     engine.add_request(prompt(vocab, 16, 10), SamplingParams(max_new_tokens=60, ignore_eos=True))  # decodes on
     steps = 0
@@ -127,18 +131,77 @@ def test_abort_while_prefilling_frees_the_slot(tiny_target):
     assert not engine.waiting and len(engine.prefilling) == 1 and engine.cache.free_slots == 0
 
 
-def test_the_budget_is_measured_against_the_latency_target_and_bad_values_are_refused(tiny_target):
-    small = SpecEngine(tiny_target, None, EngineConfig(max_batch=1, max_context=512, prefill_step_s=1e-9))
-    assert small.prefill_budget() == small.prefill_unit  # the floor: a step always makes progress
-    big = SpecEngine(tiny_target, None, EngineConfig(max_batch=1, max_context=512, prefill_step_s=1e3))
-    assert big.prefill_budget() == 4 * big.prefill_chunk  # at most what a step prefills with nobody decoding
-    cost = big.prefill_cost
-    assert cost.base > 0 and cost.per_context >= 0  # a chunk later in a prompt costs no less
-    mid = SpecEngine(tiny_target, None, EngineConfig(max_batch=1, max_context=512, prefill_step_s=cost.base * 100))
-    assert mid.prefill_budget(0) >= mid.prefill_budget(10**6)
-    for bad in ({"prefill_budget": 0}, {"prefill_step_s": 0.0}, {"prefill_chunk": 0}):
+def test_an_abort_drops_the_prefill_forward_under_way(tiny_target):
+    vocab = tiny_target.args.vocab_size
+    config = EngineConfig(max_batch=2, max_context=512, prefill_chunk=32, prefill_layers=1)
+    engine = SpecEngine(tiny_target, None, config)
+    engine.add_request(prompt(vocab, 8, 5), GREEDY)
+    engine.step()  # decodes from now on
+    seq = engine.add_request(prompt(vocab, 300, 6), GREEDY)
+    engine.step()  # the first layer of its first chunk
+    assert engine.staged is not None and engine.staged.picks[0][0] is seq and engine.cache.lengths[seq.slot] == 0
+    assert engine.abort(seq.seq_id) and engine.staged is None and engine.cache.free_slots == 1
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    again = engine.add_request(prompt(vocab, 100, 7), params)  # the freed slot, its K/V computed afresh
+    while not again.finished:
+        engine.step()
+    assert again.output_ids == plain_generate(tiny_target, prompt(vocab, 100, 7), params)
+
+
+def test_a_steps_prefill_layers_are_timed_against_the_latency_target_and_bad_values_are_refused(tiny_target):
+    engine = SpecEngine(tiny_target, None, EngineConfig(max_batch=2, max_context=512))
+    cost, n = engine.prefill_cost, tiny_target.args.n_layers
+    assert cost.base > 0 and cost.per_context >= 0 and cost.fixed >= 0  # a chunk later in a prompt costs no less
+
+    def staged(start: int) -> StagedPrefill:
+        seg = Segment(0, start, torch.zeros(64, dtype=torch.long), torch.arange(start, start + 64), None, "last")
+        return StagedPrefill([(None, start, 64)], tiny_target.staged([seg], engine.cache))  # never run
+
+    per_layer = cost.seconds([(0, 64)]) / n
+    engine.config.prefill_step_s = 1e-12
+    assert engine.prefill_layers(staged(0)) == 1  # the floor: a step always makes progress
+    engine.config.prefill_step_s = per_layer * 2.5
+    assert engine.prefill_layers(staged(0)) == 2  # before any layer ran: by the measured cost
+    assert engine.prefill_layers(staged(10**6)) <= 2  # a chunk far into a prompt takes no more layers a step
+    later = staged(0)
+    later.forward.layers_run, later.seconds = 2, per_layer * 2 * 10  # its layers ran 10x slower than measured
+    assert engine.prefill_layers(later) == 1  # by what they took
+    engine.config.prefill_step_s = 1e3
+    assert engine.prefill_layers(staged(0)) >= n  # the whole forward in a step
+    assert PrefillCost(1e-3, 1e-6, fixed=0.05).seconds([(0, 100), (1000, 50)]) == pytest.approx(0.05 + 0.1 + 0.1)
+    for bad in ({"prefill_layers": 0}, {"prefill_step_s": 0.0}, {"prefill_chunk": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SpecEngine(tiny_target, None, EngineConfig(max_batch=1, max_context=512, **bad))
+
+
+def test_a_forward_run_a_layer_at_a_time_between_other_forwards_is_the_forward_run_at_once(tiny_target):
+    """The K/V and logits of a prefill chunk whose layers run one at a time, with another slot's decode forward
+    between them, equal those of the same chunk's forward run at once, bit for bit."""
+    vocab = tiny_target.args.vocab_size
+    ids = torch.tensor(prompt(vocab, 48, 30))
+
+    def chunk(slot):
+        return [Segment(slot, 0, ids, torch.arange(48), None, "last")]
+
+    once = tiny_target.new_cache(64, 1)
+    slot = once.allocate()
+    expected = tiny_target(chunk(slot), once)[0]
+    cache = tiny_target.new_cache(64, 2)
+    other, mine = cache.allocate(), cache.allocate()
+    tiny_target.prefill(cache, other, torch.tensor(prompt(vocab, 5, 31)))
+    staged = tiny_target.staged(chunk(mine), cache)
+    logits = None
+    for i in range(tiny_target.args.n_layers):
+        decode = Segment(other, cache.lengths[other], torch.tensor([i + 3]), torch.tensor([cache.lengths[other]]),
+                         None, "all")  # fmt: skip
+        tiny_target([decode], cache)
+        cache.commit(other, cache.lengths[other], [0])
+        logits = staged.run(1)
+        assert (logits is None) == (i < tiny_target.args.n_layers - 1)
+    assert torch.equal(logits[0], expected)
+    for layer in range(cache.n_layers):
+        for a, b in zip(cache.layer(mine, layer), once.layer(slot, layer), strict=True):
+            assert torch.equal(a[:, :48], b[:, :48])
 
 
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -149,43 +212,33 @@ def any_chunk_target(request, tiny_dir):
     return model
 
 
-def test_chunks_cut_to_the_budget_keep_plain_decodings_tokens(any_chunk_target):
-    """With a row-invariant prefill a step prefills what its budget holds (48 tokens, not the 256-token chunk), the
-    decoding stream advancing every step; both outputs still equal plain decoding's, which prefills in whole chunks."""
+def test_a_prefill_forward_spread_over_steps_keeps_plain_decodings_tokens(any_chunk_target):
+    """With a row-invariant prefill, a forward while another stream decodes takes a chunk's tokens (64 here, from
+    any point of the prompt) and runs a layer a step; both outputs still equal plain decoding's, which prefills in
+    256-token forwards run at once."""
     model, vocab = any_chunk_target, any_chunk_target.args.vocab_size
     short, long = prompt(vocab, 12, 11), prompt(vocab, 300, 12)
-    config = EngineConfig(max_batch=2, max_context=512, prefill_chunk=256, prefill_budget=48)
+    config = EngineConfig(max_batch=2, max_context=512, prefill_chunk=64, prefill_layers=1)
     engine = SpecEngine(model, SuffixDrafter(max_depth=6), config)
-    assert engine.any_chunk and engine.prefill_budget() == 48
+    assert engine.any_chunk
     a = engine.add_request(short, GREEDY)
     engine.step()
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     b = engine.add_request(long, params)
     steps = 0
     while b.num_generated == 0:
-        before, prefilled = a.num_generated, engine.cache.lengths[b.slot] if b.slot is not None else 0
+        before = a.num_generated
         engine.step()
         steps += 1
         assert a.num_generated > before or a.finished
-        if b.num_generated == 0:
-            assert engine.cache.lengths[b.slot] - prefilled == 48
-    assert steps == math.ceil(300 / 48)
+    assert steps == math.ceil(300 / 64) * model.args.n_layers
     while engine.has_work:
         engine.step()
     assert a.output_ids == plain_generate(model, short, GREEDY)
     assert b.output_ids == plain_generate(model, long, params)
 
 
-def test_the_measured_budget_is_in_grains_where_chunks_may_be_cut(any_chunk_target):
-    engine = SpecEngine(any_chunk_target, None, EngineConfig(max_batch=1, max_context=512, prefill_step_s=1e-9))
-    assert engine.any_chunk and engine.prefill_unit == PREFILL_GRAIN
-    assert engine.prefill_budget() == PREFILL_GRAIN  # the floor: a grain, not a whole chunk
-    cost = engine.prefill_cost
-    engine.config.prefill_step_s = cost.seconds_per_token(0) * 100
-    assert engine.prefill_budget(0) % PREFILL_GRAIN == 0 and PREFILL_GRAIN <= engine.prefill_budget(0) <= 4 * 256
-
-
-def test_short_prompts_admitted_together_share_one_prefill_forward(any_chunk_target):
+def test_short_prompts_admitted_together_share_one_prefill_forward(any_chunk_target, monkeypatch):
     """Where chunks may have any size, the prompts a step prefills go through one forward (not one each), and every
     output still equals plain decoding's (which prefills each prompt alone)."""
     model, vocab = any_chunk_target, any_chunk_target.args.vocab_size
@@ -194,8 +247,10 @@ def test_short_prompts_admitted_together_share_one_prefill_forward(any_chunk_tar
     config = EngineConfig(max_batch=4, max_context=512, controller=free_tokens_curve())
     engine = SpecEngine(model, SuffixDrafter(max_depth=6), config)
     forwards = []
-    real = engine._forward
-    engine._forward = lambda segments: forwards.append([len(s.tokens) for s in segments]) or real(segments)
+    real = model.staged
+    monkeypatch.setattr(
+        model, "staged", lambda segs, cache: forwards.append([len(s.tokens) for s in segs]) or real(segs, cache)
+    )
     seqs = [engine.add_request(p, params) for p in prompts]
     engine.step()
     assert all(s.num_generated >= 1 for s in seqs)  # every prompt's first token in the first step
@@ -205,15 +260,3 @@ def test_short_prompts_admitted_together_share_one_prefill_forward(any_chunk_tar
         engine.step()
     for p, s in zip(prompts, seqs, strict=True):
         assert s.output_ids == plain_generate(model, p, params)
-
-
-def test_a_steps_prefill_time_pays_the_forwards_fixed_cost_first(any_chunk_target):
-    """The budget is what fits in `prefill_step_s` after a forward's fixed cost (measured with the cost per token at
-    start-up): 0.25 s at 1 ms a token after 50 ms of fixed cost is 200 tokens, not 250."""
-    cost = PrefillCost(base=1e-3, per_context=0.0, fixed=0.05)
-    assert cost.tokens_in(0.25, 0) == pytest.approx(200) and cost.tokens_in(0.04, 0) == 0
-    engine = SpecEngine(any_chunk_target, None, EngineConfig(max_batch=1, max_context=512))
-    measured = engine.prefill_cost
-    assert measured.fixed >= 0 and measured.base > 0 and measured.per_context >= 0
-    engine.config.prefill_step_s = measured.fixed + measured.seconds_per_token(0) * 100
-    assert engine.prefill_budget(0) == 96  # the 100 tokens after the fixed cost, in whole grains

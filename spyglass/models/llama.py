@@ -275,6 +275,35 @@ def attend_batched(
 PREFILL_CHUNK = 256
 
 
+class StagedForward:
+    """One forward run a few layers at a time, so that a long prefill chunk can share several engine steps with
+    other forwards (the decoding streams' rounds): its K/V and logits are those of the same forward run at once,
+    as each layer runs the same kernels on the same rows, whatever runs in between."""
+
+    def __init__(self, layers, invariant: bool, n_layers: int) -> None:
+        self._layers = layers
+        self._invariant = invariant  # the linears row-invariant (see Transformer.forward), set at every resumption
+        self.n_layers = n_layers
+        self.layers_run = 0
+        self.logits: list[torch.Tensor | None] | None = None  # set once the last layer has run
+
+    @property
+    def layers_left(self) -> int:
+        return self.n_layers - self.layers_run
+
+    def run(self, layers: int | None = None) -> list[torch.Tensor | None] | None:
+        """Run the next `layers` layers (None: all that are left); the logits once the last has run, else None."""
+        n = self.layers_left if layers is None else min(layers, self.layers_left)
+        with torch.inference_mode(), row_invariant(self._invariant):
+            for _ in range(n):
+                self.layers_run += 1
+                try:
+                    next(self._layers)
+                except StopIteration as end:
+                    self.logits = end.value
+        return self.logits
+
+
 class Transformer(nn.Module):
     """The target (or a draft) model: weights plus the packed forward over a KVCache."""
 
@@ -327,7 +356,6 @@ class Transformer(nn.Module):
         sin = (emb.sin() * self.rope_scaling).to(self.dtype).unsqueeze(1)
         return cos, sin
 
-    @torch.inference_mode()
     def forward(self, segments: list[Segment], cache: KVCache) -> list[torch.Tensor | None]:
         """Run the new tokens of every segment; returns fp32 logits per segment (rows as requested).
 
@@ -339,11 +367,17 @@ class Transformer(nn.Module):
         row-invariant (spyglass.models.linear), so a verify pass equals the decode steps bit for bit; prefill chunks
         (only the last row's logits, or none) on the fastest kernels.
         """
-        segments = on_device(segments, self.device)
-        with row_invariant(not all(s.logits != "all" and s.mask is None for s in segments)):
-            return self._forward(segments, cache)
+        return self.staged(segments, cache).run()
 
-    def _forward(self, segments: list[Segment], cache: KVCache) -> list[torch.Tensor | None]:
+    def staged(self, segments: list[Segment], cache: KVCache) -> StagedForward:
+        """`forward` over these segments, to be run a few layers at a time (`StagedForward.run`)."""
+        segments = on_device(segments, self.device)
+        invariant = not all(s.logits != "all" and s.mask is None for s in segments)
+        return StagedForward(self._layer_by_layer(segments, cache), invariant, len(self.layers))
+
+    def _layer_by_layer(self, segments: list[Segment], cache: KVCache):
+        """The forward as a generator: it stops after each layer but the last, whose step also runs the head and
+        returns the logits."""
         tokens = torch.cat([s.tokens for s in segments]) if len(segments) > 1 else segments[0].tokens
         positions = torch.cat([s.positions for s in segments]) if len(segments) > 1 else segments[0].positions
         cos, sin = self._rope(positions)
@@ -360,6 +394,8 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, segments, cache, i, backend, tails if cut and i == last else None)
             if i in capture:
                 kept[i] = x
+            if i < last:
+                yield
         if capture:  # hidden states (layer outputs) of every new token, per segment, for drafters that read them
             bounds = torch.tensor([0, *(s.tokens.shape[0] for s in segments)]).cumsum(0).tolist()
             self.captured = [{i: h[a:b] for i, h in kept.items()} for a, b in zip(bounds, bounds[1:], strict=False)]

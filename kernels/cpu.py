@@ -37,6 +37,21 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def machine_key() -> str:
+    """This CPU (its model and instruction sets) with these kernels and this torch: what a measurement of kernel
+    speeds kept on disk holds for."""
+    h = hashlib.sha1(build_name().encode())
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.split(":", 1)[0].strip() in ("vendor_id", "model name", "cpu family", "model", "stepping"):
+                h.update(line.encode())
+            if line.startswith("flags"):
+                break
+    except OSError:
+        h.update(platform.processor().encode())
+    return h.hexdigest()[:16]
+
+
 def build_name() -> str:
     """Extension name: changes with the source, the flags, the CPU's instruction sets and torch's version."""
     h = hashlib.sha1()

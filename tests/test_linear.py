@@ -137,6 +137,40 @@ def test_timing_sample_stands_for_every_layer(monkeypatch):
         assert len(sample) - len(head) == 3 * (3 if rows <= 8 else 2 if rows == 16 else 1)  # of 9 layers per shape
 
 
+def test_a_measured_plan_is_kept_for_the_next_process_on_this_machine(tiny_dir, tmp_path, monkeypatch):
+    """The plan and the prefill choice are timed once per machine: a new process (here: the per-process memo
+    cleared) takes the kept ones without timing, so it runs the same kernels (and a prompt gets the same bits) as the
+    last; SPYGLASS_REMEASURE=1 times again."""
+    monkeypatch.setenv("SPYGLASS_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPYGLASS_REMEASURE", raising=False)
+    model = load_transformer(tiny_dir["llama"], linear_backend="aten")
+    timed = []
+    real = linear_mod._time_kernels
+    monkeypatch.setattr(linear_mod, "_time_kernels", lambda *a: timed.append(a[2]) or real(*a))
+
+    def fresh_process():
+        monkeypatch.setattr(linear_mod, "_PLANS", {})
+        monkeypatch.setattr(linear_mod, "_LANES", {})
+
+    fresh_process()
+    plan, lanes = measure_linear_plan(model), linear_mod.lanes_for_prefill(model)
+    assert len(timed) == len(ROW_BUCKETS) + (1 if linear_mod.rows_supported(model.layers[0].wo.weight) else 0)
+    assert linear_mod.kept_plans_path().parent == tmp_path and linear_mod.kept_plans_path().exists()
+    fresh_process()
+    timed.clear()
+    assert measure_linear_plan(model) == plan and linear_mod.lanes_for_prefill(model) == lanes and not timed
+    fresh_process()
+    monkeypatch.setenv("SPYGLASS_REMEASURE", "1")
+    assert_valid_plan(measure_linear_plan(model), model.layers[0].wo.weight)
+    assert len(timed) == len(ROW_BUCKETS)
+    linear_mod.kept_plans_path().write_text("not json")  # a damaged file is measured over, not an error
+    monkeypatch.delenv("SPYGLASS_REMEASURE")
+    fresh_process()
+    timed.clear()
+    assert_valid_plan(measure_linear_plan(model), model.layers[0].wo.weight)
+    assert len(timed) == len(ROW_BUCKETS)
+
+
 def test_backend_choice_and_errors(tiny_dir):
     model = load_transformer(tiny_dir["llama"], linear_backend="aten")
     linears = [m for m in model.modules() if isinstance(m, Linear)]

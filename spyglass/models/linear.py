@@ -16,9 +16,9 @@ costs about one pass from 2 rows on and is slow for one. On a Xeon with AMX, MKL
 nearly the cost of one. At hundreds of rows (Zen 4, one thread) oneDNN's and MKL's bf16 GEMMs run ~185 GFLOP/s,
 twice their fp32 and 1.3-1.8x `rows` in bf16. Without bf16 GEMM instructions (AVX2, AVX-512F) the libraries' bf16
 GEMMs are slow; `widen` widens a bf16 call's operands for oneDNN's fp32 GEMM (Zen 3, 2 threads, 256 rows of SmolLM2's
-shapes: 64-86 GFLOP/s against `lanes`' 53-65). So each process times the kernels on the model's own weights, per
-bucket of row counts, and keeps a plan: the fastest kernel per bucket. Autograd always takes `F.linear` (the oneDNN
-op has no backward).
+shapes: 64-86 GFLOP/s against `lanes`' 53-65). So the kernels are timed on the model's own weights, per bucket of
+row counts, and the fastest per bucket makes a plan, kept for the next process on the machine (`_kept`).
+Autograd always takes `F.linear` (the oneDNN op has no backward).
 
 A library's prefill chunk gives a row bits that depend on the chunk's row count, so the engine would have to prefill
 a prompt in the same chunks under any load. `lanes` (kernels/cpu_ops.cpp lanes_linear: x rows in vector lanes, each
@@ -38,7 +38,10 @@ import bisect
 import contextlib
 import contextvars
 import functools
+import json
+import os
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -275,18 +278,22 @@ def _time_kernels(kernels: list[str], sample, rows: int, min_rounds: int, max_ro
 def measure_linear_plan(model: nn.Module, repeats: int = 2) -> tuple[str, ...]:
     """The fastest library kernel (or `rows`) per row bucket, each timed on a sample of the model's layers
     (`_timing_sample`) at the bucket's largest row count, over `repeats` to twice that many rounds (`_time_kernels`).
-    Measured once per process for a given set of shapes, dtype and thread count."""
+    Measured once per machine for a given set of shapes, dtype and thread count (`_kept`)."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if not linears or linears[0].weight.device.type != "cpu":
         return ("aten",) * len(ROW_BUCKETS)
     key = _plan_key(linears)
     if key not in _PLANS:
         kernels = _library_kernels(linears[0].weight)
-        plan = []
-        for rows in ROW_BUCKETS:
-            est = _time_kernels(kernels, _timing_sample(linears, rows), rows, repeats, 2 * repeats)
-            plan.append(min(est, key=est.get))
-        _PLANS[key] = tuple(plan)
+
+        def measure() -> list[str]:
+            plan = []
+            for rows in ROW_BUCKETS:
+                est = _time_kernels(kernels, _timing_sample(linears, rows), rows, repeats, 2 * repeats)
+                plan.append(min(est, key=est.get))
+            return plan
+
+        _PLANS[key] = tuple(_kept("plan", (key, kernels), measure))
     return _PLANS[key]
 
 
@@ -296,16 +303,53 @@ _LANES: dict[tuple, bool] = {}
 def lanes_for_prefill(model: nn.Module, repeats: int = 2) -> bool:
     """Whether `lanes` times within LANES_SLACK of the fastest other kernel at a prefill chunk's LANES_ROWS rows on
     the model's layers: then it runs every prefill chunk, so chunks of any size give a prompt the same bits
-    (`prefill_row_invariant`). Measured once per process for a given set of shapes, dtype and thread count."""
+    (`prefill_row_invariant`). Measured once per machine for a given set of shapes, dtype and thread count."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if not linears or not rows_supported(linears[0].weight):
         return False
     key = _plan_key(linears)
     if key not in _LANES:
         kernels = [*_library_kernels(linears[0].weight), "lanes"]
-        est = _time_kernels(kernels, _timing_sample(linears, LANES_ROWS), LANES_ROWS, repeats, 2 * repeats)
-        _LANES[key] = est.get("lanes", float("inf")) <= LANES_SLACK * min(t for k, t in est.items() if k != "lanes")
+
+        def measure() -> bool:
+            est = _time_kernels(kernels, _timing_sample(linears, LANES_ROWS), LANES_ROWS, repeats, 2 * repeats)
+            return est.get("lanes", float("inf")) <= LANES_SLACK * min(t for k, t in est.items() if k != "lanes")
+
+        _LANES[key] = bool(_kept("lanes", (key, kernels), measure))
     return _LANES[key]
+
+
+def kept_plans_path() -> Path:
+    """Where the plans measured on this machine are kept: beside the converted models (`$SPYGLASS_CACHE`, else
+    ~/.cache/spyglass/models)."""
+    return Path(os.environ.get("SPYGLASS_CACHE") or Path.home() / ".cache" / "spyglass" / "models") / "plans.json"
+
+
+def _kept(kind: str, key: tuple, measure):
+    """`measure()`'s result, kept on disk for this machine (`kernels.cpu.machine_key`: the CPU, the kernels' build,
+    torch) and `key` (shapes, dtype, threads, kernels timed): the next process on it takes the kept result instead of
+    timing again. Its choice of kernels decides a prompt's bf16 bits, and where two kernels time close, two
+    measurements can pick differently (on one Zen 3 VM a 256-row prefill went to `lanes` in one server start and
+    `widen` in the next, and their outputs differed); kept, a restart gives the outputs of the last start, and starts
+    sooner. SPYGLASS_REMEASURE=1 times again (and keeps the new result)."""
+    path = kept_plans_path()
+    name = json.dumps([kind, cpu_kernels.machine_key(), repr(key)])
+    try:
+        kept = json.loads(path.read_text())
+    except (OSError, ValueError):
+        kept = {}
+    if name in kept and os.environ.get("SPYGLASS_REMEASURE") != "1":
+        return kept[name]
+    value = measure()
+    kept[name] = value
+    try:  # a failed write only loses the saving: the next process measures again
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(kept, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass
+    return value
 
 
 def _plan_key(linears: list[Linear]) -> tuple:

@@ -27,28 +27,32 @@ CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
 builds = 0  # times this process built (or loaded) the extension: once, whatever shapes it then serves
 
 
-def _cpu_flags() -> str:
+@functools.cache
+def cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo, up to its flags (none where the file is missing)."""
+    info: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+            if key.strip() == "flags":
+                break
     except OSError:
         pass
-    return platform.processor()
+    return info
 
 
+def _cpu_flags() -> str:
+    return cpuinfo().get("flags") or platform.processor()
+
+
+@functools.cache
 def machine_key() -> str:
     """This CPU (its model and instruction sets) with these kernels and this torch: what a measurement of kernel
     speeds kept on disk holds for."""
     h = hashlib.sha1(build_name().encode())
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.split(":", 1)[0].strip() in ("vendor_id", "model name", "cpu family", "model", "stepping"):
-                h.update(line.encode())
-            if line.startswith("flags"):
-                break
-    except OSError:
-        h.update(platform.processor().encode())
+    info, fields = cpuinfo(), ("vendor_id", "model name", "cpu family", "model", "stepping")
+    h.update(repr([info.get(f) for f in fields] if info else platform.processor()).encode())
     return h.hexdigest()[:16]
 
 

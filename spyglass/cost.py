@@ -17,25 +17,17 @@ import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
+from kernels.cpu import cpuinfo
 from spyglass.models.llama import Segment
 
 
 def cpu_model() -> str:
     """The CPU model name, with family/model and the vector extensions that change matmul speed (a VM may show
     only "AMD EPYC" for both Zen 3 and Zen 4): recorded with every measurement, as the cost curve differs."""
-    info: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            info.setdefault(key.strip(), value.strip())
-            if key.strip() == "flags":
-                break
-    except OSError:
-        pass
+    info = cpuinfo()
     name = info.get("model name") or platform.processor() or platform.machine()
     if "cpu family" not in info:
         return name

@@ -94,6 +94,7 @@ class KVCache:
         self._v = torch.empty(shape, dtype=dtype, device=self.device)
         self.lengths = [0] * max_slots
         self._free = list(range(max_slots - 1, -1, -1))
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (slot, layer) -> layer()
 
     # --- slot management -------------------------------------------------------------
     @property
@@ -125,8 +126,16 @@ class KVCache:
 
     # --- access ------------------------------------------------------------------------
     def layer(self, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Full-capacity K and V views `[kv_heads, capacity, head_dim]` of one layer (no copy)."""
-        return self._k[slot][layer], self._v[slot][layer]
+        """Full-capacity K and V views `[kv_heads, capacity, head_dim]` of one layer (no copy), made once: a decode
+        step asks for every layer's."""
+        views = self._views.get((slot, layer))
+        if views is None:
+            views = self._views[slot, layer] = (self._k[slot][layer], self._v[slot][layer])
+        return views
+
+    def all_layers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of every slot and layer, `[max_slots, layers, kv_heads, capacity, head_dim]`."""
+        return self._k, self._v
 
     def all_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V views `[max_slots, kv_heads, capacity, head_dim]` of one layer for every slot."""

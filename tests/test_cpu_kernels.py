@@ -461,6 +461,61 @@ def test_verify_pass_logits_equal_decode_steps(tiny_dir, family, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_one_call_layer_stack_equals_the_layer_by_layer_forward(tiny_dir, monkeypatch, family, dtype):
+    """A row-invariant forward (decode steps, a tree, several sequences packed) runs its layers in one kernel call
+    (`layer_stack`); its logits, the K/V it writes and the hidden states a drafter captures equal, bit for bit, those
+    of the same forward run layer by layer from Python (qwen2: with the q/k/v bias)."""
+    model = load_transformer(tiny_dir[family], dtype=dtype)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, model.args.vocab_size, (n,), generator=g) for n in (90, 300, 40)]
+    tree = _random_tree(6, g)
+    new = [torch.randint(3, model.args.vocab_size, (n,), generator=g) for n in (1, 6, 3)]
+
+    forward_stacked = type(model)._forward_stacked
+
+    def run(stacked: bool):
+        calls = []
+        if stacked:
+            monkeypatch.setattr(
+                type(model), "_forward_stacked", lambda self, *a: calls.append(1) or forward_stacked(self, *a)
+            )
+        else:
+            monkeypatch.setattr(type(model), "_stack_ops", lambda self, segments: None)
+        cache = model.new_cache(400, 3)
+        slots = [cache.allocate() for _ in prompts]
+        for slot, p in zip(slots, prompts, strict=True):
+            model.prefill(cache, slot, p, chunk_size=64)
+        segments = [
+            Segment(slots[0], 90, new[0], torch.tensor([90]), None, "all"),
+            Segment(slots[1], 300, new[1], 300 + tree.sum(1) - 1, tree, "all"),
+            Segment(slots[2], 40, new[2], torch.arange(40, 43), None, "all"),
+        ]
+        model.capture_layers = (0, len(model.layers) - 1)
+        try:
+            logits = model(segments, cache)
+            captured = model.captured
+        finally:
+            model.capture_layers = ()
+            monkeypatch.undo()
+        kv = [
+            torch.cat([t[s][:, :, : p.shape[0] + n.shape[0]] for t in cache.all_layers()])
+            for s, p, n in zip(slots, prompts, new, strict=True)
+        ]
+        return calls, logits, captured, kv
+
+    calls, logits, captured, kv = run(stacked=True)
+    ref_calls, ref_logits, ref_captured, ref_kv = run(stacked=False)
+    assert calls == [1] and ref_calls == []
+    for a, b in zip(logits, ref_logits, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(captured, ref_captured, strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[i], b[i]) for i in a)
+    for a, b in zip(kv, ref_kv, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_prefill_chunks_of_any_size_give_the_same_bits(tiny_dir, family, dtype):
     """With the prefill on `lanes` (and the layers on the kernels), a prompt prefilled in chunks of any sizes, across
     a 512-key chunk edge of the attention, leaves the same K/V in the cache and the same last logits, bit for bit:

@@ -120,10 +120,16 @@ def _recording(monkeypatch) -> list[str]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_forwards_but_prefill_run_the_row_invariant_kernel(tiny_dir, monkeypatch, dtype):
     """Decode steps and verify passes (every row's logits, or a tree) run every linear on `rows` whatever their row
-    count and whatever the prefill plan says; prefill chunks (the last row's logits, or none) follow the plan."""
+    count and whatever the prefill plan says (their layers in one `layer_stack` call, which runs `rows` only; the LM
+    head from Python); prefill chunks (the last row's logits, or none) follow the plan."""
     model = load_transformer(tiny_dir["qwen2"], dtype=dtype, linear_backend="prefill:wfirst")
     assert model.linear_backend == "prefill:wfirst"
     calls = _recording(monkeypatch)
+    stacked = []
+    forward_stacked = type(model)._forward_stacked
+    monkeypatch.setattr(
+        type(model), "_forward_stacked", lambda self, *a: stacked.append(1) or forward_stacked(self, *a)
+    )
     n_linears = 4 * len(model.layers)
     cache = model.new_cache(512, 3)
     slots = [cache.allocate() for _ in range(3)]
@@ -142,8 +148,14 @@ def test_forwards_but_prefill_run_the_row_invariant_kernel(tiny_dir, monkeypatch
         [Segment(slots[0], 40, prompt[40:45], torch.arange(40, 45), None, "all")],  # a chain, every row's logits
     ):
         calls.clear()
+        stacked.clear()
         model(segments, cache)
-        assert calls == ["rows"] * (n_linears + 1), segments
+        assert calls == ["rows"] and stacked == [1], segments
+        with monkeypatch.context() as layer_by_layer:
+            layer_by_layer.setattr(type(model), "_stack_ops", lambda self, segments: None)
+            calls.clear()
+            model(segments, cache)
+            assert calls == ["rows"] * (n_linears + 1), segments
     # outside a forward a Linear follows its plan (drafts call theirs directly)
     calls.clear()
     with torch.inference_mode():

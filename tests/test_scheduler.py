@@ -247,9 +247,14 @@ def test_short_prompts_admitted_together_share_one_prefill_forward(any_chunk_tar
     config = EngineConfig(max_batch=4, max_context=512, controller=free_tokens_curve())
     engine = SpecEngine(model, SuffixDrafter(max_depth=6), config)
     forwards = []
-    real = model.staged
+    staged, stacked = model.staged, model._forward_stacked  # prefill forwards, and the rounds on the kernels
     monkeypatch.setattr(
-        model, "staged", lambda segs, cache: forwards.append([len(s.tokens) for s in segs]) or real(segs, cache)
+        model, "staged", lambda segs, cache: forwards.append([len(s.tokens) for s in segs]) or staged(segs, cache)
+    )
+    monkeypatch.setattr(
+        model,
+        "_forward_stacked",
+        lambda ops, segs, cache: forwards.append([len(s.tokens) for s in segs]) or stacked(ops, segs, cache),
     )
     seqs = [engine.add_request(p, params) for p in prompts]
     engine.step()

@@ -218,8 +218,6 @@ class Block(nn.Module):
         sees, so a verify pass equals the decode steps it replaces), SwiGLU. fp32 or bf16: each kernel rounds its
         output to the model's dtype as the torch ops do, the arithmetic in fp32."""
         a = self.a
-        t = x.shape[0]
-        cos, sin = cos.reshape(t, a.head_dim), sin.reshape(t, a.head_dim)
         qkv = self.wqkv(ops.rms_norm(x, self.attn_norm.weight, self.attn_norm.eps))
         outs = []
         offset = 0
@@ -273,6 +271,12 @@ def attend_batched(
 # Prompt tokens per prefill forward, here and in the engine (EngineConfig.prefill_chunk): 256 prefills 4K tokens
 # ~9% slower than 512 (SmolLM2 bf16, 2 Zen 4 cores) and halves what a decoding stream waits for another's chunk.
 PREFILL_CHUNK = 256
+
+
+def _row_invariant(segments: list[Segment]) -> bool:
+    """Whether a forward runs its linears row-invariant: it wants every row's logits or carries a tree (a decode
+    step, a verify pass), unlike a prefill chunk."""
+    return not all(s.logits != "all" and s.mask is None for s in segments)
 
 
 class StagedForward:
@@ -367,36 +371,98 @@ class Transformer(nn.Module):
         row-invariant (spyglass.models.linear), so a verify pass equals the decode steps bit for bit; prefill chunks
         (only the last row's logits, or none) on the fastest kernels.
         """
+        segments = on_device(segments, self.device)
+        stack = self._stack_ops(segments)
+        if stack is not None:
+            return self._forward_stacked(stack, segments, cache)
         return self.staged(segments, cache).run()
 
     def staged(self, segments: list[Segment], cache: KVCache) -> StagedForward:
         """`forward` over these segments, to be run a few layers at a time (`StagedForward.run`)."""
         segments = on_device(segments, self.device)
-        invariant = not all(s.logits != "all" and s.mask is None for s in segments)
-        return StagedForward(self._layer_by_layer(segments, cache), invariant, len(self.layers))
+        return StagedForward(self._layer_by_layer(segments, cache), _row_invariant(segments), len(self.layers))
+
+    def _inputs(self, segments: list[Segment]):
+        """What every layer takes: the new tokens' embeddings and RoPE tables; per segment, how many of its last rows
+        get logits (`tails`); whether a prefill's last layer may compute those rows alone (`cut`: every row writes
+        its K/V, only those go on, unless a drafter reads that layer's hidden states)."""
+        tokens = torch.cat([s.tokens for s in segments]) if len(segments) > 1 else segments[0].tokens
+        positions = torch.cat([s.positions for s in segments]) if len(segments) > 1 else segments[0].positions
+        cos, sin = self._rope(positions)
+        tails = [{"all": s.tokens.shape[0], "last": 1}.get(s.logits, 0) for s in segments]
+        cut = (
+            len(self.layers) - 1 not in getattr(self, "capture_layers", ())
+            and all(s.mask is None for s in segments)
+            and sum(tails) < tokens.shape[0]
+        )
+        return self.embed(tokens), cos, sin, tails, cut
+
+    def _stack_ops(self, segments: list[Segment]):
+        """The kernels' module when this forward can run its layers in one `layer_stack` call (a row-invariant
+        forward whose every layer would run on the CPU kernels with its linears on `rows`), else None."""
+        ops = cpu_kernels.native()
+        if (
+            ops is None
+            or self.device.type != "cpu"
+            or self.dtype not in (torch.float32, torch.bfloat16)
+            or not _row_invariant(segments)
+            or resolve_backend(self.attention_backend, self.device) != "cpu"
+            # a prefill segment beside the others: the layer-by-layer path may compute its last layer's tail alone
+            or (all(s.mask is None for s in segments) and any(s.logits != "all" for s in segments))
+        ):
+            return None
+        for layer in self.layers:
+            if not layer.native or not all(
+                lin.invariant and lin.plan is not None for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)
+            ):
+                return None
+        return ops
+
+    def _forward_stacked(self, ops, segments: list[Segment], cache: KVCache) -> list[torch.Tensor | None]:
+        """`forward` with every layer in one kernel call (`layer_stack`): the same kernels on the same rows as the
+        layer-by-layer path, without the Python between them."""
+        for s in segments:
+            if s.start + s.tokens.shape[0] > cache.capacity:
+                raise CacheFullError(
+                    f"slot {s.slot}: {s.start + s.tokens.shape[0]} tokens exceed the capacity {cache.capacity}"
+                )
+        with torch.inference_mode():
+            x, cos, sin, tails, cut = self._inputs(segments)
+            a = self.args
+            weights = []
+            for layer in self.layers:
+                weights += [layer.attn_norm.weight, layer.wqkv.weight, layer.wqkv.bias, layer.wo.weight]
+                weights += [layer.mlp_norm.weight, layer.w_gate_up.weight, layer.w_down.weight]
+            capture = sorted(getattr(self, "capture_layers", ()))
+            k, v = cache.all_layers()
+            out = ops.layer_stack(
+                x, cos, sin, weights, a.rms_eps, k, v,
+                [s.slot for s in segments], [s.start for s in segments], [s.tokens.shape[0] for s in segments],
+                [s.mask for s in segments], a.n_heads, a.head_dim**-0.5, capture,
+            )  # fmt: skip
+            with row_invariant():
+                return self._head(segments, out[0], tails, False, dict(zip(capture, out[1:], strict=True)))
 
     def _layer_by_layer(self, segments: list[Segment], cache: KVCache):
         """The forward as a generator: it stops after each layer but the last, whose step also runs the head and
         returns the logits."""
-        tokens = torch.cat([s.tokens for s in segments]) if len(segments) > 1 else segments[0].tokens
-        positions = torch.cat([s.positions for s in segments]) if len(segments) > 1 else segments[0].positions
-        cos, sin = self._rope(positions)
-        x = self.embed(tokens)
+        x, cos, sin, tails, cut = self._inputs(segments)
         backend = resolve_backend(self.attention_backend, self.device)
         capture = getattr(self, "capture_layers", ())
         kept: dict[int, torch.Tensor] = {}
-        # per segment, how many of its last rows get logits; a prefill's last layer takes only those past their K/V
-        # (unless a drafter reads that layer's hidden states)
-        tails = [{"all": s.tokens.shape[0], "last": 1}.get(s.logits, 0) for s in segments]
         last = len(self.layers) - 1
-        cut = last not in capture and all(s.mask is None for s in segments) and sum(tails) < tokens.shape[0]
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, segments, cache, i, backend, tails if cut and i == last else None)
             if i in capture:
                 kept[i] = x
             if i < last:
                 yield
-        if capture:  # hidden states (layer outputs) of every new token, per segment, for drafters that read them
+        return self._head(segments, x, tails, cut, kept)
+
+    def _head(self, segments: list[Segment], x: torch.Tensor, tails: list[int], cut: bool, kept: dict):
+        """The final norm and LM head over the rows that want logits (`x` holds only those when `cut`); the hidden
+        states `kept` (layer -> every new token's output) go to `captured`, per segment."""
+        if kept:  # hidden states (layer outputs) of every new token, per segment, for drafters that read them
             bounds = torch.tensor([0, *(s.tokens.shape[0] for s in segments)]).cumsum(0).tolist()
             self.captured = [{i: h[a:b] for i, h in kept.items()} for a, b in zip(bounds, bounds[1:], strict=False)]
         rows = _tail_rows(segments, tails)  # the rows whose logits are asked for

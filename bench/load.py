@@ -156,6 +156,8 @@ def start_spyglass(args, model_dir: Path, logs: Path, tag: str) -> tuple[Server,
     doc = yaml.safe_load((ROOT / "infra" / "serve_config.yaml").read_text())
     verifier = doc["applications"][0]["args"]["verifier"]
     verifier.update(dtype=args.dtype, methods=[DEFAULT_METHOD, PLAIN_METHOD], max_batch=args.max_batch)
+    if args.prefill_step_s is not None:
+        verifier["prefill_step_s"] = args.prefill_step_s
     doc["applications"][0]["args"]["gateway"]["max_queued"] = max(64, args.max_batch * 4)
     cfg = logs / f"serve_config_{tag}.yaml"
     cfg.write_text(yaml.safe_dump(doc))
@@ -267,6 +269,9 @@ def main() -> int:
     # spyglass's KV slots (vLLM batches what its KV space holds): 16 x 8K fp32 tokens of SmolLM2 need 5.6 GiB
     ap.add_argument("--max-batch", type=int, default=16, help="spyglass's KV slots (16 x 8K fp32: 5.6 GiB)")
     ap.add_argument("--max-context", type=int, default=8192)
+    ap.add_argument(
+        "--prefill-step-s", type=float, default=None, help="spyglass's prefill seconds per step beside decoding streams"
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--vllm-kv-gib", type=int, default=4)
     ap.add_argument("--followup-tokens", type=int, default=5000)

@@ -52,6 +52,9 @@ class VerifierConfig:
     max_new_tokens_limit: int = 4096
     default_max_new_tokens: int = 128
     prefill_chunk: int | None = None  # prompt tokens per prefill forward (None: EngineConfig's)
+    # seconds of prefill layers a step runs while other sequences decode (None: EngineConfig's): a stream's longest
+    # wait for its next token while prompts are prefilled, against how soon those prompts start
+    prefill_step_s: float | None = None
     # the target's matmul kernels (spyglass.models.linear.set_linear_backend): "auto" times them at load; a replica's
     # reported `linear_backend` pins the same kernels, so replicas and restarts round every prompt alike
     linear_backend: str = "auto"
@@ -499,8 +502,8 @@ def build_engine(cfg: VerifierConfig) -> tuple[Any, Any, dict[str, Any]]:
         m: build_drafter(m, target, max_batch=cfg.max_batch, max_context=capacity, loaded=loaded, **cfg.drafter_options)
         for m in cfg.methods
     }
-    chunk = {} if cfg.prefill_chunk is None else {"prefill_chunk": cfg.prefill_chunk}
-    econf = EngineConfig(max_batch=cfg.max_batch, max_context=capacity, **chunk)
+    given = {k: getattr(cfg, k) for k in ("prefill_chunk", "prefill_step_s") if getattr(cfg, k) is not None}
+    econf = EngineConfig(max_batch=cfg.max_batch, max_context=capacity, **given)
     engine = SpecEngine(target, config=econf, tokenizer=tokenizer, context_cache=cache, drafters=drafters)
     info = {
         "model": resolved.model_id,

@@ -67,8 +67,9 @@ def test_verifier_stream_has_no_special_tokens():
     """The serving path: streamed deltas and the final text agree and carry no special tokens."""
     from services.verifier import EngineLoop, VerifierConfig, build_engine
 
-    cfg = VerifierConfig(methods=["ngram"], max_batch=1, max_context=1024, threads=1)
+    cfg = VerifierConfig(methods=["ngram"], max_batch=1, max_context=1024, threads=1, prefill_step_s=0.2)
     engine, tok, _ = build_engine(cfg)
+    assert engine.config.prefill_step_s == 0.2  # the served prefill step budget reaches the engine
     loop = EngineLoop(engine, tok, cfg, name="first-run")
 
     async def run():

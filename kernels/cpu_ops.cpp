@@ -1620,7 +1620,8 @@ std::vector<torch::Tensor> layer_stack(torch::Tensor x, torch::Tensor cos, torch
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("layer_stack", &layer_stack);
+  // the GIL released while it runs (a whole forward): a server's other Python threads go on meanwhile
+  m.def("layer_stack", &layer_stack, py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm);
   m.def("silu_mul", &silu_mul);
   m.def("rope_write", &rope_write);

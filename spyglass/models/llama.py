@@ -427,13 +427,13 @@ class Transformer(nn.Module):
                     f"slot {s.slot}: {s.start + s.tokens.shape[0]} tokens exceed the capacity {cache.capacity}"
                 )
         with torch.inference_mode():
-            x, cos, sin, tails, cut = self._inputs(segments)
+            x, cos, sin, tails, _ = self._inputs(segments)  # no cut: _stack_ops leaves those forwards out
             a = self.args
             weights = []
             for layer in self.layers:
                 weights += [layer.attn_norm.weight, layer.wqkv.weight, layer.wqkv.bias, layer.wo.weight]
                 weights += [layer.mlp_norm.weight, layer.w_gate_up.weight, layer.w_down.weight]
-            capture = sorted(getattr(self, "capture_layers", ()))
+            capture = sorted({i for i in getattr(self, "capture_layers", ()) if 0 <= i < len(self.layers)})
             k, v = cache.all_layers()
             out = ops.layer_stack(
                 x, cos, sin, weights, a.rms_eps, k, v,

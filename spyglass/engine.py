@@ -254,22 +254,50 @@ class SpecEngine:
         return list(events.values())
 
     def _admit(self) -> None:
-        """Waiting requests take free slots in arrival order, each loading its longest cached prefix once. A prompt
-        whose prefix blocks the context cache is still writing (a follow-up sent right after its first request), or
+        """Waiting requests take free slots in arrival order, each starting from the longest prefix it can get: a
+        prompt held in another slot (`_live_prefix`: copied there), else the context cache's (loaded once). A prompt
         that shares at least half its loadable prefix with a prompt being prefilled (several questions about one
-        document arriving together), waits while the engine has other work, rather than computing what is about to
-        be stored; with nothing else to do its lookup waits for the blocks being written."""
+        document arriving together), or whose prefix blocks the context cache is still writing and no slot holds (a
+        follow-up sent right after its first request), waits while the engine has other work, rather than computing
+        what is about to be there; with nothing else to do its lookup waits for the blocks being written."""
         deferred = []
         while self.waiting and self.cache.free_slots:
             seq = self.waiting.popleft()
-            if (self.running or self.prefilling) and (self._prefix_being_written(seq) or self._prefix_in_prefill(seq)):
+            busy = bool(self.running or self.prefilling)
+            in_prefill = busy and self._prefix_in_prefill(seq)
+            donor, shared = (None, 0) if in_prefill else self._live_prefix(seq)
+            if busy and not shared and (in_prefill or self._prefix_being_written(seq)):
                 deferred.append(seq)
                 continue
             seq.slot = self.cache.allocate()
             seq.stats.t_admit = time.perf_counter()
-            seq.stats.cached_prefix_tokens = self._load_cached_prefix(seq)
+            if shared:
+                self.cache.copy_prefix(donor.slot, seq.slot, shared)
+                seq.stats.cached_prefix_tokens = seq.stats.live_prefix_tokens = shared
+            else:
+                seq.stats.cached_prefix_tokens = self._load_cached_prefix(seq)
             self.prefilling.append(seq)
         self.waiting.extendleft(reversed(deferred))
+
+    def _live_prefix(self, seq: Sequence) -> tuple[Sequence | None, int]:
+        """The sequence whose slot holds the longest committed prefix of `seq`'s prompt within its own prompt (the
+        K/V of generated tokens come from other forwards than a prefill's) and how many tokens of it `seq` may take:
+        whole prefill chunks where chunks have a fixed size (as the context cache loads), >= 1 token left to
+        compute; (None, 0) where that is under half of what `seq` could take. A drafter that reads the prompt's
+        hidden states takes none (`_reads_cache`)."""
+        if not self._reads_cache(seq):
+            return None, 0
+        grain = 1 if self.any_chunk else self.prefill_chunk
+        most = (seq.num_tokens - 1) // grain * grain
+        donor, best = None, 0
+        for other in (*self.running, *self.prefilling):
+            n = min(most, other.num_prompt, self.cache.lengths[other.slot])
+            if n <= best:
+                continue
+            same = int((seq.tokens[:n] == other.tokens[:n]).cumprod(0).sum()) // grain * grain
+            if same > best:
+                donor, best = other, same
+        return (donor, best) if best and 2 * best >= most else (None, 0)
 
     def _prefix_being_written(self, seq: Sequence) -> bool:
         cc = self.context_cache

@@ -170,6 +170,14 @@ class KVCache:
         self._k[slot][:, :, lo:hi] = kv[0]
         self._v[slot][:, :, lo:hi] = kv[1]
 
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Positions [0, n) of slot `src` into slot `dst`, which then holds n committed tokens."""
+        if not 0 <= n <= self.lengths[src]:
+            raise ValueError(f"slot {src} holds {self.lengths[src]} committed tokens, not {n}")
+        self._k[dst][:, :, :n] = self._k[src][:, :, :n]
+        self._v[dst][:, :, :n] = self._v[src][:, :, :n]
+        self.lengths[dst] = n
+
     def commit(self, slot: int, start: int, path: list[int]) -> None:
         """Keep the tree entries `start + path[j]` as positions `start + j`; the committed length grows."""
         n = len(path)

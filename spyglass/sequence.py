@@ -47,7 +47,8 @@ class SeqStats:
     prefill_time: float = 0.0  # admission to first token (chunked prefill: steps shared with decoding streams)
     prefill_compute_time: float = 0.0  # of that, the prefill forwards of this prompt
     prefill_tokens: int = 0
-    cached_prefix_tokens: int = 0
+    cached_prefix_tokens: int = 0  # prompt tokens whose K/V came from the context cache or another slot
+    live_prefix_tokens: int = 0  # of those, copied from another sequence's slot
     batch_sizes: list[int] = field(default_factory=list)
     t_start: float = field(default_factory=time.perf_counter)
     t_admit: float | None = None  # given a KV slot (its prefill starts)
@@ -83,6 +84,7 @@ class SeqStats:
             "prefill_compute_s": self.prefill_compute_time,
             "prefill_tokens": self.prefill_tokens,
             "cached_prefix_tokens": self.cached_prefix_tokens,
+            "live_prefix_tokens": self.live_prefix_tokens,
             "ttft_s": (self.t_first_token - self.t_start) if self.t_first_token else None,
             "decode_time_s": decode_time,
             "tokens_per_s": decode_tokens / decode_time if decode_time > 0 else 0.0,

@@ -286,30 +286,61 @@ def test_a_lookup_waits_for_blocks_still_being_written(redis_server):
 
 
 def test_a_follow_up_waits_for_its_prefix_while_others_decode_then_loads_all_of_it(tiny_target, redis_server):
+    """The first request has finished (its slot is free) and its blocks are still being written: a follow-up with
+    the same prompt waits while another stream decodes, then loads the whole prefix from the cache."""
     cc = GatedCache(redis_server.url, f"follow-{uuid.uuid4().hex}", block_size=16)
-    prompt = torch.randint(3, tiny_target.args.vocab_size, (75,), generator=torch.Generator().manual_seed(1)).tolist()
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, tiny_target.args.vocab_size, (75,), generator=g).tolist()
+    busy = torch.randint(3, tiny_target.args.vocab_size, (20,), generator=g).tolist()  # shares nothing
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     config = EngineConfig(max_batch=2, max_context=256, prefill_chunk=32)  # a step prefills 4 chunks: all 75 tokens
     engine = SpecEngine(tiny_target, None, config, context_cache=cc)
-    first = engine.add_request(prompt, params)
-    engine.step()  # prefilled: its 4 full blocks are queued for the (gated) writer
-    assert cc.writing(prompt, 74) and cc.stats.copy_s > 0
+    first = engine.add_request(prompt, SamplingParams(max_new_tokens=2, ignore_eos=True))
+    other = engine.add_request(busy, params)
+    while not first.finished:
+        engine.step()
+    assert cc.writing(prompt, 74) and cc.stats.copy_s > 0  # its 4 full blocks wait for the (gated) writer
     second = engine.add_request(prompt, params)
-    before = first.num_generated
+    before = other.num_generated
     engine.step()
-    assert second in engine.waiting and first.num_generated == before + 1  # the first decodes on, the second waits
+    assert second in engine.waiting and other.num_generated > before  # the other decodes on, the second waits
     cc.gate.set()
     cc.flush()
     engine.step()
-    assert second.stats.cached_prefix_tokens == 64  # the whole prefix but the last partial block
+    assert second.stats.cached_prefix_tokens == 64 and second.stats.live_prefix_tokens == 0  # all but a partial block
+    while engine.has_work:
+        engine.step()
+    assert second.output_ids == plain_generate(tiny_target, prompt, params)
+    assert first.output_ids == plain_generate(tiny_target, prompt, SamplingParams(max_new_tokens=2, ignore_eos=True))
+
+
+def test_a_follow_up_copies_its_prefix_from_the_slot_that_holds_it(tiny_target, redis_server):
+    """While the first request still decodes, a follow-up with the same prompt is admitted at once and copies the
+    prompt's K/V from the first one's slot (no wait for the cache's writer, no Redis round trip): whole prefill
+    chunks where chunks have a fixed size, any length where they may be cut, >= 1 token left; outputs equal plain
+    decoding."""
+    cc = GatedCache(redis_server.url, f"live-{uuid.uuid4().hex}", block_size=16)  # never opened: no cache hit
+    prompt = torch.randint(3, tiny_target.args.vocab_size, (75,), generator=torch.Generator().manual_seed(5)).tolist()
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    engine = SpecEngine(
+        tiny_target, None, EngineConfig(max_batch=2, max_context=256, prefill_chunk=32), context_cache=cc
+    )
+    first = engine.add_request(prompt, params)
+    engine.step()
+    second = engine.add_request(prompt, params)
+    engine.step()
+    assert second not in engine.waiting
+    copied = 74 if engine.any_chunk else 64
+    assert second.stats.live_prefix_tokens == second.stats.cached_prefix_tokens == copied
     while engine.has_work:
         engine.step()
     assert first.output_ids == second.output_ids == plain_generate(tiny_target, prompt, params)
+    cc.gate.set()
 
 
-def test_questions_about_one_document_wait_for_it_to_be_stored_then_load_it(tiny_target, redis_server):
+def test_questions_about_one_document_wait_for_it_then_copy_it(tiny_target, redis_server):
     """Several prompts sharing a long prefix arrive together: the first prefills it, the others wait until it is
-    stored and load it rather than computing it again; every output equals plain decoding."""
+    done and copy it from its slot rather than computing it again; every output equals plain decoding."""
     cc = ContextCache(redis_server.url, f"shared-{uuid.uuid4().hex}", block_size=16)
     g = torch.Generator().manual_seed(2)
     doc = torch.randint(3, tiny_target.args.vocab_size, (130,), generator=g).tolist()
@@ -324,6 +355,9 @@ def test_questions_about_one_document_wait_for_it_to_be_stored_then_load_it(tiny
     assert list(engine.waiting) == seqs[1:3]  # the unrelated prompt is admitted beside the first
     while engine.has_work:
         engine.step()
-    assert [s.stats.cached_prefix_tokens for s in seqs] == [0, 128, 128, 0]  # 128: whole 32-token chunks, 1 left
+    # copied from the first one's slot: the 130 shared tokens, or whole 32-token chunks of them where chunks are fixed
+    shared = 130 if engine.any_chunk else 128
+    assert [s.stats.cached_prefix_tokens for s in seqs] == [0, shared, shared, 0]
+    assert [s.stats.live_prefix_tokens for s in seqs] == [0, shared, shared, 0]
     for s, p in zip(seqs, [*asks, other], strict=True):
         assert s.output_ids == plain_generate(tiny_target, p, params)

@@ -223,8 +223,7 @@ class Block(nn.Module):
         offset = 0
         for i, seg in enumerate(segments):
             n = seg.tokens.shape[0]
-            if seg.start + n > cache.capacity:
-                raise CacheFullError(f"slot {seg.slot}: {seg.start + n} tokens exceed the capacity {cache.capacity}")
+            _check_room(seg, cache)
             k_all, v_all = cache.layer(seg.slot, layer)
             q = ops.rope_write(qkv, cos, sin, k_all, v_all, offset, n, seg.start, a.n_heads)  # [H, n, D]
             keep = n if tails is None else tails[i]
@@ -271,6 +270,14 @@ def attend_batched(
 # Prompt tokens per prefill forward, here and in the engine (EngineConfig.prefill_chunk): 256 prefills 4K tokens
 # ~9% slower than 512 (SmolLM2 bf16, 2 Zen 4 cores) and halves what a decoding stream waits for another's chunk.
 PREFILL_CHUNK = 256
+
+
+def _check_room(seg: Segment, cache: KVCache) -> None:
+    """A clear error where a segment's tokens would run past its slot's capacity."""
+    if seg.start + seg.tokens.shape[0] > cache.capacity:
+        raise CacheFullError(
+            f"slot {seg.slot}: {seg.start + seg.tokens.shape[0]} tokens exceed the capacity {cache.capacity}"
+        )
 
 
 def _row_invariant(segments: list[Segment]) -> bool:
@@ -422,10 +429,7 @@ class Transformer(nn.Module):
         """`forward` with every layer in one kernel call (`layer_stack`): the same kernels on the same rows as the
         layer-by-layer path, without the Python between them."""
         for s in segments:
-            if s.start + s.tokens.shape[0] > cache.capacity:
-                raise CacheFullError(
-                    f"slot {s.slot}: {s.start + s.tokens.shape[0]} tokens exceed the capacity {cache.capacity}"
-                )
+            _check_room(s, cache)
         with torch.inference_mode():
             x, cos, sin, tails, _ = self._inputs(segments)  # no cut: _stack_ops leaves those forwards out
             a = self.args

@@ -136,9 +136,14 @@ inline float round_elem(float x) {
 typedef uint16_t vbits __attribute__((vector_size(L * sizeof(uint16_t))));
 typedef uint32_t vuint __attribute__((vector_size(L * sizeof(uint32_t))));
 inline vfloat vload(const bf16* p) {
+#if defined(__AVX2__) && !defined(__AVX512F__)  // one vpmovzxwd from memory (GCC's generic widening takes four)
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const vuint u = reinterpret_cast<const vuint&>(w) << 16;
+#else
   vbits h;
   std::memcpy(&h, p, sizeof(h));
   const vuint u = __builtin_convertvector(h, vuint) << 16;
+#endif
   vfloat v;
   std::memcpy(&v, &u, sizeof(v));
   return v;
@@ -374,11 +379,12 @@ inline float hsum(vfloat v) {  // a fixed tree over the lanes
   return a[0];
 }
 
-// A score is a chain of steps over the head dims from 0, in one of two kinds of operand (QE):
+// A score is two chains of steps over the head dims, the even steps' and the odd steps', each from 0, summed at the
+// end (two chains: half the wait on each multiply-add's latency), in one of two kinds of operand (QE):
 // - fp32 (float): one dim per step, q * k + acc (q already scaled);
 // - bf16 pairs (uint32_t, the bits of dims 2i and 2i + 1): acc + q0 * k0 + q1 * k1 per step (both products exact in
-//   fp32), AVX512-BF16's vdpbf16ps where the CPU has it, else two multiply-adds (q's halves widened once, WidePair),
-//   and the sum scaled at the end: half the steps, and a bf16 key block is transposed as pairs (half the shuffles of
+//   fp32), AVX512-BF16's vdpbf16ps where the CPU has it, else two steps of one multiply-add each, the high
+//   element's the even one (q's halves widened once, WidePair), and the sum scaled at the end: half the steps, and a bf16 key block is transposed as pairs (half the shuffles of
 //   widened dims).
 // One machine runs one kind of step for a dtype everywhere, so the packed and the in-register paths agree. P @ V
 // takes the same steps (pv_cols): a key's P times its V row, or a pair of keys' P (bf16) times their V pair row.
@@ -414,6 +420,16 @@ inline vfloat dot_step(uint32_t q, vuint k, vfloat acc) {
   return dot_step(widen(q), k, acc);
 #endif
 }
+// A step of a score's two chains (acc: even, odd): step `parity` of the fp32 or pair operands; a widened pair is two
+// steps, its high element the even one.
+template <typename QE, typename KV>
+inline void score_step(QE q, KV k, int parity, vfloat* acc) {
+  acc[parity] = dot_step(q, k, acc[parity]);
+}
+inline void score_step(WidePair q, vuint k, int, vfloat* acc) {
+  acc[0] = vfma(q.hi, (vfloat)(k & 0xFFFF0000u), acc[0]);
+  acc[1] = vfma(q.lo, (vfloat)(k << 16), acc[1]);
+}
 // The score operand of a dtype: fp32 rows, or bf16 pairs; and of q, which takes bf16 pairs widened where the CPU has
 // no bf16 dot product.
 template <typename E>
@@ -424,17 +440,25 @@ using q_operand = std::conditional_t<std::is_same_v<QE, uint32_t> && !kDpbf16, W
 // S [MR, NV vectors from j0] = Q [MR, Dq] @ Kt [Dq, kNB] (those columns) * scale; Dq operands per row (score_elem).
 template <int MR, int NV, typename QE>
 inline void score_tile(const q_operand<QE>* Q, const QE* Kt, int64_t Dq, int64_t j0, float* S, float scale) {
-  vfloat acc[MR][NV] = {};
-  for (int64_t d = 0; d < Dq; d++) {
-    decltype(vload(Kt)) k[NV];
-    for (int v = 0; v < NV; v++) k[v] = vload(Kt + d * kNB + j0 + v * L);
-    for (int r = 0; r < MR; r++) {
-      const q_operand<QE> x = Q[r * Dq + d];
-      for (int v = 0; v < NV; v++) acc[r][v] = dot_step(x, k[v], acc[r][v]);
+  vfloat even[MR][NV];
+  for (int64_t parity = 0; parity < 2; parity++) {  // the even steps' chain, then the odd steps'
+    vfloat acc[MR][NV] = {};
+    for (int64_t d = parity; d < Dq; d += 2) {
+      decltype(vload(Kt)) k[NV];
+      for (int v = 0; v < NV; v++) k[v] = vload(Kt + d * kNB + j0 + v * L);
+      for (int r = 0; r < MR; r++) {
+        const q_operand<QE> x = Q[r * Dq + d];
+        for (int v = 0; v < NV; v++) acc[r][v] = dot_step(x, k[v], acc[r][v]);
+      }
     }
+    for (int r = 0; r < MR; r++)
+      for (int v = 0; v < NV; v++) {
+        if (parity == 0)
+          even[r][v] = acc[r][v];
+        else
+          vstore(S + r * kNB + j0 + v * L, (even[r][v] + acc[r][v]) * scale);
+      }
   }
-  for (int r = 0; r < MR; r++)
-    for (int v = 0; v < NV; v++) vstore(S + r * kNB + j0 + v * L, acc[r][v] * scale);
 }
 
 // S [MR, nvec vectors of keys] = Q [MR, Dq] @ Kt [Dq, kNB] * scale: the first nvec * L keys of the block. Each score
@@ -668,7 +692,7 @@ inline void score_rows(const q_operand<score_elem<E>>* Q, const E* K, int64_t Dq
   const float* Kw = key_words(K);
   int64_t step = 0;
   for (int64_t j0 = 0; j0 < kNB; j0 += L) {
-    vfloat acc[MR] = {};
+    vfloat acc[MR][2] = {};  // the chains of the even and the odd steps (score_step)
     for (int64_t d0 = 0; d0 < Dq; d0 += L, step++) {
       if (next_k)
         for (int64_t b = step * lines * 64; b < (step + 1) * lines * 64; b += 64) {
@@ -679,10 +703,10 @@ inline void score_rows(const q_operand<score_elem<E>>* Q, const E* K, int64_t Dq
       transpose_words(Kw + j0 * Dq + d0, Dq, k);
       for (int i = 0; i < L; i++) {
         const KV kv = reinterpret_cast<const KV&>(k[i]);
-        for (int r = 0; r < MR; r++) acc[r] = dot_step(Q[r * Dq + d0 + i], kv, acc[r]);
+        for (int r = 0; r < MR; r++) score_step(Q[r * Dq + d0 + i], kv, i % 2, acc[r]);
       }
     }
-    for (int r = 0; r < MR; r++) vstore(S + r * kNB + j0, acc[r] * scale);
+    for (int r = 0; r < MR; r++) vstore(S + r * kNB + j0, (acc[r][0] + acc[r][1]) * scale);
   }
 }
 
@@ -1159,6 +1183,7 @@ static void rows_tile(const float* x, const float* w, const float* b, float* y, 
     for (int64_t k = 0; k < K16; k += V)
       for (int r = 0; r < R; r++) {
         const float* wr = w0 + r * K + k;
+        __builtin_prefetch(wr + ahead, 0, 0);
         for (int mm = 0; mm < M; mm++) {
           const float* xm = x + mm * K + k;
           for (int j = 0; j < V; j++) acc[r][mm][j] += wr[j] * xm[j];
@@ -1296,7 +1321,7 @@ static void rows_tile_bf16(RowsBf16X x, int64_t ldx, const at::BFloat16* w, Rows
     for (int64_t k = 0; k < Kv; k += L) {
       vfloat wv[R];
       for (int r = 0; r < R; r++) {
-        __builtin_prefetch(w0 + ahead + r * K + k, 0, 2);
+        __builtin_prefetch(w0 + ahead + r * K + k, 0, 0);
         wv[r] = vload(w0 + r * K + k);
       }
       step(k, wv);

@@ -514,6 +514,29 @@ def test_the_one_call_layer_stack_equals_the_layer_by_layer_forward(tiny_dir, mo
         assert torch.equal(a, b)
 
 
+def test_the_layer_stacks_weights_follow_the_backend_and_the_kernel_switch(tiny_dir):
+    """`layer_stack`'s weight list is gathered once, not per forward, and gathered again when what decides it
+    changes: a linear backend without `rows` (no stack), back to the row-invariant one, a layer off the kernels."""
+    model = load_transformer(tiny_dir["llama"], dtype=torch.float32)
+    decode = [Segment(0, 5, torch.tensor([7]), torch.tensor([5]), None, "all")]
+    backend = model.linear_backend
+    first = model._stack_weights()
+    assert model._stack_ops(decode) is not None and first is not None
+    assert model._stack_weights() is first  # the same list: nothing gathered again
+    assert len(first) == 7 * len(model.layers) and first[1] is model.layers[0].wqkv.weight
+    set_linear_backend(model, "aten")
+    assert model._stack_ops(decode) is None
+    set_linear_backend(model, backend)
+    again = model._stack_weights()
+    assert model._stack_ops(decode) is not None and again is not first and all(a is b for a, b in zip(again, first))
+    model.layers[1].native = False
+    try:
+        assert model._stack_ops(decode) is None
+    finally:
+        del model.layers[1].native
+    assert model._stack_ops(decode) is not None
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_prefill_chunks_of_any_size_give_the_same_bits(tiny_dir, family, dtype):

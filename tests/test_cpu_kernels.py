@@ -528,7 +528,11 @@ def test_the_layer_stacks_weights_follow_the_backend_and_the_kernel_switch(tiny_
     assert model._stack_ops(decode) is None
     set_linear_backend(model, backend)
     again = model._stack_weights()
-    assert model._stack_ops(decode) is not None and again is not first and all(a is b for a, b in zip(again, first))
+    assert (
+        model._stack_ops(decode) is not None
+        and again is not first
+        and all(a is b for a, b in zip(again, first, strict=True))
+    )
     model.layers[1].native = False
     try:
         assert model._stack_ops(decode) is None

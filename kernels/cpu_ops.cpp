@@ -384,8 +384,8 @@ inline float hsum(vfloat v) {  // a fixed tree over the lanes
 // - fp32 (float): one dim per step, q * k + acc (q already scaled);
 // - bf16 pairs (uint32_t, the bits of dims 2i and 2i + 1): acc + q0 * k0 + q1 * k1 per step (both products exact in
 //   fp32), AVX512-BF16's vdpbf16ps where the CPU has it, else two steps of one multiply-add each, the high
-//   element's the even one (q's halves widened once, WidePair), and the sum scaled at the end: half the steps, and a bf16 key block is transposed as pairs (half the shuffles of
-//   widened dims).
+//   element's the even one (q's halves widened once, WidePair), and the sum scaled at the end: half the steps, and a
+//   bf16 key block is transposed as pairs (half the shuffles of widened dims).
 // One machine runs one kind of step for a dtype everywhere, so the packed and the in-register paths agree. P @ V
 // takes the same steps (pv_cols): a key's P times its V row, or a pair of keys' P (bf16) times their V pair row.
 inline vuint vload(const uint32_t* p) {
@@ -407,8 +407,17 @@ static_assert(sizeof(WidePair) == 2 * sizeof(float), "a row of WidePairs reads a
 inline WidePair widen(uint32_t q) {  // the pair's bits: element 2i in the low half, 2i + 1 (hi) in the high one
   return {bf16_value(static_cast<uint16_t>(q >> 16)), bf16_value(static_cast<uint16_t>(q))};
 }
-inline vfloat dot_step(WidePair q, vuint k, vfloat acc) {
-  return vfma(q.lo, (vfloat)(k << 16), vfma(q.hi, (vfloat)(k & 0xFFFF0000u), acc));  // vector casts: the same bits
+// A bf16 pair's (or a vector of pairs') high and low elements as fp32 bits: element 2i + 1, element 2i.
+template <typename W>
+inline W pair_hi(W word) {
+  return word & 0xFFFF0000u;
+}
+template <typename W>
+inline W pair_lo(W word) {
+  return word << 16;
+}
+inline vfloat dot_step(WidePair q, vuint k, vfloat acc) {  // vector casts: the same bits
+  return vfma(q.lo, (vfloat)pair_lo(k), vfma(q.hi, (vfloat)pair_hi(k), acc));
 }
 inline vfloat dot_step(float q, vfloat k, vfloat acc) { return vfma(q, k, acc); }
 inline vfloat dot_step(uint32_t q, vuint k, vfloat acc) {
@@ -427,8 +436,8 @@ inline void score_step(QE q, KV k, int parity, vfloat* acc) {
   acc[parity] = dot_step(q, k, acc[parity]);
 }
 inline void score_step(WidePair q, vuint k, int, vfloat* acc) {
-  acc[0] = vfma(q.hi, (vfloat)(k & 0xFFFF0000u), acc[0]);
-  acc[1] = vfma(q.lo, (vfloat)(k << 16), acc[1]);
+  acc[0] = vfma(q.hi, (vfloat)pair_hi(k), acc[0]);
+  acc[1] = vfma(q.lo, (vfloat)pair_lo(k), acc[1]);
 }
 // The score operand of a dtype: fp32 rows, or bf16 pairs; and of q, which takes bf16 pairs widened where the CPU has
 // no bf16 dot product.
@@ -765,7 +774,7 @@ inline void pack_keys(const bf16* K, int64_t valid, int64_t Dq, float* Kt) {
   const float* Kw = key_words(K);
   const auto put = [&](int64_t w, int64_t j, auto word) {  // word: one key's pair w, or a vector of keys' (from j)
     using V = decltype(word);
-    const V hi = word & 0xFFFF0000u, lo = word << 16;
+    const V hi = pair_hi(word), lo = pair_lo(word);
     std::memcpy(Kt + 2 * w * kNB + j, &hi, sizeof(V));
     std::memcpy(Kt + (2 * w + 1) * kNB + j, &lo, sizeof(V));
   };

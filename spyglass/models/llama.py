@@ -332,6 +332,7 @@ class Transformer(nn.Module):
         self.attention_backend = "auto"  # GPU: flash-attn prefix + Triton tree kernel; CPU: ATen flash
         self.linear_backend = "aten"  # or "onednn" (CPU): see spyglass.models.linear; load_transformer measures
         self.draft_linear_backend = "aten"  # what a draft beside it runs (set_linear_backend)
+        self._stack_cache: tuple | None = None  # (what decides it, _stack_weights' result)
         self.model_id = "unnamed"
 
     @property
@@ -425,10 +426,9 @@ class Transformer(nn.Module):
         linears on `rows`. Gathered once per linear backend and per layer kernel switch (`set_linear_backend`,
         `Block.native`): gathering them through the modules took ~0.5 ms of a ~16 ms decode step, while the other
         thread waited. The target's parameters are updated in place, never reassigned, once it is loaded."""
-        key = (getattr(self, "linear_backend", None), id(self.layers), tuple(layer.native for layer in self.layers))
-        cached = self.__dict__.get("_stack_cache")
-        if cached is not None and cached[0] == key:
-            return cached[1]
+        key = (self.linear_backend, id(self.layers), tuple(layer.native for layer in self.layers))
+        if self._stack_cache is not None and self._stack_cache[0] == key:
+            return self._stack_cache[1]
         weights: list[torch.Tensor | None] | None = []
         for layer in self.layers:
             linears = (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)
@@ -437,7 +437,7 @@ class Transformer(nn.Module):
                 break
             weights += [layer.attn_norm.weight, layer.wqkv.weight, layer.wqkv.bias, layer.wo.weight]
             weights += [layer.mlp_norm.weight, layer.w_gate_up.weight, layer.w_down.weight]
-        self.__dict__["_stack_cache"] = (key, weights)
+        self._stack_cache = (key, weights)
         return weights
 
     def _forward_stacked(self, ops, segments: list[Segment], cache: KVCache) -> list[torch.Tensor | None]:

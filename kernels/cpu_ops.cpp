@@ -1243,9 +1243,10 @@ static void rows_passes(int64_t M, int64_t N, const Tile& tile) {
 // --- bf16: bf16 weights and x, fp32 sums, a bias in bf16 or fp32, bf16 out (each output rounded once, to nearest
 // even). With AVX512-BF16 a tile takes 32 bf16 of k at a time through vdpbf16ps: lane j of an accumulator adds the
 // products of k = 32i + 2j and 32i + 2j + 1 (each exact in fp32); K's last partial vector is loaded masked (zeros past
-// K) and goes through the same instruction. Without it (AVX-512F, AVX2, anything else) the weights are widened to
-// fp32 as they are loaded (a bf16 is the top half of an fp32) into L fp32 lanes, x widened once per call, K's last
-// partial vector zero-padded. Either way each output is the same instructions in the same order for every row.
+// K) and goes through the same instruction. Without it (AVX-512F, AVX2, anything else) a tile reads 2L bf16 of k at a
+// time as L words and multiplies each word's halves (a bf16 is the top half of an fp32) by x widened once per call,
+// K's last partial block zero-padded. Either way each output is the same instructions in the same order for every
+// row.
 
 // A bias in fp32 or bf16 (or none), read as fp32.
 struct RowsBias {
@@ -1311,47 +1312,73 @@ static void rows_tile_bf16(RowsBf16X x, int64_t ldx, const at::BFloat16* w, Rows
   if constexpr (R > 1) rows_tile_bf16<M, 1>(x, ldx, w, b, y, N, K, n, n1);
 }
 #else
-using RowsBf16X = const float*;  // x widened to fp32, rows zero-padded to a multiple of L
+// x widened to fp32 once per call and dealt out per block of 2L k: the L odd k, then the L even k, which are the high
+// and the low halves of the L words a weight vector of 2L bf16 reads as (pair_hi, pair_lo: no widening per weight);
+// rows zero-padded to a multiple of 2L. Lane j of an accumulator adds, per block, weight k = 2j + 1 times x, then
+// k = 2j (the pair step's order, dot_step), each one multiply-add.
+using RowsBf16X = const float*;
+constexpr int64_t kRowsBf16Vec = 2 * L;  // bf16 per block
+
+// x [K] -> xw [ceil(K / 2L) * 2L] in the blocks above, zeros past K.
+inline void deal_pairs(const at::BFloat16* x, int64_t K, float* xw) {
+  for (int64_t k = 0; k < (K + kRowsBf16Vec - 1) / kRowsBf16Vec * kRowsBf16Vec; k++) {
+    const int64_t blk = k / kRowsBf16Vec * kRowsBf16Vec, j = (k - blk) / 2;
+    xw[blk + (k % 2 ? j : L + j)] = k < K ? static_cast<float>(x[k]) : 0.0f;
+  }
+}
+
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) {
+#if defined(__AVX512F__)
+  __m512 r = _mm512_fmadd_ps(reinterpret_cast<__m512&>(a), reinterpret_cast<__m512&>(b), reinterpret_cast<__m512&>(c));
+  return reinterpret_cast<vfloat&>(r);
+#elif defined(__FMA__) && defined(__AVX__)
+  __m256 r = _mm256_fmadd_ps(reinterpret_cast<__m256&>(a), reinterpret_cast<__m256&>(b), reinterpret_cast<__m256&>(c));
+  return reinterpret_cast<vfloat&>(r);
+#else
+  vfloat r;
+  for (int i = 0; i < L; i++) r[i] = std::fma(a[i], b[i], c[i]);
+  return r;
+#endif
+}
+
+// Bytes past a tile's first weight byte at which it prefetches as it reads: one stream along the thread's rows, at
+// the pace it reads them (a tile's R rows lie one after the other), rather than R streams per tile.
+constexpr int64_t kRowsPrefetchBytes = 4096;
+
 template <int M, int R>
 static void rows_tile_bf16(RowsBf16X x, int64_t ldx, const at::BFloat16* w, RowsBias b, at::BFloat16* y, int64_t N,
                            int64_t K, int64_t n0, int64_t n1) {
-  const int64_t Kv = K / L * L;
-  const int64_t ahead = rows_prefetch_ahead<R, at::BFloat16>(K);
+  const int64_t Kv = K / kRowsBf16Vec * kRowsBf16Vec;
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     const at::BFloat16* w0 = w + n * K;
+    const char* ahead = reinterpret_cast<const char*>(w0) + kRowsPrefetchBytes;
     vfloat acc[R][M] = {};
-    auto step = [&](int64_t k, const vfloat* wv) __attribute__((always_inline)) {
+    auto step = [&](int64_t k, const vuint* wd) __attribute__((always_inline)) {
       for (int mm = 0; mm < M; mm++) {
-        const vfloat xv = vload(x + mm * ldx + k);
-        for (int r = 0; r < R; r++) acc[r][mm] += wv[r] * xv;
+        const vfloat xh = vload(x + mm * ldx + k), xl = vload(x + mm * ldx + k + L);
+        for (int r = 0; r < R; r++)
+          acc[r][mm] = vfma((vfloat)pair_lo(wd[r]), xl, vfma((vfloat)pair_hi(wd[r]), xh, acc[r][mm]));
       }
     };
-    for (int64_t k = 0; k < Kv; k += L) {
-      vfloat wv[R];
-      for (int r = 0; r < R; r++) {
-        __builtin_prefetch(w0 + ahead + r * K + k, 0, 0);
-        wv[r] = vload(w0 + r * K + k);
-      }
-      step(k, wv);
+    for (int64_t k = 0; k < Kv; k += kRowsBf16Vec) {
+      for (int64_t o = 0; o < R * kRowsBf16Vec * 2; o += 64) __builtin_prefetch(ahead + o, 0, 0);
+      ahead += R * kRowsBf16Vec * 2;
+      vuint wd[R];
+      for (int r = 0; r < R; r++) wd[r] = vload(reinterpret_cast<const uint32_t*>(w0 + r * K + k));
+      step(k, wd);
     }
-    if (Kv < K) {  // the last K % L weights, zero-padded (x is zero there too)
-      vfloat wv[R];
+    if (Kv < K) {  // the last K % 2L weights, zero-padded (x is zero there too)
+      vuint wd[R];
       for (int r = 0; r < R; r++) {
-        at::BFloat16 pad[L] = {};
+        at::BFloat16 pad[kRowsBf16Vec] = {};
         std::copy(w0 + r * K + Kv, w0 + r * K + K, pad);
-        wv[r] = vload(pad);
+        wd[r] = vload(reinterpret_cast<const uint32_t*>(pad));
       }
-      step(Kv, wv);
+      step(Kv, wd);
     }
     for (int r = 0; r < R; r++)
-      for (int mm = 0; mm < M; mm++) {
-        float a[L];
-        std::memcpy(a, &acc[r][mm], sizeof(a));
-        for (int h = L / 2; h > 0; h /= 2)
-          for (int j = 0; j < h; j++) a[j] += a[j + h];
-        y[mm * N + n + r] = at::BFloat16(a[0] + b.at(n + r));
-      }
+      for (int mm = 0; mm < M; mm++) y[mm * N + n + r] = at::BFloat16(hsum(acc[r][mm]) + b.at(n + r));
   }
   if constexpr (R > 1) rows_tile_bf16<M, 1>(x, ldx, w, b, y, N, K, n, n1);
 }
@@ -1424,11 +1451,9 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch:
   RowsBf16X xp = x.data_ptr<at::BFloat16>();
   const int64_t ldx = K;
 #else
-  const int64_t ldx = (K + L - 1) / L * L;
-  std::vector<float> xf(M * ldx, 0.0f);  // exact: a bf16 is an fp32 with a shorter mantissa
-  const at::BFloat16* xb = x.data_ptr<at::BFloat16>();
-  for (int64_t m = 0; m < M; m++)
-    for (int64_t k = 0; k < K; k++) xf[m * ldx + k] = static_cast<float>(xb[m * K + k]);
+  const int64_t ldx = (K + kRowsBf16Vec - 1) / kRowsBf16Vec * kRowsBf16Vec;
+  std::vector<float> xf(M * ldx);  // exact: a bf16 is an fp32 with a shorter mantissa
+  for (int64_t m = 0; m < M; m++) deal_pairs(x.data_ptr<at::BFloat16>() + m * K, K, xf.data() + m * ldx);
   RowsBf16X xp = xf.data();
 #endif
   const at::BFloat16* wp = w.data_ptr<at::BFloat16>();

@@ -357,21 +357,22 @@ constexpr int kNV = 4, kCV = 4;
 constexpr int kNV = 2, kCV = 2;
 #endif
 
-// a * b + c for a broadcast a, rounded once (the build is ISO C++: the compiler fuses nothing itself), so the tiles
-// and score_rows run the same instruction
-inline vfloat vfma(float a, vfloat b, vfloat c) {
+// a * b + c lane by lane, rounded once (the build is ISO C++: the compiler fuses nothing itself), so the tiles and
+// score_rows run the same instruction; a float a is broadcast
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) {
 #if defined(__AVX512F__)
-  __m512 r = _mm512_fmadd_ps(_mm512_set1_ps(a), reinterpret_cast<__m512&>(b), reinterpret_cast<__m512&>(c));
+  __m512 r = _mm512_fmadd_ps(reinterpret_cast<__m512&>(a), reinterpret_cast<__m512&>(b), reinterpret_cast<__m512&>(c));
   return reinterpret_cast<vfloat&>(r);
 #elif defined(__FMA__) && defined(__AVX__)
-  __m256 r = _mm256_fmadd_ps(_mm256_set1_ps(a), reinterpret_cast<__m256&>(b), reinterpret_cast<__m256&>(c));
+  __m256 r = _mm256_fmadd_ps(reinterpret_cast<__m256&>(a), reinterpret_cast<__m256&>(b), reinterpret_cast<__m256&>(c));
   return reinterpret_cast<vfloat&>(r);
 #else
   vfloat r;
-  for (int i = 0; i < L; i++) r[i] = std::fma(a, b[i], c[i]);
+  for (int i = 0; i < L; i++) r[i] = std::fma(a[i], b[i], c[i]);
   return r;
 #endif
 }
+inline vfloat vfma(float a, vfloat b, vfloat c) { return vfma(splat<vfloat>(a), b, c); }
 
 inline float hsum(vfloat v) {  // a fixed tree over the lanes
   float a[L];
@@ -1326,26 +1327,12 @@ static void rows_tile_bf16(RowsBf16X x, int64_t ldx, const at::BFloat16* w, Rows
 using RowsBf16X = const float*;
 constexpr int64_t kRowsBf16Vec = 2 * L;  // bf16 per block
 
-// x [K] -> xw [ceil(K / 2L) * 2L] in the blocks above, zeros past K.
-inline void deal_pairs(const at::BFloat16* x, int64_t K, float* xw) {
-  for (int64_t k = 0; k < (K + kRowsBf16Vec - 1) / kRowsBf16Vec * kRowsBf16Vec; k++) {
+// x [K] -> xw [ldx] (ldx: K rounded up to whole blocks) in the blocks above, zeros past K.
+inline void deal_pairs(const at::BFloat16* x, int64_t K, int64_t ldx, float* xw) {
+  for (int64_t k = 0; k < ldx; k++) {
     const int64_t blk = k / kRowsBf16Vec * kRowsBf16Vec, j = (k - blk) / 2;
     xw[blk + (k % 2 ? j : L + j)] = k < K ? static_cast<float>(x[k]) : 0.0f;
   }
-}
-
-inline vfloat vfma(vfloat a, vfloat b, vfloat c) {
-#if defined(__AVX512F__)
-  __m512 r = _mm512_fmadd_ps(reinterpret_cast<__m512&>(a), reinterpret_cast<__m512&>(b), reinterpret_cast<__m512&>(c));
-  return reinterpret_cast<vfloat&>(r);
-#elif defined(__FMA__) && defined(__AVX__)
-  __m256 r = _mm256_fmadd_ps(reinterpret_cast<__m256&>(a), reinterpret_cast<__m256&>(b), reinterpret_cast<__m256&>(c));
-  return reinterpret_cast<vfloat&>(r);
-#else
-  vfloat r;
-  for (int i = 0; i < L; i++) r[i] = std::fma(a[i], b[i], c[i]);
-  return r;
-#endif
 }
 
 // Bytes past a tile's first weight byte at which it prefetches as it reads: one stream along the thread's rows, at
@@ -1461,7 +1448,7 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch:
 #else
   const int64_t ldx = (K + kRowsBf16Vec - 1) / kRowsBf16Vec * kRowsBf16Vec;
   std::vector<float> xf(M * ldx);  // exact: a bf16 is an fp32 with a shorter mantissa
-  for (int64_t m = 0; m < M; m++) deal_pairs(x.data_ptr<at::BFloat16>() + m * K, K, xf.data() + m * ldx);
+  for (int64_t m = 0; m < M; m++) deal_pairs(x.data_ptr<at::BFloat16>() + m * K, K, ldx, xf.data() + m * ldx);
   RowsBf16X xp = xf.data();
 #endif
   const at::BFloat16* wp = w.data_ptr<at::BFloat16>();

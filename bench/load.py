@@ -50,7 +50,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import RESULTS_DIR, machine_load, plot_panels, write_results  # noqa: E402
+from bench.common import RESULTS_DIR, machine_load, plot_panels, wait_for_idle_cpu, write_results  # noqa: E402
 from bench.common import log as bench_log  # noqa: E402
 from bench.common import ratio as common_ratio  # noqa: E402
 from bench.peers import PEERS_DIR, VLLM_SPEC, find_libiomp5, find_tcmalloc  # noqa: E402
@@ -319,6 +319,8 @@ def main() -> int:
         for srv in servers:
             engine, method = srv.split("-", 1)
             tag = f"{srv}_{key}"
+            # the server before this one may leave processes winding down (Ray's workers): start on a quiet machine
+            idle = wait_for_idle_cpu(max_cores=0.3, timeout_s=120, log=log)
             if engine == "spyglass":
                 server, grpc = start_spyglass(args, model_dir, logs, tag)
             else:
@@ -331,6 +333,7 @@ def main() -> int:
                                  out)  # fmt: skip
                 row = {k: res.get(k) for k in KEEP if k in res}
                 row["ready_s"] = round(ready_s, 1)
+                row["idle_before"] = idle
                 texts[srv] = res.get("generated_texts", [])
                 if srv == f"spyglass-{DEFAULT_METHOD}" and grpc and (key in ("long_c1", "long_c2")):
                     raw["cache_followup"] = cache_followup(grpc, tokenizer, args.followup_tokens)

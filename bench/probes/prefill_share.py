@@ -1,12 +1,14 @@
 """Where a prefill-bound load's time goes in the engine at 1 and at 4 streams: prefill forwards against verify rounds.
 
 The engine alone (no server, no client), the bench's held-out prompts (2K-7K tokens, `per_kind` of code, edit and
-summary), all queued at once, `max_batch` slots (1 or 4: a closed loop of that many streams), greedy, `suffix`. Each
+summary), all queued at once, `max_batch` slots (1 or 4: a closed loop of that many streams), greedy. Each
 configuration runs the same prompts; the run records its wall time, the seconds spent in `_prefill_step` and in the
 verify rounds (`_spec_round`), the rounds, their mean batch and the steps, and the per-token cost of one prefill
-forward by chunk size at two contexts (what a step's time budget buys). Configurations: (streams, prefill_step_s).
+forward by chunk size at two contexts (what a step's time budget buys). Configurations: streams:prefill_step_s, and
+optionally :method (default `suffix`; `ar` is plain decoding), so two methods can alternate on the same prompts.
 
     python bench/probes/prefill_share.py [--dtype bfloat16] [--per-kind 2] [--configs 1:0.25,4:0.25,4:0.5]
+    python bench/probes/prefill_share.py --per-kind 1 --configs 1:0.1:ar,1:0.1:suffix,1:0.1:ar,1:0.1:suffix
 """
 
 from __future__ import annotations
@@ -39,13 +41,13 @@ def chunk_costs(model, contexts=(2048, 5120), repeats: int = 3) -> dict[str, dic
     }
 
 
-def run(model, prompts: list[list[int]], streams: int, step_s: float, params: SamplingParams) -> dict:
+def run(model, prompts: list[list[int]], streams: int, step_s: float, method: str, params: SamplingParams) -> dict:
     engine = SpecEngine(
         model,
-        build_drafter("suffix", model, max_batch=streams),
+        build_drafter(method, model, max_batch=streams),
         EngineConfig(max_batch=streams, max_context=8192, prefill_step_s=step_s),
     )
-    acc = {"prefill_s": 0.0, "rounds_s": 0.0, "rounds": 0, "round_seqs": 0}
+    acc = {"prefill_s": 0.0, "rounds_s": 0.0, "rounds": 0, "round_seqs": 0, "drafted": 0}
     prefill_step, spec_round = engine._prefill_step, engine._spec_round
 
     def timed_prefill():
@@ -60,6 +62,7 @@ def run(model, prompts: list[list[int]], streams: int, step_s: float, params: Sa
         acc["rounds_s"] += time.perf_counter() - t0
         acc["rounds"] += 1
         acc["round_seqs"] += len(batch)
+        acc["drafted"] += sum(e.drafted for e in events)
         return events
 
     engine._prefill_step, engine._spec_round = timed_prefill, timed_round
@@ -72,11 +75,13 @@ def run(model, prompts: list[list[int]], streams: int, step_s: float, params: Sa
     return {
         "streams": streams,
         "prefill_step_s": step_s,
+        "method": method,
         "wall_s": round(wall, 2),
         "prefill_s": round(acc["prefill_s"], 2),
         "rounds_s": round(acc["rounds_s"], 2),
         "rounds": acc["rounds"],
         "mean_round_batch": round(acc["round_seqs"] / max(1, acc["rounds"]), 2),
+        "drafted": acc["drafted"],
         "steps": steps,
         "output_tokens": sum(s.num_generated for s in seqs),
         "outputs": [s.output_ids for s in seqs],
@@ -88,22 +93,25 @@ def main(argv=None) -> Path:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--per-kind", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--configs", default="1:0.25,4:0.25,4:0.5", help="streams:prefill_step_s, comma-separated")
+    ap.add_argument("--configs", default="1:0.25,4:0.25,4:0.5", help="streams:prefill_step_s[:method], comma-separated")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--name", default="prefill_share")
     args = ap.parse_args(argv)
-    configs = [(int(s), float(b)) for s, b in (c.split(":") for c in args.configs.split(","))]
+    configs = []
+    for c in args.configs.split(","):
+        streams, step_s, *method = c.split(":")
+        configs.append((int(streams), float(step_s), method[0] if method else "suffix"))
     torch.set_num_threads(args.threads)
     model, tok, _ = load_model(None, dtype=args.dtype)
     prompts = [t.prompt_ids for t in heldout_tasks(tok, per_kind=args.per_kind)]
     quiet = wait_for_quiet(max_load=1.0, timeout_s=300)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     runs = []
-    for streams, step_s in configs:
-        runs.append(run(model, prompts, streams, step_s, params))
+    for streams, step_s, method in configs:
+        runs.append(run(model, prompts, streams, step_s, method, params))
         r = runs[-1]
         what = f"wall {r['wall_s']} s, prefill {r['prefill_s']} s, rounds {r['rounds_s']} s"
-        print(f"{streams} streams, {step_s} s: {what} ({r['rounds']} rounds, mean batch {r['mean_round_batch']})")
+        print(f"{method}, {streams} streams, {step_s} s: {what} ({r['rounds']} rounds, batch {r['mean_round_batch']})")
     costs = chunk_costs(model)
     print("prefill ms/token by chunk:", costs, flush=True)
     same = all(r["outputs"] == runs[0]["outputs"] for r in runs)
@@ -112,7 +120,10 @@ def main(argv=None) -> Path:
     for key in ("prefill_s", "rounds_s"):  # each configuration's time against the first one's
         for r in runs[1:]:
             name = f"{key}_c{r['streams']}_{r['prefill_step_s']:g}_vs_c{base['streams']}"
-            figures[name] = round(r[key] / base[key], 3)
+            if r["method"] != base["method"]:
+                name = f"{key}_{r['method']}_vs_{base['method']}_c{r['streams']}_{r['prefill_step_s']:g}"
+            figures.setdefault(name, []).append(round(r[key] / base[key], 3))
+    figures = {k: v[0] if isinstance(v, list) and len(v) == 1 else v for k, v in figures.items()}
     raw = {"runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs], "prefill_ms_per_token": costs}
     meta = {
         "what": "the engine's prefill and verify-round time at 1 and 4 streams on a prefill-bound load",

@@ -50,7 +50,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import RESULTS_DIR, machine_load, plot_panels, wait_for_idle_cpu, write_results  # noqa: E402
+from bench.common import RESULTS_DIR, IdleGate, machine_load, plot_panels, write_results  # noqa: E402
 from bench.common import log as bench_log  # noqa: E402
 from bench.common import ratio as common_ratio  # noqa: E402
 from bench.peers import PEERS_DIR, VLLM_SPEC, find_libiomp5, find_tcmalloc  # noqa: E402
@@ -311,6 +311,8 @@ def main() -> int:
         log(f"workload {w}: {len(prompts)} prompts, {sum(len(tokenizer.encode(p)) for p in prompts)} tokens")
     runs = plan(args) if not args.smoke else [("long", {"concurrency": 2})]
     raw: dict[str, Any] = {"runs": {}, "texts_equal": {}, "load_before": machine_load()}
+    # the server before each one may leave processes winding down (Ray's workers): start each on a quiet machine
+    gate = IdleGate(max_cores=0.3, per_wait_s=0.0 if args.smoke else 120.0, budget_s=600.0, log=log)
     t_all = time.monotonic()
     for workload, load in runs:
         dataset, n = datasets[workload]
@@ -319,8 +321,7 @@ def main() -> int:
         for srv in servers:
             engine, method = srv.split("-", 1)
             tag = f"{srv}_{key}"
-            # the server before this one may leave processes winding down (Ray's workers): start on a quiet machine
-            idle = wait_for_idle_cpu(max_cores=0.3, timeout_s=120, log=log)
+            idle = gate()
             if engine == "spyglass":
                 server, grpc = start_spyglass(args, model_dir, logs, tag)
             else:
@@ -350,6 +351,7 @@ def main() -> int:
         if a and b:
             raw["texts_equal"][key] = [x == y for x, y in zip(a, b, strict=True)]
     raw["wall_s"] = round(time.monotonic() - t_all, 1)
+    raw["idle_gate"] = gate.summary()
     figures = figures_of(raw)
 
     def shown(v):  # a path as the repository sees it, not this machine's

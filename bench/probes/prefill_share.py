@@ -117,13 +117,14 @@ def main(argv=None) -> Path:
     same = all(r["outputs"] == runs[0]["outputs"] for r in runs)
     base = runs[0]
     figures = {"outputs_equal_across_configs": same}
-    for key in ("prefill_s", "rounds_s"):  # each configuration's time against the first one's
+    ratios: dict[str, list[float]] = {}  # each configuration's time against the first one's (repeats: a list)
+    for key in ("prefill_s", "rounds_s"):
         for r in runs[1:]:
             name = f"{key}_c{r['streams']}_{r['prefill_step_s']:g}_vs_c{base['streams']}"
             if r["method"] != base["method"]:
                 name = f"{key}_{r['method']}_vs_{base['method']}_c{r['streams']}_{r['prefill_step_s']:g}"
-            figures.setdefault(name, []).append(round(r[key] / base[key], 3))
-    figures = {k: v[0] if isinstance(v, list) and len(v) == 1 else v for k, v in figures.items()}
+            ratios.setdefault(name, []).append(round(r[key] / base[key], 3))
+    figures.update({k: v[0] if len(v) == 1 else v for k, v in ratios.items()})
     raw = {"runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs], "prefill_ms_per_token": costs}
     meta = {
         "what": "the engine's prefill and verify-round time at 1 and 4 streams on a prefill-bound load",

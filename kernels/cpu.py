@@ -64,6 +64,24 @@ def build_name() -> str:
     return f"spyglass_cpu_{h.hexdigest()[:12]}"
 
 
+def build_source(source: Path = SOURCE) -> Path:
+    """A copy of `source` at a path fixed by its contents, in torch's extension cache: what every build compiles. The
+    build reruns when the compile command changes, and the command names the source's path, so a checkout elsewhere
+    (a `ray job submit --working-dir` copy, unpacked in a session directory) would rebuild the same code (~50 s on 2
+    cores) and leave the next process here to rebuild it again."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    text = source.read_bytes()
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # where torch's builds go
+    path = Path(root) / "spyglass_sources" / hashlib.sha1(text).hexdigest()[:12] / source.name
+    if not path.is_file():  # written once: a newer copy of the same text would still look changed to the build
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_bytes(text)
+        tmp.replace(path)
+    return path
+
+
 @functools.cache
 def native():
     """The compiled module, or None (logged once, with the reason) where it cannot be built or is turned off."""
@@ -82,7 +100,7 @@ def native():
         arch = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else ["-mcpu=native"]
         return load(
             build_name(),
-            [str(SOURCE)],
+            [str(build_source())],
             extra_cflags=[*CFLAGS, *arch],
             extra_ldflags=["-fopenmp"],
             verbose=False,
@@ -100,7 +118,7 @@ def build_for(march: str):
 
     return load(
         f"spyglass_cpu_{march.replace('-', '_')}_" + build_name().rsplit("_", 1)[1],
-        [str(SOURCE)],
+        [str(build_source())],
         extra_cflags=[*CFLAGS, f"-march={march}"],
         extra_ldflags=["-fopenmp"],
         verbose=False,

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kernels.cpu import cpuinfo
+from spyglass.kept import kept
 from spyglass.models.llama import Segment
 
 
@@ -206,13 +207,19 @@ class StepCost:
 _CURVES: dict[tuple, CostCurve] = {}
 
 
+def _device_key(device: torch.device) -> str:
+    """The device in a measurement's key: a GPU by its name too (the CPU is in every kept key already)."""
+    return f"{device} {torch.cuda.get_device_name(device)}" if device.type == "cuda" else str(device)
+
+
 def measured_curves(target) -> list[CostCurve]:
     """Every cost curve measured in this process for `target` (results files record them)."""
     return [curve for key, curve in _CURVES.items() if key[0] == target.model_id]
 
 
 def measured_curve(target, cache) -> CostCurve:
-    """The cost curve for this model, dtype, thread count and capacity, measured once per process."""
+    """The cost curve for this model, dtype, thread count and capacity: measured once per machine (spyglass/kept.py),
+    taken once per process."""
     key = (
         target.model_id,
         str(target.dtype),
@@ -220,10 +227,10 @@ def measured_curve(target, cache) -> CostCurve:
         bool(getattr(target.layers[0], "native", False)),  # the CPU kernels on or off (kernels/cpu.py)
         torch.get_num_threads(),
         cache.capacity,
-        str(cache.device),
+        _device_key(cache.device),
     )
     if key not in _CURVES:
-        _CURVES[key] = CostCurve.measure(target, cache)
+        _CURVES[key] = CostCurve(**kept("cost curve", key, lambda: CostCurve.measure(target, cache).to_dict()))
     return _CURVES[key]
 
 
@@ -283,21 +290,28 @@ PREFILL_SMALL = 32  # the size of the small chunk that separates a forward's fix
 
 
 def measured_prefill_cost(target, cache, chunk: int = 256) -> PrefillCost:
-    """A prefill forward's cost from `measure_prefill_rate`: a `chunk`-token and a PREFILL_SMALL-token forward at the
-    start of a prompt give the fixed cost and the cost per token (a line through the two), a `chunk`-token one
-    PREFILL_FAR tokens in how that grows with the context; once per process for this model, dtype, thread count and
-    capacity. (bf16 SmolLM2 on 2 Zen 4 cores: a 96-token forward costs ~18% more per token than a 256-token one.)"""
+    """A prefill forward's cost (`measure_prefill_cost`) for this model, dtype, thread count and capacity: measured
+    once per machine (spyglass/kept.py), taken once per process."""
     key = (target.model_id, repr(target.args), str(target.dtype), target.linear_backend, torch.get_num_threads(),
-           cache.capacity, str(cache.device), chunk)  # fmt: skip
+           cache.capacity, _device_key(cache.device), chunk)  # fmt: skip
     if key not in _PREFILL_COSTS:
-        chunk = max(1, min(chunk, cache.capacity // 2))
-        far = max(1, min(PREFILL_FAR, cache.capacity - chunk))
-        near = chunk / measure_prefill_rate(target, cache, chunk, context=0)  # seconds of the forward
-        fixed = 0.0
-        if chunk > PREFILL_SMALL:  # where the line through the two forwards' times meets 0 tokens
-            small = PREFILL_SMALL / measure_prefill_rate(target, cache, PREFILL_SMALL, context=0)
-            fixed = min(near, max(0.0, (small * chunk - near * PREFILL_SMALL) / (chunk - PREFILL_SMALL)))
-        base = max(near - fixed, 1e-9) / chunk
-        far_s = (chunk / measure_prefill_rate(target, cache, chunk, context=far) - fixed) / chunk
-        _PREFILL_COSTS[key] = PrefillCost(base, max(0.0, far_s - base) / far, fixed)
+        measured = kept("prefill cost", key, lambda: asdict(measure_prefill_cost(target, cache, chunk)))
+        _PREFILL_COSTS[key] = PrefillCost(**measured)
     return _PREFILL_COSTS[key]
+
+
+def measure_prefill_cost(target, cache, chunk: int = 256) -> PrefillCost:
+    """From `measure_prefill_rate`: a `chunk`-token and a PREFILL_SMALL-token forward at the start of a prompt give the
+    fixed cost and the cost per token (a line through the two), a `chunk`-token one PREFILL_FAR tokens in how that
+    grows with the context. (bf16 SmolLM2 on 2 Zen 4 cores: a 96-token forward costs ~18% more per token than a
+    256-token one.)"""
+    chunk = max(1, min(chunk, cache.capacity // 2))
+    far = max(1, min(PREFILL_FAR, cache.capacity - chunk))
+    near = chunk / measure_prefill_rate(target, cache, chunk, context=0)  # seconds of the forward
+    fixed = 0.0
+    if chunk > PREFILL_SMALL:  # where the line through the two forwards' times meets 0 tokens
+        small = PREFILL_SMALL / measure_prefill_rate(target, cache, PREFILL_SMALL, context=0)
+        fixed = min(near, max(0.0, (small * chunk - near * PREFILL_SMALL) / (chunk - PREFILL_SMALL)))
+    base = max(near - fixed, 1e-9) / chunk
+    far_s = (chunk / measure_prefill_rate(target, cache, chunk, context=far) - fixed) / chunk
+    return PrefillCost(base, max(0.0, far_s - base) / far, fixed)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,19 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede any triton import
 # Ray reads this once, at import (test modules import it while being collected): the test cluster stays on loopback.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ.setdefault("SPYGLASS_CACHE", str(Path(__file__).resolve().parents[1] / ".cache" / "models"))
+# The machine's kept measurements (spyglass/kept.py: matmul plans, cost curves), one file per test run, which the
+# xdist workers, their Ray clusters and the CLI's subprocesses inherit: each is timed once per run, not once per
+# process, and nothing timed on cores the tests contend for is kept for the servers and benches run later.
+if "SPYGLASS_MEASUREMENTS" not in os.environ:
+    _RUN_DIR = tempfile.mkdtemp(prefix="spyglass-test-measurements-")
+    os.environ["SPYGLASS_MEASUREMENTS"] = str(Path(_RUN_DIR) / "measurements.json")
+
+
+def pytest_unconfigure(config):
+    if "_RUN_DIR" in globals():  # the process that made it (the xdist controller)
+        shutil.rmtree(_RUN_DIR, ignore_errors=True)
+
+
 # One thread: tests share the 2 cores with Ray workers and each other, and oversubscribed OpenMP
 # threads spin (ops 100x slower). Speed is measured in bench/, never here.
 torch.set_num_threads(1)

@@ -131,13 +131,13 @@ def test_the_verifier_reports_one_kv_pool_whatever_the_methods():
     with the served methods (one pool of max_batch slots); the memory check counts that pool's slots."""
     from services.verifier import VerifierConfig, build_engine
 
-    per_token = 2 * 30 * 3 * 64 * 4  # 30 layers, 3 KV heads of 64, fp32
+    per_token = 2 * 30 * 3 * 64 * 2  # 30 layers, 3 KV heads of 64, bf16 (as `spyglass generate` here: one cost curve)
     for methods in (["ar"], ["ar", "ngram", "suffix", "streaming"]):
-        engine, _, info = build_engine(VerifierConfig(dtype="float32", methods=methods, max_batch=2, threads=1))
+        engine, _, info = build_engine(VerifierConfig(dtype="bfloat16", methods=methods, max_batch=2, threads=1))
         assert engine.methods == methods and info["context_length"] == 8192
         assert info["kv_bytes_per_token"] == per_token
         assert info["kv_bytes"] == allocated_bytes(engine.cache) == per_token * 8192 * 2
 
     twice = 2 * (available_memory() // (per_token * 8192) + 1)  # a pool twice what is free
     with pytest.raises(ContextCapacityError, match=f"{twice} sequence slot\\(s\\) x 8192 tokens"):
-        build_engine(VerifierConfig(dtype="float32", methods=["ar"], max_batch=twice, threads=1))
+        build_engine(VerifierConfig(dtype="bfloat16", methods=["ar"], max_batch=twice, threads=1))

@@ -73,6 +73,39 @@ def test_the_default_curve_is_measured_up_to_the_cache_capacity(tiny_target):
     assert short.contexts == [256, 1024 - 4]
 
 
+def test_the_cost_curve_and_prefill_cost_are_kept_for_the_next_process(tiny_dir, tmp_path, monkeypatch):
+    """Measured once per machine: a new process (here: the per-process memos cleared) takes the kept curve and
+    prefill cost without a forward; another capacity is measured; SPYGLASS_REMEASURE=1 measures again."""
+    from spyglass import cost
+    from spyglass.kept import kept_path
+    from spyglass.models.llama import load_transformer
+
+    monkeypatch.setenv("SPYGLASS_MEASUREMENTS", str(tmp_path / "m.json"))
+    monkeypatch.delenv("SPYGLASS_REMEASURE", raising=False)
+    target = load_transformer(tiny_dir["llama"])
+    forwards = []
+    real = target.forward
+    monkeypatch.setattr(target, "forward", lambda *a, **k: forwards.append(1) or real(*a, **k))
+
+    def fresh_process():
+        monkeypatch.setattr(cost, "_CURVES", {})
+        monkeypatch.setattr(cost, "_PREFILL_COSTS", {})
+        forwards.clear()
+
+    cache = target.new_cache(512, 1)
+    fresh_process()
+    curve, prefill = cost.measured_curve(target, cache), cost.measured_prefill_cost(target, cache, 64)
+    assert forwards and kept_path().exists()
+    fresh_process()
+    assert cost.measured_curve(target, cache) == curve and cost.measured_prefill_cost(target, cache, 64) == prefill
+    assert not forwards
+    cost.measured_curve(target, target.new_cache(1024, 1))
+    assert forwards  # another capacity: measured
+    fresh_process()
+    monkeypatch.setenv("SPYGLASS_REMEASURE", "1")
+    assert cost.measured_curve(target, cache).contexts == curve.contexts and forwards
+
+
 def test_pruning_keeps_best_valid_subtree():
     tree = DraftTree(torch.tensor([9, 1, 2, 3, 4]), [-1, 0, 0, 1, 3], scores=[1.0, 0.9, 0.05, 0.8, 0.7])
     keep = tree.best_nodes(tree.scores, 3)

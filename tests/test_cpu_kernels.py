@@ -24,6 +24,22 @@ def test_kernels_build_here():
     assert ops is not None, "kernels/cpu_ops.cpp did not build (see the warning logged by kernels.cpu.native)"
 
 
+def test_a_copy_of_the_source_elsewhere_builds_from_the_same_path(tmp_path, monkeypatch):
+    """A checkout at another path (a Ray job's working directory) compiles the same file as this one, so it reuses
+    this build instead of rebuilding it (and invalidating it for the processes here); the copy is written once."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    copy = tmp_path / "job" / "kernels" / cpu.SOURCE.name
+    copy.parent.mkdir(parents=True)
+    copy.write_bytes(cpu.SOURCE.read_bytes())
+    built = cpu.build_source()
+    assert built == cpu.build_source(copy) and built.is_relative_to(tmp_path / "ext")
+    assert built.read_bytes() == cpu.SOURCE.read_bytes()
+    mtime = built.stat().st_mtime_ns
+    assert cpu.build_source(copy) == built and built.stat().st_mtime_ns == mtime
+    copy.write_bytes(cpu.SOURCE.read_bytes() + b"\n// changed\n")
+    assert cpu.build_source(copy) != built  # other text: another file
+
+
 DTYPES = [torch.float32, torch.bfloat16]
 # bf16 results against fp64 references rounded the same way: an fp32 sum rounds to the neighbouring bf16 at most
 BF16 = {"rtol": 2**-7, "atol": 1e-5}

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from spyglass.kept import kept_path
 from spyglass.models import linear as linear_mod
 from spyglass.models.drafts.vocab import VocabSubset
 from spyglass.models.linear import (
@@ -142,6 +143,7 @@ def test_a_measured_plan_is_kept_for_the_next_process_on_this_machine(tiny_dir, 
     cleared) takes the kept ones without timing, so it runs the same kernels (and a prompt gets the same bits) as the
     last; SPYGLASS_REMEASURE=1 times again."""
     monkeypatch.setenv("SPYGLASS_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPYGLASS_MEASUREMENTS", raising=False)  # the default place: beside the models
     monkeypatch.delenv("SPYGLASS_REMEASURE", raising=False)
     model = load_transformer(tiny_dir["llama"], linear_backend="aten")
     timed = []
@@ -155,7 +157,7 @@ def test_a_measured_plan_is_kept_for_the_next_process_on_this_machine(tiny_dir, 
     fresh_process()
     plan, lanes = measure_linear_plan(model), linear_mod.lanes_for_prefill(model)
     assert len(timed) == len(ROW_BUCKETS) + (1 if linear_mod.rows_supported(model.layers[0].wo.weight) else 0)
-    assert linear_mod.kept_plans_path().parent == tmp_path and linear_mod.kept_plans_path().exists()
+    assert kept_path().parent == tmp_path and kept_path().exists()
     fresh_process()
     timed.clear()
     assert measure_linear_plan(model) == plan and linear_mod.lanes_for_prefill(model) == lanes and not timed
@@ -163,7 +165,7 @@ def test_a_measured_plan_is_kept_for_the_next_process_on_this_machine(tiny_dir, 
     monkeypatch.setenv("SPYGLASS_REMEASURE", "1")
     assert_valid_plan(measure_linear_plan(model), model.layers[0].wo.weight)
     assert len(timed) == len(ROW_BUCKETS)
-    linear_mod.kept_plans_path().write_text("not json")  # a damaged file is measured over, not an error
+    kept_path().write_text("not json")  # a damaged file is measured over, not an error
     monkeypatch.delenv("SPYGLASS_REMEASURE")
     fresh_process()
     timed.clear()

@@ -99,7 +99,8 @@ def test_engine_loop_graceful_shutdown_finishes_short_and_aborts_long_requests()
 
     from services.verifier import EngineLoop, VerifierConfig, build_engine
 
-    cfg = VerifierConfig(methods=["ngram"], max_batch=2, max_context=4096, threads=1)
+    # plain decoding (no cost curve to time) at the served stack's capacity (its prefill cost timed once per run)
+    cfg = VerifierConfig(methods=["ar"], max_batch=2, max_context=MAX_CONTEXT, threads=1)
     engine, tok, _ = build_engine(cfg)
     loop = EngineLoop(engine, tok, cfg, name="t")
     stopper = threading.Thread(target=loop.stop, kwargs={"drain_timeout_s": 8.0})
@@ -114,7 +115,7 @@ def test_engine_loop_graceful_shutdown_finishes_short_and_aborts_long_requests()
 
     async def main():
         short, long = [], []
-        await asyncio.gather(run("short", 8, short), run("long", 3500, long))  # cannot finish in the drain
+        await asyncio.gather(run("short", 8, short), run("long", MAX_CONTEXT - 200, long))  # cannot finish in the drain
         return short, long
 
     short, long = asyncio.run(main())
@@ -144,7 +145,7 @@ def test_the_replica_times_its_cost_curve_with_the_threads_it_decodes_with():
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # what Ray leaves a 1-CPU replica with
     try:
-        config = {"methods": ["ngram"], "max_batch": 1, "max_context": 1024, "threads": 2, "warmup_prompt_tokens": 0}
+        config = {"methods": ["ngram"], "max_batch": 1, "max_context": 256, "threads": 2, "warmup_prompt_tokens": 0}
         verifier = Verifier.func_or_class(config)  # the deployment's class, built in process
         try:
             engine = verifier.loop.engine

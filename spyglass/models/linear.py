@@ -17,7 +17,7 @@ nearly the cost of one. At hundreds of rows (Zen 4, one thread) oneDNN's and MKL
 twice their fp32 and 1.3-1.8x `rows` in bf16. Without bf16 GEMM instructions (AVX2, AVX-512F) the libraries' bf16
 GEMMs are slow; `widen` widens a bf16 call's operands for oneDNN's fp32 GEMM (Zen 3, 2 threads, 256 rows of SmolLM2's
 shapes: 64-86 GFLOP/s against `lanes`' 53-65). So the kernels are timed on the model's own weights, per bucket of
-row counts, and the fastest per bucket makes a plan, kept for the next process on the machine (`_kept`).
+row counts, and the fastest per bucket makes a plan, kept for the next process on the machine (spyglass/kept.py).
 Autograd always takes `F.linear` (the oneDNN op has no backward).
 
 A library's prefill chunk gives a row bits that depend on the chunk's row count, so the engine would have to prefill
@@ -38,16 +38,14 @@ import bisect
 import contextlib
 import contextvars
 import functools
-import json
-import os
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu as cpu_kernels
+from spyglass.kept import kept
 
 KERNELS = ("aten", "onednn", "wfirst", "widen", "rows", "lanes")
 LOSSLESS_KERNELS = ("rows",)  # every forward on it is lossless: a decode step's rows equal a verify pass's
@@ -278,7 +276,7 @@ def _time_kernels(kernels: list[str], sample, rows: int, min_rounds: int, max_ro
 def measure_linear_plan(model: nn.Module, repeats: int = 2) -> tuple[str, ...]:
     """The fastest library kernel (or `rows`) per row bucket, each timed on a sample of the model's layers
     (`_timing_sample`) at the bucket's largest row count, over `repeats` to twice that many rounds (`_time_kernels`).
-    Measured once per machine for a given set of shapes, dtype and thread count (`_kept`)."""
+    Measured once per machine for a given set of shapes, dtype and thread count (spyglass/kept.py)."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if not linears or linears[0].weight.device.type != "cpu":
         return ("aten",) * len(ROW_BUCKETS)
@@ -293,7 +291,7 @@ def measure_linear_plan(model: nn.Module, repeats: int = 2) -> tuple[str, ...]:
                 plan.append(min(est, key=est.get))
             return plan
 
-        _PLANS[key] = tuple(_kept("plan", (key, kernels), measure))
+        _PLANS[key] = tuple(kept("plan", (key, kernels), measure))
     return _PLANS[key]
 
 
@@ -315,41 +313,8 @@ def lanes_for_prefill(model: nn.Module, repeats: int = 2) -> bool:
             est = _time_kernels(kernels, _timing_sample(linears, LANES_ROWS), LANES_ROWS, repeats, 2 * repeats)
             return est.get("lanes", float("inf")) <= LANES_SLACK * min(t for k, t in est.items() if k != "lanes")
 
-        _LANES[key] = bool(_kept("lanes", (key, kernels), measure))
+        _LANES[key] = bool(kept("lanes", (key, kernels), measure))
     return _LANES[key]
-
-
-def kept_plans_path() -> Path:
-    """Where the plans measured on this machine are kept: beside the converted models (`$SPYGLASS_CACHE`, else
-    ~/.cache/spyglass/models)."""
-    return Path(os.environ.get("SPYGLASS_CACHE") or Path.home() / ".cache" / "spyglass" / "models") / "plans.json"
-
-
-def _kept(kind: str, key: tuple, measure):
-    """`measure()`'s result, kept on disk for this machine (`kernels.cpu.machine_key`: the CPU, the kernels' build,
-    torch) and `key` (shapes, dtype, threads, kernels timed): the next process on it takes the kept result instead of
-    timing again. Its choice of kernels decides a prompt's bf16 bits, and where two kernels time close, two
-    measurements can pick differently (on one Zen 3 VM a 256-row prefill went to `lanes` in one server start and
-    `widen` in the next, and their outputs differed); kept, a restart gives the outputs of the last start, and starts
-    sooner. SPYGLASS_REMEASURE=1 times again (and keeps the new result)."""
-    path = kept_plans_path()
-    name = json.dumps([kind, cpu_kernels.machine_key(), repr(key)])
-    try:
-        kept = json.loads(path.read_text())
-    except (OSError, ValueError):
-        kept = {}
-    if name in kept and os.environ.get("SPYGLASS_REMEASURE") != "1":
-        return kept[name]
-    value = measure()
-    kept[name] = value
-    try:  # a failed write only loses the saving: the next process measures again
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(kept, indent=1))
-        tmp.replace(path)
-    except OSError:
-        pass
-    return value
 
 
 def _plan_key(linears: list[Linear]) -> tuple:

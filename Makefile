@@ -55,7 +55,7 @@ test: setup
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests --durations=40
 
 # The heavy tests: resumed and warm-started training, DeepSpeed ZeRO-2 in bf16 (its first run on a machine compiles
-# DeepSpeed's CPU ops, ~2.5 min), `spyglass train` starting its own cluster, the benches' smoke runs.
+# DeepSpeed's CPU ops, ~2.5 min), `spyglass train` starting its own cluster, a killed model conversion, the benches' smoke runs.
 .PHONY: test-heavy
 test-heavy: setup
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m heavy tests --durations=15

@@ -8,11 +8,13 @@ the tests' oracle). `SPYGLASS_CPU_KERNELS=0` turns the kernels off.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
 import platform
+import sysconfig
 from pathlib import Path
 
 import torch
@@ -64,6 +66,24 @@ def build_name() -> str:
     return f"spyglass_cpu_{h.hexdigest()[:12]}"
 
 
+@contextlib.contextmanager
+def _own_ninja():
+    """The ninja of this Python environment first on PATH while building (pip's `ninja`, a dependency): torch runs
+    whichever `ninja` PATH finds, and two versions (here pip's 1.13 and the system's 1.11) hash a build command
+    differently, so each takes the other's build for a changed one and compiles again (~50 s): a Ray job's workers
+    (PATH with the environment's bin) and a test run (without it) rebuilt the kernels in turn."""
+    scripts = sysconfig.get_path("scripts")
+    path = os.environ.get("PATH", "")
+    if not (Path(scripts) / "ninja").exists() or path.split(os.pathsep)[0] == scripts:
+        yield
+        return
+    os.environ["PATH"] = os.pathsep.join([scripts, path])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
+
+
 def build_source(source: Path = SOURCE) -> Path:
     """A copy of `source` at a path fixed by its contents, in torch's extension cache: what every build compiles. The
     build reruns when the compile command changes, and the command names the source's path, so a checkout elsewhere
@@ -98,13 +118,14 @@ def native():
         from torch.utils.cpp_extension import load
 
         arch = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else ["-mcpu=native"]
-        return load(
-            build_name(),
-            [str(build_source())],
-            extra_cflags=[*CFLAGS, *arch],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        with _own_ninja():
+            return load(
+                build_name(),
+                [str(build_source())],
+                extra_cflags=[*CFLAGS, *arch],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
     except Exception as exc:  # a missing compiler or ninja: the torch ops still run, only slower
         log.warning("spyglass CPU kernels could not be built (%s); using torch ops", exc)
         return None
@@ -113,16 +134,22 @@ def native():
 @functools.cache
 def build_for(march: str):
     """The same source built for another x86 target (`-march=x86-64-v3`: AVX2, no AVX-512; `skylake-avx512`:
-    AVX-512 without its bf16 dot products), so the tests check the paths this CPU's own build does not take."""
+    AVX-512 without its bf16 dot products), so the tests check the paths this CPU's own build does not take. Where
+    this CPU's own build takes the same branches of the source (x86-64-v3 on an AVX2 CPU without AVX-512: the source
+    branches on AVX-512F, AVX-512 BF16, AVX2 and FMA only), that build, without a second compile (~50 s)."""
+    flags = set(_cpu_flags().split())
+    if march == "x86-64-v3" and {"avx2", "fma"} <= flags and "avx512f" not in flags and native() is not None:
+        return native()
     from torch.utils.cpp_extension import load
 
-    return load(
-        f"spyglass_cpu_{march.replace('-', '_')}_" + build_name().rsplit("_", 1)[1],
-        [str(build_source())],
-        extra_cflags=[*CFLAGS, f"-march={march}"],
-        extra_ldflags=["-fopenmp"],
-        verbose=False,
-    )
+    with _own_ninja():
+        return load(
+            f"spyglass_cpu_{march.replace('-', '_')}_" + build_name().rsplit("_", 1)[1],
+            [str(build_source())],
+            extra_cflags=[*CFLAGS, f"-march={march}"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
 
 
 # ----------------------------------------------------------------------------- references (plain torch)

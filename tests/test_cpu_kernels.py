@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import platform
+import shutil
 import subprocess
 import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,6 +42,17 @@ def test_a_copy_of_the_source_elsewhere_builds_from_the_same_path(tmp_path, monk
     assert cpu.build_source(copy) == built and built.stat().st_mtime_ns == mtime
     copy.write_bytes(cpu.SOURCE.read_bytes() + b"\n// changed\n")
     assert cpu.build_source(copy) != built  # other text: another file
+
+
+def test_builds_run_this_environments_ninja_whatever_the_path(monkeypatch):
+    """Two ninja versions take each other's build of the same command for a changed one: every build runs the
+    environment's own (pip's), not whichever PATH finds first (a Ray job's workers and a shell differ)."""
+    own = Path(sysconfig.get_path("scripts")) / "ninja"
+    assert own.exists()  # a dependency of the project
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    with cpu._own_ninja():
+        assert shutil.which("ninja") == str(own)
+    assert os.environ["PATH"] == "/usr/bin:/bin"
 
 
 DTYPES = [torch.float32, torch.bfloat16]

@@ -84,6 +84,7 @@ def test_ray_job_submit_end_to_end(tiny_dir, tmp_path):
         RAY_AUTH_MODE="token",
         PATH=f"{VENV_BIN}:{env.get('PATH', '')}",
         OMP_NUM_THREADS="1",
+        RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",  # torn down at once when the test ends (not after 30 s of draining)
     )
     env.pop("RAY_ADDRESS", None)
     ports = [free_port() for _ in range(4)]

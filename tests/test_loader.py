@@ -204,9 +204,10 @@ def test_cli_prints_resolved_path(default_fp32: ResolvedModel, cache_root: Path,
     assert "does not exist" in bad.stderr and str(tmp_path / "nope") in bad.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_interrupted_conversion_is_redone(tmp_path: Path) -> None:
-    """Kill a real conversion mid-write: nothing half-written may look complete; the next call redoes it."""
+    """Kill a real conversion mid-write: nothing half-written may look complete; the next call redoes it (two
+    conversions of the default model, ~1.5 min on 2 cores: `make test-heavy`)."""
     cache = tmp_path / "cache"
     proc = subprocess.Popen(
         [sys.executable, "-m", "spyglass.models.loader", "--cache-root", str(cache)],

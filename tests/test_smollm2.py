@@ -66,11 +66,29 @@ def test_logits_match_hf(smollm2, prompts):
     assert plain_generate(model, prompts[1], params) == hf_out
 
 
+REFERENCE_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def references(request, prompts):
+    """`references(dtype)`: plain decoding's first REFERENCE_TOKENS tokens of every prompt, decoded once per dtype
+    (greedy: the first n of them are its output at n)."""
+    done = {}
+
+    def of(dtype: torch.dtype) -> list[list[int]]:
+        if dtype not in done:
+            model, _ = target_in(request, dtype)
+            done[dtype] = [plain_generate(model, p, SamplingParams(max_new_tokens=REFERENCE_TOKENS)) for p in prompts]
+        return done[dtype]
+
+    return of
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_greedy_identity_real_prompts(request, dtype, prompts):
+def test_greedy_identity_real_prompts(request, dtype, prompts, references):
     model, _ = target_in(request, dtype)
     params = SamplingParams(max_new_tokens=40)  # the 8-layer draft accepts little: enough tokens to see some
-    reference = [plain_generate(model, p, params) for p in prompts]
+    reference = [r[: params.max_new_tokens] for r in references(dtype)]
     drafters = [
         ("ngram", lambda: NgramDrafter()),
         ("small-lm", lambda: SmallLMDrafter(truncated_draft(model, 8), gamma=4, max_batch=4, max_context=4096)),
@@ -149,7 +167,7 @@ def test_small_lm_draft_model_from_a_source(smollm2):
     assert torch.equal(draft.embed.weight, model.embed.weight)
 
 
-def test_longspec_spans_equal_plain_decoding_on_a_copying_prompt(smollm2, prompts):
+def test_longspec_spans_equal_plain_decoding_on_a_copying_prompt(smollm2, prompts, references):
     """The shipped LongSpec draft with spans on a code-editing prompt, whose output copies its context: chains
     ending in copies and chains that are a copy's continuation alone (no draft step) are proposed, verified, and
     the output is plain decoding's, batch 1 and 4."""
@@ -157,8 +175,8 @@ def test_longspec_spans_equal_plain_decoding_on_a_copying_prompt(smollm2, prompt
     from spyglass.tree import SPAN_SOURCE
 
     model, _ = smollm2
-    params = SamplingParams(max_new_tokens=48)
-    reference = [plain_generate(model, p, params) for p in prompts]
+    params = SamplingParams(max_new_tokens=REFERENCE_TOKENS)
+    reference = references(torch.float32)
     for batch, chosen in ((1, prompts[:1]), (4, prompts)):
         drafter = build_drafter("longspec-span", model, max_batch=batch, max_context=4096)
         firsts = []

@@ -52,10 +52,11 @@ run: setup
 # (2026-12-02; the whole suite took 21 min on 2 Zen 4 cores). Tests marked `heavy` (training runs beyond one Ray Train
 # run and one `ray job submit`, the peer and long-context benches' smoke runs) and `long` have targets of their own.
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests --durations=40
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder tests --durations=40
 
 # The heavy tests: resumed and warm-started training, DeepSpeed ZeRO-2 in bf16 (its first run on a machine compiles
-# DeepSpeed's CPU ops, ~2.5 min), `spyglass train` starting its own cluster, a killed model conversion, the benches' smoke runs.
+# DeepSpeed's CPU ops, ~2.5 min), `spyglass train` starting its own cluster, a killed model conversion, the benches'
+# smoke runs.
 .PHONY: test-heavy
 test-heavy: setup
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m heavy tests --durations=15

@@ -13,6 +13,7 @@ expected tokens per second; plain decoding makes 1 / (its share of a 1-token for
 from __future__ import annotations
 
 import bisect
+import inspect
 import platform
 import statistics
 import time
@@ -228,6 +229,7 @@ def measured_curve(target, cache) -> CostCurve:
         torch.get_num_threads(),
         cache.capacity,
         _device_key(cache.device),
+        str(inspect.signature(CostCurve.measure)),  # what it times: a change of its sizes measures again
     )
     if key not in _CURVES:
         _CURVES[key] = CostCurve(**kept("cost curve", key, lambda: CostCurve.measure(target, cache).to_dict()))
@@ -293,7 +295,7 @@ def measured_prefill_cost(target, cache, chunk: int = 256) -> PrefillCost:
     """A prefill forward's cost (`measure_prefill_cost`) for this model, dtype, thread count and capacity: measured
     once per machine (spyglass/kept.py), taken once per process."""
     key = (target.model_id, repr(target.args), str(target.dtype), target.linear_backend, torch.get_num_threads(),
-           cache.capacity, _device_key(cache.device), chunk)  # fmt: skip
+           cache.capacity, _device_key(cache.device), chunk, PREFILL_SMALL, PREFILL_FAR)  # fmt: skip
     if key not in _PREFILL_COSTS:
         measured = kept("prefill cost", key, lambda: asdict(measure_prefill_cost(target, cache, chunk)))
         _PREFILL_COSTS[key] = PrefillCost(**measured)

@@ -115,17 +115,7 @@ def native():
     try:
         # inside the try: torch.utils.cpp_extension imports setuptools, which a bare torch install may lack (then
         # the torch ops run, as for a missing compiler); only a build needs it
-        from torch.utils.cpp_extension import load
-
-        arch = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else ["-mcpu=native"]
-        with _own_ninja():
-            return load(
-                build_name(),
-                [str(build_source())],
-                extra_cflags=[*CFLAGS, *arch],
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
+        return _build(build_name(), "-march=native" if platform.machine() in ("x86_64", "AMD64") else "-mcpu=native")
     except Exception as exc:  # a missing compiler or ninja: the torch ops still run, only slower
         log.warning("spyglass CPU kernels could not be built (%s); using torch ops", exc)
         return None
@@ -140,16 +130,15 @@ def build_for(march: str):
     flags = set(_cpu_flags().split())
     if march == "x86-64-v3" and {"avx2", "fma"} <= flags and "avx512f" not in flags and native() is not None:
         return native()
+    return _build(f"spyglass_cpu_{march.replace('-', '_')}_" + build_name().rsplit("_", 1)[1], f"-march={march}")
+
+
+def _build(name: str, arch: str):
+    """torch's JIT build of the source (its copy at `build_source`) with CFLAGS and `arch`, run by our own ninja."""
     from torch.utils.cpp_extension import load
 
     with _own_ninja():
-        return load(
-            f"spyglass_cpu_{march.replace('-', '_')}_" + build_name().rsplit("_", 1)[1],
-            [str(build_source())],
-            extra_cflags=[*CFLAGS, f"-march={march}"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        return load(name, [str(build_source())], extra_cflags=[*CFLAGS, arch], extra_ldflags=["-fopenmp"])
 
 
 # ----------------------------------------------------------------------------- references (plain torch)

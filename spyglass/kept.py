@@ -29,26 +29,25 @@ def kept_path() -> Path:
     return Path(models) / "measurements.json"
 
 
+def _read(path: Path) -> dict:
+    """The kept measurements; none where the file is missing or damaged (then measured over)."""
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
 def kept(kind: str, key: Any, measure: Callable[[], Any]) -> Any:
     """`measure()`'s result (JSON-able) for `kind` and `key` on this machine: the kept one, else measured and kept."""
     path = kept_path()
     name = json.dumps([kind, cpu_kernels.machine_key(), repr(key)])
-    try:
-        found = json.loads(path.read_text())
-    except (OSError, ValueError):  # none yet, or damaged: measured over
-        found = {}
-    if not isinstance(found, dict):
-        found = {}
+    found = _read(path)
     if name in found and os.environ.get("SPYGLASS_REMEASURE") != "1":
         return found[name]
     value = measure()
-    try:  # re-read: another process may have kept something meanwhile; a failed write only loses the saving
-        latest = json.loads(path.read_text())
-        found = latest if isinstance(latest, dict) else found
-    except (OSError, ValueError):
-        pass
-    found[name] = value
-    try:
+    found = {**_read(path), name: value}  # read again: another process may have kept something while this measured
+    try:  # a failed write only loses the saving
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(found, indent=1))

@@ -21,13 +21,14 @@ os.environ.setdefault("SPYGLASS_CACHE", str(Path(__file__).resolve().parents[1] 
 # The machine's kept measurements (spyglass/kept.py: matmul plans, cost curves), one file per test run, which the
 # xdist workers, their Ray clusters and the CLI's subprocesses inherit: each is timed once per run, not once per
 # process, and nothing timed on cores the tests contend for is kept for the servers and benches run later.
+_RUN_DIR = None  # set in the process that makes the file (the xdist controller), which removes it at the end
 if "SPYGLASS_MEASUREMENTS" not in os.environ:
     _RUN_DIR = tempfile.mkdtemp(prefix="spyglass-test-measurements-")
     os.environ["SPYGLASS_MEASUREMENTS"] = str(Path(_RUN_DIR) / "measurements.json")
 
 
 def pytest_unconfigure(config):
-    if "_RUN_DIR" in globals():  # the process that made it (the xdist controller)
+    if _RUN_DIR:
         shutil.rmtree(_RUN_DIR, ignore_errors=True)
 
 

@@ -37,11 +37,11 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
   float acc[V] = {};
   int64_t i = 0;
   for (; i + V <= n; i += V)
-    for (int j = 0; j < V; j++) acc[j] += a[i + j] * b[i + j];
+    for (int j = 0; j < V; j++) acc[j] = std::fma(a[i + j], b[i + j], acc[j]);
   for (int w = V / 2; w > 0; w /= 2)
     for (int j = 0; j < w; j++) acc[j] += acc[j + w];
   float s = acc[0];
-  for (; i < n; i++) s += a[i] * b[i];
+  for (; i < n; i++) s = std::fma(a[i], b[i], s);
   return s;
 }
 
@@ -77,22 +77,36 @@ inline vint to_int(vfloat x) { return __builtin_convertvector(x, vint); }
 inline float to_float(int32_t x) { return static_cast<float>(x); }
 inline vfloat to_float(vint x) { return __builtin_convertvector(x, vfloat); }
 
+// a * b + c rounded once, for a float or lane by lane. The build fuses nothing itself (-ffp-contract=off,
+// kernels/cpu.py): every multiply-add is written out, so an expression computes the same bits in every function it is
+// inlined into (a verify pass and a decode step run different tile heights); a float a is broadcast.
+inline float vfma(float a, float b, float c) { return std::fma(a, b, c); }
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) {
+#if defined(__AVX512F__)
+  __m512 r = _mm512_fmadd_ps(reinterpret_cast<__m512&>(a), reinterpret_cast<__m512&>(b), reinterpret_cast<__m512&>(c));
+  return reinterpret_cast<vfloat&>(r);
+#elif defined(__FMA__) && defined(__AVX__)
+  __m256 r = _mm256_fmadd_ps(reinterpret_cast<__m256&>(a), reinterpret_cast<__m256&>(b), reinterpret_cast<__m256&>(c));
+  return reinterpret_cast<vfloat&>(r);
+#else
+  vfloat r;
+  for (int i = 0; i < L; i++) r[i] = std::fma(a[i], b[i], c[i]);
+  return r;
+#endif
+}
+inline vfloat vfma(float a, vfloat b, vfloat c) { return vfma(splat<vfloat>(a), b, c); }
+
 // exp for x <= 0 (softmax after subtracting the max): 2^n * e^r, |r| <= ln2/2, degree-7 Taylor (rel. error < 1e-8
 // before rounding), for a float (written so the compiler vectorises a loop of it) or a vector of floats.
 template <typename F>
 inline F exp_nonpos(F x) {
   x = vmax(x, splat<F>(-87.0f));
-  const auto ni = to_int(x * 1.44269504088896341f - 0.5f);  // nearest integer (x <= 0): no floor, which would not
-  const F n = to_float(ni);                                   // vectorise
-  const F r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  const auto ni = to_int(vfma(x, splat<F>(1.44269504088896341f), splat<F>(-0.5f)));  // nearest integer (x <= 0): no
+  const F n = to_float(ni);                                                           // floor, which would not vectorise
+  const F r = vfma(-n, splat<F>(1.428606765330187e-06f), vfma(-n, splat<F>(0.693145751953125f), x));
   F p = splat<F>(1.0f / 5040.0f);
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
+  for (const float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
+    p = vfma(p, r, splat<F>(c));
   const auto bits = (ni + 127) << 23;
   F scale;
   std::memcpy(&scale, &bits, sizeof(scale));
@@ -357,29 +371,35 @@ constexpr int kNV = 4, kCV = 4;
 constexpr int kNV = 2, kCV = 2;
 #endif
 
-// a * b + c lane by lane, rounded once (the build is ISO C++: the compiler fuses nothing itself), so the tiles and
-// score_rows run the same instruction; a float a is broadcast
-inline vfloat vfma(vfloat a, vfloat b, vfloat c) {
+inline float hsum(vfloat v) {  // a fixed tree over the lanes: lane j + w added to lane j, w = L / 2, ..., 1
+#if defined(__AVX512F__) || defined(__AVX2__)
+  __m256 h;
 #if defined(__AVX512F__)
-  __m512 r = _mm512_fmadd_ps(reinterpret_cast<__m512&>(a), reinterpret_cast<__m512&>(b), reinterpret_cast<__m512&>(c));
-  return reinterpret_cast<vfloat&>(r);
-#elif defined(__FMA__) && defined(__AVX__)
-  __m256 r = _mm256_fmadd_ps(reinterpret_cast<__m256&>(a), reinterpret_cast<__m256&>(b), reinterpret_cast<__m256&>(c));
-  return reinterpret_cast<vfloat&>(r);
+  const __m512 x = reinterpret_cast<const __m512&>(v);
+  h = _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
 #else
-  vfloat r;
-  for (int i = 0; i < L; i++) r[i] = std::fma(a[i], b[i], c[i]);
-  return r;
+  h = reinterpret_cast<const __m256&>(v);
 #endif
-}
-inline vfloat vfma(float a, vfloat b, vfloat c) { return vfma(splat<vfloat>(a), b, c); }
-
-inline float hsum(vfloat v) {  // a fixed tree over the lanes
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  const __m128 d = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)));
+#else
   float a[L];
   std::memcpy(a, &v, sizeof(a));
   for (int w = L / 2; w > 0; w /= 2)
     for (int j = 0; j < w; j++) a[j] += a[j + w];
   return a[0];
+#endif
+}
+
+inline float hmax(vfloat v) {  // the largest lane (exact whatever the order)
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps(reinterpret_cast<const __m512&>(v));
+#else
+  float m = v[0];
+  for (int u = 1; u < L; u++) m = std::max(m, v[u]);
+  return m;
+#endif
 }
 
 // A score is two chains of steps over the head dims, the even steps' and the odd steps', each from 0, summed at the
@@ -499,29 +519,28 @@ inline void score_tiles(const q_operand<QE>* Q, const QE* Kt, int64_t Dq, int64_
 // vectors of keys; past them, every row's keys are hidden.
 template <int MR>
 inline void softmax_tile(const float* S, int64_t nvec, float* P, float* m, float* l, float* alpha) {
+  float mx[MR];
+  vfloat shift[MR];  // what each row's scores drop by: its new max, or 0 for a row that has seen nothing yet
   for (int r = 0; r < MR; r++) {
     const float* s = S + r * kNB;
-    float* p = P + r * kNB;
     vfloat mv = vload(s);
     for (int64_t j = L; j < nvec * L; j += L) mv = vmax(mv, vload(s + j));
-    float bm = mv[0];
-    for (int u = 1; u < L; u++) bm = std::max(bm, mv[u]);
-    const float mx = std::max(m[r], bm);
-    if (mx == kNegInf) {  // nothing seen yet
-      alpha[r] = 1.0f;
-      std::fill(p, p + nvec * L, 0.0f);
-      continue;
+    mx[r] = std::max(m[r], hmax(mv));
+    // nothing seen (every score -inf): P = 0, alpha = 1, and the row's state stays as it is
+    alpha[r] = mx[r] == kNegInf ? 1.0f : m[r] == kNegInf ? 0.0f : exp_nonpos(m[r] - mx[r]);
+    shift[r] = splat<vfloat>(mx[r] == kNegInf ? 0.0f : mx[r]);
+  }
+  vfloat sum[MR] = {};
+  for (int64_t j = 0; j < nvec * L; j += L)  // the rows' exponentials side by side: independent chains
+    for (int r = 0; r < MR; r++) {
+      const vfloat x = vload(S + r * kNB + j);
+      const vfloat e = x == kNegInf ? vfloat{} : exp_nonpos(x - shift[r]);  // exp_nonpos clamps: hidden must give 0
+      vstore(P + r * kNB + j, e);
+      sum[r] += e;
     }
-    alpha[r] = m[r] == kNegInf ? 0.0f : exp_nonpos(m[r] - mx);
-    vfloat sum = {};
-    for (int64_t j = 0; j < nvec * L; j += L) {
-      const vfloat x = vload(s + j);
-      const vfloat e = x == kNegInf ? vfloat{} : exp_nonpos(x - mx);  // exp_nonpos clamps: hidden must give 0
-      vstore(p + j, e);
-      sum += e;
-    }
-    l[r] = l[r] * alpha[r] + hsum(sum);
-    m[r] = mx;
+  for (int r = 0; r < MR; r++) {
+    l[r] = std::fma(l[r], alpha[r], hsum(sum[r]));
+    m[r] = mx[r];
   }
 }
 
@@ -1191,7 +1210,7 @@ static void rows_tile(const float* x, const float* w, const float* b, float* y, 
     for (int r = 0; r < R; r++)
       for (int mm = 0; mm < M; mm++) {
         float s = sums[r * M + mm];
-        for (int64_t k = K16; k < K; k++) s += w0[r * K + k] * x[mm * K + k];
+        for (int64_t k = K16; k < K; k++) s = std::fma(w0[r * K + k], x[mm * K + k], s);
         y[mm * N + n + r] = s + (b ? b[n + r] : 0.0f);
       }
 #else
@@ -1202,7 +1221,7 @@ static void rows_tile(const float* x, const float* w, const float* b, float* y, 
         __builtin_prefetch(wr + ahead, 0, 0);
         for (int mm = 0; mm < M; mm++) {
           const float* xm = x + mm * K + k;
-          for (int j = 0; j < V; j++) acc[r][mm][j] += wr[j] * xm[j];
+          for (int j = 0; j < V; j++) acc[r][mm][j] = std::fma(wr[j], xm[j], acc[r][mm][j]);
         }
       }
     for (int r = 0; r < R; r++)
@@ -1211,7 +1230,7 @@ static void rows_tile(const float* x, const float* w, const float* b, float* y, 
         for (int h = V / 2; h > 0; h /= 2)
           for (int j = 0; j < h; j++) a[j] += a[j + h];
         float s = a[0];
-        for (int64_t k = K16; k < K; k++) s += w0[r * K + k] * x[mm * K + k];
+        for (int64_t k = K16; k < K; k++) s = std::fma(w0[r * K + k], x[mm * K + k], s);
         y[mm * N + n + r] = s + (b ? b[n + r] : 0.0f);
       }
 #endif

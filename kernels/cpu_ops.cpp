@@ -105,8 +105,13 @@ inline F exp_nonpos(F x) {
   const F n = to_float(ni);                                                           // floor, which would not vectorise
   const F r = vfma(-n, splat<F>(1.428606765330187e-06f), vfma(-n, splat<F>(0.693145751953125f), x));
   F p = splat<F>(1.0f / 5040.0f);
-  for (const float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
-    p = vfma(p, r, splat<F>(c));
+  p = vfma(p, r, splat<F>(1.0f / 720.0f));
+  p = vfma(p, r, splat<F>(1.0f / 120.0f));
+  p = vfma(p, r, splat<F>(1.0f / 24.0f));
+  p = vfma(p, r, splat<F>(1.0f / 6.0f));
+  p = vfma(p, r, splat<F>(0.5f));
+  p = vfma(p, r, splat<F>(1.0f));
+  p = vfma(p, r, splat<F>(1.0f));
   const auto bits = (ni + 127) << 23;
   F scale;
   std::memcpy(&scale, &bits, sizeof(scale));

@@ -25,8 +25,9 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 # -fno-trapping-math / -fno-math-errno: loops with a compare or a float->int conversion vectorise (the exp of the
 # softmax and SwiGLU); no reassociation, so every sum keeps the order written in the source; -ffp-contract=off: no
-# product and sum fused unless the source says so (GCC's default fuses where its passes see fit, which differed
-# between two inlined copies of one expression), so the same expression gives the same bits wherever it runs.
+# product and sum fused unless the source says so (GCC's default fuses where its passes see fit: the softmax's
+# `l * alpha + sum` came out fused in one build of the file and not in another), so an expression gives the same bits
+# in every function it is compiled into.
 CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off")
 builds = 0  # times this process built (or loaded) the extension: once, whatever shapes it then serves
 

@@ -8,6 +8,12 @@ One process, contenders interleaved round by round, minimum per contender (a bus
 - prefill: a 512-token causal chunk after 4096 committed tokens, GFLOP/s.
 
     python bench/kernel_attention.py [--threads 2] [--rounds 10] [--smoke]
+    git show HEAD~1:kernels/cpu_ops.cpp > /tmp/before.cpp
+    python bench/kernel_attention.py --against /tmp/before.cpp  # an A/B: both builds, round by round
+
+With `--against`, another version of the kernels' source is built for this CPU too (`kernels.cpu.build_other`) and
+timed in the same rounds; each line adds its time, the ratio (its time over this tree's: above 1, this tree is
+faster) and whether the two builds return the same bits for that case.
 
 With one thread the calls are timed in process CPU time (robust on a shared machine); with more, in wall time.
 """
@@ -33,10 +39,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--smoke", action="store_true", help="tiny contexts, 2 rounds: checks the bench runs")
+    ap.add_argument("--against", type=Path, help="another version of kernels/cpu_ops.cpp to time beside this tree's")
     args = ap.parse_args()
     ops = cpu_kernels.native()
     if ops is None:
         sys.exit("the CPU kernels are not built here (kernels/cpu.py)")
+    builds = {"here": ops}
+    if args.against:
+        builds["against"] = cpu_kernels.build_other(args.against)
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.threads == 1 else time.perf_counter
     contexts = (512, 1024) if args.smoke else (4096, 16384, 32768)
@@ -64,28 +74,41 @@ def main() -> None:
         for dtype in (torch.float32, torch.bfloat16):
             k, v = (torch.randn(kv_heads, 4096 + 512, 64).to(dtype) for _ in range(2))
             prefill.append((name, dtype, torch.randn(heads, 512, 64).to(dtype), k, v))
+    calls = [((name, ctx, dtype), q, kv, ctx - 1) for name, ctx, dtype, q, kv, _ in cases]
+    calls += [((name, "prefill", dtype), q, [(k, v)], 4096) for name, dtype, q, k, v in prefill]
     best: dict = {}
     bandwidth = 0.0
     for r in range(rounds):
         bandwidth = max(bandwidth, big.numel() * 4 / timed(big.sum))
-        for name, ctx, dtype, q, kv, _ in cases:
-            k, v = kv[r % len(kv)]
-            t = timed(lambda q=q, k=k, v=v, ctx=ctx: ops.tile_attention(q, k, v, ctx - 1, None, 0.125))
-            best[name, ctx, dtype] = min(best.get((name, ctx, dtype), 1e9), t)
-        for name, dtype, q, k, v in prefill:
-            t = timed(lambda q=q, k=k, v=v: ops.tile_attention(q, k, v, 4096, None, 0.125))
-            best[name, "prefill", dtype] = min(best.get((name, "prefill", dtype), 1e9), t)
+        for key, q, kv, start in calls:
+            for i, (who, m) in enumerate(builds.items()):  # each build on its own K/V copy: none warms the other's
+                k, v = kv[(r * len(builds) + i) % len(kv)]
+                t = timed(lambda m=m, q=q, k=k, v=v, start=start: m.tile_attention(q, k, v, start, None, 0.125))
+                best[who, key] = min(best.get((who, key), 1e9), t)
+
+    def against(key, q, kv, start) -> str:
+        if len(builds) == 1:
+            return ""
+        k, v = kv[0]
+        same = torch.equal(*(m.tile_attention(q, k, v, start, None, 0.125) for m in builds.values()))
+        ratio = best["against", key] / best["here", key]
+        return f"  against {best['against', key] * 1e3:7.3f} ms ({ratio:.3f}x, {'same' if same else 'other'} bits)"
+
     print(f"threads {args.threads}, read bandwidth {bandwidth / 1e9:.1f} GB/s")
-    for name, ctx, dtype, _, _, size in cases:
-        t = best[name, ctx, dtype]
+    for (key, q, kv, start), (name, ctx, dtype, *_, size) in zip(calls, cases, strict=False):
+        t = best["here", key]
         print(
             f"decode {name:13s} {ctx:6d} {str(dtype)[6:]:9s} {t * 1e3:7.3f} ms/layer  {size / t / 1e9:5.1f} GB/s "
-            f"({size / t / bandwidth:.2f} of read bandwidth)"
+            f"({size / t / bandwidth:.2f} of read bandwidth){against(key, q, kv, start)}"
         )
-    for name, dtype, q, _, _ in prefill:
+    for key, q, kv, start in calls[len(cases) :]:
+        name, _, dtype = key
         flops = 4 * q.shape[0] * 64 * (512 * 4096 + 512 * 513 / 2)
-        t = best[name, "prefill", dtype]
-        print(f"prefill {name:13s} 512 @ 4096 {str(dtype)[6:]:9s} {t * 1e3:7.2f} ms  {flops / t / 1e9:5.0f} GFLOP/s")
+        t = best["here", key]
+        print(
+            f"prefill {name:13s} 512 @ 4096 {str(dtype)[6:]:9s} {t * 1e3:7.2f} ms  {flops / t / 1e9:5.0f} GFLOP/s"
+            f"{against(key, q, kv, start)}"
+        )
 
 
 if __name__ == "__main__":

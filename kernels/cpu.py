@@ -61,10 +61,10 @@ def machine_key() -> str:
     return h.hexdigest()[:16]
 
 
-def build_name() -> str:
+def build_name(source: Path = SOURCE) -> str:
     """Extension name: changes with the source, the flags, the CPU's instruction sets and torch's version."""
     h = hashlib.sha1()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), _cpu_flags().encode(), torch.__version__.encode()):
+    for part in (source.read_bytes(), " ".join(CFLAGS).encode(), _cpu_flags().encode(), torch.__version__.encode()):
         h.update(part)
     return f"spyglass_cpu_{h.hexdigest()[:12]}"
 
@@ -136,12 +136,18 @@ def build_for(march: str):
     return _build(f"spyglass_cpu_{march.replace('-', '_')}_" + build_name().rsplit("_", 1)[1], f"-march={march}")
 
 
-def _build(name: str, arch: str):
+def build_other(source: Path):
+    """This CPU's build of another version of the kernels' source (an earlier commit's file, a change under test), as a
+    module beside `native()`'s: what a bench times the kernels against (`bench/kernel_attention.py --against`)."""
+    return _build(build_name(Path(source)).replace("spyglass_cpu_", "spyglass_cpu_other_"), "-march=native", source)
+
+
+def _build(name: str, arch: str, source: Path = SOURCE):
     """torch's JIT build of the source (its copy at `build_source`) with CFLAGS and `arch`, run by our own ninja."""
     from torch.utils.cpp_extension import load
 
     with _own_ninja():
-        return load(name, [str(build_source())], extra_cflags=[*CFLAGS, arch], extra_ldflags=["-fopenmp"])
+        return load(name, [str(build_source(Path(source)))], extra_cflags=[*CFLAGS, arch], extra_ldflags=["-fopenmp"])
 
 
 # ----------------------------------------------------------------------------- references (plain torch)

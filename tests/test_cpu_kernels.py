@@ -682,3 +682,22 @@ def test_real_model_prefill_on_kernels_matches_torch_ops(smollm2):
         Block.native = True
     assert tokens[True] == tokens[False]
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.heavy
+def test_another_version_of_the_source_builds_beside_this_one(tmp_path):
+    """`build_other` (what `bench/kernel_attention.py --against` times): a copy of the source with a change that leaves
+    the arithmetic alone builds as a module of its own beside `native()` and computes the same bits."""
+    ops = cpu.native()
+    if ops is None:
+        pytest.skip("the CPU kernels are not built here")
+    source = tmp_path / "cpu_ops.cpp"
+    source.write_text(cpu.SOURCE.read_text() + "\n// the same kernels, another file\n")
+    other = cpu.build_other(source)
+    assert other.__name__ != ops.__name__
+    torch.manual_seed(0)
+    k, v = (torch.randn(3, 600, 64).to(torch.bfloat16) for _ in range(2))
+    for n in (1, 40):
+        q = torch.randn(9, n, 64).to(torch.bfloat16)
+        here, there = (m.tile_attention(q, k, v, 500, None, 0.125) for m in (ops, other))
+        assert torch.equal(here, there)

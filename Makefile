@@ -50,9 +50,9 @@ run: setup
 
 # Two worker processes (pytest-xdist), one per core, each file in one worker, the longest files first (tests/conftest.py
 # LONGEST_FIRST): 18 min on 2 Zen 3 cores alone, 14 min on 2 Zen 4 cores (2026-12-03; 26.6 min on Zen 3 before
-# measurements were kept per machine and the kernels stopped being rebuilt by turns). Tests marked `heavy` (training runs beyond one Ray Train run and one
-# `ray job submit`, a killed model conversion, the peer and long-context benches' smoke runs) and `long` have targets
-# of their own.
+# measurements were kept per machine and the kernels stopped being rebuilt by turns). Tests marked `heavy` (training
+# runs beyond one Ray Train run and one `ray job submit`, a killed model conversion, the peer and long-context benches'
+# smoke runs) and `long` have targets of their own.
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder tests --durations=40
 

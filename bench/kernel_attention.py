@@ -95,7 +95,7 @@ def main() -> None:
         return f"  against {best['against', key] * 1e3:7.3f} ms ({ratio:.3f}x, {'same' if same else 'other'} bits)"
 
     print(f"threads {args.threads}, read bandwidth {bandwidth / 1e9:.1f} GB/s")
-    for (key, q, kv, start), (name, ctx, dtype, *_, size) in zip(calls, cases, strict=False):
+    for (key, q, kv, start), (name, ctx, dtype, *_, size) in zip(calls[: len(cases)], cases, strict=True):
         t = best["here", key]
         print(
             f"decode {name:13s} {ctx:6d} {str(dtype)[6:]:9s} {t * 1e3:7.3f} ms/layer  {size / t / 1e9:5.1f} GB/s "

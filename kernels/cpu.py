@@ -61,12 +61,13 @@ def machine_key() -> str:
     return h.hexdigest()[:16]
 
 
-def build_name(source: Path = SOURCE) -> str:
-    """Extension name: changes with the source, the flags, the CPU's instruction sets and torch's version."""
+def build_name(source: Path = SOURCE, tag: str = "") -> str:
+    """Extension name: changes with the source, the flags, the CPU's instruction sets and torch's version; `tag` tells
+    apart builds of one source for other targets."""
     h = hashlib.sha1()
     for part in (source.read_bytes(), " ".join(CFLAGS).encode(), _cpu_flags().encode(), torch.__version__.encode()):
         h.update(part)
-    return f"spyglass_cpu_{h.hexdigest()[:12]}"
+    return f"spyglass_cpu_{tag}{h.hexdigest()[:12]}"
 
 
 @contextlib.contextmanager
@@ -133,13 +134,14 @@ def build_for(march: str):
     flags = set(_cpu_flags().split())
     if march == "x86-64-v3" and {"avx2", "fma"} <= flags and "avx512f" not in flags and native() is not None:
         return native()
-    return _build(f"spyglass_cpu_{march.replace('-', '_')}_" + build_name().rsplit("_", 1)[1], f"-march={march}")
+    return _build(build_name(tag=march.replace("-", "_") + "_"), f"-march={march}")
 
 
 def build_other(source: Path):
     """This CPU's build of another version of the kernels' source (an earlier commit's file, a change under test), as a
     module beside `native()`'s: what a bench times the kernels against (`bench/kernel_attention.py --against`)."""
-    return _build(build_name(Path(source)).replace("spyglass_cpu_", "spyglass_cpu_other_"), "-march=native", source)
+    source = Path(source)
+    return _build(build_name(source, tag="other_"), "-march=native", source)
 
 
 def _build(name: str, arch: str, source: Path = SOURCE):
@@ -147,7 +149,7 @@ def _build(name: str, arch: str, source: Path = SOURCE):
     from torch.utils.cpp_extension import load
 
     with _own_ninja():
-        return load(name, [str(build_source(Path(source)))], extra_cflags=[*CFLAGS, arch], extra_ldflags=["-fopenmp"])
+        return load(name, [str(build_source(source))], extra_cflags=[*CFLAGS, arch], extra_ldflags=["-fopenmp"])
 
 
 # ----------------------------------------------------------------------------- references (plain torch)

@@ -477,9 +477,10 @@ using q_operand = std::conditional_t<std::is_same_v<QE, uint32_t> && !kDpbf16, W
 // S [MR, NV vectors from j0] = Q [MR, Dq] @ Kt [Dq, kNB] (those columns) * scale; Dq operands per row (score_elem).
 template <int MR, int NV, typename QE>
 inline void score_tile(const q_operand<QE>* Q, const QE* Kt, int64_t Dq, int64_t j0, float* S, float scale) {
-  vfloat even[MR][NV];
-  for (int64_t parity = 0; parity < 2; parity++) {  // the even steps' chain, then the odd steps'
-    vfloat acc[MR][NV] = {};
+  for (int64_t parity = 0; parity < 2; parity++) {  // the even steps' chain (parked in S), then the odd steps'
+    vfloat acc[MR][NV];
+    for (int r = 0; r < MR; r++)
+      for (int v = 0; v < NV; v++) acc[r][v] = vfloat{};
     for (int64_t d = parity; d < Dq; d += 2) {
       decltype(vload(Kt)) k[NV];
       for (int v = 0; v < NV; v++) k[v] = vload(Kt + d * kNB + j0 + v * L);
@@ -490,10 +491,8 @@ inline void score_tile(const q_operand<QE>* Q, const QE* Kt, int64_t Dq, int64_t
     }
     for (int r = 0; r < MR; r++)
       for (int v = 0; v < NV; v++) {
-        if (parity == 0)
-          even[r][v] = acc[r][v];
-        else
-          vstore(S + r * kNB + j0 + v * L, (even[r][v] + acc[r][v]) * scale);
+        float* s = S + r * kNB + j0 + v * L;
+        vstore(s, parity == 0 ? acc[r][v] : (vload(s) + acc[r][v]) * scale);
       }
   }
 }
@@ -532,7 +531,7 @@ inline void softmax_tile(const float* S, int64_t nvec, float* P, float* m, float
     for (int64_t j = L; j < nvec * L; j += L) mv = vmax(mv, vload(s + j));
     mx[r] = std::max(m[r], hmax(mv));
     // nothing seen (every score -inf): P = 0, alpha = 1, and the row's state stays as it is
-    alpha[r] = mx[r] == kNegInf ? 1.0f : m[r] == kNegInf ? 0.0f : exp_nonpos(m[r] - mx[r]);
+    alpha[r] = mx[r] == m[r] ? 1.0f : m[r] == kNegInf ? 0.0f : exp_nonpos(m[r] - mx[r]);  // e^0 is 1 exactly
     shift[r] = splat<vfloat>(mx[r] == kNegInf ? 0.0f : mx[r]);
   }
   vfloat sum[MR] = {};

@@ -1,6 +1,7 @@
 """The CPU kernels' attention (kernels/cpu_ops.cpp tile_attention) in fp32 and bf16, against the memory it reads.
 
-One process, contenders interleaved round by round, minimum per contender (a busy machine only adds time):
+One process, contenders interleaved round by round (in alternating order), minimum per contender (a busy machine only
+adds time):
 - decode: one token's attention over one layer's cache at 4K / 16K / 32K context, SmolLM2-135M shapes (9 heads,
   3 KV heads, dim 64) and Qwen2.5-0.5B's (14 heads, 2 KV heads, dim 64). Each call reads a different copy of the
   K/V (together past the last-level cache), as a step's layers do. Reported: ms per layer and K/V GB/s, as a fraction
@@ -81,7 +82,9 @@ def main() -> None:
     for r in range(rounds):
         bandwidth = max(bandwidth, big.numel() * 4 / timed(big.sum))
         for key, q, kv, start in calls:
-            for i, (who, m) in enumerate(builds.items()):  # each build on its own K/V copy: none warms the other's
+            # each build on its own K/V copy (none warms the other's), the builds' order alternating by round (the
+            # first call of a case runs on a colder machine)
+            for i, (who, m) in list(enumerate(builds.items()))[:: -1 if r % 2 else 1]:
                 k, v = kv[(r * len(builds) + i) % len(kv)]
                 t = timed(lambda m=m, q=q, k=k, v=v, start=start: m.tile_attention(q, k, v, start, None, 0.125))
                 best[who, key] = min(best.get((who, key), 1e9), t)

@@ -530,8 +530,9 @@ inline void softmax_tile(const float* S, int64_t nvec, float* P, float* m, float
     vfloat mv = vload(s);
     for (int64_t j = L; j < nvec * L; j += L) mv = vmax(mv, vload(s + j));
     mx[r] = std::max(m[r], hmax(mv));
-    // nothing seen (every score -inf): P = 0, alpha = 1, and the row's state stays as it is
-    alpha[r] = mx[r] == m[r] ? 1.0f : m[r] == kNegInf ? 0.0f : exp_nonpos(m[r] - mx[r]);  // e^0 is 1 exactly
+    // a max that did not grow: alpha = 1, e^0 exactly, without the exp (so also a row that has seen nothing yet, every
+    // score -inf: P = 0 and its state stays as it is)
+    alpha[r] = mx[r] == m[r] ? 1.0f : m[r] == kNegInf ? 0.0f : exp_nonpos(m[r] - mx[r]);
     shift[r] = splat<vfloat>(mx[r] == kNegInf ? 0.0f : mx[r]);
   }
   vfloat sum[MR] = {};

@@ -1494,7 +1494,7 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch:
 // multiples of L and the weights are read once per block of rows, so it runs at the GEMM libraries' speed from a few
 // dozen rows up; below L rows most lanes idle.
 #if defined(__AVX512F__)
-constexpr int kLanesMV = 2, kLanesNR = 12;  // a tile: MV packed tiles of L rows x NR weight rows (24 accumulators)
+constexpr int kLanesMV = 4, kLanesNR = 6;  // a tile: MV packed tiles of L rows x NR weight rows (24 accumulators)
 #else
 constexpr int kLanesMV = 1, kLanesNR = 8;
 #endif
@@ -1621,12 +1621,16 @@ static void lanes_run(const E* x, const E* w, RowsBias b, E* y, int64_t M, int64
         }();
         for (int64_t t = b0; t < b1; t += MV) {
           const int mv = std::min<int64_t>(MV, b1 - t);
-          if (mv == MV)
+          if (mv == MV) {
             lanes_tile<MV, NR>(xt.get() + t * Kw * L, Kw, wg, K, out);
-          else
-            lanes_tile<1, NR>(xt.get() + t * Kw * L, Kw, wg, K, out);
-          for (int i = 0; i < mv; i++)
-            lanes_store(out + i * L, mv * L, bias, std::min<int64_t>(L, M - (t + i) * L), y + (t + i) * L * N + n0, N);
+            for (int i = 0; i < MV; i++)
+              lanes_store(out + i * L, MV * L, bias, std::min<int64_t>(L, M - (t + i) * L), y + (t + i) * L * N + n0, N);
+          } else {  // the block's last tiles one by one
+            for (int i = 0; i < mv; i++) {
+              lanes_tile<1, NR>(xt.get() + (t + i) * Kw * L, Kw, wg, K, out);
+              lanes_store(out, L, bias, std::min<int64_t>(L, M - (t + i) * L), y + (t + i) * L * N + n0, N);
+            }
+          }
         }
       }
     }

@@ -15,7 +15,8 @@ with SIGTERM. Both get the same `--dtype`. Greedy, up to `--max-new-tokens` new 
 Recorded per run: duration, TTFT / TPOT / inter-token latency (P50, P99), request, output and total token
 throughput, goodput under the SLOs (`--goodput`), and per prompt whether spyglass's default method wrote exactly what
 its plain decoding wrote. Plus the context cache's follow-up: two back-to-back identical ~5K-token requests, the
-second's cached share of its prompt.
+second's cached share of its prompt. The results are written after every load (`raw.complete` false until the last),
+so a run stopped midway keeps what finished.
 
 Figures (`bench/results/load.json`, with load.png: latency against throughput):
   duration_vs_vllm_suffix_c1 / _c4 / _c16: spyglass default / vLLM suffix, the `long` load's wall time (goal <= 0.7)
@@ -314,6 +315,20 @@ def main() -> int:
     # the server before each one may leave processes winding down (Ray's workers): start each on a quiet machine
     gate = IdleGate(max_cores=0.3, per_wait_s=0.0 if args.smoke else 120.0, budget_s=600.0, log=log)
     t_all = time.monotonic()
+
+    def shown(v):  # a path as the repository sees it, not this machine's
+        return (str(v.relative_to(ROOT)) if v.is_relative_to(ROOT) else v.name) if isinstance(v, Path) else v
+
+    def save(complete: bool) -> None:
+        raw["wall_s"] = round(time.monotonic() - t_all, 1)
+        raw["idle_gate"] = gate.summary()
+        raw["complete"] = complete
+        figures = figures_of(raw)
+        meta = {"args": {k: shown(v) for k, v in vars(args).items()}, "model": model_dir.name}
+        path = write_results(name, figures, raw, meta)
+        plot(raw, RESULTS_DIR / f"{name}.png", args.dtype)
+        log(f"wrote {path}{'' if complete else ' (so far)'}: {json.dumps(figures)}")
+
     for workload, load in runs:
         dataset, n = datasets[workload]
         key = label(workload, load)
@@ -350,17 +365,8 @@ def main() -> int:
         a, b = texts.get(f"spyglass-{DEFAULT_METHOD}"), texts.get(f"spyglass-{PLAIN_METHOD}")
         if a and b:
             raw["texts_equal"][key] = [x == y for x, y in zip(a, b, strict=True)]
-    raw["wall_s"] = round(time.monotonic() - t_all, 1)
-    raw["idle_gate"] = gate.summary()
-    figures = figures_of(raw)
-
-    def shown(v):  # a path as the repository sees it, not this machine's
-        return (str(v.relative_to(ROOT)) if v.is_relative_to(ROOT) else v.name) if isinstance(v, Path) else v
-
-    meta = {"args": {k: shown(v) for k, v in vars(args).items()}, "model": model_dir.name}
-    path = write_results(name, figures, raw, meta)
-    plot(raw, RESULTS_DIR / f"{name}.png", args.dtype)
-    log(f"wrote {path}: {json.dumps(figures)}")
+        save(complete=False)  # a run stopped later keeps what finished
+    save(complete=True)
     return 0
 
 

@@ -300,7 +300,8 @@ def main() -> int:
 
     from spyglass.models.loader import load_tokenizer, resolve_model
 
-    model_dir = Path(resolve_model("default", dtype="float32").path)
+    resolved = resolve_model("default", dtype="float32")  # both servers read it and run it in --dtype
+    model_dir = Path(resolved.path)
     tokenizer = load_tokenizer(model_dir)
     work = Path(tempfile.mkdtemp(prefix="spyglass-load-"))
     logs = ROOT / ".cache" / "load" / name  # server and client logs, each run's full client result
@@ -324,7 +325,7 @@ def main() -> int:
         raw["idle_gate"] = gate.summary()
         raw["complete"] = complete
         figures = figures_of(raw)
-        meta = {"args": {k: shown(v) for k, v in vars(args).items()}, "model": model_dir.name}
+        meta = {"args": {k: shown(v) for k, v in vars(args).items()}, "model": resolved.model_id, "dtype": args.dtype}
         path = write_results(name, figures, raw, meta)
         plot(raw, RESULTS_DIR / f"{name}.png", args.dtype)
         log(f"wrote {path}{'' if complete else ' (so far)'}: {json.dumps(figures)}")

@@ -1619,18 +1619,15 @@ static void lanes_run(const E* x, const E* w, RowsBias b, E* y, int64_t M, int64
           if constexpr (wide) return static_cast<const float*>(wf.data());
           else return w + n0 * K;
         }();
-        for (int64_t t = b0; t < b1; t += MV) {
-          const int mv = std::min<int64_t>(MV, b1 - t);
-          if (mv == MV) {
+        for (int64_t t = b0; t < b1;) {
+          const int mv = b1 - t >= MV ? MV : 1;  // whole tiles of MV, then the block's last ones one by one
+          if (mv == MV)
             lanes_tile<MV, NR>(xt.get() + t * Kw * L, Kw, wg, K, out);
-            for (int i = 0; i < MV; i++)
-              lanes_store(out + i * L, MV * L, bias, std::min<int64_t>(L, M - (t + i) * L), y + (t + i) * L * N + n0, N);
-          } else {  // the block's last tiles one by one
-            for (int i = 0; i < mv; i++) {
-              lanes_tile<1, NR>(xt.get() + (t + i) * Kw * L, Kw, wg, K, out);
-              lanes_store(out, L, bias, std::min<int64_t>(L, M - (t + i) * L), y + (t + i) * L * N + n0, N);
-            }
-          }
+          else
+            lanes_tile<1, NR>(xt.get() + t * Kw * L, Kw, wg, K, out);
+          for (int i = 0; i < mv; i++)
+            lanes_store(out + i * L, mv * L, bias, std::min<int64_t>(L, M - (t + i) * L), y + (t + i) * L * N + n0, N);
+          t += mv;
         }
       }
     }

@@ -653,7 +653,7 @@ class MemoryStore:
         return self.values.get(key)
 
     def set(self, key: str, value: Any) -> bool:
-        self.values[key] = value if isinstance(value, bytes) else str(value).encode()
+        self.values[key] = bytes(value) if isinstance(value, (bytes, bytearray, memoryview)) else str(value).encode()
         return True
 
     def exists(self, key: str) -> int:

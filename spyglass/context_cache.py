@@ -24,6 +24,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 MAGIC = b"SPKV"
 VERSION = 1
 _HEADER = struct.Struct("<4sHBB")  # magic, version, dtype code, ndim
+_TAIL = struct.Struct("<QI")  # after the shape: payload bytes, its CRC32
 _DTYPES = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16}
 _CODES = {v: k for k, v in _DTYPES.items()}
 
@@ -49,12 +51,27 @@ class FormatError(ValueError):
     """A stored value that is not a valid block (wrong magic/version, truncated, checksum mismatch)."""
 
 
-def encode_tensor(t: torch.Tensor) -> bytes:
-    t = t.detach().contiguous().cpu()
-    payload = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    dims = struct.pack(f"<{t.dim()}I", *t.shape)
-    tail = struct.pack("<QI", len(payload), zlib.crc32(payload))
-    return _HEADER.pack(MAGIC, VERSION, _CODES[t.dtype], t.dim()) + dims + tail + payload
+def encode_tensor(t: torch.Tensor | tuple[torch.Tensor, ...]) -> bytearray:
+    """The block's value: header, shape, payload length and CRC32, then the tensor's bytes, copied once. `t` may be
+    a strided view, or a tuple of same-shaped parts stored as their stack (a block's K and V in the KV pool)."""
+    parts = [p.detach().cpu() for p in (t if isinstance(t, tuple) else (t,))]
+    dtype, shape = parts[0].dtype, tuple(parts[0].shape)
+    if any(p.dtype != dtype or tuple(p.shape) != shape for p in parts):
+        raise ValueError("a block's parts must share one dtype and shape")
+    if isinstance(t, tuple):
+        shape = (len(parts), *shape)
+    part_bytes = parts[0].numel() * parts[0].element_size()
+    head = _HEADER.size + 4 * len(shape) + _TAIL.size
+    out = bytearray(head + part_bytes * len(parts))
+    for i, part in enumerate(parts if part_bytes else []):
+        # numpy's copy: one thread (a torch copy here would start a thread team beside the engine's)
+        src = (part if part.dim() else part.reshape(1)).view(torch.uint8).numpy()
+        dst = np.frombuffer(out, dtype=np.uint8, count=part_bytes, offset=head + i * part_bytes)
+        dst.reshape(src.shape)[...] = src
+    _HEADER.pack_into(out, 0, MAGIC, VERSION, _CODES[dtype], len(shape))
+    struct.pack_into(f"<{len(shape)}I", out, _HEADER.size, *shape)
+    _TAIL.pack_into(out, head - _TAIL.size, len(out) - head, zlib.crc32(memoryview(out)[head:]))
+    return out
 
 
 def decode_tensor(buf: bytes) -> torch.Tensor:
@@ -66,13 +83,43 @@ def decode_tensor(buf: bytes) -> torch.Tensor:
     off = _HEADER.size
     dims = struct.unpack_from(f"<{ndim}I", buf, off)
     off += 4 * ndim
-    length, crc = struct.unpack_from("<QI", buf, off)
-    off += 12
-    payload = buf[off:]
+    length, crc = _TAIL.unpack_from(buf, off)
+    payload = memoryview(buf)[off + _TAIL.size :]
     if len(payload) != length or zlib.crc32(payload) != crc:
         raise FormatError("payload truncated or checksum mismatch")
-    dtype = _DTYPES[code]
-    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).reshape(dims)
+    if not length:
+        return torch.empty(dims, dtype=_DTYPES[code])
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(_DTYPES[code]).reshape(dims)
+
+
+Block = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # a block's K/V stacked, or its K and its V
+
+
+class PendingCopy:
+    """Blocks handed to the writer as views of memory their owner will reuse (a KV slot). The writer encodes them
+    in order through `encode`; the owner calls `release` before it reuses the memory, which copies the blocks not
+    encoded yet (after the one being encoded, if any), so the writer goes on from those copies: nothing is lost and
+    the owner never waits for the writer's Redis round trips."""
+
+    def __init__(self, blocks: list[Block]) -> None:
+        self._blocks = blocks
+        self._next = 0  # blocks before it are encoded (or skipped) and need no copy
+        self._lock = threading.Lock()  # held while a block is encoded or copied
+
+    def encode(self, i: int) -> bytearray:
+        with self._lock:
+            self._next = i + 1
+            return encode_tensor(self._blocks[i])
+
+    def release(self) -> int:
+        """Copy the blocks the writer has not encoded yet; returns how many it copied."""
+        with self._lock:
+            rest = range(self._next, len(self._blocks))
+            for i in rest:
+                block = self._blocks[i]
+                self._blocks[i] = tuple(p.clone() for p in block) if isinstance(block, tuple) else block.clone()
+            self._next = len(self._blocks)
+            return len(rest)
 
 
 @dataclass
@@ -84,7 +131,7 @@ class CacheStats:
     errors: int = 0
     evicted_blocks: int = 0
     write_s: float = 0.0  # the writer's time (encoding, checksums, Redis round trips): off the engine loop
-    copy_s: float = 0.0  # the engine loop's time copying blocks out of its KV pool for the writer
+    copy_s: float = 0.0  # the engine loop's time copying, before it reuses a slot, the blocks the writer has not yet
     wait_s: float = 0.0  # lookups' time waiting for blocks still being written
 
 
@@ -188,19 +235,23 @@ class ContextCache:
         pipe.execute()
 
     # --- write ---------------------------------------------------------------------------------
-    def store(self, tokens: torch.Tensor | list[int], blocks: dict[int, torch.Tensor]) -> None:
-        """Store block tensors by block index (the caller passes copies it will not mutate)."""
+    def store(self, tokens: torch.Tensor | list[int], blocks: dict[int, Block]) -> PendingCopy | None:
+        """Store block tensors by block index. With asynchronous writes the blocks may be views of memory the
+        caller reuses later (the slot's K/V in its KV pool): the writer copies each into its value, and the caller
+        calls `release()` on the returned `PendingCopy` before it changes that memory. None: nothing to release."""
         if self._redis is None or not blocks:
-            return
+            return None
         keys = self.block_keys(tokens, max(blocks) + 1)
         items = [(keys[i], t) for i, t in sorted(blocks.items())]
-        if self.async_writes:
-            with self._written:
-                for key, _ in items:
-                    self._pending[key] = self._pending.get(key, 0) + 1
-            self._writer().put(items)
-        else:
-            self._write(items)
+        if not self.async_writes:
+            self._write(items, None)
+            return None
+        pending = PendingCopy([t for _, t in items])
+        with self._written:
+            for key, _ in items:
+                self._pending[key] = self._pending.get(key, 0) + 1
+        self._writer().put((items, pending))
+        return pending
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait for queued asynchronous writes (tests, shutdown)."""
@@ -219,9 +270,9 @@ class ContextCache:
 
     def _drain(self) -> None:
         while True:
-            items = self._queue.get()
+            items, pending = self._queue.get()
             try:
-                self._write(items)
+                self._write(items, pending)
             finally:
                 with self._written:
                     for key, _ in items:
@@ -231,13 +282,18 @@ class ContextCache:
                     self._written.notify_all()
                 self._queue.task_done()
 
-    def _write(self, items: list[tuple[str, torch.Tensor]]) -> None:
+    def _write(self, items: list[tuple[str, Block]], pending: PendingCopy | None) -> None:
+        """Store the blocks not stored yet, each encoded (copied out of its tensors: through `pending` for views)
+        right before it is sent."""
         t0 = time.perf_counter()
         try:
-            for key, tensor in items:
-                if self._redis.exists(key):
+            pipe = self._redis.pipeline(transaction=False)
+            for key, _ in items:
+                pipe.exists(key)
+            for i, ((key, block), stored) in enumerate(zip(items, pipe.execute(), strict=True)):
+                if stored:
                     continue
-                value = encode_tensor(tensor)
+                value = encode_tensor(block) if pending is None else pending.encode(i)
                 pipe = self._redis.pipeline(transaction=False)
                 pipe.set(key, value)
                 pipe.zadd(self._index_key, {key: time.time()})
@@ -265,9 +321,10 @@ class ContextCache:
                 self.stats.evicted_blocks += 1
 
 
-def kv_blocks_from_cache(kv, slot: int, first_block: int, last_block: int, block_size: int) -> dict[int, torch.Tensor]:
-    """Copies of blocks [first, last) of a KVCache slot, each `[2, layers, kv_heads, block, head_dim]`."""
-    return {b: kv.read_span(slot, b * block_size, (b + 1) * block_size) for b in range(first_block, last_block)}
+def kv_blocks_from_cache(kv, slot: int, first_block: int, last_block: int, block_size: int) -> dict[int, Block]:
+    """Blocks [first, last) of a KVCache slot as views (K, V), each `[layers, kv_heads, block, head_dim]`: no copy
+    (the writer copies them into their values; `ContextCache.store` says how long they must stay unchanged)."""
+    return {b: kv.span_views(slot, b * block_size, (b + 1) * block_size) for b in range(first_block, last_block)}
 
 
 def load_blocks_into_cache(kv, slot: int, blocks: list[torch.Tensor], block_size: int) -> int:

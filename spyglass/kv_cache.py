@@ -162,6 +162,10 @@ class KVCache:
         """A copy of positions [lo, hi) of every layer as `[2, layers, kv_heads, hi - lo, head_dim]`."""
         return torch.stack([self._k[slot][:, :, lo:hi], self._v[slot][:, :, lo:hi]])
 
+    def span_views(self, slot: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions [lo, hi) of every layer, K and V, as views `[layers, kv_heads, hi - lo, head_dim]` (no copy)."""
+        return self._k[slot][:, :, lo:hi], self._v[slot][:, :, lo:hi]
+
     def write_span(self, slot: int, lo: int, kv: torch.Tensor) -> None:
         """Inverse of `read_span` (does not change the committed length)."""
         hi = lo + kv.shape[3]

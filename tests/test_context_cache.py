@@ -229,8 +229,9 @@ def test_bf16_blocks_hold_half_the_bytes_and_are_never_read_in_fp32(load_tiny, r
         kv = target.new_cache(64, 1)
         slot = kv.allocate()
         target.prefill(kv, slot, torch.tensor(prompt))
-        blocks = kv_blocks_from_cache(kv, slot, 0, 2, 16)
-        caches[dt].store(prompt, blocks)
+        views = kv_blocks_from_cache(kv, slot, 0, 2, 16)  # (K, V) views of the slot, stored as their stack
+        caches[dt].store(prompt, views)
+        blocks = {b: torch.stack(kv_pair) for b, kv_pair in views.items()}
         (back, again) = caches[dt].lookup(prompt)
         assert back.dtype == dt and again.dtype == dt
         assert torch.equal(back.view(torch.uint8), blocks[0].view(torch.uint8))  # bitwise
@@ -266,9 +267,9 @@ class GatedCache(ContextCache):
         super().__post_init__()
         self.gate = threading.Event()
 
-    def _write(self, items) -> None:
+    def _write(self, items, pending) -> None:
         self.gate.wait()
-        super()._write(items)
+        super()._write(items, pending)
 
 
 def test_a_lookup_waits_for_blocks_still_being_written(redis_server):
@@ -361,3 +362,34 @@ def test_questions_about_one_document_wait_for_it_then_copy_it(tiny_target, redi
     assert [s.stats.live_prefix_tokens for s in seqs] == [0, shared, shared, 0]
     for s, p in zip(seqs, [*asks, other], strict=True):
         assert s.output_ids == plain_generate(tiny_target, p, params)
+
+
+def test_blocks_the_writer_has_not_copied_when_their_slot_is_reused_are_stored_as_they_were(tiny_target, redis_server):
+    """The engine hands a prompt's blocks to the writer as views of its slot; a request that ends before the writer
+    reached them has them copied at its slot's release, so another prompt prefilled into that slot changes nothing
+    the cache stores: the blocks equal the first prompt's own K/V bit for bit, and a follow-up loads them and
+    decodes as plain decoding does."""
+    cc = GatedCache(redis_server.url, f"reuse-{uuid.uuid4().hex}", block_size=16)
+    g = torch.Generator().manual_seed(3)
+    prompt, other = (torch.randint(3, tiny_target.args.vocab_size, (75,), generator=g).tolist() for _ in range(2))
+    engine = SpecEngine(
+        tiny_target, None, EngineConfig(max_batch=1, max_context=256, prefill_chunk=32), context_cache=cc
+    )
+    short = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    (first,) = engine.run([prompt], short)
+    assert cc.writing(prompt, 74) and cc.stats.copy_s > 0 and not engine._copying  # copied at the release
+    (second,) = engine.run([other], short)  # the same slot, now holding another prompt's K/V
+    assert second.slot == first.slot
+    cc.gate.set()
+    cc.flush()
+    kv = tiny_target.new_cache(128, 1)
+    slot = kv.allocate()
+    tiny_target.prefill(kv, slot, torch.tensor(prompt))
+    stored = cc.lookup(prompt, 74)
+    assert len(stored) == 4
+    for b, block in enumerate(stored):
+        assert torch.equal(block, kv.read_span(slot, 16 * b, 16 * (b + 1)))
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    (again,) = engine.run([prompt], params)
+    assert again.stats.cached_prefix_tokens == 64
+    assert again.output_ids == plain_generate(tiny_target, prompt, params)

@@ -448,8 +448,8 @@ class SpecEngine:
     def _store_prefix(self, seq: Sequence) -> None:
         """Hand the prompt's new full blocks to the context cache's writer as views of the slot: the prompt's K/V
         stay as they are while it decodes (new tokens go after them), and the writer copies each block straight
-        into its value; `_retire` copies those it has not reached yet before the slot is reused. (Copying them all
-        here, in the engine loop, cost ~0.2 s per 5K-token fp32 prompt, most of it the fresh memory's page
+        into its value; `_retire` copies those it has not reached yet before the slot is reused. (A copy of them
+        all here, in the engine loop, costs ~0.2 s per 5K-token fp32 prompt, mostly the fresh memory's page
         faults.)"""
         cc = self.context_cache
         if cc is None:
@@ -570,9 +570,7 @@ class SpecEngine:
             self.running.remove(seq)
             self._drafter(seq).release(seq)
             if pending := self._copying.pop(seq.slot, None):  # blocks of the slot the cache's writer has not copied
-                t0 = time.perf_counter()
-                if pending.release() and self.context_cache is not None:
-                    self.context_cache.stats.copy_s += time.perf_counter() - t0
+                pending.release()
             self.cache.release(seq.slot)
 
     # --- conveniences ---------------------------------------------------------------------------

@@ -160,7 +160,7 @@ class KVCache:
 
     def read_span(self, slot: int, lo: int, hi: int) -> torch.Tensor:
         """A copy of positions [lo, hi) of every layer as `[2, layers, kv_heads, hi - lo, head_dim]`."""
-        return torch.stack([self._k[slot][:, :, lo:hi], self._v[slot][:, :, lo:hi]])
+        return torch.stack(self.span_views(slot, lo, hi))
 
     def span_views(self, slot: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions [lo, hi) of every layer, K and V, as views `[layers, kv_heads, hi - lo, head_dim]` (no copy)."""

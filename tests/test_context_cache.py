@@ -267,9 +267,9 @@ class GatedCache(ContextCache):
         super().__post_init__()
         self.gate = threading.Event()
 
-    def _write(self, items, pending) -> None:
+    def _write(self, keys, blocks) -> None:
         self.gate.wait()
-        super()._write(items, pending)
+        super()._write(keys, blocks)
 
 
 def test_a_lookup_waits_for_blocks_still_being_written(redis_server):

@@ -1,7 +1,7 @@
 """What a stray process costs the engine's prefill: the same held-out prompts prefilled one after another on a quiet
 machine and beside a process that takes a core for `--burst-ms` in every `--period-ms` (by default ~0.08 of a core:
-what an idle `spyglass serve`'s Ray, Serve and Redis processes take here), alternating. On 2 cores a kernel that
-splits its work into fixed per-thread shares waits at its end for the thread the stray process held up, so the cost
+what an idle `spyglass serve`'s Ray, Serve and Redis processes take here), alternating. On 2 cores the engine's two
+threads meet at the end of every kernel, so the one the stray process holds up keeps the other waiting: the cost
 can exceed the CPU taken.
 
     python bench/probes/stray_process.py [--dtype bfloat16] [--prompts 2] [--rounds 2]
@@ -44,6 +44,8 @@ def main() -> Path:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--name", default="stray_process")
     args = ap.parse_args()
+    if not 0 < args.burst_ms < args.period_ms:
+        ap.error("--burst-ms must be > 0 and below --period-ms")
     model, tok, _ = load_model(None, dtype=args.dtype, threads=args.threads)
     prompts = [list(t.prompt_ids) for t in heldout_tasks(tok, per_kind=6)][: args.prompts]
     engine = SpecEngine(

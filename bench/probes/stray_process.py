@@ -61,12 +61,12 @@ def main() -> Path:
     for r in range(args.rounds):
         for with_stray in (False, True) if r % 2 == 0 else (True, False):
             stop = mp.Event()
-            proc = mp.Process(target=stray, args=(stop, args.burst_ms / 1e3, args.period_ms / 1e3), daemon=True)
-            if with_stray:
+            if with_stray:  # a daemon: it ends with this process if a run fails
+                proc = mp.Process(target=stray, args=(stop, args.burst_ms / 1e3, args.period_ms / 1e3), daemon=True)
                 proc.start()
             seqs = [engine.run([p], params)[0] for p in prompts]
+            stop.set()
             if with_stray:
-                stop.set()
                 proc.join()
             runs.append({"stray": with_stray, "prefill_s": [round(s.stats.prefill_time, 3) for s in seqs]})
             print(runs[-1], flush=True)

@@ -61,6 +61,9 @@ class VerifierConfig:
     redis_url: str | None = None
     cache_block_size: int = 128
     cache_max_bytes: int = 2 << 30
+    # prompts that must have held a prefix block (on any replica, within an hour) before it is written to Redis: 2
+    # spares the writes of prompts seen once; the replica's own released slots serve a repeat from memory meanwhile
+    cache_min_uses: int = 2
     threads: int | None = None  # torch threads in the replica (default: the CPUs Ray gave it)
     # Warm-up before the replica reports ready (see `warm_up`): 0 = off; else the synthetic prompt's tokens.
     warmup_prompt_tokens: int = 800
@@ -496,6 +499,7 @@ def build_engine(cfg: VerifierConfig) -> tuple[Any, Any, dict[str, Any]]:
             kv_namespace(resolved.model_id, target.dtype),  # the same keys on every device: blocks move as bytes
             block_size=cfg.cache_block_size,
             max_bytes=cfg.cache_max_bytes,
+            min_uses=cfg.cache_min_uses,
         )
     loaded: dict = {}  # methods on the same draft checkpoint share its weights (and all share the target's)
     drafters = {
@@ -549,7 +553,7 @@ def _make_metrics(name: str) -> Callable[[str, float, dict[str, str] | None], No
             ("spec_decode_num_drafts_total", "Draft trees proposed (one per sequence per step)."),
             ("spec_decode_num_draft_tokens_total", "Drafted tokens submitted for verification."),
             ("spec_decode_num_accepted_tokens_total", "Drafted tokens accepted by the target."),
-            ("cache_hit_tokens_total", "Prompt tokens loaded from the Redis context cache."),
+            ("cache_hit_tokens_total", "Prompt tokens reused: from a KV slot (live or released) or the context cache."),
             ("batched_sequence_steps_total", "Sequence-steps run by the verifier."),
             ("batch_size_sum", "Sum over sequence-steps of the verifier batch size."),
         ]

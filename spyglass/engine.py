@@ -270,34 +270,41 @@ class SpecEngine:
             if busy and not shared and (in_prefill or self._prefix_being_written(seq)):
                 deferred.append(seq)
                 continue
-            seq.slot = self.cache.allocate()
             seq.stats.t_admit = time.perf_counter()
+            if shared and donor in self.cache.kept:  # a released slot that still holds the prefix: taken as it is
+                seq.slot = self.cache.allocate(donor)
+                self.cache.lengths[seq.slot] = shared
+            else:
+                seq.slot = self.cache.allocate()
+                if shared:
+                    self.cache.copy_prefix(donor, seq.slot, shared)
             if shared:
-                self.cache.copy_prefix(donor.slot, seq.slot, shared)
                 seq.stats.cached_prefix_tokens = seq.stats.live_prefix_tokens = shared
             else:
                 seq.stats.cached_prefix_tokens = self._load_cached_prefix(seq)
             self.prefilling.append(seq)
         self.waiting.extendleft(reversed(deferred))
 
-    def _live_prefix(self, seq: Sequence) -> tuple[Sequence | None, int]:
-        """The sequence whose slot holds the longest committed prefix of `seq`'s prompt within its own prompt (the
-        K/V of generated tokens come from other forwards than a prefill's) and how many tokens of it `seq` may take:
-        whole prefill chunks where chunks have a fixed size (as the context cache loads), >= 1 token left to
-        compute; (None, 0) where that is under half of what `seq` could take. A drafter that reads the prompt's
-        hidden states takes none (`_reads_cache`)."""
+    def _live_prefix(self, seq: Sequence) -> tuple[int | None, int]:
+        """The slot holding the longest committed prefix of `seq`'s prompt, another sequence's within its own prompt
+        (the K/V of generated tokens come from other forwards than a prefill's) or a released slot's (`cache.kept`),
+        and how many tokens of it `seq` may take: whole prefill chunks where chunks have a fixed size (as the
+        context cache loads), >= 1 token left to compute; (None, 0) where that is under half of what `seq` could
+        take. A drafter that reads the prompt's hidden states takes none (`_reads_cache`)."""
         if not self._reads_cache(seq):
             return None, 0
         grain = 1 if self.any_chunk else self.prefill_chunk
         most = (seq.num_tokens - 1) // grain * grain
+        live = (*self.running, *self.prefilling)
+        held = [(o.slot, o.tokens[: min(o.num_prompt, self.cache.lengths[o.slot])]) for o in live]
         donor, best = None, 0
-        for other in (*self.running, *self.prefilling):
-            n = min(most, other.num_prompt, self.cache.lengths[other.slot])
+        for slot, tokens in (*held, *self.cache.kept.items()):
+            n = min(most, len(tokens))
             if n <= best:
                 continue
-            same = int((seq.tokens[:n] == other.tokens[:n]).cumprod(0).sum()) // grain * grain
+            same = int((seq.tokens[:n] == tokens[:n]).cumprod(0).sum()) // grain * grain
             if same > best:
-                donor, best = other, same
+                donor, best = slot, same
         return (donor, best) if best and 2 * best >= most else (None, 0)
 
     def _prefix_being_written(self, seq: Sequence) -> bool:
@@ -454,7 +461,9 @@ class SpecEngine:
         cc = self.context_cache
         if cc is None:
             return
-        first = seq.stats.cached_prefix_tokens // cc.block_size
+        # the blocks not loaded from the cache: a prefix taken from a slot is another use of its blocks (with
+        # `min_uses` 2, how a prefix that comes back gets stored), and the writer skips those stored already
+        first = (seq.stats.cached_prefix_tokens - seq.stats.live_prefix_tokens) // cc.block_size
         last = seq.num_tokens // cc.block_size
         if last > first:
             blocks = kv_blocks_from_cache(self.cache, seq.slot, first, last, cc.block_size)
@@ -571,7 +580,8 @@ class SpecEngine:
             self._drafter(seq).release(seq)
             if pending := self._copying.pop(seq.slot, None):  # blocks of the slot the cache's writer has not copied
                 pending.release()
-            self.cache.release(seq.slot)
+            kept = min(seq.num_prompt, self.cache.lengths[seq.slot])  # the prompt's K/V, for a prompt starting alike
+            self.cache.release(seq.slot, keep=seq.tokens[:kept].clone())
 
     # --- conveniences ---------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], params: SamplingParams, method: str | None = None) -> Iterator[Event]:

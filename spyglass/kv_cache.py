@@ -4,6 +4,10 @@ Each slot holds `[layers, kv_heads, capacity, head_dim]` for K and for V, all sl
 batched kernel (flash-attn's kvcache entry point) reads every sequence's prefix in place by slot index.
 Tokens of a verify pass (the draft tree) are written right after the committed length; `commit(slot,
 start, path)` then moves the accepted entries into place so nothing but accepted tokens is ever kept.
+
+A released slot may keep its prompt's K/V for the next prompt that starts the same way (`release(slot, keep=...)`,
+`kept`, `allocate(slot)`: vLLM's in-memory prefix caching, a slot at a time): a new slot is taken from those that
+keep nothing first, then from the one kept longest ago.
 """
 
 from __future__ import annotations
@@ -94,6 +98,7 @@ class KVCache:
         self._v = torch.empty(shape, dtype=dtype, device=self.device)
         self.lengths = [0] * max_slots
         self._free = list(range(max_slots - 1, -1, -1))
+        self.kept: dict[int, torch.Tensor] = {}  # free slot -> the tokens whose K/V it still holds, oldest first
         self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (slot, layer) -> layer()
 
     # --- slot management -------------------------------------------------------------
@@ -101,18 +106,29 @@ class KVCache:
     def free_slots(self) -> int:
         return len(self._free)
 
-    def allocate(self) -> int:
+    def allocate(self, slot: int | None = None) -> int:
+        """A free slot with nothing committed: `slot` itself (a kept slot whose K/V the caller reuses, then setting
+        `lengths[slot]`), else one that keeps nothing, else the one kept longest ago (its K/V dropped)."""
         if not self._free:
             raise CacheFullError(f"all {self.max_slots} KV slots are in use")
-        slot = self._free.pop()
+        if slot is None:
+            plain = [s for s in self._free if s not in self.kept]
+            slot = plain[-1] if plain else next(iter(self.kept))  # the most recently used pages are resident
+        elif slot not in self._free:
+            raise ValueError(f"slot {slot} is not free")
+        self._free.remove(slot)
+        self.kept.pop(slot, None)
         self.lengths[slot] = 0
         return slot
 
-    def release(self, slot: int) -> None:
+    def release(self, slot: int, keep: torch.Tensor | None = None) -> None:
+        """Free a slot; `keep`: the tokens at its start whose committed K/V it keeps for a later prompt (`kept`)."""
         if not 0 <= slot < self.max_slots:
             raise ValueError(f"slot {slot} is not in [0, {self.max_slots})")
         if slot in self._free:
             return
+        if keep is not None and 0 < len(keep) <= self.lengths[slot]:
+            self.kept[slot] = keep
         self.lengths[slot] = 0
         self._free.append(slot)
 

@@ -85,6 +85,7 @@ def test_hidden_state_drafter_prefills_whole_prompt_and_stores_it(tiny_target, r
     assert first.stats.cached_prefix_tokens == 0 and cc.stats.stored_blocks == 4  # stored for the other methods
     (again,) = engine.run([prompt], params, method="tokenswift")
     assert again.stats.cached_prefix_tokens == 0  # a hit is not used: its hidden states are not cached
+    engine.cache.kept.clear()  # the store's blocks, not a released slot's K/V
     (plain,) = engine.run([prompt], params, method="ar")
     assert plain.stats.cached_prefix_tokens == 64
     assert first.output_ids == again.output_ids == plain.output_ids == plain_generate(tiny_target, prompt, params)
@@ -111,6 +112,7 @@ def test_newest_hidden_drafter_uses_a_hit(tiny_target, redis_server):
     start = drafter.start
     drafter.start = lambda seq: (start(seq), seen.append(seq.drafter_state.hidden.clone()))
     (miss,) = engine.run([prompt], params)
+    engine.cache.kept.clear()  # the store's blocks, not a released slot's K/V
     (hit,) = engine.run([prompt], params)
     assert miss.stats.cached_prefix_tokens == 0 and hit.stats.cached_prefix_tokens == 64
     torch.testing.assert_close(seen[1], seen[0], rtol=1e-5, atol=1e-5)
@@ -301,6 +303,7 @@ def test_a_follow_up_waits_for_its_prefix_while_others_decode_then_loads_all_of_
     while not first.finished:
         engine.step()
     assert cc.writing(prompt, 74) and cc.stats.copy_s > 0  # its 4 full blocks wait for the (gated) writer
+    engine.cache.kept.clear()  # its slot reused meanwhile (`test_a_follow_up_takes_the_released_slot`: kept)
     second = engine.add_request(prompt, params)
     before = other.num_generated
     engine.step()
@@ -393,3 +396,68 @@ def test_blocks_the_writer_has_not_copied_when_their_slot_is_reused_are_stored_a
     (again,) = engine.run([prompt], params)
     assert again.stats.cached_prefix_tokens == 64
     assert again.output_ids == plain_generate(tiny_target, prompt, params)
+
+
+@pytest.mark.parametrize("with_redis", [False, True])
+def test_a_follow_up_takes_the_released_slot(tiny_target, redis_server, with_redis):
+    """A request that comes after the first has finished takes the first one's released slot as it is (no copy, no
+    Redis: an engine without a context cache does it too); an unrelated prompt that needs the slot drops what it
+    kept. Outputs equal plain decoding."""
+    cc = ContextCache(redis_server.url, f"kept-{uuid.uuid4().hex}", block_size=16) if with_redis else None
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(3, tiny_target.args.vocab_size, (75,), generator=g).tolist()
+    unrelated = torch.randint(3, tiny_target.args.vocab_size, (40,), generator=g).tolist()
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    engine = SpecEngine(
+        tiny_target, None, EngineConfig(max_batch=1, max_context=256, prefill_chunk=32), context_cache=cc
+    )
+    (first,) = engine.run([prompt], params)
+    assert engine.cache.kept[first.slot].tolist() == prompt
+    (second,) = engine.run([prompt], params)
+    taken = 74 if engine.any_chunk else 64
+    assert second.slot == first.slot
+    assert second.stats.live_prefix_tokens == second.stats.cached_prefix_tokens == taken
+    (other,) = engine.run([unrelated], params)
+    assert other.stats.cached_prefix_tokens == 0 and list(engine.cache.kept.values())[0].tolist() == unrelated
+    if cc is not None:
+        cc.flush()
+        assert cc.stats.stored_blocks == 4 + 2  # min_uses 1: each prompt's new blocks on first sight
+    (third,) = engine.run([prompt], params)
+    assert third.stats.live_prefix_tokens == 0
+    assert third.stats.cached_prefix_tokens == (64 if cc is not None else 0)  # from Redis, or computed again
+    want = plain_generate(tiny_target, prompt, params)
+    assert first.output_ids == second.output_ids == third.output_ids == want
+    assert other.output_ids == plain_generate(tiny_target, unrelated, params)
+
+
+def test_min_uses_stores_a_prefix_the_second_time_a_prompt_holds_it(tiny_target, redis_server):
+    """With `min_uses` 2 a prompt seen once is not written to Redis; a second prompt holding its blocks (here taken
+    from the released slot) stores them, counted across replicas, and a new engine then loads them."""
+    ns = f"uses-{uuid.uuid4().hex}"
+    cc = ContextCache(redis_server.url, ns, block_size=16, async_writes=False, min_uses=2)
+    prompt = torch.randint(3, tiny_target.args.vocab_size, (75,), generator=torch.Generator().manual_seed(8)).tolist()
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    config = EngineConfig(max_batch=2, max_context=256, prefill_chunk=16)
+    engine = SpecEngine(tiny_target, None, config, context_cache=cc)
+    (first,) = engine.run([prompt], params)
+    assert cc.stats.stored_blocks == 0 and not redis.Redis.from_url(redis_server.url).exists(*cc.block_keys(prompt))
+    (second,) = engine.run([prompt], params)
+    assert second.stats.live_prefix_tokens == (74 if engine.any_chunk else 64)
+    assert cc.stats.stored_blocks == 4  # its second use: stored
+    other = ContextCache(redis_server.url, ns, block_size=16, async_writes=False, min_uses=2)  # another replica
+    (third,) = SpecEngine(tiny_target, None, config, context_cache=other).run([prompt], params)
+    assert third.stats.cached_prefix_tokens == 64 and third.stats.live_prefix_tokens == 0
+    assert first.output_ids == second.output_ids == third.output_ids == plain_generate(tiny_target, prompt, params)
+    # uses are counted per block in Redis: a prompt seen once on each of two replicas is stored by the second
+    fresh = torch.randint(3, tiny_target.args.vocab_size, (40,), generator=torch.Generator().manual_seed(9)).tolist()
+    blocks = {b: torch.full((2, 1, 1, 16, 2), float(b)) for b in range(2)}
+    cc.store(fresh, blocks)
+    assert not cc.lookup(fresh)
+    other.store(fresh, blocks)
+    assert len(cc.lookup(fresh)) == 2
+
+
+def test_min_uses_must_be_a_positive_integer():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="min_uses"):
+            ContextCache(None, "m", min_uses=bad)

@@ -181,3 +181,37 @@ def test_prefix_returns_views() -> None:
 def test_slot_bytes() -> None:
     cache = KVCache(2, 3, 8, 16, 1, dtype=torch.float16)
     assert cache.slot_bytes() == 2 * 2 * 3 * 16 * 8 * 2
+
+
+def test_a_released_slot_keeps_its_prefix_until_it_is_needed():
+    cache = make_cache(max_slots=3)
+    a, b, c = cache.allocate(), cache.allocate(), cache.allocate()
+    for slot, seed in ((a, 1), (b, 2)):
+        write_all_layers(cache, slot, 0, 6, seed)
+        cache.lengths[slot] = 6
+    cache.release(a, keep=torch.arange(6))
+    cache.release(b, keep=torch.arange(6, 12))
+    cache.release(c)  # keeps nothing
+    cache.release(b, keep=torch.arange(3))  # released twice: the first keep stands
+    assert list(cache.kept) == [a, b] and cache.kept[b].tolist() == list(range(6, 12))
+    assert cache.allocate() == c  # a slot that keeps nothing first
+    assert cache.allocate() == a and list(cache.kept) == [b]  # then the one kept longest ago, its K/V dropped
+    cache.release(a)
+    assert cache.allocate(b) == b and cache.kept == {} and cache.lengths[b] == 0  # taken as it is
+    with pytest.raises(ValueError, match="not free"):
+        cache.allocate(b)
+    cache.release(b, keep=torch.arange(7))  # more tokens than it committed (0 now): nothing kept
+    assert cache.kept == {}
+
+
+def test_a_kept_slot_taken_back_holds_the_same_k_v():
+    cache = make_cache()
+    slot = cache.allocate()
+    write_all_layers(cache, slot, 0, 8, seed=3)
+    cache.lengths[slot] = 8
+    k, v = committed(cache, slot)
+    cache.release(slot, keep=torch.arange(8))
+    assert cache.allocate(slot) == slot
+    cache.lengths[slot] = 5
+    k2, v2 = committed(cache, slot)
+    assert torch.equal(k2, k[:, :, :5]) and torch.equal(v2, v[:, :, :5])

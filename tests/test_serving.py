@@ -529,27 +529,40 @@ def test_deadline_exceeded_frees_the_sequence(client):
     assert after["aborted"] == before["aborted"] + 1
 
 
-def test_repeated_long_prompt_hits_the_context_cache(client, served):
-    import math
+def test_repeated_long_prompt_reuses_its_prefix_then_stores_it(client, served, redis_server):
+    import time
 
+    import redis
+
+    from services.verifier import encode_prompt
+    from spyglass.context_cache import ContextCache, kv_namespace
     from spyglass.demo import code_edit_task
 
     # a unique ~1K-token prompt so earlier runs cannot have cached it
     prompt = f"# run {uuid.uuid4().hex}\n" + code_edit_task(max_chars=3000).prompt
     first = client.generate_text(prompt, max_new_tokens=8)
     assert first.stats["cached_prefix_tokens"] == 0 and first.stats["prompt_tokens"] > 512
-    # sent right after the first finished: its blocks may still be on their way to Redis, and the lookup waits
-    # for them rather than recomputing what is about to be stored: the whole prefix loads (all but the last token),
-    # in whole blocks where prefill chunks may have any size (row-invariant prefill kernels), else in whole prefill
-    # chunks (the rest is computed in the chunks plain decoding computes)
+    # sent right after the first finished: the slot the first one released still holds the prompt's K/V and the
+    # second takes it as it is: all but the last token where prefill chunks may have any size (row-invariant
+    # prefill kernels), else whole prefill chunks (the rest computed in the chunks plain decoding computes)
     second = client.generate_text(prompt, max_new_tokens=8)
-    block = client.model_info()["cache_block_size"]
-    grain = block if served[0].prefill_row_invariant else math.lcm(block, PREFILL_CHUNK)
+    grain = 1 if served[0].prefill_row_invariant else PREFILL_CHUNK
     cached = (second.stats["prompt_tokens"] - 1) // grain * grain
     assert second.stats["cached_prefix_tokens"] == cached >= 512
     assert second.token_ids == first.token_ids and second.text == first.text
     counters = client.health()["replicas"][0]["counters"]
     assert counters["cache_hit_tokens_total"] >= second.stats["cached_prefix_tokens"]
+    # the prompt's second use (`cache_min_uses` 2): its full blocks are written to Redis, for other replicas
+    info = client.model_info()
+    cc = ContextCache(None, kv_namespace(info["model"], info["dtype"]), block_size=info["cache_block_size"])
+    ids = encode_prompt(served[1], prompt, raw=False)
+    keys = cc.block_keys(ids)
+    assert len(ids) == second.stats["prompt_tokens"] and len(keys) >= 512 // cc.block_size
+    store = redis.Redis.from_url(redis_server.url)
+    deadline = time.monotonic() + 60
+    while store.exists(*keys) < len(keys) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert store.exists(*keys) == len(keys)
 
 
 @pytest.mark.parametrize(

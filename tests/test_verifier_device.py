@@ -139,7 +139,8 @@ def test_context_cache_blocks_move_between_devices_bitwise(redis_server, writer_
     redis.Redis.from_url(redis_server.url).flushall()
     block = 64
     cfg = {"dtype": "float32", "methods": ["ar"], "max_batch": 1, "max_context": 512, "threads": 1,
-           "redis_url": redis_server.url, "cache_block_size": block, "prefill_chunk": block}  # fmt: skip
+           "redis_url": redis_server.url, "cache_block_size": block, "cache_min_uses": 1,  # stored on first sight
+           "prefill_chunk": block}  # fmt: skip
     on_device = VerifierConfig(device=str(DEVICE), **cfg)
     on_cpu = VerifierConfig(device="cpu", **cfg)
     writer_cfg, reader_cfg = (on_device, on_cpu) if writer_on_device else (on_cpu, on_device)

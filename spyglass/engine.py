@@ -256,11 +256,11 @@ class SpecEngine:
 
     def _admit(self) -> None:
         """Waiting requests take free slots in arrival order, each starting from the longest prefix it can get: a
-        prompt held in another slot (`_live_prefix`: copied there), else the context cache's (loaded once). A prompt
-        that shares at least half its loadable prefix with a prompt being prefilled (several questions about one
-        document arriving together), or whose prefix blocks the context cache is still writing and no slot holds (a
-        follow-up sent right after its first request), waits while the engine has other work, rather than computing
-        what is about to be there; with nothing else to do its lookup waits for the blocks being written."""
+        prompt held in another slot (`_live_prefix`: copied there, or a released slot taken as it is), else the
+        context cache's (loaded once). A prompt that shares at least half its loadable prefix with a prompt being
+        prefilled (several questions about one document arriving together), or whose prefix blocks the context
+        cache is still writing and no slot holds, waits while the engine has other work, rather than computing what
+        is about to be there; with nothing else to do its lookup waits for the blocks being written."""
         deferred = []
         while self.waiting and self.cache.free_slots:
             seq = self.waiting.popleft()

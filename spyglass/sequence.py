@@ -48,7 +48,7 @@ class SeqStats:
     prefill_compute_time: float = 0.0  # of that, the prefill forwards of this prompt
     prefill_tokens: int = 0
     cached_prefix_tokens: int = 0  # prompt tokens whose K/V came from the context cache or another slot
-    live_prefix_tokens: int = 0  # of those, copied from another sequence's slot
+    live_prefix_tokens: int = 0  # of those, from a slot: another sequence's (copied) or a released one (taken)
     batch_sizes: list[int] = field(default_factory=list)
     t_start: float = field(default_factory=time.perf_counter)
     t_admit: float | None = None  # given a KV slot (its prefill starts)

@@ -6,8 +6,9 @@ Tokens of a verify pass (the draft tree) are written right after the committed l
 start, path)` then moves the accepted entries into place so nothing but accepted tokens is ever kept.
 
 A released slot may keep its prompt's K/V for the next prompt that starts the same way (`release(slot, keep=...)`,
-`kept`, `allocate(slot)`: vLLM's in-memory prefix caching, a slot at a time): a new slot is taken from those that
-keep nothing first, then from the one kept longest ago.
+`kept`, `allocate(slot)`: vLLM's in-memory prefix caching, a slot at a time): a new prompt takes a used slot that
+keeps nothing, else the one kept longest ago while another is kept, else a fresh slot (a prefill into a fresh slot
+paid its pages' faults: 0.5-1.2 s of an 11-14 s fp32 prefill of 5-5.6K tokens on a 2-core Zen 4 VM).
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ class KVCache:
         self.lengths = [0] * max_slots
         self._free = list(range(max_slots - 1, -1, -1))
         self.kept: dict[int, torch.Tensor] = {}  # free slot -> the tokens whose K/V it still holds, oldest first
+        self._used: set[int] = set()  # slots allocated before (their pages resident)
         self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (slot, layer) -> layer()
 
     # --- slot management -------------------------------------------------------------
@@ -108,15 +110,23 @@ class KVCache:
 
     def allocate(self, slot: int | None = None) -> int:
         """A free slot with nothing committed: `slot` itself (a kept slot whose K/V the caller reuses, then setting
-        `lengths[slot]`), else one that keeps nothing, else the one kept longest ago (its K/V dropped)."""
+        `lengths[slot]`); else a used slot that keeps nothing; else, while another stays kept, the one kept longest
+        ago (its K/V dropped); else a fresh slot (its pages not resident yet)."""
         if not self._free:
             raise CacheFullError(f"all {self.max_slots} KV slots are in use")
         if slot is None:
             plain = [s for s in self._free if s not in self.kept]
-            slot = plain[-1] if plain else next(iter(self.kept))  # the most recently used pages are resident
+            warm = [s for s in plain if s in self._used]
+            if warm:
+                slot = warm[-1]
+            elif len(self.kept) > 1 or not plain:
+                slot = next(iter(self.kept))
+            else:
+                slot = plain[-1]
         elif slot not in self._free:
             raise ValueError(f"slot {slot} is not free")
         self._free.remove(slot)
+        self._used.add(slot)
         self.kept.pop(slot, None)
         self.lengths[slot] = 0
         return slot

@@ -215,3 +215,17 @@ def test_a_kept_slot_taken_back_holds_the_same_k_v():
     cache.lengths[slot] = 5
     k2, v2 = committed(cache, slot)
     assert torch.equal(k2, k[:, :, :5]) and torch.equal(v2, v[:, :, :5])
+
+
+def test_new_prompts_reuse_used_slots_and_keep_the_latest():
+    """One prompt after another: a fresh slot only while fewer than two are kept, then the one kept longest ago, so
+    two slots' pages serve the whole run and the latest prompt's K/V stay kept."""
+    cache = make_cache(max_slots=4)
+    taken = []
+    for i in range(5):
+        slot = cache.allocate()
+        taken.append(slot)
+        cache.lengths[slot] = 3
+        cache.release(slot, keep=torch.full((3,), i))
+    assert len(set(taken)) == 2 and taken[2:] == taken[:2] + taken[:1]
+    assert [int(t[0]) for t in cache.kept.values()] == [3, 4]

@@ -313,9 +313,9 @@ class ContextCache:
                     pipe.incr(f"{key}:uses")
                     pipe.expire(f"{key}:uses", USES_TTL_S)
             found = pipe.execute()
-            uses = found[len(keys) :: 2] if self.min_uses > 1 else [self.min_uses] * len(keys)
-            for i, (key, stored, used) in enumerate(zip(keys, found[: len(keys)], uses, strict=True)):
-                if stored or used < self.min_uses:
+            stored, uses = found[: len(keys)], found[len(keys) :: 2]  # uses: the counts after this one, if counted
+            for i, key in enumerate(keys):
+                if stored[i] or (uses and uses[i] < self.min_uses):
                     blocks.skip(i)
                     continue
                 value = blocks.encode(i)

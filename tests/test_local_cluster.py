@@ -1,0 +1,45 @@
+"""The local cluster `spyglass serve` starts (services.app.start_local_ray): its workers, where the engine runs, at
+nice 0 rather than Ray's 15, and no idle workers kept. A real cluster, in a process of its own."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+CODE = """
+import json, os, time
+import psutil, ray
+from services.app import WORKER_NICENESS, start_local_ray
+
+start_local_ray(num_cpus=2)
+
+@ray.remote
+def nice():
+    return os.getpriority(os.PRIO_PROCESS, 0)
+
+worker = ray.get(nice.remote())
+
+def titles():
+    return [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True) if p.is_running()]
+
+deadline = time.monotonic() + 30
+def idle():
+    return [t for t in titles() if t.startswith("ray::IDLE")]
+
+while idle() and time.monotonic() < deadline:
+    time.sleep(0.5)
+print(json.dumps({"worker": worker, "want": WORKER_NICENESS, "idle": idle()}))
+ray.shutdown()
+"""
+
+
+def test_workers_run_at_nice_0_and_idle_ones_end():
+    out = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["worker"] == got["want"] == 0  # Ray's own default is 15
+    assert got["idle"] == []  # the task's worker, idle once it returned, was not kept

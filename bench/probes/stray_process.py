@@ -4,7 +4,7 @@ what an idle `spyglass serve`'s Ray, Serve and Redis processes take here), alter
 threads meet at the end of every kernel, so the one the stray process holds up keeps the other waiting: the cost
 can exceed the CPU taken.
 
-    python bench/probes/stray_process.py [--dtype bfloat16] [--prompts 2] [--rounds 2]
+    python bench/probes/stray_process.py [--dtype bfloat16] [--prompts 2] [--rounds 2] [--policy nice|idle]
 """
 
 from __future__ import annotations

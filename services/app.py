@@ -94,8 +94,8 @@ MAX_GRPC_MESSAGE_BYTES = 8 << 20
 
 
 # Ray starts its workers (the replicas, the proxy, Serve's controller) at nice 15, below every other process on
-# the machine (its own daemons, a benchmark client, a shell): on a few cores each of them preempts the engine's
-# threads mid-kernel, and the other thread waits at the kernel's end. A local cluster runs its workers at 0.
+# the machine (its own daemons, a benchmark client, a shell), each of which then preempts the engine's threads.
+# A local cluster runs its workers at 0 (BENCHMARKS.md, "Which of the server's processes cost it").
 WORKER_NICENESS = 0
 
 

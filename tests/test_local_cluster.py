@@ -26,10 +26,10 @@ worker = ray.get(nice.remote())
 def titles():
     return [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True) if p.is_running()]
 
-deadline = time.monotonic() + 30
 def idle():
     return [t for t in titles() if t.startswith("ray::IDLE")]
 
+deadline = time.monotonic() + 30  # Ray ends an idle worker past the soft limit after ~1 s
 while idle() and time.monotonic() < deadline:
     time.sleep(0.5)
 print(json.dumps({"worker": worker, "want": WORKER_NICENESS, "idle": idle()}))

@@ -159,7 +159,7 @@ def start_spyglass(args, model_dir: Path, logs: Path, tag: str) -> tuple[Server,
     verifier.update(dtype=args.dtype, methods=[DEFAULT_METHOD, PLAIN_METHOD], max_batch=args.max_batch)
     if args.prefill_step_s is not None:
         verifier["prefill_step_s"] = args.prefill_step_s
-    if getattr(args, "cache_min_uses", None) is not None:
+    if args.cache_min_uses is not None:
         verifier["cache_min_uses"] = args.cache_min_uses
     doc["applications"][0]["args"]["gateway"]["max_queued"] = max(64, args.max_batch * 4)
     cfg = logs / f"serve_config_{tag}.yaml"
@@ -275,6 +275,9 @@ def main() -> int:
     ap.add_argument("--max-context", type=int, default=8192)
     ap.add_argument(
         "--prefill-step-s", type=float, default=None, help="spyglass's prefill seconds per step beside decoding streams"
+    )
+    ap.add_argument(
+        "--cache-min-uses", type=int, default=None, help="spyglass's cache_min_uses (default: the serve config's)"
     )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--vllm-kv-gib", type=int, default=4)

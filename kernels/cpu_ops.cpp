@@ -63,12 +63,23 @@ inline vfloat vload(const float* p) {
 inline void vstore(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
 
 // The few operations exp_nonpos needs, for a float and for a vector of them.
+// A float broadcast to every lane: one broadcast, from memory where x is loaded (F{} + x would add a zero first, as the
+// sum of a -0.0 differs: a scalar add and a register shuffle per broadcast, the shuffle on a multiply-add's port).
 template <typename F>
 inline F splat(float x) {
-  if constexpr (std::is_same_v<F, float>)
+  if constexpr (std::is_same_v<F, float>) {
     return x;
-  else
-    return F{} + x;
+  } else {
+#if defined(__AVX512F__)
+    const __m512 r = _mm512_set1_ps(x);
+#elif defined(__AVX__)
+    const __m256 r = _mm256_set1_ps(x);
+#else
+    F r;
+    for (int i = 0; i < L; i++) r[i] = x;
+#endif
+    return reinterpret_cast<const F&>(r);
+  }
 }
 inline float vmax(float a, float b) { return std::max(a, b); }
 inline vfloat vmax(vfloat a, vfloat b) { return a < b ? b : a; }

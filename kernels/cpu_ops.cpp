@@ -1647,24 +1647,114 @@ static void lanes_run(const E* x, const E* w, RowsBias b, E* y, int64_t M, int64
   });
 }
 
+// Fewer than L rows leave most of a lanes tile's lanes idle (a decode step: one of L). There the outputs take the
+// lanes instead: a square of L weight rows x L words is transposed in registers (lane j: output n0 + j) and each x
+// word is broadcast, so y[m, n] is the same chain of dot_steps over k in order as in lanes_tile (a multiply-add's
+// factors commute, as vdpbf16ps's pair products do), plus the bias, rounded once: lanes_linear's bits, its weights read
+// once per call for up to kColsRows rows at a time. Needs N >= L.
+#if defined(__AVX512F__) || defined(__AVX2__)
+constexpr int kColsRows = L == 16 ? 8 : 4;  // x rows per pass: L transposed words + the accumulators in registers
+
+template <int MR, typename Xq, typename Wd>
+static void cols_tile(const Xq* xq, int64_t Kw, const Wd* w0, RowsBias b, int64_t n0, float* out) {
+  vfloat acc[MR] = {};
+  int64_t p = 0;
+  for (; p + L <= Kw; p += L) {
+    vfloat wv[L];
+    // the group two on, read in order at this group's pace: one stream rather than L
+    const char* ahead = reinterpret_cast<const char*>(w0 + 2 * L * Kw + p * L);
+    for (int o = 0; o < L * L * 4; o += 64) __builtin_prefetch(ahead + o, 0, 0);
+    transpose_words(reinterpret_cast<const float*>(w0 + p), Kw, wv);
+    for (int c = 0; c < L; c++)
+      for (int m = 0; m < MR; m++) {
+        if constexpr (std::is_same_v<Wd, float>)
+          acc[m] = dot_step(xq[m * Kw + p + c], wv[c], acc[m]);
+        else
+          acc[m] = dot_step(xq[m * Kw + p + c], reinterpret_cast<const vuint&>(wv[c]), acc[m]);
+      }
+  }
+  for (; p < Kw; p++) {  // the last Kw % L words, one gathered vector each
+    alignas(64) Wd col[L];
+    for (int j = 0; j < L; j++) col[j] = w0[j * Kw + p];
+    for (int m = 0; m < MR; m++) {
+      if constexpr (std::is_same_v<Wd, float>)
+        acc[m] = dot_step(xq[m * Kw + p], vload(col), acc[m]);
+      else
+        acc[m] = dot_step(xq[m * Kw + p], vload(reinterpret_cast<const uint32_t*>(col)), acc[m]);
+    }
+  }
+  alignas(64) float bias[L];
+  for (int j = 0; j < L; j++) bias[j] = b.at(n0 + j);
+  for (int m = 0; m < MR; m++) vstore(out + m * L, acc[m] + vload(bias));
+}
+
+template <int MR, typename Xq, typename Wd>  // cols_tile for mr <= MR rows
+static void cols_pass(int mr, const Xq* xq, int64_t Kw, const Wd* w0, RowsBias b, int64_t n0, float* out) {
+  if (mr == MR)
+    cols_tile<MR>(xq, Kw, w0, b, n0, out);
+  else if constexpr (MR > 1)
+    cols_pass<MR - 1>(mr, xq, Kw, w0, b, n0, out);
+}
+
+template <typename E>
+static void cols_run(const E* x, const E* w, RowsBias b, E* y, int64_t M, int64_t N, int64_t K) {
+  constexpr bool fp32 = std::is_same_v<E, float>, wide = !fp32 && !kDpbf16;
+  using Wd = std::conditional_t<fp32, float, uint32_t>;  // weight words as stored: fp32, or bf16 pairs
+  using Xq = std::conditional_t<fp32, float, std::conditional_t<wide, WidePair, uint32_t>>;  // dot_step's scalar
+  const int64_t Kw = fp32 ? K : K / 2;
+  std::unique_ptr<Xq[]> xq(new Xq[M * Kw]);
+  for (int64_t i = 0; i < M * Kw; i++) {
+    if constexpr (fp32)
+      xq[i] = x[i];
+    else if constexpr (wide)
+      xq[i] = widen(lanes_word(x, i));
+    else
+      xq[i] = lanes_word(x, i);
+  }
+  const Wd* ww = reinterpret_cast<const Wd*>(w);
+  at::parallel_for(0, (N + L - 1) / L, 4, [&](int64_t a, int64_t e) {
+    alignas(64) float out[kColsRows * L];
+    for (int64_t g = a; g < e; g++) {
+      const int64_t n0 = std::min(g * L, N - L);  // the last group overlaps the one before: the same values
+      for (int64_t m0 = 0; m0 < M; m0 += kColsRows) {
+        const int mr = static_cast<int>(std::min<int64_t>(kColsRows, M - m0));
+        cols_pass<kColsRows>(mr, xq.get() + m0 * Kw, Kw, ww + n0 * Kw, b, n0, out);
+        for (int m = 0; m < mr; m++)
+          for (int j = 0; j < L; j++) store_elem(y + (m0 + m) * N + n0 + j, out[m * L + j]);
+      }
+    }
+  });
+}
+#endif
+
+// lanes_run for a call's rows, or cols_run's same bits where they are fewer than L.
+template <typename E>
+static void lanes_any(const E* x, const E* w, RowsBias b, E* y, int64_t M, int64_t N, int64_t K) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+  if (M < L && N >= L) return cols_run(x, w, b, y, M, N, K);
+#endif
+  lanes_run(x, w, b, y, M, N, K);
+}
+
 // x [..., K] @ w [N, K]^T (+ bias [N]) -> [..., N]: x and w both fp32 (a bias in fp32) or both bf16 (a bias in bf16
-// or fp32, K even; out in bf16), N at least kLanesNR.
+// or fp32; out in bf16). The shapes the tiles do not take (fewer than kLanesNR outputs, bf16 with odd K) run on
+// rows_linear, also row-invariant: the kernel follows the shape, never the row count.
 torch::Tensor lanes_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   const LinearCall c = check_linear("lanes_linear", x, w, bias);
-  TORCH_CHECK(!c.bf16 || c.K % 2 == 0, "lanes_linear: bf16 takes an even number of features, got ", c.K);
-  TORCH_CHECK(c.N >= kLanesNR, "lanes_linear: at least ", kLanesNR, " outputs, got ", c.N);
+  if (c.N < kLanesNR || (c.bf16 && c.K % 2)) return rows_linear(x, w, bias);  // by shape: the same for every row
   if (c.M == 0) return c.y;
   if (c.bf16)
-    lanes_run(reinterpret_cast<const bf16*>(c.x.data_ptr()), reinterpret_cast<const bf16*>(w.data_ptr()), c.rb,
+    lanes_any(reinterpret_cast<const bf16*>(c.x.data_ptr()), reinterpret_cast<const bf16*>(w.data_ptr()), c.rb,
               reinterpret_cast<bf16*>(c.y.data_ptr()), c.M, c.N, c.K);
   else
-    lanes_run(c.x.data_ptr<float>(), w.data_ptr<float>(), c.rb, c.y.data_ptr<float>(), c.M, c.N, c.K);
+    lanes_any(c.x.data_ptr<float>(), w.data_ptr<float>(), c.rb, c.y.data_ptr<float>(), c.M, c.N, c.K);
   return c.y;
 }
 
 // ----------------------------------------------------------------------------- layer_stack: a forward's layers
 // Every decoder layer of a row-invariant forward (a decode step, a verify pass) in one call: the same kernels, in
-// the same order, on the same tensors as Block._forward_native with every linear on rows_linear (so the same bits),
+// the same order, on the same tensors as Block._forward_native with every linear on rows_linear, or on lanes_linear
+// where `lanes` (so the same bits),
 // without the Python between them (at SmolLM2's size ~2.5 ms of a ~21 ms bf16 decode step on Zen 3). x [T, C] holds
 // the segments' new tokens in order; cos/sin are [T, D] (or [T, 1, D]); weights, per layer in order: attention norm,
 // wqkv, its bias (None if none), wo, MLP norm, w_gate_up, w_down; k_cache / v_cache [slots, layers, Hkv, capacity, D];
@@ -1675,7 +1765,8 @@ std::vector<torch::Tensor> layer_stack(torch::Tensor x, torch::Tensor cos, torch
                                        torch::Tensor k_cache, torch::Tensor v_cache, std::vector<int64_t> slots,
                                        std::vector<int64_t> starts, std::vector<int64_t> counts,
                                        std::vector<c10::optional<torch::Tensor>> masks, int64_t n_heads, double scale,
-                                       std::vector<int64_t> capture) {
+                                       std::vector<int64_t> capture, bool lanes) {
+  const auto linear = lanes ? lanes_linear : rows_linear;
   constexpr size_t kPerLayer = 7;
   const size_t segs = slots.size();
   TORCH_CHECK(weights.size() % kPerLayer == 0 && weights.size() / kPerLayer == size_t(k_cache.size(1)),
@@ -1692,7 +1783,7 @@ std::vector<torch::Tensor> layer_stack(torch::Tensor x, torch::Tensor cos, torch
   const int64_t layers = k_cache.size(1);
   for (int64_t l = 0; l < layers; l++) {
     const auto* w = weights.data() + l * kPerLayer;
-    const torch::Tensor qkv = rows_linear(rms_norm(x, *w[0], eps), *w[1], w[2]);
+    const torch::Tensor qkv = linear(rms_norm(x, *w[0], eps), *w[1], w[2]);
     std::vector<torch::Tensor> outs;
     for (size_t i = 0, offset = 0; i < segs; offset += counts[i], i++) {
       const torch::Tensor k_all = k_cache.select(0, slots[i]).select(0, l);
@@ -1700,8 +1791,8 @@ std::vector<torch::Tensor> layer_stack(torch::Tensor x, torch::Tensor cos, torch
       const torch::Tensor q = rope_write(qkv, cos, sin, k_all, v_all, offset, counts[i], starts[i], n_heads);
       outs.push_back(tile_attention(q, k_all, v_all, starts[i], masks[i], scale));
     }
-    const torch::Tensor h = x + rows_linear(outs.size() > 1 ? torch::cat(outs) : outs[0], *w[3], none);
-    x = h + rows_linear(silu_mul(rows_linear(rms_norm(h, *w[4], eps), *w[5], none)), *w[6], none);
+    const torch::Tensor h = x + linear(outs.size() > 1 ? torch::cat(outs) : outs[0], *w[3], none);
+    x = h + linear(silu_mul(linear(rms_norm(h, *w[4], eps), *w[5], none)), *w[6], none);
     if (next_capture < capture.size() && capture[next_capture] == l) {
       out.push_back(x);
       next_capture++;

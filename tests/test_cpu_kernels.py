@@ -319,8 +319,9 @@ def test_rows_linear_matches_and_is_row_count_invariant(n_out, n_in):
 def test_lanes_linear_matches_and_is_row_count_invariant(march, dtype):
     """The prefill GEMM, in this CPU's build and in the AVX2 and AVX-512-without-BF16 builds: any run of rows from
     one call equals the same rows in a call of their own, bit for bit (rows in vector lanes, padded tiles, blocks of
-    rows, the last group of weight rows overlapping the one before), and the product within the dtype's rounding;
-    a bias in fp32 or in the dtype."""
+    rows, the last group of weight rows overlapping the one before; below a vector's worth of rows the outputs in
+    the lanes), and the product within the dtype's rounding; a bias in fp32 or in the dtype. The shapes the tiles do
+    not take run on `rows`."""
     if march is not None and platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86 builds")
     mod = ops if march is None else cpu.build_for(march)
@@ -333,13 +334,12 @@ def test_lanes_linear_matches_and_is_row_count_invariant(march, dtype):
             whole = mod.lanes_linear(x, w, bias)
             want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
             torch.testing.assert_close(whole.double(), want, rtol=tol, atol=tol)
-            for m in (1, 2, 15, 16, 17, 31, 33, 100, 256):
+            for m in (1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 31, 33, 100, 256):
                 start = (m * 7) % (300 - m + 1)
                 assert torch.equal(mod.lanes_linear(x[start : start + m], w, bias), whole[start : start + m]), m
-    with pytest.raises(RuntimeError, match="even number of features"):
-        mod.lanes_linear(torch.zeros(2, 5, dtype=torch.bfloat16), torch.zeros(16, 5, dtype=torch.bfloat16), None)
-    with pytest.raises(RuntimeError, match="at least"):
-        mod.lanes_linear(torch.zeros(2, 8), torch.zeros(4, 8), None)
+    for x, w in [(torch.randn(9, 5), torch.randn(16, 5)), (torch.randn(9, 8), torch.randn(4, 8))]:  # on `rows`
+        for dt in (torch.float32, torch.bfloat16) if w.shape[1] % 2 else (torch.float32,):
+            assert torch.equal(mod.lanes_linear(x.to(dt), w.to(dt), None), mod.rows_linear(x.to(dt), w.to(dt), None))
 
 
 def test_lanes_backend_takes_every_shape():
@@ -359,7 +359,7 @@ def test_lanes_backend_takes_every_shape():
 
 def test_rows_kernel_in_linear_plans():
     """`rows` takes any row count, so a plan may name it in every bucket."""
-    assert "rows" in linear.KERNELS and linear.LOSSLESS_KERNELS == ("rows",)
+    assert "rows" in linear.KERNELS and linear.LOSSLESS_KERNELS == ("rows", "lanes")
     plan = linear.parse_plan("rows,rows,rows,rows,rows,rows,rows,rows,rows,onednn")
     assert plan[:9] == ("rows",) * 9
     model = torch.nn.Sequential(linear.Linear(16, 8))
@@ -460,13 +460,16 @@ def _row_invariant_linears(dtype: torch.dtype) -> str:
     return "aten"
 
 
+@pytest.mark.parametrize("lanes", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_verify_pass_logits_equal_decode_steps(tiny_dir, family, dtype):
-    """The model on the kernels, fp32 and bf16: a verify pass's logits for a chain and for every node of a tree
-    equal, bit for bit, those of the decode steps along the node's path, after prefixes on both sides of a 512-key
-    chunk edge; so greedy speculation reproduces plain decoding token for token."""
-    model = load_transformer(tiny_dir[family], dtype=dtype, linear_backend=_row_invariant_linears(dtype))
+def test_verify_pass_logits_equal_decode_steps(tiny_dir, family, dtype, lanes):
+    """The model on the kernels, fp32 and bf16, its linears on `rows` (or a library) or on `lanes` throughout: a
+    verify pass's logits for a chain and for every node of a tree equal, bit for bit, those of the decode steps along
+    the node's path, after prefixes on both sides of a 512-key chunk edge; so greedy speculation reproduces plain
+    decoding token for token."""
+    backend = "lanes" if lanes else _row_invariant_linears(dtype)
+    model = load_transformer(tiny_dir[family], dtype=dtype, linear_backend=backend)
     g = torch.Generator().manual_seed(7)
     tokens = torch.randint(3, model.args.vocab_size, (530,), generator=g)
     cache = model.new_cache(600, 1)
@@ -490,13 +493,15 @@ def test_verify_pass_logits_equal_decode_steps(tiny_dir, family, dtype):
                 assert torch.equal(step[0], verified[t]), (family, start, t, path)
 
 
+@pytest.mark.parametrize("backend", ["prefill:lanes", "lanes"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_the_one_call_layer_stack_equals_the_layer_by_layer_forward(tiny_dir, monkeypatch, family, dtype):
+def test_the_one_call_layer_stack_equals_the_layer_by_layer_forward(tiny_dir, monkeypatch, family, dtype, backend):
     """A row-invariant forward (decode steps, a tree, several sequences packed) runs its layers in one kernel call
-    (`layer_stack`); its logits, the K/V it writes and the hidden states a drafter captures equal, bit for bit, those
-    of the same forward run layer by layer from Python (qwen2: with the q/k/v bias)."""
-    model = load_transformer(tiny_dir[family], dtype=dtype)
+    (`layer_stack`, its linears on `rows` or on `lanes`); its logits, the K/V it writes and the hidden states a
+    drafter captures equal, bit for bit, those of the same forward run layer by layer from Python (qwen2: with the
+    q/k/v bias)."""
+    model = load_transformer(tiny_dir[family], dtype=dtype, linear_backend=backend)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, model.args.vocab_size, (n,), generator=g) for n in (90, 300, 40)]
     tree = _random_tree(6, g)
@@ -547,18 +552,22 @@ def test_the_one_call_layer_stack_equals_the_layer_by_layer_forward(tiny_dir, mo
 
 def test_the_layer_stacks_weights_follow_the_backend_and_the_kernel_switch(tiny_dir):
     """`layer_stack`'s weight list is gathered once, not per forward, and gathered again when what decides it
-    changes: a linear backend without `rows` (no stack), back to the row-invariant one, a layer off the kernels."""
+    changes: a linear backend without a row-invariant kernel (no stack), back to one (`rows`, or `lanes` throughout),
+    a layer off the kernels."""
     model = load_transformer(tiny_dir["llama"], dtype=torch.float32)
     decode = [Segment(0, 5, torch.tensor([7]), torch.tensor([5]), None, "all")]
     backend = model.linear_backend
-    first = model._stack_weights()
+    first, _ = model._stack_weights()
     assert model._stack_ops(decode) is not None and first is not None
-    assert model._stack_weights() is first  # the same list: nothing gathered again
+    assert model._stack_weights()[0] is first  # the same list: nothing gathered again
     assert len(first) == 7 * len(model.layers) and first[1] is model.layers[0].wqkv.weight
     set_linear_backend(model, "aten")
     assert model._stack_ops(decode) is None
+    for name, lanes in [("prefill:lanes", False), ("lanes", True)]:
+        set_linear_backend(model, name)
+        assert model._stack_ops(decode) is not None and model._stack_weights()[1] is lanes
     set_linear_backend(model, backend)
-    again = model._stack_weights()
+    again, _ = model._stack_weights()
     assert (
         model._stack_ops(decode) is not None
         and again is not first

@@ -11,6 +11,7 @@ from spyglass.models import linear as linear_mod
 from spyglass.models.drafts.vocab import VocabSubset
 from spyglass.models.linear import (
     KERNELS,
+    LANES,
     ROW_BUCKETS,
     Linear,
     measure_linear_plan,
@@ -239,17 +240,21 @@ def test_measured_plan_on_the_real_model(smollm2):
 
 def test_auto_takes_lanes_for_prefill_where_measured_close_and_keeps_drafts_on_the_measured_plan(tiny_dir, monkeypatch):
     """ "auto": where `lanes` is timed within LANES_SLACK at a prefill chunk's rows, every prefill bucket runs it (the
-    model says its prefill is row-invariant); a draft beside it takes the measured plan, `lanes` left out (few rows
-    are its worst case); where `lanes` is slower the measured plan runs prefill."""
+    model says its prefill is row-invariant), and where it is also no slower than `rows` at decode and verify rows,
+    every forward runs it ("lanes"); a draft beside it takes the measured plan, `lanes` left out; where `lanes` is
+    slower at prefill the measured plan runs prefill and `rows` the rest."""
     model = load_transformer(tiny_dir["llama"], linear_backend="aten")
     library = measure_linear_plan(model)
     assert "lanes" not in library
-    for wins in (True, False):
+    for wins, decodes in [(True, True), (True, False), (False, True), (False, False)]:
         monkeypatch.setattr(linear_mod, "lanes_for_prefill", lambda m, wins=wins: wins)
+        monkeypatch.setattr(linear_mod, "lanes_for_decode", lambda m, decodes=decodes: decodes)
         name = set_linear_backend(model, "auto")
         assert model.draft_linear_backend == plan_name(library, True)
-        assert name == (plan_name(("lanes",) * len(ROW_BUCKETS), True) if wins else plan_name(library, True))
+        want = plan_name(library, True) if not wins else "lanes" if decodes else plan_name(LANES, True)
+        assert name == want
         assert model.prefill_row_invariant is (wins or set(library) == {"rows"})
+        assert model._stack_weights()[1] is (name == "lanes")  # decode steps run `layer_stack` on the same kernel
     assert set_linear_backend(model, "prefill:onednn") == model.draft_linear_backend == "prefill:onednn"
 
 

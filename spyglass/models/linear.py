@@ -48,15 +48,17 @@ from kernels import cpu as cpu_kernels
 from spyglass.kept import kept
 
 KERNELS = ("aten", "onednn", "wfirst", "widen", "rows", "lanes")
-LOSSLESS_KERNELS = ("rows",)  # every forward on it is lossless: a decode step's rows equal a verify pass's
+LOSSLESS_KERNELS = ("rows", "lanes")  # every forward on one is lossless: a decode step's rows equal a verify pass's
 ROW_INVARIANT_KERNELS = ("rows", "lanes")  # a row's bits do not depend on the other rows of its call
 LANES_ROWS = 256  # rows (a prefill chunk) at which `lanes` is timed against the measured prefill plan
+LANES_DECODE_ROWS = (1, 16)  # rows (a decode step, a verify pass) at which `lanes` is timed against `rows`
 LANES_SLACK = 1.15  # `lanes` runs prefill when at most this much slower (timings here vary ~10% run to run): chunks
 # of any size then give a prompt the same bits, worth a little speed
 PREFILL_PREFIX = "prefill:"  # "prefill:<plan>": the plan for prefill chunks, `rows` for every other forward
 # plan[i] is the kernel for row counts up to ROW_BUCKETS[i] (the last entry also serves every larger count: prefill
 # chunks); single counts to 8 (libraries switch algorithms there: MKL at 4), then verify passes up to 64 rows
 ROW_BUCKETS = (1, 2, 3, 4, 6, 8, 16, 32, 64, 128)
+LANES = ("lanes",) * len(ROW_BUCKETS)  # the plan of every row count on `lanes`
 
 
 def _aten(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -92,11 +94,10 @@ def _rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Ten
 
 
 def _lanes(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """kernels/cpu_ops.cpp's prefill GEMM (x rows in vector lanes): row-invariant at the GEMM libraries' speed from a
-    few dozen rows. The shapes it does not take (fewer than 12 outputs, bf16 with odd features) run on `rows`, also
+    """kernels/cpu_ops.cpp's GEMM with x rows in vector lanes (from a vector's worth of rows; fewer: the outputs in
+    the lanes, the same bits): row-invariant at the GEMM libraries' speed from a few dozen rows, and at about a
+    weight read from one row. The shapes it does not take (few outputs, bf16 with odd features) run on `rows`, also
     row-invariant: the kernel follows the shape, never the row count."""
-    if w.shape[0] < 12 or (w.dtype == torch.bfloat16 and w.shape[1] % 2):
-        return _rows(x, w, b)
     return cpu_kernels.native().lanes_linear(x, w, b)
 
 
@@ -317,6 +318,31 @@ def lanes_for_prefill(model: nn.Module, repeats: int = 2) -> bool:
     return _LANES[key]
 
 
+_LANES_DECODE: dict[tuple, bool] = {}
+
+
+def lanes_for_decode(model: nn.Module, repeats: int = 2) -> bool:
+    """Whether `lanes` times no slower than `rows` at a decode step's and at a verify pass's rows
+    (LANES_DECODE_ROWS) on the model's layers: then every forward runs on it, so a decode step, a verify pass and a
+    prefill chunk give a row the same bits, and decoding rows may share a prefill chunk's forward. Measured once per
+    machine for a given set of shapes, dtype and thread count."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    if not linears or not rows_supported(linears[0].weight):
+        return False
+    key = _plan_key(linears)
+    if key not in _LANES_DECODE:
+
+        def measure() -> bool:
+            for rows in LANES_DECODE_ROWS:
+                est = _time_kernels(["rows", "lanes"], _timing_sample(linears, rows), rows, repeats, 2 * repeats)
+                if est["lanes"] > est["rows"]:
+                    return False
+            return True
+
+        _LANES_DECODE[key] = bool(kept("lanes_decode", key, measure))
+    return _LANES_DECODE[key]
+
+
 def _plan_key(linears: list[Linear]) -> tuple:
     w0 = linears[0].weight
     return tuple((tuple(m.weight.shape), m.bias is not None) for m in linears), str(w0.dtype), torch.get_num_threads()
@@ -354,7 +380,8 @@ def set_linear_backend(model: nn.Module, backend: str = "auto") -> str:
         plan, invariant = parse_backend(backend)
     model.draft_linear_backend = plan_name(plan, invariant)  # a draft's few-row calls: the measured plan
     if backend == "auto" and invariant and lanes_for_prefill(model):
-        plan = ("lanes",) * len(ROW_BUCKETS)
+        plan = LANES
+        invariant = not lanes_for_decode(model)  # every forward on `lanes`, or the others on `rows`
     if "onednn" in plan and linears and not onednn_supported(w := linears[0].weight):
         raise ValueError(
             f"the oneDNN linear backend has no kernel for {w.dtype} weights on {w.device} here "

@@ -30,7 +30,7 @@ from spyglass.attention import (
     tree_attention,
 )
 from spyglass.kv_cache import CacheFullError, KVCache
-from spyglass.models.linear import Linear, prefill_row_invariant, row_invariant, set_linear_backend
+from spyglass.models.linear import LANES, Linear, prefill_row_invariant, row_invariant, set_linear_backend
 
 
 @dataclass(frozen=True)
@@ -421,24 +421,25 @@ class Transformer(nn.Module):
             return None
         return ops if self._stack_weights() is not None else None
 
-    def _stack_weights(self) -> list[torch.Tensor | None] | None:
-        """The layers' weights in `layer_stack`'s order, or None where a layer would not run on the kernels with its
-        linears on `rows`. Gathered once per linear backend and per layer kernel switch (`set_linear_backend`,
-        `Block.native`): gathering them through the modules took ~0.5 ms of a ~16 ms decode step, while the other
-        thread waited. The target's parameters are updated in place, never reassigned, once it is loaded."""
+    def _stack_weights(self) -> tuple[list[torch.Tensor | None], bool] | None:
+        """The layers' weights in `layer_stack`'s order and whether its linears run on `lanes` (else `rows`), or None
+        where a layer would not run on the kernels with its linears on one of them in row-invariant forwards.
+        Gathered once per linear backend and per layer kernel switch (`set_linear_backend`, `Block.native`):
+        gathering them through the modules took ~0.5 ms of a ~16 ms decode step, while the other thread waited. The
+        target's parameters are updated in place, never reassigned, once it is loaded."""
         key = (self.linear_backend, id(self.layers), tuple(layer.native for layer in self.layers))
         if self._stack_cache is not None and self._stack_cache[0] == key:
             return self._stack_cache[1]
-        weights: list[torch.Tensor | None] | None = []
+        weights: list[torch.Tensor | None] = []
+        kinds = set()
         for layer in self.layers:
-            linears = (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)
-            if not layer.native or not all(lin.invariant and lin.plan is not None for lin in linears):
-                weights = None
-                break
+            for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down):
+                kinds.add("rows" if lin.invariant and lin.plan is not None else "lanes" if lin.plan == LANES else None)
             weights += [layer.attn_norm.weight, layer.wqkv.weight, layer.wqkv.bias, layer.wo.weight]
             weights += [layer.mlp_norm.weight, layer.w_gate_up.weight, layer.w_down.weight]
-        self._stack_cache = (key, weights)
-        return weights
+        ok = all(layer.native for layer in self.layers) and len(kinds) == 1 and None not in kinds
+        self._stack_cache = (key, (weights, kinds == {"lanes"}) if ok else None)
+        return self._stack_cache[1]
 
     def _forward_stacked(self, ops, segments: list[Segment], cache: KVCache) -> list[torch.Tensor | None]:
         """`forward` with every layer in one kernel call (`layer_stack`): the same kernels on the same rows as the
@@ -448,13 +449,13 @@ class Transformer(nn.Module):
         with torch.inference_mode():
             x, cos, sin, tails, _ = self._inputs(segments)  # no cut: _stack_ops leaves those forwards out
             a = self.args
-            weights = self._stack_weights()
+            weights, lanes = self._stack_weights()
             capture = sorted({i for i in getattr(self, "capture_layers", ()) if 0 <= i < len(self.layers)})
             k, v = cache.all_layers()
             out = ops.layer_stack(
                 x, cos, sin, weights, a.rms_eps, k, v,
                 [s.slot for s in segments], [s.start for s in segments], [s.tokens.shape[0] for s in segments],
-                [s.mask for s in segments], a.n_heads, a.head_dim**-0.5, capture,
+                [s.mask for s in segments], a.n_heads, a.head_dim**-0.5, capture, lanes,
             )  # fmt: skip
             with row_invariant():
                 return self._head(segments, out[0], tails, False, dict(zip(capture, out[1:], strict=True)))

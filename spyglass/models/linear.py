@@ -3,9 +3,10 @@
 A decode step or a verify pass (one row to a few hundred: a batch of draft trees) must give each row the bits it would
 get alone, or speculative output stops equalling plain decoding: the GEMM libraries pick their algorithm, and so their
 summation order, by the row count, which in fp32 rarely and in bf16 often enough changes a greedy token. Those
-forwards run every linear on `rows` (kernels/cpu_ops.cpp rows_linear; fp32, or bf16 with fp32 sums), whatever the row
-count: each output summed in one fixed order however many rows share the call, the weights read once per 64 rows (a
-decode step is the time to read them). `Transformer.forward` marks them with `row_invariant()`.
+forwards run every linear on `rows` (kernels/cpu_ops.cpp rows_linear; fp32, or bf16 with fp32 sums), or on `lanes`
+where it is measured faster (below), whatever the row count: each output summed in one fixed order however many rows
+share the call, the weights read once per 64 rows (a decode step is the time to read them). `Transformer.forward`
+marks them with `row_invariant()`.
 
 Prefill chunks (no logits past a segment's last row, no draft tree) and direct calls (drafts) only need speed, and
 CPU GEMM libraries differ most exactly at few rows. On AMD Zen 4, MKL's fp32 GEMM handles 2-3 rows as that many
@@ -25,11 +26,16 @@ a prompt in the same chunks under any load. `lanes` (kernels/cpu_ops.cpp lanes_l
 output one multiply-add chain over k) is row-invariant at the libraries' speed from a few dozen rows (2 Zen 4
 cores, SmolLM2's shapes at 256 rows: ~370 GFLOP/s bf16, ~185 fp32, as oneDNN). Where it is measured within
 LANES_SLACK of the fastest library kernel at a chunk's rows, it runs every prefill chunk (`prefill_row_invariant`),
-and the engine sizes chunks by load (a GEMM library with AMX, far faster, keeps fixed chunks).
+and the engine sizes chunks by load (a GEMM library with AMX, far faster, keeps fixed chunks). Below a vector's worth
+of rows it puts the outputs in the lanes instead (a transposed square of weights, each x word broadcast): the same
+chains, so the same bits, at about a weight read for a few rows. Where it is also measured no slower than `rows` at a
+decode step's and a verify pass's rows (`lanes_for_decode`; Zen 3 fp32: 0.8-0.9x at 1 row, 0.5-0.6x at 16), every
+forward runs it.
 
-Backends (`set_linear_backend`): "auto", the default, is `"prefill:<measured plan>"`: the plan for prefill chunks,
-`rows` for every other forward (lossless). A kernel name or a plan without the "prefill:" prefix runs every forward
-on it: for experiments, lossless only when it is `rows` throughout.
+Backends (`set_linear_backend`): "auto", the default, is "lanes" (every forward on it) or `"prefill:<measured
+plan>"`: the plan for prefill chunks, `rows` for every other forward. Both are lossless. A kernel name or a plan
+without the "prefill:" prefix runs every forward on it: for experiments, lossless only when it is `rows` or `lanes`
+throughout.
 """
 
 from __future__ import annotations

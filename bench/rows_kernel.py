@@ -4,8 +4,9 @@ Random weights of SmolLM2-135M's linears (30 layers + the tied 49K-row LM head) 
 + the 152K-row LM head, with the q/k/v bias), in bf16 and fp32. For each row count (a decode step, verify passes)
 every kernel runs the whole set of weights once per round, the kernels interleaved and their order rotating, the
 fastest round kept; the table gives ms per pass and the weight bytes read per second against the machine's read
-bandwidth (a large `x.sum()`, measured in the same process). Kernels: `rows` bf16 and fp32, `F.linear` (ATen) bf16,
-oneDNN's inner product bf16 (where this CPU has a kernel for it). With one thread the clock is the thread's CPU time
+bandwidth (a large `x.sum()`, measured in the same process). Kernels: `rows` and `lanes` (the other row-invariant
+kernel: below a vector's worth of rows its outputs in the lanes) bf16 and fp32, `F.linear` (ATen) bf16, oneDNN's
+inner product bf16 (where this CPU has a kernel for it). With one thread the clock is the thread's CPU time
 (time.thread_time: the time it was descheduled by other processes is left out; their memory traffic is not), else
 wall time. Prints a table; writes nothing.
 
@@ -79,7 +80,9 @@ def main() -> None:
         "rows bf16": (torch.bfloat16, ops.rows_linear),
         "aten bf16": (torch.bfloat16, F.linear),
         "onednn bf16": (torch.bfloat16, lambda x, w, b: torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")),
+        "lanes bf16": (torch.bfloat16, ops.lanes_linear),
         "rows fp32": (torch.float32, ops.rows_linear),
+        "lanes fp32": (torch.float32, ops.lanes_linear),
     }
     if not onednn_supported(torch.ones(1, dtype=torch.bfloat16)):
         del kernels["onednn bf16"]

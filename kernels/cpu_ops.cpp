@@ -1655,6 +1655,15 @@ static void lanes_run(const E* x, const E* w, RowsBias b, E* y, int64_t M, int64
 #if defined(__AVX512F__) || defined(__AVX2__)
 constexpr int kColsRows = L == 16 ? 8 : 4;  // x rows per pass: L transposed words + the accumulators in registers
 
+// A vector of weight words as dot_step takes them: fp32 values, or bf16 pairs (the same bits as a vuint).
+template <typename Wd>
+inline auto as_words(const vfloat& v) {
+  if constexpr (std::is_same_v<Wd, float>)
+    return v;
+  else
+    return reinterpret_cast<const vuint&>(v);
+}
+
 template <int MR, typename Xq, typename Wd>
 static void cols_tile(const Xq* xq, int64_t Kw, const Wd* w0, RowsBias b, int64_t n0, float* out) {
   vfloat acc[MR] = {};
@@ -1666,22 +1675,13 @@ static void cols_tile(const Xq* xq, int64_t Kw, const Wd* w0, RowsBias b, int64_
     for (int o = 0; o < L * L * 4; o += 64) __builtin_prefetch(ahead + o, 0, 0);
     transpose_words(reinterpret_cast<const float*>(w0 + p), Kw, wv);
     for (int c = 0; c < L; c++)
-      for (int m = 0; m < MR; m++) {
-        if constexpr (std::is_same_v<Wd, float>)
-          acc[m] = dot_step(xq[m * Kw + p + c], wv[c], acc[m]);
-        else
-          acc[m] = dot_step(xq[m * Kw + p + c], reinterpret_cast<const vuint&>(wv[c]), acc[m]);
-      }
+      for (int m = 0; m < MR; m++) acc[m] = dot_step(xq[m * Kw + p + c], as_words<Wd>(wv[c]), acc[m]);
   }
   for (; p < Kw; p++) {  // the last Kw % L words, one gathered vector each
     alignas(64) Wd col[L];
     for (int j = 0; j < L; j++) col[j] = w0[j * Kw + p];
-    for (int m = 0; m < MR; m++) {
-      if constexpr (std::is_same_v<Wd, float>)
-        acc[m] = dot_step(xq[m * Kw + p], vload(col), acc[m]);
-      else
-        acc[m] = dot_step(xq[m * Kw + p], vload(reinterpret_cast<const uint32_t*>(col)), acc[m]);
-    }
+    const vfloat wv = vload(reinterpret_cast<const float*>(col));
+    for (int m = 0; m < MR; m++) acc[m] = dot_step(xq[m * Kw + p], as_words<Wd>(wv), acc[m]);
   }
   alignas(64) float bias[L];
   for (int j = 0; j < L; j++) bias[j] = b.at(n0 + j);

@@ -329,9 +329,8 @@ _LANES_DECODE: dict[tuple, bool] = {}
 
 def lanes_for_decode(model: nn.Module, repeats: int = 2) -> bool:
     """Whether `lanes` times no slower than `rows` at a decode step's and at a verify pass's rows
-    (LANES_DECODE_ROWS) on the model's layers: then every forward runs on it, so a decode step, a verify pass and a
-    prefill chunk give a row the same bits, and decoding rows may share a prefill chunk's forward. Measured once per
-    machine for a given set of shapes, dtype and thread count."""
+    (LANES_DECODE_ROWS) on the model's layers: then every forward runs on it (a decode step and a verify pass still
+    give a row the same bits). Measured once per machine for a given set of shapes, dtype and thread count."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if not linears or not rows_supported(linears[0].weight):
         return False

@@ -407,7 +407,8 @@ class Transformer(nn.Module):
 
     def _stack_ops(self, segments: list[Segment]):
         """The kernels' module when this forward can run its layers in one `layer_stack` call (a row-invariant
-        forward whose every layer would run on the CPU kernels with its linears on `rows`), else None."""
+        forward whose every layer would run on the CPU kernels with its linears on `rows`, or all on `lanes`), else
+        None."""
         ops = cpu_kernels.native()
         if (
             ops is None

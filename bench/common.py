@@ -404,6 +404,11 @@ def plot_panels(path: Path, panels: list[dict[str, Any]], title: str | None = No
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    from PIL import Image
+
+    with Image.open(path) as img:  # 64 colours: a third of the bytes, and the tracked tree has a size limit
+        small = img.convert("RGB").quantize(colors=64)
+    small.save(path, optimize=True)
     return path
 
 

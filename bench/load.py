@@ -30,6 +30,8 @@ Figures (`bench/results/load.json`, with load.png: latency against throughput):
 
   python bench/load.py                 # everything, float32 (the lead's full run: see the Makefile's bench-load)
   python bench/load.py --smoke         # one short run per server: proves the harness, writes load_smoke.json
+  python bench/load.py --workloads copy,shared --concurrency 1,4 --servers spyglass-suffix,spyglass-ar --merge
+                                       # those loads again; load.json keeps its other runs (each run names its commit)
 """
 
 from __future__ import annotations
@@ -285,6 +287,9 @@ def main() -> int:
     ap.add_argument("--ready-timeout", type=float, default=900)
     ap.add_argument("--peers-dir", type=Path, default=PEERS_DIR)
     ap.add_argument("--name", default=None, help="results name (default load, load_bf16, load_smoke)")
+    ap.add_argument(
+        "--merge", action="store_true", help="keep the results file's runs of the loads this run does not make"
+    )
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
     args.rates = [float(r) for r in args.rates.split(",") if r]
@@ -319,6 +324,9 @@ def main() -> int:
         log(f"workload {w}: {len(prompts)} prompts, {sum(len(tokenizer.encode(p)) for p in prompts)} tokens")
     runs = plan(args) if not args.smoke else [("long", {"concurrency": 2})]
     raw: dict[str, Any] = {"runs": {}, "texts_equal": {}, "load_before": machine_load()}
+    if args.merge:
+        raw.update(earlier_runs(RESULTS_DIR / f"{name}.json", {label(w, load) for w, load in runs}, args.dtype))
+    commit = git_commit()
     # the server before each one may leave processes winding down (Ray's workers): start each on a quiet machine
     gate = IdleGate(max_cores=0.3, per_wait_s=0.0 if args.smoke else 120.0, budget_s=600.0, log=log)
     t_all = time.monotonic()
@@ -356,6 +364,7 @@ def main() -> int:
                                  out)  # fmt: skip
                 row = {k: res.get(k) for k in KEEP if k in res}
                 row["ready_s"] = round(ready_s, 1)
+                row["commit"], row["at"] = commit, time.strftime("%Y-%m-%dT%H:%M:%S")
                 row["idle_before"] = idle
                 texts[srv] = res.get("generated_texts", [])
                 if srv == f"spyglass-{DEFAULT_METHOD}" and grpc and (key in ("long_c1", "long_c2")):
@@ -375,6 +384,33 @@ def main() -> int:
         save(complete=False)  # a run stopped later keeps what finished
     save(complete=True)
     return 0
+
+
+def git_commit() -> str:
+    """The tree's commit (short), with "+changes" where the tracked files differ from it."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT).returncode
+    return head.stdout.strip() + ("+changes" if dirty else "") if head.returncode == 0 else "unknown"
+
+
+def earlier_runs(path: Path, rerun: set[str], dtype: str) -> dict[str, Any]:
+    """From an earlier results file of the same dtype: its runs of the loads not in `rerun`, their output comparisons
+    and its cache follow-up (a run that makes `long_c1` or `long_c2` measures its own)."""
+    if not path.exists():
+        return {}
+    old = json.loads(path.read_text())
+    if old.get("meta", {}).get("dtype") != dtype:
+        raise SystemExit(f"--merge: {path} holds {old.get('meta', {}).get('dtype')} runs, not {dtype}")
+    raw = old["raw"]
+    kept = {k: v for k, v in raw.get("runs", {}).items() if k not in rerun}
+    out: dict[str, Any] = {
+        "runs": kept,
+        "texts_equal": {k: v for k, v in raw.get("texts_equal", {}).items() if k in kept},
+        "merged_from": {"file_written": old["meta"].get("load_at_write", {}).get("time"), "loads": sorted(kept)},
+    }
+    if raw.get("cache_followup") and not rerun & {"long_c1", "long_c2"}:
+        out["cache_followup"] = raw["cache_followup"]
+    return out
 
 
 def figures_of(raw: dict[str, Any]) -> dict[str, Any]:

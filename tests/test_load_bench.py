@@ -1,0 +1,52 @@
+"""bench/load.py's merging of an earlier results file, and the bench plots' palette (the tracked tree's size limit)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from PIL import Image
+
+from bench.common import plot_panels
+from bench.load import earlier_runs, figures_of
+
+
+def _results(path, dtype="float32"):
+    raw = {
+        "runs": {
+            "long_c1": {"spyglass-suffix": {"duration": 10.0, "output_throughput": 2.0}},
+            "copy_c1": {"spyglass-suffix": {"output_throughput": 3.0}, "spyglass-ar": {"output_throughput": 2.0}},
+        },
+        "texts_equal": {"long_c1": [True], "copy_c1": [True, False]},
+        "cache_followup": {"cached_fraction": 1.0},
+    }
+    path.write_text(json.dumps({"figures": {}, "raw": raw, "meta": {"dtype": dtype, "load_at_write": {"time": "t"}}}))
+    return path
+
+
+def test_merge_keeps_the_loads_not_rerun(tmp_path):
+    kept = earlier_runs(_results(tmp_path / "load.json"), {"copy_c1"}, "float32")
+    assert set(kept["runs"]) == {"long_c1"}
+    assert kept["texts_equal"] == {"long_c1": [True]}
+    assert kept["merged_from"]["loads"] == ["long_c1"]
+    assert kept["cache_followup"] == {"cached_fraction": 1.0}  # no long_c1 / long_c2 in this run
+    # a run that makes long_c1 measures its own follow-up
+    assert "cache_followup" not in earlier_runs(tmp_path / "load.json", {"long_c1"}, "float32")
+    # what this run makes next to what it kept: the figures see both
+    raw = {**kept, "runs": {**kept["runs"], "copy_c1": {"spyglass-suffix": {"output_throughput": 3.0},
+                                                       "spyglass-ar": {"output_throughput": 2.0}}}}  # fmt: skip
+    assert figures_of(raw)["default_vs_plain_copy_c1"] == 1.5
+
+
+def test_merge_refuses_another_dtype_and_starts_empty_without_a_file(tmp_path):
+    with pytest.raises(SystemExit, match="bfloat16"):
+        earlier_runs(_results(tmp_path / "load.json", "bfloat16"), set(), "float32")
+    assert earlier_runs(tmp_path / "none.json", set(), "float32") == {}
+
+
+def test_plots_are_written_with_a_small_palette(tmp_path):
+    series = {f"s{i}": (list(range(20)), [x * (i + 1) for x in range(20)]) for i in range(12)}
+    path = plot_panels(tmp_path / "p.png", [{"title": "t", "xlabel": "x", "ylabel": "y", "series": series}])
+    with Image.open(path) as img:
+        assert img.mode == "P"
+        assert len(img.getcolors(256)) <= 64

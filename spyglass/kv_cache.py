@@ -6,9 +6,11 @@ Tokens of a verify pass (the draft tree) are written right after the committed l
 start, path)` then moves the accepted entries into place so nothing but accepted tokens is ever kept.
 
 A released slot may keep its prompt's K/V for the next prompt that starts the same way (`release(slot, keep=...)`,
-`kept`, `allocate(slot)`: vLLM's in-memory prefix caching, a slot at a time): a new prompt takes a used slot that
-keeps nothing, else the one kept longest ago while another is kept, else a fresh slot (a prefill into a fresh slot
-paid its pages' faults: 0.5-1.2 s of an 11-14 s fp32 prefill of 5-5.6K tokens on a 2-core Zen 4 VM).
+`kept`, `allocate(slot)`: vLLM's in-memory prefix caching, a slot at a time): a new prompt takes a free slot that
+keeps nothing (a used one before a fresh one), and drops a kept prefix, the one kept longest ago, only when every free
+slot keeps one. A fresh slot's pages fault in as a prefill writes them: ~0.2 s more of the kernel's time for 5.6-6.8K
+fp32 tokens than in a used slot, on a 20-27 s prefill (2-core Zen 3 VM, `bench/probes/slot_pages.py`), against a
+whole prefill for a prefix dropped and asked for again (several questions about each of several documents in turn).
 """
 
 from __future__ import annotations
@@ -110,19 +112,13 @@ class KVCache:
 
     def allocate(self, slot: int | None = None) -> int:
         """A free slot with nothing committed: `slot` itself (a kept slot whose K/V the caller reuses, then setting
-        `lengths[slot]`); else a used slot that keeps nothing; else, while another stays kept, the one kept longest
-        ago (its K/V dropped); else a fresh slot (its pages not resident yet)."""
+        `lengths[slot]`); else one that keeps nothing, used before (its pages resident) before fresh; else the one
+        kept longest ago (its K/V dropped)."""
         if not self._free:
             raise CacheFullError(f"all {self.max_slots} KV slots are in use")
         if slot is None:
-            plain = [s for s in self._free if s not in self.kept]
-            warm = [s for s in plain if s in self._used]
-            if warm:
-                slot = warm[-1]
-            elif len(self.kept) > 1 or not plain:
-                slot = next(iter(self.kept))
-            else:
-                slot = plain[-1]
+            plain = sorted((s for s in self._free if s not in self.kept), key=lambda s: s in self._used)
+            slot = plain[-1] if plain else next(iter(self.kept))
         elif slot not in self._free:
             raise ValueError(f"slot {slot} is not free")
         self._free.remove(slot)

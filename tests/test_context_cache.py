@@ -430,6 +430,23 @@ def test_a_follow_up_takes_the_released_slot(tiny_target, redis_server, with_red
     assert other.output_ids == plain_generate(tiny_target, unrelated, params)
 
 
+def test_questions_about_several_documents_in_turn_find_each_documents_slot(tiny_target):
+    """Questions about three documents in turn, one request at a time: each new document takes a free slot that keeps
+    nothing, so the earlier documents' K/V stay kept, and a second question about the first document takes its slot
+    as it is. Outputs equal plain decoding."""
+    g = torch.Generator().manual_seed(11)
+    docs = [torch.randint(3, tiny_target.args.vocab_size, (70,), generator=g).tolist() for _ in range(3)]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    engine = SpecEngine(tiny_target, None, EngineConfig(max_batch=3, max_context=256, prefill_chunk=32))
+    firsts = [engine.run([doc + [5]], params)[0] for doc in docs]
+    assert len({s.slot for s in firsts}) == 3 and all(s.stats.live_prefix_tokens == 0 for s in firsts)
+    (again,) = engine.run([docs[0] + [6, 7]], params)
+    assert again.slot == firsts[0].slot
+    assert again.stats.live_prefix_tokens == (70 if engine.any_chunk else 64)
+    assert again.output_ids == plain_generate(tiny_target, docs[0] + [6, 7], params)
+    assert firsts[2].output_ids == plain_generate(tiny_target, docs[2] + [5], params)
+
+
 def test_min_uses_stores_a_prefix_the_second_time_a_prompt_holds_it(tiny_target, redis_server):
     """With `min_uses` 2 a prompt seen once is not written to Redis; a second prompt holding its blocks (here taken
     from the released slot) stores them, counted across replicas, and a new engine then loads them."""

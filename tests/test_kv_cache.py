@@ -217,15 +217,16 @@ def test_a_kept_slot_taken_back_holds_the_same_k_v():
     assert torch.equal(k2, k[:, :, :5]) and torch.equal(v2, v[:, :, :5])
 
 
-def test_new_prompts_reuse_used_slots_and_keep_the_latest():
-    """One prompt after another: a fresh slot only while fewer than two are kept, then the one kept longest ago, so
-    two slots' pages serve the whole run and the latest prompt's K/V stay kept."""
+def test_new_prompts_keep_the_earlier_prefixes_while_a_free_slot_keeps_nothing():
+    """One prompt after another: each takes a free slot that keeps nothing (a used one first) while there is one, so
+    the earlier prompts' K/V stay kept; then the one kept longest ago is dropped."""
     cache = make_cache(max_slots=4)
     taken = []
     for i in range(5):
         slot = cache.allocate()
         taken.append(slot)
         cache.lengths[slot] = 3
-        cache.release(slot, keep=torch.full((3,), i))
-    assert len(set(taken)) == 2 and taken[2:] == taken[:2] + taken[:1]
-    assert [int(t[0]) for t in cache.kept.values()] == [3, 4]
+        cache.release(slot, keep=torch.full((3,), i) if i != 1 else None)  # the second keeps nothing
+    assert taken == [0, 1, 1, 2, 3]  # the used slot that keeps nothing before a fresh one
+    assert [int(t[0]) for t in cache.kept.values()] == [0, 2, 3, 4]
+    assert cache.allocate() == 0 and [int(t[0]) for t in cache.kept.values()] == [2, 3, 4]

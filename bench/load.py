@@ -326,7 +326,7 @@ def main() -> int:
     raw: dict[str, Any] = {"runs": {}, "texts_equal": {}, "load_before": machine_load()}
     if args.merge:
         raw.update(earlier_runs(RESULTS_DIR / f"{name}.json", {label(w, load) for w, load in runs}, args.dtype))
-    commit = git_commit()
+    commit, started = git_commit(), time.strftime("%Y-%m-%dT%H:%M:%S")
     # the server before each one may leave processes winding down (Ray's workers): start each on a quiet machine
     gate = IdleGate(max_cores=0.3, per_wait_s=0.0 if args.smoke else 120.0, budget_s=600.0, log=log)
     t_all = time.monotonic()
@@ -364,7 +364,7 @@ def main() -> int:
                                  out)  # fmt: skip
                 row = {k: res.get(k) for k in KEEP if k in res}
                 row["ready_s"] = round(ready_s, 1)
-                row["commit"], row["at"] = commit, time.strftime("%Y-%m-%dT%H:%M:%S")
+                row["commit"], row["run"], row["at"] = commit, started, time.strftime("%Y-%m-%dT%H:%M:%S")
                 row["idle_before"] = idle
                 texts[srv] = res.get("generated_texts", [])
                 if srv == f"spyglass-{DEFAULT_METHOD}" and grpc and (key in ("long_c1", "long_c2")):
@@ -426,11 +426,14 @@ def figures_of(raw: dict[str, Any]) -> dict[str, Any]:
         f[f"duration_vs_vllm_suffix_c{c}"] = ratio(get(f"long_c{c}", sg, "duration"), get(f"long_c{c}", vs, "duration"))
     itl = get("long_c4", sg, "p99_itl_ms")
     f["p99_itl_c4_s"] = round(itl / 1000, 3) if itl is not None else None
-    f["median_tpot_c4_vs_c1"] = ratio(get("long_c4", sg, "median_tpot_ms"), get("long_c1", sg, "median_tpot_ms"))
+
+    def across(metric: str, w: str) -> float | None:  # 4 streams over 1, both from one run of the bench (--merge)
+        same = get(f"{w}_c4", sg, "run") == get(f"{w}_c1", sg, "run")
+        return ratio(get(f"{w}_c4", sg, metric), get(f"{w}_c1", sg, metric)) if same else None
+
+    f["median_tpot_c4_vs_c1"] = across("median_tpot_ms", "long")
     for w in ("shared", "long"):
-        f[f"throughput_c4_vs_c1_{w}"] = ratio(
-            get(f"{w}_c4", sg, "output_throughput"), get(f"{w}_c1", sg, "output_throughput")
-        )
+        f[f"throughput_c4_vs_c1_{w}"] = across("output_throughput", w)
     per_c = [
         ratio(get(k, sg, "output_throughput"), get(k, pl, "output_throughput")) for k in runs if k.startswith("long_c")
     ]

@@ -38,6 +38,20 @@ def test_merge_keeps_the_loads_not_rerun(tmp_path):
     assert figures_of(raw)["default_vs_plain_copy_c1"] == 1.5
 
 
+def test_four_streams_over_one_only_within_one_run():
+    """A merged file may hold 1 and 4 streams from runs on different days (or VM speeds): no ratio across them."""
+
+    def row(run, tpot, tput):
+        return {"spyglass-suffix": {"run": run, "median_tpot_ms": tpot, "output_throughput": tput}}
+
+    raw = {"runs": {"long_c1": row("a", 40.0, 4.0), "long_c4": row("a", 80.0, 6.0)}, "texts_equal": {}}
+    f = figures_of(raw)
+    assert f["median_tpot_c4_vs_c1"] == 2.0 and f["throughput_c4_vs_c1_long"] == 1.5
+    raw["runs"]["long_c1"] = row("b", 30.0, 5.0)
+    f = figures_of(raw)
+    assert f["median_tpot_c4_vs_c1"] is None and f["throughput_c4_vs_c1_long"] is None
+
+
 def test_merge_refuses_another_dtype_and_starts_empty_without_a_file(tmp_path):
     with pytest.raises(SystemExit, match="bfloat16"):
         earlier_runs(_results(tmp_path / "load.json", "bfloat16"), set(), "float32")

@@ -9,6 +9,7 @@ Results go to ``bench/results/<name>.json``: ``{"figures": {...}, "raw": {...}, 
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -402,13 +403,13 @@ def plot_panels(path: Path, panels: list[dict[str, Any]], title: str | None = No
         fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, dpi=110)
     plt.close(fig)
     from PIL import Image
 
-    with Image.open(path) as img:  # 64 colours: a third of the bytes, and the tracked tree has a size limit
-        small = img.convert("RGB").quantize(colors=64)
-    small.save(path, optimize=True)
+    with Image.open(png) as img:  # saved in 64 colours: a third of the bytes (the tracked tree has a size limit)
+        img.convert("RGB").quantize(colors=64).save(path, optimize=True)
     return path
 
 

@@ -117,8 +117,9 @@ class KVCache:
         if not self._free:
             raise CacheFullError(f"all {self.max_slots} KV slots are in use")
         if slot is None:
-            plain = sorted((s for s in self._free if s not in self.kept), key=lambda s: s in self._used)
-            slot = plain[-1] if plain else next(iter(self.kept))
+            plain = [s for s in self._free if s not in self.kept]
+            warm = [s for s in plain if s in self._used]
+            slot = (warm or plain)[-1] if plain else next(iter(self.kept))
         elif slot not in self._free:
             raise ValueError(f"slot {slot} is not free")
         self._free.remove(slot)

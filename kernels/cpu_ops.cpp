@@ -84,10 +84,19 @@ inline F splat(float x) {
 }
 inline float vmax(float a, float b) { return std::max(a, b); }
 inline vfloat vmax(vfloat a, vfloat b) { return a < b ? b : a; }
-inline int32_t to_int(float x) { return static_cast<int32_t>(x); }  // truncation, as the vector conversion
-inline vint to_int(vfloat x) { return __builtin_convertvector(x, vint); }
-inline float to_float(int32_t x) { return static_cast<float>(x); }
-inline vfloat to_float(vint x) { return __builtin_convertvector(x, vfloat); }
+// a float's (or each lane's) bits shifted left by 23, as a float: the exponent field of 2^n from an integer n + 127
+// held in the low bits of a float's mantissa
+inline float shl23(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  u <<= 23;
+  std::memcpy(&x, &u, sizeof(x));
+  return x;
+}
+inline vfloat shl23(vfloat x) {
+  typedef uint32_t vu32 __attribute__((vector_size(L * sizeof(uint32_t))));
+  return (vfloat)((vu32)x << 23);
+}
 
 // a * b + c rounded once, for a float or lane by lane. The build fuses nothing itself (-ffp-contract=off,
 // kernels/cpu.py): every multiply-add is written out, so an expression computes the same bits in every function it is
@@ -108,26 +117,26 @@ inline vfloat vfma(vfloat a, vfloat b, vfloat c) {
 }
 inline vfloat vfma(float a, vfloat b, vfloat c) { return vfma(splat<vfloat>(a), b, c); }
 
-// exp for x <= 0 (softmax after subtracting the max): 2^n * e^r, |r| <= ln2/2, degree-7 Taylor (rel. error < 1e-8
-// before rounding), for a float (written so the compiler vectorises a loop of it) or a vector of floats.
+// exp for x <= 0 (softmax after subtracting the max): 2^n * e^r, |r| <= ln2/2, for a float (written so the compiler
+// vectorises a loop of it) or a vector of floats. n comes rounded to nearest from adding 1.5 * 2^23 (+ 127, the
+// exponent's bias): the sum's low mantissa bits are then n + 127, the bits of 2^n once shifted into the exponent.
+// e^r: 1 + r + r^2 q(r), q of degree 4 fitted for the least relative error on [-ln2/2, ln2/2] (1.9e-9 before
+// rounding; within 0.87 ulp of e^x over [-87, 0] in fp32, as the degree-7 Taylor series it replaced).
 template <typename F>
 inline F exp_nonpos(F x) {
-  x = vmax(x, splat<F>(-87.0f));
-  const auto ni = to_int(vfma(x, splat<F>(1.44269504088896341f), splat<F>(-0.5f)));  // nearest integer (x <= 0): no
-  const F n = to_float(ni);                                                           // floor, which would not vectorise
-  const F r = vfma(-n, splat<F>(1.428606765330187e-06f), vfma(-n, splat<F>(0.693145751953125f), x));
-  F p = splat<F>(1.0f / 5040.0f);
-  p = vfma(p, r, splat<F>(1.0f / 720.0f));
-  p = vfma(p, r, splat<F>(1.0f / 120.0f));
-  p = vfma(p, r, splat<F>(1.0f / 24.0f));
-  p = vfma(p, r, splat<F>(1.0f / 6.0f));
-  p = vfma(p, r, splat<F>(0.5f));
+  const F magic = splat<F>(12583039.0f);  // 1.5 * 2^23 + 127
+  x = vmax(x, splat<F>(-87.0f));          // 2^n stays a normal float (n >= -126)
+  const F t = vfma(x, splat<F>(1.44269504088896341f), magic);
+  const F n = t - magic;
+  const F r = vfma(n, splat<F>(-1.428606765330187e-06f), vfma(n, splat<F>(-0.693145751953125f), x));
+  F p = splat<F>(0.0013814570847898722f);
+  p = vfma(p, r, splat<F>(0.008368730545043945f));
+  p = vfma(p, r, splat<F>(0.04166838899254799f));
+  p = vfma(p, r, splat<F>(0.1666652113199234f));
+  p = vfma(p, r, splat<F>(0.4999999403953552f));
   p = vfma(p, r, splat<F>(1.0f));
   p = vfma(p, r, splat<F>(1.0f));
-  const auto bits = (ni + 127) << 23;
-  F scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
+  return p * shl23(t);
 }
 
 void check_f32(const torch::Tensor& t, const char* name) {
@@ -412,6 +421,11 @@ inline float hsum(vfloat v) {  // a fixed tree over the lanes: lane j + w added 
 inline float hmax(vfloat v) {  // the largest lane (exact whatever the order)
 #if defined(__AVX512F__)
   return _mm512_reduce_max_ps(reinterpret_cast<const __m512&>(v));
+#elif defined(__AVX2__)
+  const __m256 h = reinterpret_cast<const __m256&>(v);
+  const __m128 q = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  const __m128 d = _mm_max_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_max_ss(d, _mm_movehdup_ps(d)));
 #else
   float m = v[0];
   for (int u = 1; u < L; u++) m = std::max(m, v[u]);
@@ -532,26 +546,32 @@ inline void score_tiles(const q_operand<QE>* Q, const QE* Kt, int64_t Dq, int64_
 // One key block of the online softmax for a tile's rows: S holds the scores (hidden keys -inf), m and l the rows'
 // running max and sum. Writes P = e^(S - new max) (0 where hidden) and alpha = e^(old max - new max), the factor of
 // the row's earlier output; a row that sees nothing in the block gets P = 0 and alpha = 1. Covers the first nvec
-// vectors of keys; past them, every row's keys are hidden.
-template <int MR>
+// vectors of keys; past them, every row's keys are hidden. Unmasked: no score is -inf (every row sees every key), so
+// none is tested (the same bits for the keys a masked call sees).
+template <int MR, bool Masked>
 inline void softmax_tile(const float* S, int64_t nvec, float* P, float* m, float* l, float* alpha) {
+  static_assert(MR <= L, "a tile's rows' alphas are one vector's lanes");
   float mx[MR];
   vfloat shift[MR];  // what each row's scores drop by: its new max, or 0 for a row that has seen nothing yet
+  vfloat drop{};     // each row's old max less its new one (the exps of all rows at once)
   for (int r = 0; r < MR; r++) {
     const float* s = S + r * kNB;
     vfloat mv = vload(s);
     for (int64_t j = L; j < nvec * L; j += L) mv = vmax(mv, vload(s + j));
     mx[r] = std::max(m[r], hmax(mv));
-    // a max that did not grow: alpha = 1, e^0 exactly, without the exp (so also a row that has seen nothing yet, every
-    // score -inf: P = 0 and its state stays as it is)
-    alpha[r] = mx[r] == m[r] ? 1.0f : m[r] == kNegInf ? 0.0f : exp_nonpos(m[r] - mx[r]);
+    if (m[r] != kNegInf) drop[r] = m[r] - mx[r];
     shift[r] = splat<vfloat>(mx[r] == kNegInf ? 0.0f : mx[r]);
   }
+  const vfloat e = exp_nonpos(drop);
+  // a max that did not grow: alpha = 1, e^0 exactly (so also a row that has seen nothing yet, every score -inf: P = 0
+  // and its state stays as it is)
+  for (int r = 0; r < MR; r++) alpha[r] = mx[r] == m[r] ? 1.0f : m[r] == kNegInf ? 0.0f : e[r];
   vfloat sum[MR] = {};
   for (int64_t j = 0; j < nvec * L; j += L)  // the rows' exponentials side by side: independent chains
     for (int r = 0; r < MR; r++) {
       const vfloat x = vload(S + r * kNB + j);
-      const vfloat e = x == kNegInf ? vfloat{} : exp_nonpos(x - shift[r]);  // exp_nonpos clamps: hidden must give 0
+      vfloat e = exp_nonpos(x - shift[r]);
+      if constexpr (Masked) e = x == kNegInf ? vfloat{} : e;  // exp_nonpos clamps: hidden must give 0
       vstore(P + r * kNB + j, e);
       sum[r] += e;
     }
@@ -861,7 +881,10 @@ void attend_tile(const TileStep<QE, TV>& s) {
       float* sr = s.S + r * kNB;
       std::fill(sr + std::clamp<int64_t>(s.seen[r], 0, s.nvec * L), sr + s.nvec * L, kNegInf);
     }
-  softmax_tile<MR>(s.S, s.nvec, s.P, s.M, s.Ls, s.alpha);
+  if (s.seen)
+    softmax_tile<MR, true>(s.S, s.nvec, s.P, s.M, s.Ls, s.alpha);
+  else
+    softmax_tile<MR, false>(s.S, s.nvec, s.P, s.M, s.Ls, s.alpha);
   if constexpr (std::is_same_v<TV, uint32_t>)
     pv_pairs<MR>(s.P, s.alpha, s.Vb, s.D, s.jn, s.Dp, s.O);
   else

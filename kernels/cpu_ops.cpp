@@ -54,6 +54,7 @@ constexpr int L = 8;
 #endif
 typedef float vfloat __attribute__((vector_size(L * sizeof(float))));
 typedef int32_t vint __attribute__((vector_size(L * sizeof(int32_t))));
+typedef uint32_t vuint __attribute__((vector_size(L * sizeof(uint32_t))));
 
 inline vfloat vload(const float* p) {
   vfloat v;
@@ -93,10 +94,7 @@ inline float shl23(float x) {
   std::memcpy(&x, &u, sizeof(x));
   return x;
 }
-inline vfloat shl23(vfloat x) {
-  typedef uint32_t vu32 __attribute__((vector_size(L * sizeof(uint32_t))));
-  return (vfloat)((vu32)x << 23);
-}
+inline vfloat shl23(vfloat x) { return (vfloat)((vuint)x << 23); }
 
 // a * b + c rounded once, for a float or lane by lane. The build fuses nothing itself (-ffp-contract=off,
 // kernels/cpu.py): every multiply-add is written out, so an expression computes the same bits in every function it is
@@ -121,7 +119,7 @@ inline vfloat vfma(float a, vfloat b, vfloat c) { return vfma(splat<vfloat>(a), 
 // vectorises a loop of it) or a vector of floats. n comes rounded to nearest from adding 1.5 * 2^23 (+ 127, the
 // exponent's bias): the sum's low mantissa bits are then n + 127, the bits of 2^n once shifted into the exponent.
 // e^r: 1 + r + r^2 q(r), q of degree 4 fitted for the least relative error on [-ln2/2, ln2/2] (1.9e-9 before
-// rounding; within 0.87 ulp of e^x over [-87, 0] in fp32, as the degree-7 Taylor series it replaced).
+// rounding; within 0.87 ulp of e^x over [-87, 0] in fp32).
 template <typename F>
 inline F exp_nonpos(F x) {
   const F magic = splat<F>(12583039.0f);  // 1.5 * 2^23 + 127
@@ -176,7 +174,6 @@ inline float round_elem(float x) {
 
 // A vector of L elements widened to fp32.
 typedef uint16_t vbits __attribute__((vector_size(L * sizeof(uint16_t))));
-typedef uint32_t vuint __attribute__((vector_size(L * sizeof(uint32_t))));
 inline vfloat vload(const bf16* p) {
 #if defined(__AVX2__) && !defined(__AVX512F__)  // one vpmovzxwd from memory (GCC's generic widening takes four)
   const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -562,10 +559,10 @@ inline void softmax_tile(const float* S, int64_t nvec, float* P, float* m, float
     if (m[r] != kNegInf) drop[r] = m[r] - mx[r];
     shift[r] = splat<vfloat>(mx[r] == kNegInf ? 0.0f : mx[r]);
   }
-  const vfloat e = exp_nonpos(drop);
+  const vfloat grown = exp_nonpos(drop);
   // a max that did not grow: alpha = 1, e^0 exactly (so also a row that has seen nothing yet, every score -inf: P = 0
   // and its state stays as it is)
-  for (int r = 0; r < MR; r++) alpha[r] = mx[r] == m[r] ? 1.0f : m[r] == kNegInf ? 0.0f : e[r];
+  for (int r = 0; r < MR; r++) alpha[r] = mx[r] == m[r] ? 1.0f : m[r] == kNegInf ? 0.0f : grown[r];
   vfloat sum[MR] = {};
   for (int64_t j = 0; j < nvec * L; j += L)  // the rows' exponentials side by side: independent chains
     for (int r = 0; r < MR; r++) {

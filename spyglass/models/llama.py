@@ -268,8 +268,8 @@ def attend_batched(
 
 
 # Prompt tokens per prefill forward, here and in the engine (EngineConfig.prefill_chunk): 256 prefills 4K tokens
-# ~9% slower than 512 in bf16 on 2 Zen 4 cores, as fast in fp32 on 2 Zen 3 cores (BENCHMARKS.md, "Engine step"), and a
-# layer of it is the least prefill a step runs beside decoding streams (EngineConfig.prefill_step_s).
+# ~9% slower than 512 in bf16 on 2 Zen 4 cores, within 3% of it in fp32 on 2 Zen 3 cores (BENCHMARKS.md, "Engine
+# step"), and a layer of it is the least prefill a step runs beside decoding streams (EngineConfig.prefill_step_s).
 PREFILL_CHUNK = 256
 
 

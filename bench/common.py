@@ -36,6 +36,11 @@ from spyglass.sampling import SamplingParams
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
+def now() -> str:
+    """The local time to the second, as results record it (ISO 8601)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S")
+
+
 def machine_load() -> dict[str, Any]:
     """Load averages and the number of usable cores: a load near or above nproc means timings are shared."""
     one, five, fifteen = os.getloadavg()
@@ -44,7 +49,7 @@ def machine_load() -> dict[str, Any]:
         "loadavg_5m": round(five, 2),
         "loadavg_15m": round(fifteen, 2),
         "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "time": now(),
     }
 
 

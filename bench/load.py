@@ -53,7 +53,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import RESULTS_DIR, IdleGate, machine_load, plot_panels, write_results  # noqa: E402
+from bench.common import RESULTS_DIR, IdleGate, machine_load, now, plot_panels, write_results  # noqa: E402
 from bench.common import log as bench_log  # noqa: E402
 from bench.common import ratio as common_ratio  # noqa: E402
 from bench.peers import PEERS_DIR, VLLM_SPEC, find_libiomp5, find_tcmalloc  # noqa: E402
@@ -326,7 +326,7 @@ def main() -> int:
     raw: dict[str, Any] = {"runs": {}, "texts_equal": {}, "load_before": machine_load()}
     if args.merge:
         raw.update(earlier_runs(RESULTS_DIR / f"{name}.json", {label(w, load) for w, load in runs}, args.dtype))
-    commit, started = git_commit(), time.strftime("%Y-%m-%dT%H:%M:%S")
+    commit, started = git_commit(), now()
     # the server before each one may leave processes winding down (Ray's workers): start each on a quiet machine
     gate = IdleGate(max_cores=0.3, per_wait_s=0.0 if args.smoke else 120.0, budget_s=600.0, log=log)
     t_all = time.monotonic()
@@ -364,7 +364,7 @@ def main() -> int:
                                  out)  # fmt: skip
                 row = {k: res.get(k) for k in KEEP if k in res}
                 row["ready_s"] = round(ready_s, 1)
-                row["commit"], row["run"], row["at"] = commit, started, time.strftime("%Y-%m-%dT%H:%M:%S")
+                row["commit"], row["run"], row["at"] = commit, started, now()
                 row["idle_before"] = idle
                 texts[srv] = res.get("generated_texts", [])
                 if srv == f"spyglass-{DEFAULT_METHOD}" and grpc and (key in ("long_c1", "long_c2")):

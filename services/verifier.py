@@ -509,11 +509,14 @@ def build_engine(cfg: VerifierConfig) -> tuple[Any, Any, dict[str, Any]]:
     given = {k: getattr(cfg, k) for k in ("prefill_chunk", "prefill_step_s") if getattr(cfg, k) is not None}
     econf = EngineConfig(max_batch=cfg.max_batch, max_context=capacity, **given)
     engine = SpecEngine(target, config=econf, tokenizer=tokenizer, context_cache=cache, drafters=drafters)
+    # the pool's pages resident before the first request: none faults in inside a step that streams wait on
+    reserve_s = engine.cache.reserve()
     info = {
         "model": resolved.model_id,
         "context_length": capacity,  # KV capacity per sequence
         "kv_bytes_per_token": kv_bytes_per_token(target.args, target.dtype),
         "kv_bytes": engine.cache.nbytes,  # the target's K/V of the one pool, whatever the number of methods
+        "kv_reserve_s": round(reserve_s, 3),
         "methods": list(cfg.methods),
         "default_method": cfg.methods[0],
         "max_new_tokens_limit": cfg.max_new_tokens_limit,

@@ -145,7 +145,7 @@ class CacheStats:
     stored_blocks: int = 0
     errors: int = 0
     evicted_blocks: int = 0
-    write_s: float = 0.0  # the writer's time (encoding, checksums, Redis round trips): off the engine loop
+    write_s: float = 0.0  # the writer's time (encoding, checksums, Redis round trips; not its pauses): off the engine loop
     copy_s: float = 0.0  # the engine loop's time copying, before it reuses a slot, the blocks the writer has not yet
     wait_s: float = 0.0  # lookups' time waiting for blocks still being written
 
@@ -162,12 +162,18 @@ class ContextCache:
     async_writes: bool = True
     write_wait_s: float = 30.0  # longest a lookup waits for its prefix's blocks still being written
     min_uses: int = 1  # prompts that must have held a block before it is stored (the verifier's default: 2)
+    # The most of its time the writer works: after each block it pauses (1 / share - 1) times as long as the block
+    # took, so that its work (the block's copy, checksum and Redis write) comes between the engine's steps in small
+    # pieces instead of taking a core from a step's threads for the whole prompt at once. 1.0: no pause.
+    write_share: float = 0.5
     stats: CacheStats = field(default_factory=CacheStats)
     client: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.min_uses, bool) or not isinstance(self.min_uses, int) or self.min_uses < 1:
             raise ValueError(f"min_uses must be an integer >= 1, got {self.min_uses!r}")
+        if not 0 < self.write_share <= 1:
+            raise ValueError(f"write_share must be in (0, 1], got {self.write_share!r}")
         self._redis = self.client
         if self.url:
             import redis  # only a cache on a Redis URL needs it: the core runs without redis (tests/test_core_imports)
@@ -303,7 +309,7 @@ class ContextCache:
 
     def _write(self, keys: list[str], blocks: PendingCopy) -> None:
         """Store the blocks not stored yet (block i under keys[i]), each encoded right before it is sent."""
-        t0 = time.perf_counter()
+        t0, paused = time.perf_counter(), 0.0
         try:
             pipe = self._redis.pipeline(transaction=False)
             for key in keys:
@@ -318,6 +324,7 @@ class ContextCache:
                 if stored[i] or (uses and uses[i] < self.min_uses):
                     blocks.skip(i)
                     continue
+                t = time.perf_counter()
                 value = blocks.encode(i)
                 pipe = self._redis.pipeline(transaction=False)
                 pipe.set(key, value)
@@ -325,12 +332,16 @@ class ContextCache:
                 pipe.incrby("spyglass:ctx-bytes", len(value))
                 pipe.execute()
                 self.stats.stored_blocks += 1
+                if self.async_writes and self.write_share < 1:
+                    pause = (time.perf_counter() - t) * (1 / self.write_share - 1)
+                    time.sleep(pause)
+                    paused += pause
             self._evict()
         except Exception as e:  # noqa: BLE001 - a failed store only costs a later recomputation
             log.warning("context cache store failed: %s", e)
             self.stats.errors += 1
         finally:
-            self.stats.write_s += time.perf_counter() - t0
+            self.stats.write_s += time.perf_counter() - t0 - paused
 
     def _evict(self) -> None:
         used = int(self._redis.get("spyglass:ctx-bytes") or 0)

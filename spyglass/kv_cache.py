@@ -15,6 +15,8 @@ whole prefill for a prefix dropped and asked for again (several questions about 
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 GIB = 1 << 30
@@ -138,6 +140,18 @@ class KVCache:
             self.kept[slot] = keep
         self.lengths[slot] = 0
         self._free.append(slot)
+
+    def reserve(self) -> float:
+        """Make every slot's pages resident now; returns the seconds it took. On the CPU `torch.empty` only maps
+        them, and each page would fault in when a prefill or a prefix copy first writes it: a 5.6K-token fp32 prefix
+        copied into a fresh slot took 0.10 s against 0.02 s into a used one (2-core Zen 3), inside an engine step
+        that other streams wait on. A GPU pool is reserved when allocated."""
+        t0 = time.perf_counter()
+        if self.device.type == "cpu":
+            self._k.zero_()
+            self._v.zero_()
+            self._used.update(range(self.max_slots))
+        return time.perf_counter() - t0
 
     def slot_bytes(self) -> int:
         return kv_bytes_per_token(self, self.dtype) * self.capacity

@@ -64,6 +64,9 @@ class VerifierConfig:
     # prompts that must have held a prefix block (on any replica, within an hour) before it is written to Redis: 2
     # spares the writes of prompts seen once; the replica's own released slots serve a repeat from memory meanwhile
     cache_min_uses: int = 2
+    # the most of its time the context cache's writer works (it pauses after each block): its copies and checksums
+    # come between the steps in pieces instead of taking a core from a step's threads for a whole prompt
+    cache_write_share: float = 0.5
     threads: int | None = None  # torch threads in the replica (default: the CPUs Ray gave it)
     # Warm-up before the replica reports ready (see `warm_up`): 0 = off; else the synthetic prompt's tokens.
     warmup_prompt_tokens: int = 800
@@ -500,6 +503,7 @@ def build_engine(cfg: VerifierConfig) -> tuple[Any, Any, dict[str, Any]]:
             block_size=cfg.cache_block_size,
             max_bytes=cfg.cache_max_bytes,
             min_uses=cfg.cache_min_uses,
+            write_share=cfg.cache_write_share,
         )
     loaded: dict = {}  # methods on the same draft checkpoint share its weights (and all share the target's)
     drafters = {

@@ -308,8 +308,19 @@ class ContextCache:
                 self._queue.task_done()
 
     def _write(self, keys: list[str], blocks: PendingCopy) -> None:
-        """Store the blocks not stored yet (block i under keys[i]), each encoded right before it is sent."""
-        t0, paused = time.perf_counter(), 0.0
+        """Store the blocks not stored yet (block i under keys[i]), each encoded right before it is sent; written
+        asynchronously, pausing after each block and at the end (`write_share`)."""
+        t0 = since = time.perf_counter()
+        paused = 0.0
+
+        def pace() -> None:  # pause for the work since the last pause, as `write_share` asks
+            nonlocal since, paused
+            now = time.perf_counter()
+            if self.async_writes and self.write_share < 1:
+                time.sleep((now - since) * (1 / self.write_share - 1))
+                paused += time.perf_counter() - now
+            since = time.perf_counter()
+
         try:
             pipe = self._redis.pipeline(transaction=False)
             for key in keys:
@@ -324,7 +335,6 @@ class ContextCache:
                 if stored[i] or (uses and uses[i] < self.min_uses):
                     blocks.skip(i)
                     continue
-                t = time.perf_counter()
                 value = blocks.encode(i)
                 pipe = self._redis.pipeline(transaction=False)
                 pipe.set(key, value)
@@ -332,11 +342,9 @@ class ContextCache:
                 pipe.incrby("spyglass:ctx-bytes", len(value))
                 pipe.execute()
                 self.stats.stored_blocks += 1
-                if self.async_writes and self.write_share < 1:
-                    pause = (time.perf_counter() - t) * (1 / self.write_share - 1)
-                    time.sleep(pause)
-                    paused += pause
+                pace()
             self._evict()
+            pace()
         except Exception as e:  # noqa: BLE001 - a failed store only costs a later recomputation
             log.warning("context cache store failed: %s", e)
             self.stats.errors += 1

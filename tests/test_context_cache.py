@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 import pytest
@@ -478,3 +479,25 @@ def test_min_uses_must_be_a_positive_integer():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="min_uses"):
             ContextCache(None, "m", min_uses=bad)
+
+
+def test_write_share_must_be_in_0_1():
+    for bad in (0, -0.5, 1.5):
+        with pytest.raises(ValueError, match="write_share"):
+            ContextCache(None, "m", write_share=bad)
+
+
+def test_the_writer_pauses_after_each_block_to_keep_its_share_of_the_time(redis_server):
+    """The asynchronous writer works at most `write_share` of its time: after a block it pauses (1 / share - 1) times
+    as long as the block took, so a prompt's blocks reach Redis in pieces between the engine's steps. Its own time
+    (`write_s`) leaves the pauses out; the pauses make the writes' wall time at least write_s / share."""
+    share = 0.25
+    cc = ContextCache(redis_server.url, f"share-{uuid.uuid4().hex}", block_size=64, write_share=share)
+    tokens = list(range(8 * 64))
+    blocks = {b: torch.randn(2, 4, 2, 64, 64) for b in range(8)}  # 256 KiB each
+    t0 = time.perf_counter()
+    cc.store(tokens, blocks)
+    cc.flush()
+    wall = time.perf_counter() - t0
+    assert cc.stats.stored_blocks == 8 and len(cc.lookup(tokens)) == 8
+    assert 0 < cc.stats.write_s and wall >= cc.stats.write_s / share

@@ -230,3 +230,19 @@ def test_new_prompts_keep_the_earlier_prefixes_while_a_free_slot_keeps_nothing()
     assert taken == [0, 1, 1, 2, 3]  # the used slot that keeps nothing before a fresh one
     assert [int(t[0]) for t in cache.kept.values()] == [0, 2, 3, 4]
     assert cache.allocate() == 0 and [int(t[0]) for t in cache.kept.values()] == [2, 3, 4]
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096  # resident pages (statm counts 4 KiB pages on x86-64 Linux)
+
+
+def test_reserve_makes_every_slot_resident_and_used():
+    """`torch.empty` only maps the pool; `reserve` writes every page (the process's resident size grows by the
+    pool), and a reserved pool's slots all count as used, so allocation keeps its order over them."""
+    cache = KVCache(4, 2, 64, 8192, 4)  # 2 x 4 x 2 x 8192 x 64 x 4 bytes = 64 MiB
+    before = _resident_bytes()
+    cache.reserve()
+    assert _resident_bytes() - before >= 0.9 * cache.nbytes
+    assert torch.count_nonzero(cache.all_layers()[0]) == 0
+    assert [cache.allocate() for _ in range(4)] == [0, 1, 2, 3]

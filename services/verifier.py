@@ -626,7 +626,10 @@ class Verifier:
                 self._info["warmup_s"] = report["seconds"]
                 # Serve's logger: the line lands in the replica's log file
                 serve_log = logging.getLogger("ray.serve")
-                serve_log.info("%s warmed up in %.1f s: %s", name, report["seconds"], report["methods"])
+                serve_log.info(
+                    "%s warmed up in %.1f s (its KV pool made resident in %.1f s): %s",
+                    name, report["seconds"], self._info["kv_reserve_s"], report["methods"],
+                )  # fmt: skip
             return engine, tokenizer
 
         self.loop = EngineLoop(None, None, self.cfg, name=name, on_metrics=_make_metrics(name), setup=setup)

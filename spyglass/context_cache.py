@@ -145,7 +145,7 @@ class CacheStats:
     stored_blocks: int = 0
     errors: int = 0
     evicted_blocks: int = 0
-    write_s: float = 0.0  # the writer's time (encoding, checksums, Redis round trips; not its pauses): off the engine loop
+    write_s: float = 0.0  # the writer's time (encoding, checksums, Redis round trips, not its pauses): off the loop
     copy_s: float = 0.0  # the engine loop's time copying, before it reuses a slot, the blocks the writer has not yet
     wait_s: float = 0.0  # lookups' time waiting for blocks still being written
 

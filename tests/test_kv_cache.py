@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import resource
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -232,17 +234,22 @@ def test_new_prompts_keep_the_earlier_prefixes_while_a_free_slot_keeps_nothing()
     assert cache.allocate() == 0 and [int(t[0]) for t in cache.kept.values()] == [2, 3, 4]
 
 
-def _resident_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096  # resident pages (statm counts 4 KiB pages on x86-64 Linux)
+def _faults_writing(cache: KVCache) -> int:
+    """Minor page faults of this process while every entry of the pool is written."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for t in cache.all_layers():
+        t.fill_(1.0)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
 def test_reserve_makes_every_slot_resident_and_used():
-    """`torch.empty` only maps the pool; `reserve` writes every page (the process's resident size grows by the
-    pool), and a reserved pool's slots all count as used, so allocation keeps its order over them."""
-    cache = KVCache(4, 2, 64, 8192, 4)  # 2 x 4 x 2 x 8192 x 64 x 4 bytes = 64 MiB
-    before = _resident_bytes()
-    cache.reserve()
-    assert _resident_bytes() - before >= 0.9 * cache.nbytes
-    assert torch.count_nonzero(cache.all_layers()[0]) == 0
-    assert [cache.allocate() for _ in range(4)] == [0, 1, 2, 3]
+    """`torch.empty` only maps the pool, so its first writes fault its pages in; after `reserve` they are resident
+    (writing the whole pool faults nothing in), and every slot counts as used, so allocation keeps its order."""
+    fresh = KVCache(4, 2, 64, 8192, 4)  # K and V 64 MiB each
+    faults_fresh = _faults_writing(fresh)
+    reserved = KVCache(4, 2, 64, 8192, 4)
+    reserved.reserve()
+    assert torch.count_nonzero(reserved.all_layers()[0]) == 0
+    faults_reserved = _faults_writing(reserved)
+    assert faults_fresh > 0 and faults_reserved < faults_fresh / 10, (faults_fresh, faults_reserved)
+    assert [reserved.allocate() for _ in range(4)] == [0, 1, 2, 3]

@@ -3,7 +3,8 @@
 One process, contenders interleaved round by round (in alternating order), minimum per contender (a busy machine only
 adds time):
 - decode: one token's attention over one layer's cache at 4K / 16K / 32K context, SmolLM2-135M shapes (9 heads,
-  3 KV heads, dim 64) and Qwen2.5-0.5B's (14 heads, 2 KV heads, dim 64). Each call reads a different copy of the
+  3 KV heads, dim 64) and Qwen2.5-0.5B's (14 heads, 2 KV heads, dim 64); verify: 3 and 8 new tokens (a draft chain's
+  verify pass) over the same caches. Each call reads a different copy of the
   K/V (together past the last-level cache), as a step's layers do. Reported: ms per layer and K/V GB/s, as a fraction
   of the read bandwidth measured in the same run (a sum over 256 MB on the same threads);
 - prefill: a 512-token causal chunk after 4096 committed tokens, GFLOP/s.
@@ -69,13 +70,14 @@ def main() -> None:
                     tuple(torch.randn(kv_heads, ctx, 64).to(dtype) for _ in range(2))
                     for _ in range(max(2, budget // size))
                 ]
-                cases.append((name, ctx, dtype, torch.randn(heads, 1, 64).to(dtype), kv, size))
+                for n in (1, 3, 8):
+                    cases.append((name, ctx, dtype, n, torch.randn(heads, n, 64).to(dtype), kv, size))
     prefill = []
     for name, (heads, kv_heads) in SHAPES.items():
         for dtype in (torch.float32, torch.bfloat16):
             k, v = (torch.randn(kv_heads, 4096 + 512, 64).to(dtype) for _ in range(2))
             prefill.append((name, dtype, torch.randn(heads, 512, 64).to(dtype), k, v))
-    calls = [((name, ctx, dtype), q, kv, ctx - 1) for name, ctx, dtype, q, kv, _ in cases]
+    calls = [((name, ctx, dtype, n), q, kv, ctx - n) for name, ctx, dtype, n, q, kv, _ in cases]
     calls += [((name, "prefill", dtype), q, [(k, v)], 4096) for name, dtype, q, k, v in prefill]
     best: dict = {}
     bandwidth = 0.0
@@ -98,10 +100,11 @@ def main() -> None:
         return f"  against {best['against', key] * 1e3:7.3f} ms ({ratio:.3f}x, {'same' if same else 'other'} bits)"
 
     print(f"threads {args.threads}, read bandwidth {bandwidth / 1e9:.1f} GB/s")
-    for (key, q, kv, start), (name, ctx, dtype, *_, size) in zip(calls[: len(cases)], cases, strict=True):
+    for (key, q, kv, start), (name, ctx, dtype, n, *_, size) in zip(calls[: len(cases)], cases, strict=True):
         t = best["here", key]
+        what = "decode  " if n == 1 else f"verify {n}"
         print(
-            f"decode {name:13s} {ctx:6d} {str(dtype)[6:]:9s} {t * 1e3:7.3f} ms/layer  {size / t / 1e9:5.1f} GB/s "
+            f"{what} {name:13s} {ctx:6d} {str(dtype)[6:]:9s} {t * 1e3:7.3f} ms/layer  {size / t / 1e9:5.1f} GB/s "
             f"({size / t / bandwidth:.2f} of read bandwidth){against(key, q, kv, start)}"
         )
     for key, q, kv, start in calls[len(cases) :]:

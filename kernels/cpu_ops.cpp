@@ -796,10 +796,19 @@ using packed_elem = std::conditional_t<kDpbf16, score_elem<E>, float>;
 #if defined(__AVX512F__) || defined(__AVX2__)
 // fn(w, j, v) for a whole key block (kNB rows of Dq words, Dq a multiple of L): v = word w of keys j..j + L - 1, from
 // squares of L keys x L words transposed in registers.
+// The next block's K and V (next_k, next_v, or null) are prefetched a few lines per square, as in score_rows.
 template <typename Fn>
-inline void key_word_vectors(const float* Kw, int64_t Dq, Fn&& fn) {
+inline void key_word_vectors(const float* Kw, int64_t Dq, Fn&& fn, const void* next_k = nullptr,
+                             const void* next_v = nullptr) {
+  constexpr int64_t lines = L * L * 4 / 64;
+  int64_t step = 0;
   for (int64_t j = 0; j < kNB; j += L)
-    for (int64_t d = 0; d < Dq; d += L) {
+    for (int64_t d = 0; d < Dq; d += L, step++) {
+      if (next_k)
+        for (int64_t b = step * lines * 64; b < (step + 1) * lines * 64; b += 64) {
+          __builtin_prefetch(static_cast<const char*>(next_k) + b, 0, 2);
+          __builtin_prefetch(static_cast<const char*>(next_v) + b, 0, 2);
+        }
       vfloat k[L];
       transpose_words(Kw + j * Dq + d, Dq, k);
       for (int i = 0; i < L; i++) fn(d + i, j, reinterpret_cast<const vuint&>(k[i]));
@@ -810,12 +819,13 @@ inline void key_word_vectors(const float* Kw, int64_t Dq, Fn&& fn) {
 // Kt [Dq, kNB] = the block's `valid` keys (rows of K) as score operands (fp32, or bf16 pairs), transposed; zero past
 // them.
 template <typename E>
-inline void pack_keys(const E* K, int64_t valid, int64_t Dq, score_elem<E>* Kt) {
+inline void pack_keys(const E* K, int64_t valid, int64_t Dq, score_elem<E>* Kt, const E* next_k = nullptr,
+                      const E* next_v = nullptr) {
   const float* Kw = key_words(K);
 #if defined(__AVX512F__) || defined(__AVX2__)
   if (valid == kNB && Dq % L == 0) {
     const auto put = [&](int64_t w, int64_t j, vuint v) { std::memcpy(Kt + w * kNB + j, &v, sizeof(v)); };
-    return key_word_vectors(Kw, Dq, put);
+    return key_word_vectors(Kw, Dq, put, next_k, next_v);
   }
 #endif
   for (int64_t j = 0; j < valid; j++)
@@ -826,7 +836,8 @@ inline void pack_keys(const E* K, int64_t valid, int64_t Dq, score_elem<E>* Kt) 
 
 // Kt [2 Dq, kNB] = the block's `valid` bf16 keys widened (packed_elem: rows 2w and 2w + 1 the high and low elements of
 // pair w), transposed; zero past them.
-inline void pack_keys(const bf16* K, int64_t valid, int64_t Dq, float* Kt) {
+inline void pack_keys(const bf16* K, int64_t valid, int64_t Dq, float* Kt, const bf16* next_k = nullptr,
+                      const bf16* next_v = nullptr) {
   const float* Kw = key_words(K);
   const auto put = [&](int64_t w, int64_t j, auto word) {  // word: one key's pair w, or a vector of keys' (from j)
     using V = decltype(word);
@@ -835,7 +846,7 @@ inline void pack_keys(const bf16* K, int64_t valid, int64_t Dq, float* Kt) {
     std::memcpy(Kt + (2 * w + 1) * kNB + j, &lo, sizeof(V));
   };
 #if defined(__AVX512F__) || defined(__AVX2__)
-  if (valid == kNB && Dq % L == 0) return key_word_vectors(Kw, Dq, put);
+  if (valid == kNB && Dq % L == 0) return key_word_vectors(Kw, Dq, put, next_k, next_v);
 #endif
   for (int64_t j = 0; j < kNB; j++)
     for (int64_t w = 0; w < Dq; w++) {
@@ -1040,9 +1051,19 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
       const bool score_rows_fit = kHasScoreRows && Dq % L == 0 && rows <= kScoreRowsMax;
       for (int64_t kb = split ? it.chunk * kChunkKeys : 0; kb < kend; kb += kNB) {
         const bool more = kb + 2 * kNB <= kend;  // a next whole block: on its way while this one is computed
-        if (more && !(score_rows_fit && kb + kNB <= start)) {
-          prefetch_bytes(Kh + (kb + kNB) * D, kNB * D * sizeof(E));
-          prefetch_bytes(Vh + (kb + kNB) * D, kNB * D * sizeof(E));
+        // a few rows over the prefix (a decode step, a draft tree): the next block's K and V prefetched a few lines
+        // at a time while this one's keys are read (a burst would wait on the memory like the loads), the next
+        // item's first block from an item's last; else all at once
+        const bool spread = split && kb + kNB <= start;
+        const E *nk = more ? Kh + (kb + kNB) * D : nullptr, *nv = Vh + (kb + kNB) * D;
+        if (spread && !more)  // the shared counter read once an item, not every block
+          if (const int64_t p = next.load(std::memory_order_relaxed); p < n_items) {
+            nk = kc + items[p].kv * ksh + items[p].chunk * kChunkKeys * D;
+            nv = vc + items[p].kv * vsh + items[p].chunk * kChunkKeys * D;
+          }
+        if (more && !spread) {
+          prefetch_bytes(nk, kNB * D * sizeof(E));
+          prefetch_bytes(nv, kNB * D * sizeof(E));
         }
         if (mp && kb + kNB > start) {  // per token: the prefix's keys of the block, then the new tokens it sees
           for (int64_t t = it.t0; t < it.t1; t++) {
@@ -1063,17 +1084,10 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
           const int64_t valid = std::min(kNB, length - kb);
           if (score_rows_fit && kb + kNB <= start) {  // a few rows (a decode step): no packed copy of the keys
 #if defined(__AVX512F__) || defined(__AVX2__)
-            // prefetched meanwhile: the item's next block, or from its last the first of the item taken next
-            const E *nk = more ? Kh + (kb + kNB) * D : nullptr, *nv = Vh + (kb + kNB) * D;
-            if (!more && split)  // the shared counter read once an item, not every block
-              if (const int64_t p = next.load(std::memory_order_relaxed); p < n_items) {
-                nk = kc + items[p].kv * ksh + items[p].chunk * kChunkKeys * D;
-                nv = vc + items[p].kv * vsh + items[p].chunk * kChunkKeys * D;
-              }
-            kScoreRows<E>[rows - 1](Q.data(), Kh + kb * D, Dq, S.data(), score_scale, nk, nv);
+            kScoreRows<E>[rows - 1](Q.data(), Kh + kb * D, Dq, S.data(), score_scale, spread ? nk : nullptr, nv);
 #endif
             run_tiles(0, rows, nullptr, Vh + kb * D, valid, valid, nullptr);
-          } else if (pack_keys(Kh + kb * D, valid, Dq, Kt.data()); kb + kNB <= start) {
+          } else if (pack_keys(Kh + kb * D, valid, Dq, Kt.data(), spread ? nk : nullptr, nv); kb + kNB <= start) {
             run_tiles(0, rows, Kt.data(), Vh + kb * D, valid, valid, nullptr);
           } else {
             for (int64_t r = 0; r < rows; r++) seen[r] = std::min(start + it.t0 + r / g + 1, length) - kb;

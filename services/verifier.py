@@ -13,6 +13,7 @@ map them to gRPC codes without depending on how Ray wraps exceptions across proc
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import queue
@@ -630,6 +631,10 @@ class Verifier:
                     "%s warmed up in %.1f s (its KV pool made resident in %.1f s): %s",
                     name, report["seconds"], self._info["kv_reserve_s"], report["methods"],
                 )  # fmt: skip
+            # what start-up made (the model's modules, the tokenizer, the drafters: ~360K objects) stays out of the
+            # garbage collector's full passes, which the engine loop's allocations trigger every few hundred steps
+            # (a SmolLM2 fp32 decode step at 4K: 27.8 -> 27.1 ms, medians of 8 x 60 steps)
+            gc.freeze()
             return engine, tokenizer
 
         self.loop = EngineLoop(None, None, self.cfg, name=name, on_metrics=_make_metrics(name), setup=setup)

@@ -11,6 +11,7 @@ keeps nothing (a used one before a fresh one), and drops a kept prefix, the one 
 slot keeps one. A fresh slot's pages fault in as a prefill writes them: ~0.2 s more of the kernel's time for 5.6-6.8K
 fp32 tokens than in a used slot, on a 20-27 s prefill (2-core Zen 3 VM, `bench/probes/slot_pages.py`), against a
 whole prefill for a prefix dropped and asked for again (several questions about each of several documents in turn).
+A served replica makes its whole pool resident when it is built (`reserve`), so none of this happens inside a step.
 """
 
 from __future__ import annotations

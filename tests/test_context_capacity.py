@@ -4,6 +4,7 @@ a tiny model served at its full 32K-token window decodes losslessly."""
 from __future__ import annotations
 
 import re
+import resource
 
 import pytest
 import torch
@@ -127,8 +128,9 @@ def test_greedy_output_at_32k_positions_is_plain_decoding(long_target):
 
 @pytest.mark.slow
 def test_the_verifier_reports_one_kv_pool_whatever_the_methods():
-    """SmolLM2 served with no max_context: its 8,192-token window; the reserved K/V is reported and does not grow
-    with the served methods (one pool of max_batch slots); the memory check counts that pool's slots."""
+    """SmolLM2 served with no max_context: its 8,192-token window; the reserved K/V is reported, resident once built,
+    and does not grow with the served methods (one pool of max_batch slots); the memory check counts that pool's
+    slots."""
     from services.verifier import VerifierConfig, build_engine
 
     per_token = 2 * 30 * 3 * 64 * 2  # 30 layers, 3 KV heads of 64, bf16 (as `spyglass generate` here: one cost curve)
@@ -137,6 +139,12 @@ def test_the_verifier_reports_one_kv_pool_whatever_the_methods():
         assert engine.methods == methods and info["context_length"] == 8192
         assert info["kv_bytes_per_token"] == per_token
         assert info["kv_bytes"] == allocated_bytes(engine.cache) == per_token * 8192 * 2
+        # made resident when built (`KVCache.reserve`): writing the whole pool now faults no page in
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for t in engine.cache.all_layers():
+            t.fill_(0)
+        assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < info["kv_bytes"] // 4096 // 10
+        assert info["kv_reserve_s"] >= 0
 
     twice = 2 * (available_memory() // (per_token * 8192) + 1)  # a pool twice what is free
     with pytest.raises(ContextCapacityError, match=f"{twice} sequence slot\\(s\\) x 8192 tokens"):

@@ -1051,9 +1051,10 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
       const bool score_rows_fit = kHasScoreRows && Dq % L == 0 && rows <= kScoreRowsMax;
       for (int64_t kb = split ? it.chunk * kChunkKeys : 0; kb < kend; kb += kNB) {
         const bool more = kb + 2 * kNB <= kend;  // a next whole block: on its way while this one is computed
-        // a few rows over the prefix (a decode step, a draft tree): the next block's K and V prefetched a few lines
-        // at a time while this one's keys are read (a burst would wait on the memory like the loads), the next
-        // item's first block from an item's last; else all at once
+        // nk, nv: the next block's K and V, prefetched a few lines at a time while this block's keys are read (null:
+        // nothing left to prefetch). A few rows over the prefix (a decode step, a draft tree) go that way, and from
+        // an item's last block on to the next item's first (a burst would wait on the memory like the loads); else
+        // the next block is prefetched all at once here.
         const bool spread = split && kb + kNB <= start;
         const E *nk = more ? Kh + (kb + kNB) * D : nullptr, *nv = Vh + (kb + kNB) * D;
         if (spread && !more)  // the shared counter read once an item, not every block
@@ -1064,6 +1065,7 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
         if (more && !spread) {
           prefetch_bytes(nk, kNB * D * sizeof(E));
           prefetch_bytes(nv, kNB * D * sizeof(E));
+          nk = nullptr;
         }
         if (mp && kb + kNB > start) {  // per token: the prefix's keys of the block, then the new tokens it sees
           for (int64_t t = it.t0; t < it.t1; t++) {
@@ -1084,10 +1086,10 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
           const int64_t valid = std::min(kNB, length - kb);
           if (score_rows_fit && kb + kNB <= start) {  // a few rows (a decode step): no packed copy of the keys
 #if defined(__AVX512F__) || defined(__AVX2__)
-            kScoreRows<E>[rows - 1](Q.data(), Kh + kb * D, Dq, S.data(), score_scale, spread ? nk : nullptr, nv);
+            kScoreRows<E>[rows - 1](Q.data(), Kh + kb * D, Dq, S.data(), score_scale, nk, nv);
 #endif
             run_tiles(0, rows, nullptr, Vh + kb * D, valid, valid, nullptr);
-          } else if (pack_keys(Kh + kb * D, valid, Dq, Kt.data(), spread ? nk : nullptr, nv); kb + kNB <= start) {
+          } else if (pack_keys(Kh + kb * D, valid, Dq, Kt.data(), nk, nv); kb + kNB <= start) {
             run_tiles(0, rows, Kt.data(), Vh + kb * D, valid, valid, nullptr);
           } else {
             for (int64_t r = 0; r < rows; r++) seen[r] = std::min(start + it.t0 + r / g + 1, length) - kb;

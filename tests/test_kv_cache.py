@@ -234,7 +234,7 @@ def test_new_prompts_keep_the_earlier_prefixes_while_a_free_slot_keeps_nothing()
     assert cache.allocate() == 0 and [int(t[0]) for t in cache.kept.values()] == [2, 3, 4]
 
 
-def _faults_writing(cache: KVCache) -> int:
+def faults_writing(cache: KVCache) -> int:
     """Minor page faults of this process while every entry of the pool is written."""
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for t in cache.all_layers():
@@ -246,10 +246,10 @@ def test_reserve_makes_every_slot_resident_and_used():
     """`torch.empty` only maps the pool, so its first writes fault its pages in; after `reserve` they are resident
     (writing the whole pool faults nothing in), and every slot counts as used, so allocation keeps its order."""
     fresh = KVCache(4, 2, 64, 8192, 4)  # K and V 64 MiB each
-    faults_fresh = _faults_writing(fresh)
+    faults_fresh = faults_writing(fresh)
     reserved = KVCache(4, 2, 64, 8192, 4)
     reserved.reserve()
     assert torch.count_nonzero(reserved.all_layers()[0]) == 0
-    faults_reserved = _faults_writing(reserved)
+    faults_reserved = faults_writing(reserved)
     assert faults_fresh > 0 and faults_reserved < faults_fresh / 10, (faults_fresh, faults_reserved)
     assert [reserved.allocate() for _ in range(4)] == [0, 1, 2, 3]

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from kernels import cpu
 from spyglass.models import linear as linear_mod
-from spyglass.models.linear import ROW_BUCKETS, Linear, parse_backend, set_linear_backend
+from spyglass.models.linear import LANES, ROW_BUCKETS, Linear, parse_backend, set_linear_backend
 from spyglass.models.llama import Segment, load_transformer
 
 ops = cpu.native()  # `make setup` installs g++ and ninja: the kernels build on the project's machines
@@ -164,12 +164,19 @@ def test_forwards_but_prefill_run_the_row_invariant_kernel(tiny_dir, monkeypatch
 
 
 def test_backend_strings_say_what_is_lossless(tiny_dir, monkeypatch):
-    """The default ("auto") measures a plan for prefill chunks and names it "prefill:<plan>"; a plan alone runs every
-    forward on it (nothing row-invariant: its name has no prefix); "prefill:" needs a weight `rows` can take."""
+    """The default ("auto") is one of its two lossless forms, as measured here: "lanes" for every forward (where
+    `lanes` is measured no slower than `rows` at a decode step's and a verify pass's rows) or a measured plan for
+    prefill chunks, "prefill:<plan>", every other forward on `rows`; a plan alone runs every forward on it (nothing
+    row-invariant: its name has no prefix); "prefill:" needs a weight `rows` can take."""
     model = load_transformer(tiny_dir["llama"], dtype=torch.bfloat16)
     plan, invariant = parse_backend(model.linear_backend)
-    assert invariant and model.linear_backend.startswith("prefill:") and len(plan) == len(ROW_BUCKETS)
-    assert all(m.invariant for m in model.modules() if isinstance(m, Linear))
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    if linear_mod.lanes_for_prefill(model) and linear_mod.lanes_for_decode(model):
+        assert model.linear_backend == "lanes" and plan == LANES and not invariant
+        assert all(m.plan == LANES and not m.invariant for m in linears)
+    else:
+        assert invariant and model.linear_backend.startswith("prefill:") and len(plan) == len(ROW_BUCKETS)
+        assert all(m.invariant for m in linears)
     # a library kernel every CPU runs in bf16 (oneDNN's needs AVX-512 BF16 or AMX)
     assert set_linear_backend(model, "wfirst") == "wfirst"
     assert not any(m.invariant for m in model.modules() if isinstance(m, Linear))

@@ -1579,13 +1579,17 @@ inline uint32_t lanes_word(const bf16* w, int64_t i) {  // elements 2i and 2i + 
   return u;
 }
 
-// out [NR][MV * L] = the MV tiles of xt (Kw words each) against weight rows w0, w0 + K, ... (NR of them). Not
+// out [NR][MV * L] = the MV tiles of xt (Kw words each) against weight rows w0, w0 + K, ... (NR of them). `ahead`
+// (or null): the next group's weight rows, `stride` bytes of them per word, prefetched at this tile's pace. Not
 // inlined: inlined into lanes_run (GCC 12, AVX2) its accumulators were stored to the stack at every step.
 template <int MV, int NR, typename E, typename Wd>
-static __attribute__((noinline)) void lanes_tile(const Wd* xt, int64_t Kw, const E* w0, int64_t K, float* out) {
+static __attribute__((noinline)) void lanes_tile(const Wd* xt, int64_t Kw, const E* w0, int64_t K, float* out,
+                                                 const char* ahead, int64_t stride) {
   using XV = std::conditional_t<std::is_same_v<Wd, float>, vfloat, vuint>;
   vfloat acc[MV][NR] = {};
   for (int64_t p = 0; p < Kw; p++) {
+    if (ahead && p % 16 == 0)
+      for (int64_t o = 0; o < 16 * stride; o += 64) __builtin_prefetch(ahead + p * stride + o, 0, 0);
     XV xv[MV];
     for (int i = 0; i < MV; i++) xv[i] = vload(xt + (i * Kw + p) * L);
     for (int r = 0; r < NR; r++) {
@@ -1668,12 +1672,19 @@ static void lanes_run(const E* x, const E* w, RowsBias b, E* y, int64_t M, int64
           if constexpr (wide) return static_cast<const float*>(wf.data());
           else return w + n0 * K;
         }();
+        // The block's first tile prefetches the next group's weight rows (contiguous), so they come from memory
+        // while this group computes: a few tiles (a verify pass) would otherwise wait on each group's rows, too short
+        // a read for the hardware prefetcher (fp32 at 8-16 rows: 1.3-1.4x, at a 256-row chunk ~1.02x).
+        const char* next = g + 1 < groups ? reinterpret_cast<const char*>(w + std::min((g + 1) * NR, N - NR) * K)
+                                          : nullptr;
+        const int64_t stride = NR * K * static_cast<int64_t>(sizeof(E)) / Kw;
         for (int64_t t = b0; t < b1;) {
           const int mv = b1 - t >= MV ? MV : 1;  // whole tiles of MV, then the block's last ones one by one
+          const char* ahead = t == b0 ? next : nullptr;
           if (mv == MV)
-            lanes_tile<MV, NR>(xt.get() + t * Kw * L, Kw, wg, K, out);
+            lanes_tile<MV, NR>(xt.get() + t * Kw * L, Kw, wg, K, out, ahead, stride);
           else
-            lanes_tile<1, NR>(xt.get() + t * Kw * L, Kw, wg, K, out);
+            lanes_tile<1, NR>(xt.get() + t * Kw * L, Kw, wg, K, out, ahead, stride);
           for (int i = 0; i < mv; i++)
             lanes_store(out + i * L, mv * L, bias, std::min<int64_t>(L, M - (t + i) * L), y + (t + i) * L * N + n0, N);
           t += mv;

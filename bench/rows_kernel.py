@@ -11,6 +11,8 @@ inner product bf16 (where this CPU has a kernel for it). With one thread the clo
 wall time. Prints a table; writes nothing.
 
     python bench/rows_kernel.py [--rows 1,2,4,8,16,64] [--repeats 5] [--threads 2] [--smoke]
+    git show HEAD~1:kernels/cpu_ops.cpp > /tmp/before.cpp
+    python bench/rows_kernel.py --against /tmp/before.cpp  # an A/B: that source's `rows` and `lanes` beside these
 """
 
 from __future__ import annotations
@@ -67,6 +69,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--smoke", action="store_true", help="one layer and a small head: proves the script runs")
+    ap.add_argument(
+        "--against",
+        type=Path,
+        help="another version of kernels/cpu_ops.cpp, its row-invariant kernels "
+        "timed in the same rounds (columns '... against')",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ops = cpu.native()
@@ -86,6 +94,11 @@ def main() -> None:
     }
     if not onednn_supported(torch.ones(1, dtype=torch.bfloat16)):
         del kernels["onednn bf16"]
+    if args.against:
+        other = cpu.build_other(args.against)
+        for name in ("rows bf16", "lanes bf16", "rows fp32", "lanes fp32"):
+            dt, fn = kernels[name]
+            kernels[f"{name} against"] = (dt, getattr(other, fn.__name__))
     for model in MODELS:
         ws = {dt: weights(model, dt, args.smoke) for dt in (torch.bfloat16, torch.float32)}
         nbytes = {dt: sum(w.nbytes + (0 if b is None else b.nbytes) for w, b in v) for dt, v in ws.items()}

@@ -24,7 +24,13 @@ def nice():
 worker = ray.get(nice.remote())
 
 def titles():
-    return [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True) if p.is_running()]
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            out.append(" ".join(p.cmdline()))
+        except psutil.Error:  # ended since it was listed (a zombie not yet reaped: no command line)
+            pass
+    return out
 
 def idle():
     return [t for t in titles() if t.startswith("ray::IDLE")]

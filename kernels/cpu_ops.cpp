@@ -1646,6 +1646,7 @@ static void lanes_run(const E* x, const E* w, RowsBias b, E* y, int64_t M, int64
   using Wd = std::conditional_t<std::is_same_v<E, float> || wide, float, uint32_t>;
   constexpr int MV = kLanesMV, NR = kLanesNR;
   const int64_t Kw = std::is_same_v<Wd, float> ? K : K / 2, tiles = (M + L - 1) / L;
+  const int64_t stride = NR * K * static_cast<int64_t>(sizeof(E)) / Kw;  // bytes of a group's weight rows per word
   std::unique_ptr<Wd[]> xt(new Wd[tiles * Kw * L]);
   if constexpr (wide) {
     std::unique_ptr<float[]> xw(new float[M * K]);
@@ -1677,7 +1678,6 @@ static void lanes_run(const E* x, const E* w, RowsBias b, E* y, int64_t M, int64
         // a read for the hardware prefetcher (fp32 at 8-16 rows: 1.3-1.4x, at a 256-row chunk ~1.02x).
         const char* next = g + 1 < groups ? reinterpret_cast<const char*>(w + std::min((g + 1) * NR, N - NR) * K)
                                           : nullptr;
-        const int64_t stride = NR * K * static_cast<int64_t>(sizeof(E)) / Kw;
         for (int64_t t = b0; t < b1;) {
           const int mv = b1 - t >= MV ? MV : 1;  // whole tiles of MV, then the block's last ones one by one
           const char* ahead = t == b0 ? next : nullptr;

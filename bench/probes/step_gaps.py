@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.common import machine_load, wait_for_quiet, write_results  # noqa: E402
+from bench.common import machine_load, median, percentile, wait_for_quiet, write_results  # noqa: E402
 from bench.load import workloads  # noqa: E402
 from services.local_redis import LocalRedis  # noqa: E402
 from services.verifier import VerifierConfig, build_engine  # noqa: E402
@@ -95,12 +95,12 @@ def main(argv=None) -> Path:
         stats = engine.context_cache.stats
     finally:
         redis.stop()
-    ordered = sorted(g for g, _ in gaps)
+    seconds = [g for g, _ in gaps]
     figures = {
         "wall_s": round(wall, 2),
-        "gap_p50_s": round(ordered[len(ordered) // 2], 3),
-        "gap_p99_s": round(ordered[int(0.99 * (len(ordered) - 1))], 3),
-        "gap_max_s": round(ordered[-1], 3),
+        "gap_p50_s": round(median(seconds), 3),
+        "gap_p99_s": round(percentile(seconds, 99), 3),
+        "gap_max_s": round(max(seconds), 3),
     }
     longest = sorted(gaps, reverse=True)[:8]
     raw = {

@@ -9,6 +9,7 @@ root-only trees (`drafter=None`).
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import deque
@@ -295,16 +296,21 @@ class SpecEngine:
             return None, 0
         grain = 1 if self.any_chunk else self.prefill_chunk
         most = (seq.num_tokens - 1) // grain * grain
-        live = (*self.running, *self.prefilling)
-        held = [(o.slot, o.tokens[: min(o.num_prompt, self.cache.lengths[o.slot])]) for o in live]
+        held = itertools.chain(  # lazily: the first slot holding all `most` tokens ends the search
+            ((o.slot, min(o.num_prompt, self.cache.lengths[o.slot]), o) for o in (*self.running, *self.prefilling)),
+            ((slot, len(tokens), tokens) for slot, tokens in self.cache.kept.items()),
+        )
         donor, best = None, 0
-        for slot, tokens in (*held, *self.cache.kept.items()):
-            n = min(most, len(tokens))
+        for slot, length, source in held:
+            n = min(most, length)
             if n <= best:
                 continue
+            tokens = source.tokens if isinstance(source, Sequence) else source
             same = int((seq.tokens[:n] == tokens[:n]).cumprod(0).sum()) // grain * grain
             if same > best:
                 donor, best = slot, same
+                if best == most:
+                    break
         return (donor, best) if best and 2 * best >= most else (None, 0)
 
     def _prefix_being_written(self, seq: Sequence) -> bool:
@@ -389,22 +395,22 @@ class SpecEngine:
         may have any size (`any_chunk`) a prompt takes what is left of the budget and several short prompts share
         the forward, as a row's bits do not depend on its call."""
         picks: list[tuple[Sequence, int, int]] = []
-        picked: set[int] = set()  # their ids
-        while candidates := [s for s in self.prefilling if id(s) not in picked]:
-            seq = min(candidates, key=lambda s: s.num_tokens - self.cache.lengths[s.slot] - s.prefill_credit)
+        # Each pick credits every other prompt alike, so the order of those left stays as sorted here.
+        for seq in sorted(self.prefilling, key=lambda s: s.num_tokens - self.cache.lengths[s.slot] - s.prefill_credit):
             start = self.cache.lengths[seq.slot]
             left = seq.num_tokens - start
             take = min(left, budget) if self.any_chunk else min(left, self.prefill_chunk)
             if take > budget or take < min(left, self.prefill_unit):
                 break
             budget -= take
-            for other in self.prefilling:
-                if other is not seq:
-                    other.prefill_credit += take
             picks.append((seq, start, take))
-            picked.add(id(seq))
             if not self.any_chunk:
                 break
+        total = sum(take for _, _, take in picks)
+        for seq in self.prefilling:
+            seq.prefill_credit += total
+        for seq, _, take in picks:
+            seq.prefill_credit -= take
         return picks
 
     def _commit_prefill(self, staged: StagedPrefill, logits) -> list[tuple[Sequence, torch.Tensor]]:

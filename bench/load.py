@@ -10,7 +10,10 @@ drives the OpenAI `/v1/completions` route of `spyglass serve` and of vLLM's Open
 at fixed concurrency (1, 2, 4, 8, 16 streams) and at Poisson arrival rates. Servers: spyglass's default method
 (`suffix`) and its plain decoding (`ar`, the same server asked per request through the body's `method`), vLLM plain
 and vLLM with its suffix decoding; each server is started fresh before each run (no cache carries over) and stopped
-with SIGTERM. Both get the same `--dtype`. Greedy, up to `--max-new-tokens` new tokens.
+with SIGTERM. Both get the same `--dtype`. Greedy, up to `--max-new-tokens` new tokens. With `--repeats N` each load
+runs N times per server, the servers' order reversed every other time (A B C, then C B A: a steady drift of the
+machine's speed, 15-25% within half an hour on the 2-core VMs here, then falls alike on each server), and each
+figure takes the runs' medians; the default order runs spyglass's default method next to vLLM's suffix decoding.
 
 Recorded per run: duration, TTFT / TPOT / inter-token latency (P50, P99), request, output and total token
 throughput, goodput under the SLOs (`--goodput`), and per prompt whether spyglass's default method wrote exactly what
@@ -32,6 +35,9 @@ Figures (`bench/results/load.json`, with load.png: latency against throughput):
   python bench/load.py --smoke         # one short run per server: proves the harness, writes load_smoke.json
   python bench/load.py --workloads copy,shared --concurrency 1,4 --servers spyglass-suffix,spyglass-ar --merge
                                        # those loads again; load.json keeps its other runs (each run names its commit)
+  python bench/load.py --workloads long --concurrency 1,4,16 --rates "" \
+      --servers spyglass-suffix,vllm-suffix,spyglass-ar --repeats 2 --merge
+                                       # the duration figures: each server twice per load, in A B C C B A order
 """
 
 from __future__ import annotations
@@ -53,12 +59,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import RESULTS_DIR, IdleGate, machine_load, now, plot_panels, write_results  # noqa: E402
+from bench.common import RESULTS_DIR, IdleGate, machine_load, median, now, plot_panels, write_results  # noqa: E402
 from bench.common import log as bench_log  # noqa: E402
 from bench.common import ratio as common_ratio  # noqa: E402
 from bench.peers import PEERS_DIR, VLLM_SPEC, find_libiomp5, find_tcmalloc  # noqa: E402
 
-SERVERS = ("spyglass-suffix", "spyglass-ar", "vllm-plain", "vllm-suffix")
+SERVERS = ("spyglass-suffix", "vllm-suffix", "spyglass-ar", "vllm-plain")
 DEFAULT_METHOD, PLAIN_METHOD = "suffix", "ar"
 CLIENT = """
 import sys
@@ -282,6 +288,10 @@ def main() -> int:
         "--cache-min-uses", type=int, default=None, help="spyglass's cache_min_uses (default: the serve config's)"
     )
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--repeats", type=int, default=1,
+        help="runs of each load per server, the servers' order reversed every other repeat; each figure a median",
+    )  # fmt: skip
     ap.add_argument("--vllm-kv-gib", type=int, default=4)
     ap.add_argument("--followup-tokens", type=int, default=5000)
     ap.add_argument("--ready-timeout", type=float, default=900)
@@ -296,6 +306,8 @@ def main() -> int:
     args.workloads = [w for w in args.workloads.split(",") if w]
     if bad := [w for w in args.workloads if w not in ("long", "shared", "copy")]:
         ap.error(f"--workloads takes long, shared, copy; got {bad}")
+    if args.repeats < 1:
+        ap.error(f"--repeats takes a count >= 1; got {args.repeats}")
     servers = [s for s in args.servers.split(",") if s]
     if bad := [s for s in servers if s not in SERVERS]:
         ap.error(f"--servers takes {', '.join(SERVERS)}; got {bad}")
@@ -347,10 +359,11 @@ def main() -> int:
     for workload, load in runs:
         dataset, n = datasets[workload]
         key = label(workload, load)
+        rows: dict[str, list[dict[str, Any]]] = {}
         texts: dict[str, list[str]] = {}
-        for srv in servers:
+        for rep, srv in run_order(servers, args.repeats):
             engine, method = srv.split("-", 1)
-            tag = f"{srv}_{key}"
+            tag = f"{srv}_{key}" + (f"_r{rep}" if args.repeats > 1 else "")
             idle = gate()
             if engine == "spyglass":
                 server, grpc = start_spyglass(args, model_dir, logs, tag)
@@ -360,30 +373,49 @@ def main() -> int:
                 ready_s = server.wait_ready(args.ready_timeout)
                 log(f"{tag}: ready in {ready_s:.0f} s; {n} requests")
                 out = logs / f"{tag}.json"
-                res = run_client(args, server, model_dir, dataset, n, load, method if engine == "spyglass" else None,
-                                 out)  # fmt: skip
+                res = run_client(args, server, model_dir, dataset, n, load,
+                                 method if engine == "spyglass" else None, out)  # fmt: skip
                 row = {k: res.get(k) for k in KEEP if k in res}
                 row["ready_s"] = round(ready_s, 1)
                 row["commit"], row["run"], row["at"] = commit, started, now()
                 row["idle_before"] = idle
-                texts[srv] = res.get("generated_texts", [])
-                if srv == f"spyglass-{DEFAULT_METHOD}" and grpc and (key in ("long_c1", "long_c2")):
+                rows.setdefault(srv, []).append(row)
+                texts.setdefault(srv, []).extend(res.get("generated_texts", []))
+                first = srv == f"spyglass-{DEFAULT_METHOD}" and rep == 0
+                if first and grpc and key in ("long_c1", "long_c2"):
                     raw["cache_followup"] = cache_followup(grpc, tokenizer, args.followup_tokens)
                     log(f"cache follow-up: {raw['cache_followup']}")
-                raw["runs"].setdefault(key, {})[srv] = row
                 log(
                     f"{tag}: {row.get('duration', 0):.1f} s, {row.get('output_throughput', 0):.1f} out tok/s, "
-                    f"TTFT p50 {row.get('median_ttft_ms', 0):.0f} ms, TPOT p50 {row.get('median_tpot_ms', 0):.1f} ms, "
-                    f"ITL p99 {row.get('p99_itl_ms', 0):.0f} ms"
+                    f"TTFT p50 {row.get('median_ttft_ms', 0):.0f} ms, "
+                    f"TPOT p50 {row.get('median_tpot_ms', 0):.1f} ms, ITL p99 {row.get('p99_itl_ms', 0):.0f} ms"
                 )
             finally:
                 server.stop()
+        for srv, repeats in rows.items():
+            raw["runs"].setdefault(key, {})[srv] = median_row(repeats)
         a, b = texts.get(f"spyglass-{DEFAULT_METHOD}"), texts.get(f"spyglass-{PLAIN_METHOD}")
-        if a and b:
+        if a and b and len(a) == len(b):
             raw["texts_equal"][key] = [x == y for x, y in zip(a, b, strict=True)]
         save(complete=False)  # a run stopped later keeps what finished
     save(complete=True)
     return 0
+
+
+def run_order(servers: list[str], repeats: int) -> list[tuple[int, str]]:
+    """(repeat, server) in the order they run: the servers as given, then reversed, and so on."""
+    return [(r, srv) for r in range(repeats) for srv in (servers if r % 2 == 0 else servers[::-1])]
+
+
+def median_row(repeats: list[dict[str, Any]]) -> dict[str, Any]:
+    """A load's row for one server from its repeats: each number their median (with two, their mean), the repeats
+    kept beside it; one repeat is its own row."""
+    if len(repeats) == 1:
+        return repeats[0]
+    numbers = [k for k, v in repeats[0].items() if isinstance(v, int | float) and not isinstance(v, bool)]
+    row = {k: median([r[k] for r in repeats]) for k in numbers if all(r.get(k) is not None for r in repeats)}
+    return {**row, "commit": repeats[0]["commit"], "run": repeats[0]["run"], "at": repeats[-1]["at"],
+            "repeats": repeats}  # fmt: skip
 
 
 def git_commit() -> str:

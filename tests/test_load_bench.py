@@ -1,4 +1,5 @@
-"""bench/load.py's merging of an earlier results file, and the bench plots' palette (the tracked tree's size limit)."""
+"""bench/load.py's merging of an earlier results file, its repeats, and the bench plots' palette (the tracked tree's
+size limit)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 from PIL import Image
 
 from bench.common import plot_panels
-from bench.load import earlier_runs, figures_of
+from bench.load import earlier_runs, figures_of, median_row, run_order
 
 
 def _results(path, dtype="float32"):
@@ -50,6 +51,17 @@ def test_four_streams_over_one_only_within_one_run():
     raw["runs"]["long_c1"] = row("b", 30.0, 5.0)
     f = figures_of(raw)
     assert f["median_tpot_c4_vs_c1"] is None and f["throughput_c4_vs_c1_long"] is None
+
+
+def test_repeats_run_in_mirrored_order_and_give_medians():
+    assert run_order(["a", "b", "c"], 1) == [(0, "a"), (0, "b"), (0, "c")]
+    assert [s for _, s in run_order(["a", "b", "c"], 3)] == list("abccbaabc")
+    one = {"duration": 10.0, "commit": "x", "run": "r", "at": "t0"}
+    assert median_row([one]) is one
+    two = {"duration": 14.0, "p99_itl_ms": None, "commit": "x", "run": "r", "at": "t1"}
+    row = median_row([{**one, "p99_itl_ms": 3.0}, two])
+    assert row["duration"] == 12.0 and "p99_itl_ms" not in row  # a figure one repeat lacks is not made up
+    assert row["at"] == "t1" and row["commit"] == "x" and len(row["repeats"]) == 2
 
 
 def test_merge_refuses_another_dtype_and_starts_empty_without_a_file(tmp_path):

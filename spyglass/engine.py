@@ -297,15 +297,17 @@ class SpecEngine:
         grain = 1 if self.any_chunk else self.prefill_chunk
         most = (seq.num_tokens - 1) // grain * grain
         held = itertools.chain(  # lazily: the first slot holding all `most` tokens ends the search
-            ((o.slot, min(o.num_prompt, self.cache.lengths[o.slot]), o) for o in (*self.running, *self.prefilling)),
+            (
+                (o.slot, min(o.num_prompt, self.cache.lengths[o.slot]), o.tokens)
+                for o in (*self.running, *self.prefilling)
+            ),
             ((slot, len(tokens), tokens) for slot, tokens in self.cache.kept.items()),
         )
         donor, best = None, 0
-        for slot, length, source in held:
+        for slot, length, tokens in held:
             n = min(most, length)
             if n <= best:
                 continue
-            tokens = source.tokens if isinstance(source, Sequence) else source
             same = int((seq.tokens[:n] == tokens[:n]).cumprod(0).sum()) // grain * grain
             if same > best:
                 donor, best = slot, same

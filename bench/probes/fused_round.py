@@ -1,0 +1,105 @@
+"""What a verify round would save by running beside a prefill forward's layers instead of as a forward of its own.
+
+At 4 streams of long prompts mostly one stream decodes while the others' prompts are prefilled, and each of its
+rounds is a target forward of its own: the weights read again for a few rows. Here, on zeroed K/V `--context` tokens
+into two prompts: a prefill forward of `--chunk` tokens, and a verify pass of a chain of `rows` tokens,
+  separate:    the prefill forward, then the verify pass as the engine runs it (`Transformer.forward`);
+  interleaved: both as staged forwards, one layer of each in turn (each layer's weights just read by the prefill's);
+the verify logits must be the same bits both ways. Times are medians of `--repeats`, the two orders alternating.
+
+    python bench/probes/fused_round.py [--chunk 96,256] [--rows 1,8,16] [--context 4096] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.common import load_model, write_results  # noqa: E402
+from spyglass.cost import cpu_model  # noqa: E402
+from spyglass.models.llama import Segment  # noqa: E402
+
+
+def segments(model, slots: list[int], context: int, chunk: int, rows: int) -> tuple[Segment, Segment]:
+    vocab, (a, b) = model.args.vocab_size, slots
+    ids = torch.randint(0, vocab, (chunk + rows,))
+    prefill = Segment(a, context, ids[:chunk], torch.arange(context, context + chunk), None, "last")
+    mask = torch.ones(rows, rows, dtype=torch.bool).tril()
+    verify = Segment(b, context, ids[chunk:], torch.arange(context, context + rows), mask, "all")
+    return prefill, verify
+
+
+def separate(model, cache, prefill: Segment, verify: Segment):
+    model.staged([prefill], cache).run()
+    return model([verify], cache)[0]
+
+
+def interleaved(model, cache, prefill: Segment, verify: Segment):
+    a, b = model.staged([prefill], cache), model.staged([verify], cache)
+    for _ in range(len(model.layers)):
+        a.run(1)
+        b.run(1)
+    return b.logits[0]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--chunk", default="96,256")
+    ap.add_argument("--rows", default="1,8,16")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--name", default="fused_round")
+    args = ap.parse_args()
+    model, _, resolved = load_model(None, args.dtype, args.threads)
+    cache = model.new_cache(args.context + 512, 2)
+    slots = [cache.allocate(), cache.allocate()]
+    for slot in slots:
+        for layer in range(cache.n_layers):
+            k, v = cache.layer(slot, layer)
+            k[:, : args.context].zero_()
+            v[:, : args.context].zero_()
+        cache.lengths[slot] = args.context
+    torch.manual_seed(0)
+    rows_out, figures = [], {}
+    for chunk in (int(c) for c in args.chunk.split(",")):
+        for rows in (int(r) for r in args.rows.split(",")):
+            prefill, verify = segments(model, slots, args.context, chunk, rows)
+            with torch.inference_mode():
+                same = torch.equal(separate(model, cache, prefill, verify), interleaved(model, cache, prefill, verify))
+                alone = {"prefill": [], "verify": []}
+                times = {"separate": [], "interleaved": []}
+                for r in range(args.repeats):
+                    for how in ("separate", "interleaved") if r % 2 == 0 else ("interleaved", "separate"):
+                        t0 = time.perf_counter()
+                        (separate if how == "separate" else interleaved)(model, cache, prefill, verify)
+                        times[how].append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    model.staged([prefill], cache).run()
+                    alone["prefill"].append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    model([verify], cache)
+                    alone["verify"].append(time.perf_counter() - t0)
+            ms = {k: round(1e3 * statistics.median(v), 2) for k, v in {**times, **alone}.items()}
+            row = {"chunk": chunk, "rows": rows, "verify_logits_equal": same, **{f"{k}_ms": v for k, v in ms.items()}}
+            row["saved_ms"] = round(ms["separate"] - ms["interleaved"], 2)
+            row["saved_of_verify"] = round(row["saved_ms"] / ms["verify"], 3)
+            rows_out.append(row)
+            figures[f"saved_of_verify_chunk{chunk}_rows{rows}"] = row["saved_of_verify"]
+            print(row, flush=True)
+    figures["verify_logits_equal"] = all(r["verify_logits_equal"] for r in rows_out)
+    meta = {"model": resolved.model_id, "dtype": args.dtype, "context": args.context, "cpu": cpu_model()}
+    print(write_results(args.name, figures, {"rows": rows_out}, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

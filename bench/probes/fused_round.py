@@ -1,13 +1,15 @@
-"""What a verify round would save by running beside a prefill forward's layers instead of as a forward of its own.
+"""What a verify round would save by running beside a prefill forward instead of as a forward of its own.
 
 At 4 streams of long prompts mostly one stream decodes while the others' prompts are prefilled, and each of its
-rounds is a target forward of its own: the weights read again for a few rows. Here, on zeroed K/V `--context` tokens
-into two prompts: a prefill forward of `--chunk` tokens, and a verify pass of a chain of `rows` tokens,
+rounds is a target forward of its own. Here, on zeroed K/V `--context` tokens into two prompts: a prefill forward of
+`--chunk` tokens, and a verify pass of a chain of `rows` tokens,
   separate:    the prefill forward, then the verify pass as the engine runs it (`Transformer.forward`);
   interleaved: both as staged forwards, one layer of each in turn (each layer's weights just read by the prefill's);
-the verify logits must be the same bits both ways. Times are medians of `--repeats`, the two orders alternating.
+  joint:       one forward over both segments, with `--backend lanes` only (every forward on `lanes`: the prompt's
+               and the round's rows in one GEMM per linear, each row's bits as in a forward of its own);
+the verify logits must be the same bits every way. Times are medians of `--repeats`, the order rotating.
 
-    python bench/probes/fused_round.py [--chunk 96,256] [--rows 1,8,16] [--context 4096] [--repeats 7]
+    python bench/probes/fused_round.py [--backend auto|lanes] [--chunk 96,256] [--rows 1,8,16] [--context 4096]
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import load_model, write_results  # noqa: E402
 from spyglass.cost import cpu_model  # noqa: E402
+from spyglass.models.linear import set_linear_backend  # noqa: E402
 from spyglass.models.llama import Segment  # noqa: E402
 
 
@@ -49,6 +52,10 @@ def interleaved(model, cache, prefill: Segment, verify: Segment):
     return b.logits[0]
 
 
+def joint(model, cache, prefill: Segment, verify: Segment):
+    return model([prefill, verify], cache)[1]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -57,9 +64,12 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--name", default="fused_round")
+    ap.add_argument("--backend", default="auto", choices=["auto", "lanes"], help="the target's linear backend")
+    ap.add_argument("--name", default=None, help="results name (default fused_round, fused_round_lanes)")
     args = ap.parse_args()
     model, _, resolved = load_model(None, args.dtype, args.threads)
+    set_linear_backend(model, args.backend)
+    ways = {"separate": separate, "interleaved": interleaved} | ({"joint": joint} if args.backend == "lanes" else {})
     cache = model.new_cache(args.context + 512, 2)
     slots = [cache.allocate(), cache.allocate()]
     for slot in slots:
@@ -74,30 +84,33 @@ def main() -> int:
         for rows in (int(r) for r in args.rows.split(",")):
             prefill, verify = segments(model, slots, args.context, chunk, rows)
             with torch.inference_mode():
-                same = torch.equal(separate(model, cache, prefill, verify), interleaved(model, cache, prefill, verify))
-                alone = {"prefill": [], "verify": []}
-                times = {"separate": [], "interleaved": []}
+                logits = [fn(model, cache, prefill, verify) for fn in ways.values()]
+                same = all(torch.equal(x, logits[0]) for x in logits)
+                times: dict[str, list[float]] = {k: [] for k in [*ways, "prefill", "verify"]}
                 for r in range(args.repeats):
-                    for how in ("separate", "interleaved") if r % 2 == 0 else ("interleaved", "separate"):
+                    order = list(ways)[r % len(ways) :] + list(ways)[: r % len(ways)]
+                    for how in order:
                         t0 = time.perf_counter()
-                        (separate if how == "separate" else interleaved)(model, cache, prefill, verify)
+                        ways[how](model, cache, prefill, verify)
                         times[how].append(time.perf_counter() - t0)
                     t0 = time.perf_counter()
                     model.staged([prefill], cache).run()
-                    alone["prefill"].append(time.perf_counter() - t0)
+                    times["prefill"].append(time.perf_counter() - t0)
                     t0 = time.perf_counter()
                     model([verify], cache)
-                    alone["verify"].append(time.perf_counter() - t0)
-            ms = {k: round(1e3 * statistics.median(v), 2) for k, v in {**times, **alone}.items()}
+                    times["verify"].append(time.perf_counter() - t0)
+            ms = {k: round(1e3 * statistics.median(v), 2) for k, v in times.items()}
             row = {"chunk": chunk, "rows": rows, "verify_logits_equal": same, **{f"{k}_ms": v for k, v in ms.items()}}
-            row["saved_ms"] = round(ms["separate"] - ms["interleaved"], 2)
-            row["saved_of_verify"] = round(row["saved_ms"] / ms["verify"], 3)
+            for how in list(ways)[1:]:  # what each way saves against the two forwards apart, as a share of the round
+                row[f"{how}_saved_of_verify"] = round((ms["separate"] - ms[how]) / ms["verify"], 3)
+                figures[f"{how}_saved_of_verify_chunk{chunk}_rows{rows}"] = row[f"{how}_saved_of_verify"]
             rows_out.append(row)
-            figures[f"saved_of_verify_chunk{chunk}_rows{rows}"] = row["saved_of_verify"]
             print(row, flush=True)
     figures["verify_logits_equal"] = all(r["verify_logits_equal"] for r in rows_out)
-    meta = {"model": resolved.model_id, "dtype": args.dtype, "context": args.context, "cpu": cpu_model()}
-    print(write_results(args.name, figures, {"rows": rows_out}, meta))
+    meta = {"model": resolved.model_id, "dtype": args.dtype, "context": args.context, "cpu": cpu_model(),
+            "linear_backend": model.linear_backend}  # fmt: skip
+    name = args.name or ("fused_round" if args.backend == "auto" else f"fused_round_{args.backend}")
+    print(write_results(name, figures, {"rows": rows_out}, meta))
     return 0
 
 

@@ -586,8 +586,10 @@ inline void pv_cols(const W* Pw, int64_t ldw, const float* alpha, const TV* Vb, 
                     int64_t c0, int64_t Dp, float* O) {
   vfloat acc[MR][NV];
   for (int r = 0; r < MR; r++)
-    for (int v = 0; v < NV; v++)  // a max that did not grow leaves the row's out as it is (x * 1 is x)
-      acc[r][v] = alpha[r] == 1.0f ? vload(O + r * Dp + c0 + v * L) : vload(O + r * Dp + c0 + v * L) * alpha[r];
+    for (int v = 0; v < NV; v++) {  // a max that did not grow leaves the row's out as it is (x * 1 is x)
+      const vfloat o = vload(O + r * Dp + c0 + v * L);
+      acc[r][v] = alpha[r] == 1.0f ? o : o * alpha[r];
+    }
   for (int64_t j = 0; j < steps; j++) {
     decltype(vload(Vb)) x[NV];
     for (int v = 0; v < NV; v++) x[v] = vload(Vb + j * ldv + c0 + v * L);

@@ -31,8 +31,8 @@ from spyglass.models.llama import Segment  # noqa: E402
 
 
 def segments(model, slots: list[int], context: int, chunk: int, rows: int) -> tuple[Segment, Segment]:
-    vocab, (a, b) = model.args.vocab_size, slots
-    ids = torch.randint(0, vocab, (chunk + rows,))
+    a, b = slots
+    ids = torch.randint(0, model.args.vocab_size, (chunk + rows,))
     prefill = Segment(a, context, ids[:chunk], torch.arange(context, context + chunk), None, "last")
     mask = torch.ones(rows, rows, dtype=torch.bool).tril()
     verify = Segment(b, context, ids[chunk:], torch.arange(context, context + rows), mask, "all")

@@ -10,6 +10,8 @@ rounds is a target forward of its own. Here, on zeroed K/V `--context` tokens in
 the verify logits must be the same bits every way. Times are medians of `--repeats`, the order rotating.
 
     python bench/probes/fused_round.py [--backend auto|lanes] [--chunk 96,256] [--rows 1,8,16] [--context 4096]
+    python bench/probes/fused_round.py --backend lanes --chunk 95,88,80 --rows 1,8,16 --name fused_round_lanes_whole
+                                       # chunk + rows filling whole 16-row tiles (95 + 1, 88 + 8, 80 + 16)
 """
 
 from __future__ import annotations

@@ -1592,14 +1592,17 @@ static __attribute__((noinline)) void lanes_tile(const Wd* xt, int64_t Kw, const
                                                  const char* ahead, int64_t stride) {
   using XV = std::conditional_t<std::is_same_v<Wd, float>, vfloat, vuint>;
   vfloat acc[MV][NR] = {};
-  for (int64_t p = 0; p < Kw; p++) {
-    if (ahead && p % 16 == 0)
-      for (int64_t o = 0; o < 16 * stride; o += 64) __builtin_prefetch(ahead + p * stride + o, 0, 0);
-    XV xv[MV];
-    for (int i = 0; i < MV; i++) xv[i] = vload(xt + (i * Kw + p) * L);
-    for (int r = 0; r < NR; r++) {
-      const Wd q = lanes_word(w0 + r * K, p);
-      for (int i = 0; i < MV; i++) acc[i][r] = dot_step(q, xv[i], acc[i][r]);
+  for (int64_t p0 = 0; p0 < Kw; p0 += 16) {  // the prefetch per 16 words, outside the multiply-adds' loop
+    if (ahead)
+      for (int64_t o = 0; o < 16 * stride; o += 64) __builtin_prefetch(ahead + p0 * stride + o, 0, 0);
+    const int64_t p1 = std::min<int64_t>(Kw, p0 + 16);
+    for (int64_t p = p0; p < p1; p++) {
+      XV xv[MV];
+      for (int i = 0; i < MV; i++) xv[i] = vload(xt + (i * Kw + p) * L);
+      for (int r = 0; r < NR; r++) {
+        const Wd q = lanes_word(w0 + r * K, p);
+        for (int i = 0; i < MV; i++) acc[i][r] = dot_step(q, xv[i], acc[i][r]);
+      }
     }
   }
   for (int r = 0; r < NR; r++)

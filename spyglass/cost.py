@@ -80,10 +80,7 @@ class CostCurve:
         try:
             sizes = tuple(n for n in sizes if n <= cache.capacity // 2) or (1,)
             ctxs = sorted({min(c, cache.capacity - max(sizes)) for c in contexts if c > 0})
-            for layer in range(cache.n_layers):
-                k, v = cache.layer(slot, layer)
-                k[:, : ctxs[-1]].zero_()
-                v[:, : ctxs[-1]].zero_()
+            zero_prefix(cache, slot, ctxs[-1])
             vocab = target.args.vocab_size
             table = []
 
@@ -237,6 +234,14 @@ def measured_curve(target, cache) -> CostCurve:
 
 
 @torch.inference_mode()
+def zero_prefix(cache, slot: int, tokens: int) -> None:
+    """The first `tokens` positions of `slot`'s K/V in every layer set to zeros: the prefix a cost is measured over."""
+    for layer in range(cache.n_layers):
+        k, v = cache.layer(slot, layer)
+        k[:, :tokens].zero_()
+        v[:, :tokens].zero_()
+
+
 def measure_prefill_rate(target, cache, chunk: int = 256, context: int = 2048, repeats: int = 2) -> float:
     """Prompt tokens per second of a `chunk`-token prefill forward over a `context`-token prefix on this machine
     (the median of `repeats` after a warm-up): what sizes the engine's per-step prefill budget (`PrefillCost`).
@@ -247,10 +252,7 @@ def measure_prefill_rate(target, cache, chunk: int = 256, context: int = 2048, r
     try:
         chunk = max(1, min(chunk, cache.capacity // 2))
         context = max(0, min(context, cache.capacity - chunk))
-        for layer in range(cache.n_layers):
-            k, v = cache.layer(slot, layer)
-            k[:, :context].zero_()
-            v[:, :context].zero_()
+        zero_prefix(cache, slot, context)
         vocab = target.args.vocab_size
         times = []
         for _ in range(repeats + 1):  # the first warms up the shape

@@ -17,7 +17,6 @@ the verify logits must be the same bits every way. Times are medians of `--repea
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.common import load_model, write_results  # noqa: E402
-from spyglass.cost import cpu_model  # noqa: E402
+from bench.common import load_model, median, write_results  # noqa: E402
+from spyglass.cost import cpu_model, zero_prefix  # noqa: E402
 from spyglass.models.linear import set_linear_backend  # noqa: E402
 from spyglass.models.llama import Segment  # noqa: E402
 
@@ -75,10 +74,7 @@ def main() -> int:
     cache = model.new_cache(args.context + 512, 2)
     slots = [cache.allocate(), cache.allocate()]
     for slot in slots:
-        for layer in range(cache.n_layers):
-            k, v = cache.layer(slot, layer)
-            k[:, : args.context].zero_()
-            v[:, : args.context].zero_()
+        zero_prefix(cache, slot, args.context)
         cache.lengths[slot] = args.context
     torch.manual_seed(0)
     rows_out, figures = [], {}
@@ -101,7 +97,7 @@ def main() -> int:
                     t0 = time.perf_counter()
                     model([verify], cache)
                     times["verify"].append(time.perf_counter() - t0)
-            ms = {k: round(1e3 * statistics.median(v), 2) for k, v in times.items()}
+            ms = {k: round(1e3 * median(v), 2) for k, v in times.items()}
             row = {"chunk": chunk, "rows": rows, "verify_logits_equal": same, **{f"{k}_ms": v for k, v in ms.items()}}
             for how in list(ways)[1:]:  # what each way saves against the two forwards apart, as a share of the round
                 row[f"{how}_saved_of_verify"] = round((ms["separate"] - ms[how]) / ms["verify"], 3)

@@ -13,7 +13,7 @@ import torch
 
 from spyglass.cost import PrefillCost
 from spyglass.drafters.suffix import SuffixDrafter
-from spyglass.engine import EngineConfig, SpecEngine, StagedPrefill, plain_generate
+from spyglass.engine import PREFILL_STEP_ROUNDS, EngineConfig, SpecEngine, StagedPrefill, plain_generate
 from spyglass.models.llama import Segment, load_transformer
 from spyglass.sampling import SamplingParams
 from tests.tiny import free_tokens_curve
@@ -55,6 +55,7 @@ def test_a_decoding_sequence_gets_a_token_every_step_while_a_long_prompt_is_pref
             ran = steps_to_first % layers
             assert committed == (chunk if ran == 0 else 0)
             assert ran == 0 or engine.staged.forward.layers_run == ran
+    assert engine.round_s > 0  # the rounds are timed (the unit of the default prefill budget)
     # the first token comes with the step that completes the prefill: a layer of each chunk a step
     assert steps_to_first == math.ceil(len(long) / chunk) * layers
     assert a.num_generated >= steps_to_first  # a advanced in every one of those steps
@@ -168,6 +169,11 @@ def test_a_steps_prefill_layers_are_timed_against_the_latency_target_and_bad_val
     assert engine.prefill_layers(later) == 1  # by what they took
     engine.config.prefill_step_s = 1e3
     assert engine.prefill_layers(staged(0)) >= n  # the whole forward in a step
+    engine.config.prefill_step_s = None  # the default: twice the last round
+    engine.round_s = per_layer * 2.5 / PREFILL_STEP_ROUNDS
+    assert engine.prefill_layers(staged(0)) == 2
+    engine.round_s = per_layer * 4.5 / PREFILL_STEP_ROUNDS  # a longer round (a larger batch): more layers
+    assert engine.prefill_layers(staged(0)) == 4
     assert PrefillCost(1e-3, 1e-6, fixed=0.05).seconds([(0, 100), (1000, 50)]) == pytest.approx(0.05 + 0.1 + 0.1)
     for bad in ({"prefill_layers": 0}, {"prefill_step_s": 0.0}, {"prefill_chunk": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):

@@ -547,22 +547,29 @@ inline void score_tiles(const q_operand<QE>* Q, const QE* Kt, int64_t Dq, int64_
 // none is tested (the same bits for the keys a masked call sees).
 template <int MR, bool Masked>
 inline void softmax_tile(const float* S, int64_t nvec, float* P, float* m, float* l, float* alpha) {
-  static_assert(MR <= L, "a tile's rows' alphas are one vector's lanes");
-  float mx[MR];
-  vfloat shift[MR];  // what each row's scores drop by: its new max, or 0 for a row that has seen nothing yet
-  vfloat drop{};     // each row's old max less its new one (the exps of all rows at once)
+  static_assert(MR <= L, "a tile's rows' states are one vector's lanes");
+  // the rows side by side, lane r for row r, without a branch on whether a max grew: mo its running max before the
+  // block, mb the block's
+  const vfloat none = splat<vfloat>(kNegInf);
+  vfloat mo = none, mb = none;
   for (int r = 0; r < MR; r++) {
     const float* s = S + r * kNB;
     vfloat mv = vload(s);
     for (int64_t j = L; j < nvec * L; j += L) mv = vmax(mv, vload(s + j));
-    mx[r] = std::max(m[r], hmax(mv));
-    if (m[r] != kNegInf) drop[r] = m[r] - mx[r];
-    shift[r] = splat<vfloat>(mx[r] == kNegInf ? 0.0f : mx[r]);
+    mo[r] = m[r];
+    mb[r] = hmax(mv);
   }
-  const vfloat grown = exp_nonpos(drop);
+  const vfloat mx = vmax(mo, mb);
   // a max that did not grow: alpha = 1, e^0 exactly (so also a row that has seen nothing yet, every score -inf: P = 0
-  // and its state stays as it is)
-  for (int r = 0; r < MR; r++) alpha[r] = mx[r] == m[r] ? 1.0f : m[r] == kNegInf ? 0.0f : grown[r];
+  // and its state stays as it is); a row that saw nothing before: 0
+  const vfloat grown = exp_nonpos(mo != none ? mo - mx : vfloat{});
+  const vfloat a = mx == mo ? splat<vfloat>(1.0f) : mo == none ? vfloat{} : grown;
+  const vfloat drop_by = mx == none ? vfloat{} : mx;  // what each row's scores drop by (0 for a row that saw nothing)
+  vfloat shift[MR];
+  for (int r = 0; r < MR; r++) {
+    shift[r] = splat<vfloat>(drop_by[r]);
+    alpha[r] = a[r];
+  }
   vfloat sum[MR] = {};
   for (int64_t j = 0; j < nvec * L; j += L)  // the rows' exponentials side by side: independent chains
     for (int r = 0; r < MR; r++) {

@@ -41,7 +41,9 @@ def chunk_costs(model, contexts=(2048, 5120), repeats: int = 3) -> dict[str, dic
     }
 
 
-def run(model, prompts: list[list[int]], streams: int, step_s: float, method: str, params: SamplingParams) -> dict:
+def run(
+    model, prompts: list[list[int]], streams: int, step_s: float | None, method: str, params: SamplingParams
+) -> dict:
     engine = SpecEngine(
         model,
         build_drafter(method, model, max_batch=streams),
@@ -93,14 +95,18 @@ def main(argv=None) -> Path:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--per-kind", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--configs", default="1:0.25,4:0.25,4:0.5", help="streams:prefill_step_s[:method], comma-separated")
+    ap.add_argument(
+        "--configs",
+        default="1:0.25,4:0.25,4:0.5",
+        help="streams:prefill_step_s[:method], comma-separated (auto: the engine's default budget)",
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--name", default="prefill_share")
     args = ap.parse_args(argv)
     configs = []
     for c in args.configs.split(","):
         streams, step_s, *method = c.split(":")
-        configs.append((int(streams), float(step_s), method[0] if method else "suffix"))
+        configs.append((int(streams), None if step_s == "auto" else float(step_s), method[0] if method else "suffix"))
     torch.set_num_threads(args.threads)
     model, tok, _ = load_model(None, dtype=args.dtype)
     prompts = [t.prompt_ids for t in heldout_tasks(tok, per_kind=args.per_kind)]
@@ -111,7 +117,8 @@ def main(argv=None) -> Path:
         runs.append(run(model, prompts, streams, step_s, method, params))
         r = runs[-1]
         what = f"wall {r['wall_s']} s, prefill {r['prefill_s']} s, rounds {r['rounds_s']} s"
-        print(f"{method}, {streams} streams, {step_s} s: {what} ({r['rounds']} rounds, batch {r['mean_round_batch']})")
+        budget = "auto" if step_s is None else f"{step_s} s"
+        print(f"{method}, {streams} streams, {budget}: {what} ({r['rounds']} rounds, batch {r['mean_round_batch']})")
     costs = chunk_costs(model)
     print("prefill ms/token by chunk:", costs, flush=True)
     same = all(r["outputs"] == runs[0]["outputs"] for r in runs)
@@ -120,9 +127,10 @@ def main(argv=None) -> Path:
     ratios: dict[str, list[float]] = {}  # each configuration's time against the first one's (repeats: a list)
     for key in ("prefill_s", "rounds_s"):
         for r in runs[1:]:
-            name = f"{key}_c{r['streams']}_{r['prefill_step_s']:g}_vs_c{base['streams']}"
+            step = "auto" if r["prefill_step_s"] is None else f"{r['prefill_step_s']:g}"
+            name = f"{key}_c{r['streams']}_{step}_vs_c{base['streams']}"
             if r["method"] != base["method"]:
-                name = f"{key}_{r['method']}_vs_{base['method']}_c{r['streams']}_{r['prefill_step_s']:g}"
+                name = f"{key}_{r['method']}_vs_{base['method']}_c{r['streams']}_{step}"
             ratios.setdefault(name, []).append(round(r[key] / base[key], 3))
     figures.update({k: v[0] if len(v) == 1 else v for k, v in ratios.items()})
     raw = {"runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs], "prefill_ms_per_token": costs}

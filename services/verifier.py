@@ -53,7 +53,7 @@ class VerifierConfig:
     max_new_tokens_limit: int = 4096
     default_max_new_tokens: int = 128
     prefill_chunk: int | None = None  # prompt tokens per prefill forward (None: EngineConfig's)
-    # seconds of prefill layers a step runs while other sequences decode (None: EngineConfig's, twice the last round):
+    # seconds of prefill layers a step runs while other sequences decode (None: EngineConfig's, twice a recent round):
     # a stream's longest wait for its next token while prompts are prefilled, against how soon those prompts start
     prefill_step_s: float | None = None
     # the target's matmul kernels (spyglass.models.linear.set_linear_backend): "auto" times them at load; a replica's

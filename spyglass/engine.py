@@ -34,7 +34,7 @@ from spyglass.tree import DraftTree
 from spyglass.verify import Accepted, accept
 
 PREFILL_GRAIN = 16  # the least tokens a forward prefills of a prompt where chunks may have any size (the GEMM's lanes)
-PREFILL_STEP_ROUNDS = 2.0  # a step's prefill beside decoding streams, in their last round's time (EngineConfig)
+PREFILL_STEP_ROUNDS = 2.0  # a step's prefill beside decoding streams, in their recent round's time (EngineConfig)
 
 
 @dataclass
@@ -51,7 +51,7 @@ class EngineConfig:
     # about `prefill_step_s` (timed on its layers so far, before them from the cost measured at start-up:
     # spyglass.cost.measured_prefill_cost), at least one, so a decoding stream waits about that long at most for
     # other prompts between two of its rounds. Unset, the budget is PREFILL_STEP_ROUNDS times the running batch's
-    # last round (its drafting and verify pass), so a stream's step is about 3 of its rounds on any machine. The
+    # round lately (its drafting and verify pass), so a stream's step is about 3 of its rounds on any machine. The
     # forward costs the same however many steps it is spread over, so a small budget costs the prompts little: served
     # under 4 streams of long prompts (Zen 3, bf16) 0.25 / 0.15 / 0.1 s gave a median time per output token of 94 /
     # 67 / 49 ms, the same median time to first token (79 / 78 / 76 s) and wall time (235 / 224 / 224 s).
@@ -152,7 +152,7 @@ class SpecEngine:
         self.prefill_unit = min(PREFILL_GRAIN, cfg.prefill_chunk) if self.any_chunk else cfg.prefill_chunk
         self.prefill_cost = self._prefill_cost()
         self.staged: StagedPrefill | None = None  # a prefill forward whose layers run over several steps
-        self.round_s = 0.0  # the last speculative round's seconds (drafting and verify pass)
+        self.round_times: deque[float] = deque(maxlen=5)  # the last rounds' seconds (drafting and verify pass)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: deque[Sequence] = deque()  # hold a slot, in admission order (see _prefill_step)
         self.running: list[Sequence] = []
@@ -173,8 +173,8 @@ class SpecEngine:
 
     def prefill_layers(self, staged: StagedPrefill) -> int:
         """Layers of `staged` a step runs while sequences decode: the configured number, or those that take
-        `prefill_step_s` (unset: PREFILL_STEP_ROUNDS of the last round) at the time its layers took so far (before
-        any ran: the measured `PrefillCost` of its chunks), at least one."""
+        `prefill_step_s` (unset: PREFILL_STEP_ROUNDS of a round lately, `round_s`) at the time its layers took so far
+        (before any ran: the measured `PrefillCost` of its chunks), at least one."""
         if self.prefill_cost is None:
             return self.config.prefill_layers
         budget = self.config.prefill_step_s
@@ -186,6 +186,13 @@ class SpecEngine:
         else:
             per_layer = self.prefill_cost.seconds([(start, take) for _, start, take in staged.picks]) / fwd.n_layers
         return max(1, int(budget / max(per_layer, 1e-9)))
+
+    @property
+    def round_s(self) -> float:
+        """A round's seconds lately: the median of the last few (one slow round, such as a drafter's first with its
+        set-up, does not buy the next step a long prefill); 0 before any."""
+        times = sorted(self.round_times)
+        return times[len(times) // 2] if times else 0.0
 
     @property
     def drafter(self) -> Drafter:
@@ -544,7 +551,7 @@ class SpecEngine:
         for seq in batch:
             seq.stats.draft_time += t1 - t0
             seq.stats.verify_time += t2 - t1
-        self.round_s = t2 - t0
+        self.round_times.append(t2 - t0)
         return events
 
     @staticmethod

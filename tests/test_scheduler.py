@@ -169,10 +169,13 @@ def test_a_steps_prefill_layers_are_timed_against_the_latency_target_and_bad_val
     assert engine.prefill_layers(later) == 1  # by what they took
     engine.config.prefill_step_s = 1e3
     assert engine.prefill_layers(staged(0)) >= n  # the whole forward in a step
-    engine.config.prefill_step_s = None  # the default: twice the last round
-    engine.round_s = per_layer * 2.5 / PREFILL_STEP_ROUNDS
+    engine.config.prefill_step_s = None  # the default: twice a round lately
+    engine.round_times.clear()
+    engine.round_times.extend([per_layer * 2.5 / PREFILL_STEP_ROUNDS] * 3)
     assert engine.prefill_layers(staged(0)) == 2
-    engine.round_s = per_layer * 4.5 / PREFILL_STEP_ROUNDS  # a longer round (a larger batch): more layers
+    engine.round_times.append(per_layer * 100)  # one slow round (a drafter's first, with its set-up)
+    assert engine.prefill_layers(staged(0)) == 2  # buys no long prefill
+    engine.round_times.extend([per_layer * 4.5 / PREFILL_STEP_ROUNDS] * 5)  # longer rounds (a larger batch)
     assert engine.prefill_layers(staged(0)) == 4
     assert PrefillCost(1e-3, 1e-6, fixed=0.05).seconds([(0, 100), (1000, 50)]) == pytest.approx(0.05 + 0.1 + 0.1)
     for bad in ({"prefill_layers": 0}, {"prefill_step_s": 0.0}, {"prefill_chunk": 0}):

@@ -242,6 +242,7 @@ def zero_prefix(cache, slot: int, tokens: int) -> None:
         v[:, :tokens].zero_()
 
 
+@torch.inference_mode()
 def measure_prefill_rate(target, cache, chunk: int = 256, context: int = 2048, repeats: int = 2) -> float:
     """Prompt tokens per second of a `chunk`-token prefill forward over a `context`-token prefix on this machine
     (the median of `repeats` after a warm-up): what sizes the engine's per-step prefill budget (`PrefillCost`).

@@ -41,6 +41,11 @@ def chunk_costs(model, contexts=(2048, 5120), repeats: int = 3) -> dict[str, dic
     }
 
 
+def budget(step_s: float | None) -> str:
+    """A configuration's prefill budget as written: its seconds, or auto (the engine's default)."""
+    return "auto" if step_s is None else f"{step_s:g}"
+
+
 def run(
     model, prompts: list[list[int]], streams: int, step_s: float | None, method: str, params: SamplingParams
 ) -> dict:
@@ -117,8 +122,8 @@ def main(argv=None) -> Path:
         runs.append(run(model, prompts, streams, step_s, method, params))
         r = runs[-1]
         what = f"wall {r['wall_s']} s, prefill {r['prefill_s']} s, rounds {r['rounds_s']} s"
-        budget = "auto" if step_s is None else f"{step_s} s"
-        print(f"{method}, {streams} streams, {budget}: {what} ({r['rounds']} rounds, batch {r['mean_round_batch']})")
+        how = f"{r['rounds']} rounds, batch {r['mean_round_batch']}"
+        print(f"{method}, {streams} streams, budget {budget(step_s)}: {what} ({how})")
     costs = chunk_costs(model)
     print("prefill ms/token by chunk:", costs, flush=True)
     same = all(r["outputs"] == runs[0]["outputs"] for r in runs)
@@ -127,7 +132,7 @@ def main(argv=None) -> Path:
     ratios: dict[str, list[float]] = {}  # each configuration's time against the first one's (repeats: a list)
     for key in ("prefill_s", "rounds_s"):
         for r in runs[1:]:
-            step = "auto" if r["prefill_step_s"] is None else f"{r['prefill_step_s']:g}"
+            step = budget(r["prefill_step_s"])
             name = f"{key}_c{r['streams']}_{step}_vs_c{base['streams']}"
             if r["method"] != base["method"]:
                 name = f"{key}_{r['method']}_vs_{base['method']}_c{r['streams']}_{step}"

@@ -919,6 +919,22 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 2);
 }
 
+// The softmax states (max, sum, unnormalised out) of a call's rows over its first key chunks, [Hkv][chunk][R]: what
+// several sequences whose caches begin with the same K/V compute once for all their rows (shared_attention) and each
+// then folds before its own chunks.
+struct ChunkParts {
+  int64_t chunks = 0, R = 0;
+  std::vector<float> m, l;
+  std::unique_ptr<float[]> o;
+};
+// A call's part in a shared prefix: `out`, the call computes the states of the chunks below out->chunks for all its
+// rows (and no result); `in`, it takes its chunks below in->chunks from there, its rows from row0 on.
+struct Shared {
+  ChunkParts* out = nullptr;
+  const ChunkParts* in = nullptr;
+  int64_t row0 = 0;
+};
+
 // tile_attention for one element type E of q, the cache and the result.
 //
 // A token's keys are laid out as a decode step at its position would see them: the prefix at 0..start-1, then the
@@ -932,7 +948,7 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
 // token-major: row r is token t0 + r / g, query head kv * g + r % g.
 template <typename E>
 torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                                  int64_t start, double scale) {
+                                  int64_t start, double scale, Shared shared = {}) {
   using QE = score_elem<E>;
   using KT = packed_elem<E>;
   const int64_t H = c.H, n = c.n, D = c.D, hkv = c.hkv, g = c.g, length = start + n;
@@ -955,10 +971,13 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
   const int64_t threads = at::get_num_threads();
   int64_t per_head = std::max<int64_t>(1, (4 * threads + hkv - 1) / hkv);
   while (hkv * per_head % threads) per_head++;
-  const bool split = n <= kSplitTokens;
+  const bool split = n <= kSplitTokens || shared.out;
+  TORCH_CHECK(split || !shared.in, "tile_attention: a shared prefix's chunks need the split path");
   const int64_t TB = split ? n : std::clamp<int64_t>(((n + per_head - 1) / per_head + kMR - 1) / kMR * kMR, kMR,
                                                       kItemTokens);
-  const int64_t chunks = split ? (length + kChunkKeys - 1) / kChunkKeys : 1;
+  // the chunks this call computes: from the first not given (shared.in), up to the last it shares (shared.out)
+  const int64_t chunks = shared.out ? shared.out->chunks : split ? (length + kChunkKeys - 1) / kChunkKeys : 1;
+  const int64_t first = shared.in ? shared.in->chunks : 0;
   struct Item {
     int64_t kv, t0, t1, chunk, cost;
   };
@@ -966,7 +985,7 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
   for (int64_t kv = 0; kv < hkv; kv++)
     for (int64_t t0 = 0; t0 < n; t0 += TB) {
       const int64_t t1 = std::min(n, t0 + TB), kend = mp ? length : start + t1;
-      for (int64_t ch = 0; ch < chunks && ch * kChunkKeys < kend; ch++)
+      for (int64_t ch = first; ch < chunks && ch * kChunkKeys < kend; ch++)
         items.push_back({kv, t0, t1, ch, (split ? std::min(kChunkKeys, kend - ch * kChunkKeys) : kend) * (t1 - t0)});
     }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
@@ -974,7 +993,7 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
   const int64_t R = g * n;
   std::vector<float> part_m(split ? hkv * chunks * R : 0, kNegInf), part_l(split ? hkv * chunks * R : 0, 0.0f);
   // part_o is left uninitialised: fold_chunk reads a chunk's out only where its sum is set (> 0), i.e. written
-  const std::unique_ptr<float[]> part_o(new float[split ? hkv * chunks * R * D : 0]);
+  std::unique_ptr<float[]> part_o(new float[split ? hkv * chunks * R * D : 0]);
 
   auto y = torch::empty({n, H * D}, c.q.options());
   const E* qp = c.q.data_ptr<E>();
@@ -1133,6 +1152,13 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
       }
     }
   });
+  if (shared.out) {  // the rows' states per chunk, for the calls of the sequences sharing them to fold
+    shared.out->m = std::move(part_m);
+    shared.out->l = std::move(part_l);
+    shared.out->o.reset(part_o.release());
+    shared.out->R = R;
+    return y;
+  }
   if (split)  // row r of KV head kv: token r / g, query head kv * g + r % g
     at::parallel_for(0, hkv * R, 16, [&](int64_t a, int64_t e) {
       std::vector<float> o(D);
@@ -1140,7 +1166,12 @@ torch::Tensor tile_attention_impl(const CacheCall& c, const torch::Tensor& k_cac
         const int64_t kv = kr / R, r = kr % R;
         float m = kNegInf, l = 0.0f;
         std::fill(o.begin(), o.end(), 0.0f);
-        for (int64_t ch = 0; ch < chunks; ch++) {
+        for (int64_t ch = 0; ch < first; ch++) {  // the shared chunks' states, then this call's own
+          const ChunkParts& in = *shared.in;
+          const int64_t t = (kv * first + ch) * in.R + shared.row0 + r;
+          fold_chunk(m, l, o.data(), in.m[t], in.l[t], in.o.get() + t * D, D);
+        }
+        for (int64_t ch = first; ch < chunks; ch++) {
           const int64_t t = (kv * chunks + ch) * R + r;
           fold_chunk(m, l, o.data(), part_m[t], part_l[t], part_o.get() + t * D, D);
         }
@@ -1813,21 +1844,72 @@ torch::Tensor lanes_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
   return c.y;
 }
 
+// tile_attention of several sequences at once, sequence i's new tokens qs[i] over its cache (ks[i], vs[i]), where
+// every cache begins with the same `shared_keys` K/V, bit for bit (a prefix copied from one slot to the others): the
+// whole key chunks of that prefix are read once, from the first cache, for the rows of every sequence (rather than once
+// per sequence), and each sequence folds them before its own chunks. A row goes through the same operations as in its
+// own tile_attention call, so the results are those calls' bits. Each sequence: at most kSplitTokens new tokens, its
+// start at or past `shared_keys`; q, the caches and the masks as tile_attention takes them.
+std::vector<torch::Tensor> group_attention(std::vector<torch::Tensor> qs, std::vector<torch::Tensor> ks,
+                                           std::vector<torch::Tensor> vs, std::vector<int64_t> starts,
+                                           std::vector<c10::optional<torch::Tensor>> masks, int64_t shared_keys,
+                                           double scale) {
+  const size_t m = qs.size();
+  TORCH_CHECK(m > 0 && ks.size() == m && vs.size() == m && starts.size() == m && masks.size() == m,
+              "group_attention: one q, k_cache, v_cache, start and mask per sequence");
+  std::vector<CacheCall> calls;
+  std::vector<torch::Tensor> qc;
+  for (size_t i = 0; i < m; i++) {
+    calls.push_back(check_cache_call("group_attention", qs[i], ks[i], vs[i], starts[i], masks[i]));
+    const CacheCall& c = calls.back();
+    TORCH_CHECK(c.H == calls[0].H && c.D == calls[0].D && c.hkv == calls[0].hkv, "group_attention: head shapes differ");
+    check_same_dtype("group_attention", qs[i], qs[0]);
+    TORCH_CHECK(c.n <= kSplitTokens, "group_attention: at most ", kSplitTokens, " new tokens per sequence");
+    TORCH_CHECK(shared_keys >= 0 && shared_keys <= starts[i], "group_attention: ", shared_keys,
+                " shared keys past a sequence's start ", starts[i]);
+    qc.push_back(c.q);
+  }
+  const int64_t chunks = shared_keys / kChunkKeys;
+  return by_elem(qs[0], [&](auto elem) {
+    using E = decltype(elem);
+    std::vector<torch::Tensor> out;
+    if (chunks == 0 || m == 1) {
+      for (size_t i = 0; i < m; i++) out.push_back(tile_attention_impl<E>(calls[i], ks[i], vs[i], starts[i], scale));
+      return out;
+    }
+    // every sequence's rows, token-major, one sequence after the other, over the first cache's shared chunks
+    const CacheCall& c0 = calls[0];
+    torch::Tensor q_all = torch::cat(qc, 1);
+    const CacheCall all{q_all, {}, c0.H, q_all.size(1), c0.D, c0.hkv, c0.g, nullptr};
+    ChunkParts parts;
+    parts.chunks = chunks;
+    tile_attention_impl<E>(all, ks[0], vs[0], chunks * kChunkKeys, scale, {&parts});
+    int64_t row0 = 0;
+    for (size_t i = 0; i < m; i++) {
+      out.push_back(tile_attention_impl<E>(calls[i], ks[i], vs[i], starts[i], scale, {nullptr, &parts, row0}));
+      row0 += calls[i].n * calls[i].g;
+    }
+    return out;
+  });
+}
+
 // ----------------------------------------------------------------------------- layer_stack: a forward's layers
 // Every decoder layer of a row-invariant forward (a decode step, a verify pass) in one call: the same kernels, in
 // the same order, on the same tensors as Block._forward_native with every linear on rows_linear, or on lanes_linear
-// where `lanes` (so the same bits),
-// without the Python between them (at SmolLM2's size ~2.5 ms of a ~21 ms bf16 decode step on Zen 3). x [T, C] holds
-// the segments' new tokens in order; cos/sin are [T, D] (or [T, 1, D]); weights, per layer in order: attention norm,
-// wqkv, its bias (None if none), wo, MLP norm, w_gate_up, w_down; k_cache / v_cache [slots, layers, Hkv, capacity, D];
-// per segment its slot, committed length, token count and tree mask (None: causal). Returns the last layer's
-// output, then the output of each layer listed in `capture` (ascending).
+// where `lanes` (so the same bits), without the Python between them (at SmolLM2's size ~2.5 ms of a ~21 ms bf16
+// decode step on Zen 3). x [T, C] holds the segments' new tokens in order; cos/sin are [T, D] (or [T, 1, D]);
+// weights, per layer in order: attention norm, wqkv, its bias (None if none), wo, MLP norm, w_gate_up, w_down;
+// k_cache / v_cache [slots, layers, Hkv, capacity, D]; per segment its slot, committed length, token count and tree
+// mask (None: causal), and its group: the first of the segments whose caches begin with the same `shared_keys` K/V
+// (group_attention), itself if none. Returns the last layer's output, then the output of each layer listed in
+// `capture` (ascending).
 std::vector<torch::Tensor> layer_stack(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
                                        std::vector<c10::optional<torch::Tensor>> weights, double eps,
                                        torch::Tensor k_cache, torch::Tensor v_cache, std::vector<int64_t> slots,
                                        std::vector<int64_t> starts, std::vector<int64_t> counts,
                                        std::vector<c10::optional<torch::Tensor>> masks, int64_t n_heads, double scale,
-                                       std::vector<int64_t> capture, bool lanes) {
+                                       std::vector<int64_t> capture, bool lanes, std::vector<int64_t> groups,
+                                       std::vector<int64_t> shared_keys) {
   const auto linear = lanes ? lanes_linear : rows_linear;
   constexpr size_t kPerLayer = 7;
   const size_t segs = slots.size();
@@ -1835,6 +1917,15 @@ std::vector<torch::Tensor> layer_stack(torch::Tensor x, torch::Tensor cos, torch
               "layer_stack: ", kPerLayer, " weights per layer of the cache's ", k_cache.size(1));
   TORCH_CHECK(segs > 0 && starts.size() == segs && counts.size() == segs && masks.size() == segs,
               "layer_stack: one slot, start, count and mask per segment");
+  TORCH_CHECK(groups.size() == segs && shared_keys.size() == segs, "layer_stack: one group and shared length per segment");
+  // the groups of segments whose caches share a prefix (group_attention): root segment -> its segments in order
+  std::vector<std::vector<size_t>> members(segs);
+  for (size_t i = 0; i < segs; i++) {
+    TORCH_CHECK(groups[i] >= 0 && size_t(groups[i]) <= i && groups[groups[i]] == groups[i] &&
+                    shared_keys[i] == shared_keys[groups[i]],
+                "layer_stack: segment ", i, "'s group must be an earlier segment heading its own, sharing as many keys");
+    members[groups[i]].push_back(i);
+  }
   TORCH_CHECK(k_cache.dim() == 5 && v_cache.sizes() == k_cache.sizes(), "layer_stack: K/V [slots, layers, Hkv, cap, D]");
   int64_t rows = 0;
   for (size_t i = 0; i < segs; i++) rows += counts[i];
@@ -1846,12 +1937,26 @@ std::vector<torch::Tensor> layer_stack(torch::Tensor x, torch::Tensor cos, torch
   for (int64_t l = 0; l < layers; l++) {
     const auto* w = weights.data() + l * kPerLayer;
     const torch::Tensor qkv = linear(rms_norm(x, *w[0], eps), *w[1], w[2]);
-    std::vector<torch::Tensor> outs;
+    std::vector<torch::Tensor> qs, ks, vs, outs(segs);
     for (size_t i = 0, offset = 0; i < segs; offset += counts[i], i++) {
-      const torch::Tensor k_all = k_cache.select(0, slots[i]).select(0, l);
-      const torch::Tensor v_all = v_cache.select(0, slots[i]).select(0, l);
-      const torch::Tensor q = rope_write(qkv, cos, sin, k_all, v_all, offset, counts[i], starts[i], n_heads);
-      outs.push_back(tile_attention(q, k_all, v_all, starts[i], masks[i], scale));
+      ks.push_back(k_cache.select(0, slots[i]).select(0, l));
+      vs.push_back(v_cache.select(0, slots[i]).select(0, l));
+      qs.push_back(rope_write(qkv, cos, sin, ks[i], vs[i], offset, counts[i], starts[i], n_heads));
+    }
+    for (size_t r = 0; r < segs; r++) {
+      if (members[r].empty()) continue;  // a segment of an earlier one's group
+      if (members[r].size() == 1) {
+        outs[r] = tile_attention(qs[r], ks[r], vs[r], starts[r], masks[r], scale);
+        continue;
+      }
+      std::vector<torch::Tensor> gq, gk, gv;
+      std::vector<int64_t> gs;
+      std::vector<c10::optional<torch::Tensor>> gm;
+      for (size_t i : members[r]) {
+        gq.push_back(qs[i]), gk.push_back(ks[i]), gv.push_back(vs[i]), gs.push_back(starts[i]), gm.push_back(masks[i]);
+      }
+      const auto got = group_attention(gq, gk, gv, gs, gm, shared_keys[r], scale);
+      for (size_t j = 0; j < got.size(); j++) outs[members[r][j]] = got[j];
     }
     const torch::Tensor h = x + linear(outs.size() > 1 ? torch::cat(outs) : outs[0], *w[3], none);
     x = h + linear(silu_mul(linear(rms_norm(h, *w[4], eps), *w[5], none)), *w[6], none);
@@ -1871,6 +1976,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul);
   m.def("rope_write", &rope_write);
   m.def("tile_attention", &tile_attention);
+  m.def("group_attention", &group_attention);
+  m.attr("chunk_keys") = py::int_(kChunkKeys);      // the whole chunks group_attention shares
+  m.attr("split_tokens") = py::int_(kSplitTokens);  // the most new tokens per sequence it takes
   m.def("rows_linear", &rows_linear);
   m.def("lanes_linear", &lanes_linear);
 }

@@ -107,6 +107,8 @@ class KVCache:
         self.kept: dict[int, torch.Tensor] = {}  # free slot -> the tokens whose K/V it still holds, oldest first
         self._used: set[int] = set()  # slots allocated before (their pages resident)
         self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (slot, layer) -> layer()
+        # slot -> {other slot: how many leading positions of both hold the same K/V, bit for bit} (copy_prefix)
+        self._same: dict[int, dict[int, int]] = {}
 
     # --- slot management -------------------------------------------------------------
     @property
@@ -129,6 +131,7 @@ class KVCache:
         self._used.add(slot)
         self.kept.pop(slot, None)
         self.lengths[slot] = 0
+        self.overwrite(slot, 0)
         return slot
 
     def release(self, slot: int, keep: torch.Tensor | None = None) -> None:
@@ -140,6 +143,7 @@ class KVCache:
         if keep is not None and 0 < len(keep) <= self.lengths[slot]:
             self.kept[slot] = keep
         self.lengths[slot] = 0
+        self.overwrite(slot, 0)
         self._free.append(slot)
 
     def reserve(self) -> float:
@@ -161,6 +165,25 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes of K/V allocated for all slots."""
         return self._k.nbytes + self._v.nbytes
+
+    # --- prefixes held by several slots -------------------------------------------------
+    def same_prefix(self, a: int, b: int) -> int:
+        """How many leading positions slots `a` and `b` hold with the same K/V, bit for bit, as far as the cache
+        knows (one was copied from the other, or both from a third, and neither has been written there since)."""
+        return self._same.get(a, {}).get(b, 0)
+
+    def overwrite(self, slot: int, at: int) -> None:
+        """Positions from `at` on of `slot` are about to be written: what it shares with other slots ends there."""
+        for other, n in list(self._same.get(slot, {}).items()):
+            if n > at:
+                self._share(slot, other, at)
+
+    def _share(self, a: int, b: int, n: int) -> None:
+        for x, y in ((a, b), (b, a)):
+            if n > 0:
+                self._same.setdefault(x, {})[y] = n
+            else:
+                self._same.get(x, {}).pop(y, None)
 
     # --- access ------------------------------------------------------------------------
     def layer(self, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,6 +215,7 @@ class KVCache:
             raise ValueError(f"write position {start} is negative")
         if start + n > self.capacity:
             raise CacheFullError(f"slot {slot}: {start + n} tokens exceed the capacity {self.capacity}")
+        self.overwrite(slot, start)
         ck, cv = self.layer(slot, layer)
         ck[:, start : start + n] = k
         cv[:, start : start + n] = v
@@ -209,20 +233,29 @@ class KVCache:
         hi = lo + kv.shape[3]
         if hi > self.capacity:
             raise CacheFullError(f"slot {slot}: {hi} tokens exceed the capacity {self.capacity}")
+        self.overwrite(slot, lo)
         self._k[slot][:, :, lo:hi] = kv[0]
         self._v[slot][:, :, lo:hi] = kv[1]
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        """Positions [0, n) of slot `src` into slot `dst`, which then holds n committed tokens."""
+        """Positions [0, n) of slot `src` into slot `dst`, which then holds n committed tokens (the same K/V as `src`
+        there, and as the slots sharing them with `src`: `same_prefix`)."""
         if not 0 <= n <= self.lengths[src]:
             raise ValueError(f"slot {src} holds {self.lengths[src]} committed tokens, not {n}")
+        if src == dst:
+            raise ValueError(f"slot {src} copied onto itself")
+        self.overwrite(dst, 0)
         self._k[dst][:, :, :n] = self._k[src][:, :, :n]
         self._v[dst][:, :, :n] = self._v[src][:, :, :n]
         self.lengths[dst] = n
+        for other, m in [(src, n), *self._same.get(src, {}).items()]:
+            if other != dst:
+                self._share(dst, other, min(n, m))
 
     def commit(self, slot: int, start: int, path: list[int]) -> None:
         """Keep the tree entries `start + path[j]` as positions `start + j`; the committed length grows."""
         n = len(path)
+        self.overwrite(slot, start)
         if path != list(range(n)):  # a chain prefix is already in place
             src = torch.tensor(path, device=self.device) + start
             for cache in (self._k[slot], self._v[slot]):
@@ -231,3 +264,4 @@ class KVCache:
 
     def truncate(self, slot: int, length: int) -> None:
         self.lengths[slot] = min(self.lengths[slot], length)
+        self.overwrite(slot, self.lengths[slot])

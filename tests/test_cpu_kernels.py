@@ -272,6 +272,31 @@ def _check_attends_as_decode(
                 assert torch.equal(tree[t], decode_step(t, start, mask[t].nonzero()[:, 0])), (start, n, t)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_group_attention_equals_each_sequences_own_call(dtype):
+    """Sequences whose caches begin with the same K/V (decode steps and trees, at different starts): reading the
+    shared whole chunks once for all their rows gives each row the bits of its own tile_attention call, whatever
+    number of keys the group is told it shares (under a chunk: nothing shared)."""
+    g = torch.Generator().manual_seed(4)
+    base = [torch.randn(3, 1400, 64, generator=g).to(dtype) for _ in range(2)]
+    ks, vs, qs, starts, masks = [], [], [], [], []
+    for start, n in ((1100, 1), (1060, 7), (1300, 1), (1040, 30)):
+        k, v = (b.clone() for b in base)
+        for t in (k, v):  # each sequence's own keys after the prefix they share
+            t[:, 1040:] = torch.randn(3, 360, 64, generator=g).to(dtype)
+        ks.append(k), vs.append(v), starts.append(start)
+        qs.append(torch.randn(9, n, 64, generator=g).to(dtype))
+        masks.append(_random_tree(n, g) if n > 1 else None)
+    own = [ops.tile_attention(*call, 0.125) for call in zip(qs, ks, vs, starts, masks, strict=True)]
+    for shared in (0, 600, 1024, 1040):
+        got = ops.group_attention(qs, ks, vs, starts, masks, shared, 0.125)
+        assert all(torch.equal(a, b) for a, b in zip(got, own, strict=True)), shared
+    with pytest.raises(RuntimeError, match="past a sequence's start"):
+        ops.group_attention(qs, ks, vs, starts, masks, 1045, 0.125)
+    with pytest.raises(RuntimeError, match="new tokens per sequence"):
+        ops.group_attention([torch.randn(9, 65, 64).to(dtype)], ks[:1], vs[:1], [0], [None], 0, 0.125)
+
+
 def test_tile_attention_rejects_bad_input():
     k = torch.randn(3, 8, 64)
     with pytest.raises(RuntimeError, match="out of range"):
@@ -558,6 +583,52 @@ def test_the_one_call_layer_stack_equals_the_layer_by_layer_forward(tiny_dir, mo
         assert a.keys() == b.keys() and all(torch.equal(a[i], b[i]) for i in a)
     for a, b in zip(kv, ref_kv, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_layer_stack_reads_a_prefix_copied_to_several_slots_once(tiny_dir, monkeypatch, dtype):
+    """Prompts that begin with a prefix copied from one slot (several questions about one document): a forward of
+    their decode steps and trees reads the prefix's whole attention chunks once for all of them (`layer_stack`'s
+    groups), and each sequence's logits are the bits of its own forward; a slot written below the prefix leaves
+    the group."""
+    from spyglass.models import llama
+
+    model = load_transformer(tiny_dir["llama"], dtype=dtype, linear_backend="lanes")
+    g = torch.Generator().manual_seed(5)
+    vocab = model.args.vocab_size
+    doc = torch.randint(3, vocab, (1100,), generator=g)
+    cache = model.new_cache(1400, 4)
+    slots = [cache.allocate() for _ in range(4)]
+    model.prefill(cache, slots[0], doc, chunk_size=256)
+    for slot, n in zip(slots[1:], (1100, 1030, 1100), strict=True):  # each its own question after the document
+        cache.copy_prefix(slots[0], slot, n)
+        model.prefill(cache, slot, torch.randint(3, vocab, (40,), generator=g), chunk_size=256)
+    tree = _random_tree(5, g)
+    segments = []
+    for slot, n in zip(slots, (1, 5, 1, 3), strict=True):
+        start = cache.lengths[slot]
+        pos = start + tree.sum(1) - 1 if n == 5 else torch.arange(start, start + n)
+        segments.append(
+            Segment(slot, start, torch.randint(3, vocab, (n,), generator=g), pos, tree if n == 5 else None, "all")
+        )
+    seen = []
+    shared = llama._shared_prefixes
+    monkeypatch.setattr(llama, "_shared_prefixes", lambda *a: seen.append(shared(*a)) or seen[-1])
+    together = model(segments, cache)
+    assert seen == [([0, 0, 0, 0], [1030] * 4)]  # the fewest any slot shares (two whole chunks, read once)
+    alone = [model([seg], cache)[0] for seg in segments]
+    for a, b in zip(together, alone, strict=True):
+        assert torch.equal(a, b)
+    cache.truncate(slots[2], 700)  # slot 2 now shares one chunk: the group shares the fewest keys of its slots
+    cache.truncate(slots[3], 300)  # and slot 3 none
+    seen.clear()
+    segments = [
+        Segment(s, cache.lengths[s], torch.tensor([7]), torch.tensor([cache.lengths[s]]), None, "all") for s in slots
+    ]
+    together = model(segments, cache)
+    assert seen == [([0, 0, 0, 3], [700, 700, 700, 0])]
+    for seg, a in zip(segments, together, strict=True):
+        assert torch.equal(a, model([seg], cache)[0])
 
 
 def test_the_layer_stacks_weights_follow_the_backend_and_the_kernel_switch(tiny_dir):

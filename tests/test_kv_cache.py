@@ -251,3 +251,36 @@ def test_reserve_makes_every_slot_resident_and_used():
     assert torch.count_nonzero(reserved.all_layers()[0]) == 0
     assert faults_writing(reserved) < reserved.nbytes // 4096 // 10
     assert [reserved.allocate() for _ in range(4)] == [0, 1, 2, 3]
+
+
+def test_slots_know_the_prefixes_they_hold_alike():
+    """`same_prefix`: a prefix copied from one slot to others is the same K/V in each (and between the copies),
+    until a slot is written below it, truncated, released or allocated again."""
+    cache = make_cache(max_slots=4)
+    a, b, c, d = (cache.allocate() for _ in range(4))
+    write_all_layers(cache, a, 0, 20, seed=1)
+    cache.lengths[a] = 20
+    cache.copy_prefix(a, b, 16)
+    cache.copy_prefix(b, c, 12)
+    assert (cache.same_prefix(a, b), cache.same_prefix(b, a), cache.same_prefix(a, c), cache.same_prefix(b, c)) == (
+        16,
+        16,
+        12,
+        12,
+    )
+    assert cache.same_prefix(a, d) == 0 and cache.same_prefix(a, a) == 0
+    k_a, k_c = (committed(cache, s)[0] for s in (a, c))
+    assert torch.equal(k_a[:, :, :12], k_c)
+    write_all_layers(cache, b, 10, 2, seed=2)  # b written below what it shared
+    assert (cache.same_prefix(a, b), cache.same_prefix(b, c), cache.same_prefix(a, c)) == (10, 10, 12)
+    cache.commit(c, 8, [0])
+    assert cache.same_prefix(a, c) == 8
+    cache.truncate(a, 5)
+    assert (cache.same_prefix(a, b), cache.same_prefix(a, c), cache.same_prefix(b, c)) == (5, 5, 8)
+    cache.release(b)
+    assert cache.same_prefix(a, b) == cache.same_prefix(c, b) == 0 and cache.same_prefix(a, c) == 5
+    cache.copy_prefix(c, d, 8)
+    cache.copy_prefix(a, d, 3)  # d's earlier copy is gone: only what it now holds of a (and a of c) counts
+    assert (cache.same_prefix(d, a), cache.same_prefix(d, c)) == (3, 3)
+    with pytest.raises(ValueError, match="onto itself"):
+        cache.copy_prefix(a, a, 2)

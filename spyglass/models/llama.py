@@ -281,6 +281,29 @@ def _check_room(seg: Segment, cache: KVCache) -> None:
         )
 
 
+def _shared_prefixes(ops, segments: list[Segment], cache: KVCache) -> tuple[list[int], list[int]]:
+    """`layer_stack`'s groups: each segment joins the first earlier group whose head's slot holds the same K/V as its
+    own over at least a whole attention chunk below both starts (`KVCache.same_prefix`: a prompt copied from one slot
+    to others), and the group shares the fewest keys any of its segments shares with the head; a segment of more new
+    tokens than `group_attention` takes heads its own. Returns each segment's group head and the keys it shares."""
+    groups, shared = [], []
+    for i, s in enumerate(segments):
+        groups.append(i)
+        shared.append(0)
+        if s.tokens.shape[0] > ops.split_tokens:
+            continue
+        for j in range(i):
+            head = segments[j]
+            if groups[j] != j or head.tokens.shape[0] > ops.split_tokens:
+                continue
+            n = min(cache.same_prefix(s.slot, head.slot), s.start, head.start)
+            if n >= ops.chunk_keys:
+                groups[i] = j
+                shared[j] = n if shared[j] == 0 else min(shared[j], n)
+                break
+    return groups, [shared[g] for g in groups]
+
+
 def _row_invariant(segments: list[Segment]) -> bool:
     """Whether a forward runs its linears row-invariant: it wants every row's logits or carries a tree (a decode
     step, a verify pass), unlike a prefill chunk."""
@@ -389,6 +412,8 @@ class Transformer(nn.Module):
     def staged(self, segments: list[Segment], cache: KVCache) -> StagedForward:
         """`forward` over these segments, to be run a few layers at a time (`StagedForward.run`)."""
         segments = on_device(segments, self.device)
+        for s in segments:
+            cache.overwrite(s.slot, s.start)
         return StagedForward(self._layer_by_layer(segments, cache), _row_invariant(segments), len(self.layers))
 
     def _inputs(self, segments: list[Segment]):
@@ -448,6 +473,8 @@ class Transformer(nn.Module):
         layer-by-layer path, without the Python between them."""
         for s in segments:
             _check_room(s, cache)
+            cache.overwrite(s.slot, s.start)
+        groups, shared = _shared_prefixes(ops, segments, cache)
         with torch.inference_mode():
             x, cos, sin, tails, _ = self._inputs(segments)  # no cut: _stack_ops leaves those forwards out
             a = self.args
@@ -457,7 +484,7 @@ class Transformer(nn.Module):
             out = ops.layer_stack(
                 x, cos, sin, weights, a.rms_eps, k, v,
                 [s.slot for s in segments], [s.start for s in segments], [s.tokens.shape[0] for s in segments],
-                [s.mask for s in segments], a.n_heads, a.head_dim**-0.5, capture, lanes,
+                [s.mask for s in segments], a.n_heads, a.head_dim**-0.5, capture, lanes, groups, shared,
             )  # fmt: skip
             with row_invariant():
                 return self._head(segments, out[0], tails, False, dict(zip(capture, out[1:], strict=True)))

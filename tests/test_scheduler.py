@@ -274,3 +274,39 @@ def test_short_prompts_admitted_together_share_one_prefill_forward(any_chunk_tar
         engine.step()
     for p, s in zip(prompts, seqs, strict=True):
         assert s.output_ids == plain_generate(model, p, params)
+
+
+@pytest.mark.parametrize("drafter", [None, "suffix"])
+def test_questions_about_one_document_decode_together_reading_it_once(tiny_target, drafter, monkeypatch):
+    """Questions about a long document sent once its first request decodes copy its K/V from that slot, and their
+    decode steps (or verify passes) read the copied prefix's whole attention chunks once for all of them
+    (`layer_stack`'s groups); every output equals plain decoding's."""
+    from spyglass.models import llama
+
+    vocab = tiny_target.args.vocab_size
+    doc = prompt(vocab, 900, seed=11)
+    asks = [doc + prompt(vocab, 6, seed=12 + i) for i in range(3)]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    engine = SpecEngine(
+        tiny_target, SuffixDrafter(max_depth=6) if drafter else None, EngineConfig(max_batch=4, max_context=1024)
+    )
+    grouped = []
+    shared = llama._shared_prefixes
+
+    def spy(*a):
+        groups, keys = shared(*a)
+        grouped.append(sum(g != i for i, g in enumerate(groups)))
+        return groups, keys
+
+    monkeypatch.setattr(llama, "_shared_prefixes", spy)
+    first = engine.add_request(asks[0], params)
+    while not engine.running:
+        engine.step()
+    rest = [engine.add_request(p, params) for p in asks[1:]]
+    while engine.has_work:
+        engine.step()
+    copied = [s.stats.live_prefix_tokens for s in rest]
+    assert copied[0] == copied[1] >= 512
+    assert max(grouped) == 2  # both copies joined the first request's group
+    for s, p in zip([first, *rest], asks, strict=True):
+        assert s.output_ids == plain_generate(tiny_target, p, params)

@@ -113,9 +113,22 @@ def main(argv=None) -> Path:
             "copy_s": round(stats.copy_s, 3),
         },  # fmt: skip
         "steps": len(steps),
+        # seconds per part over the run, and per number of decoding sequences: the rounds' and the prefills' shares
+        "totals_s": {
+            k: round(sum(st.get(k, 0.0) for st in steps), 2) for k in (*(p.lstrip("_") for p in PARTS), "step")
+        },
+        "by_running": {
+            n: {
+                "steps": len(at),
+                "round_s": round(sum(st.get("spec_round", 0.0) for st in at), 2),
+                "prefill_s": round(sum(st.get("prefill_step", 0.0) for st in at), 2),
+            }  # fmt: skip
+            for n in sorted({st["running"] for st in steps})
+            for at in [[st for st in steps if st["running"] == n]]
+        },
         "kv_reserve_s": info["kv_reserve_s"],
     }
-    print(figures, raw["cache"], flush=True)
+    print(figures, raw["cache"], raw["totals_s"], raw["by_running"], flush=True)
     meta = {
         "what": "gaps between a stream's tokens in the engine alone, by step part",
         "cpu": cpu_model(),

@@ -923,7 +923,7 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
 }
 
 // The softmax states (max, sum, unnormalised out) of a call's rows over its first key chunks, [Hkv][chunk][R]: what
-// several sequences whose caches begin with the same K/V compute once for all their rows (shared_attention) and each
+// several sequences whose caches begin with the same K/V compute once for all their rows (group_attention) and each
 // then folds before its own chunks.
 struct ChunkParts {
   int64_t chunks = 0, R = 0;

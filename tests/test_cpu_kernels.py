@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from kernels import cpu
 from spyglass.kv_cache import CacheFullError
-from spyglass.models import linear
+from spyglass.models import linear, llama
 from spyglass.models.linear import set_linear_backend
 from spyglass.models.llama import Block, Segment, load_transformer
 from spyglass.sampling import SamplingParams
@@ -591,8 +591,6 @@ def test_the_layer_stack_reads_a_prefix_copied_to_several_slots_once(tiny_dir, m
     their decode steps and trees reads the prefix's whole attention chunks once for all of them (`layer_stack`'s
     groups), and each sequence's logits are the bits of its own forward; a slot written below the prefix leaves
     the group."""
-    from spyglass.models import llama
-
     model = load_transformer(tiny_dir["llama"], dtype=dtype, linear_backend="lanes")
     g = torch.Generator().manual_seed(5)
     vocab = model.args.vocab_size

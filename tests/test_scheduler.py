@@ -14,6 +14,7 @@ import torch
 from spyglass.cost import PrefillCost
 from spyglass.drafters.suffix import SuffixDrafter
 from spyglass.engine import PREFILL_STEP_ROUNDS, EngineConfig, SpecEngine, StagedPrefill, plain_generate
+from spyglass.models import llama
 from spyglass.models.llama import Segment, load_transformer
 from spyglass.sampling import SamplingParams
 from tests.tiny import free_tokens_curve
@@ -281,8 +282,6 @@ def test_questions_about_one_document_decode_together_reading_it_once(tiny_targe
     """Questions about a long document sent once its first request decodes copy its K/V from that slot, and their
     decode steps (or verify passes) read the copied prefix's whole attention chunks once for all of them
     (`layer_stack`'s groups); every output equals plain decoding's."""
-    from spyglass.models import llama
-
     vocab = tiny_target.args.vocab_size
     doc = prompt(vocab, 900, seed=11)
     asks = [doc + prompt(vocab, 6, seed=12 + i) for i in range(3)]

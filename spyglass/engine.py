@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -191,8 +192,7 @@ class SpecEngine:
     def round_s(self) -> float:
         """A round's seconds lately: the median of the last few (one slow round, such as a drafter's first with its
         set-up, does not buy the next step a long prefill); 0 before any."""
-        times = sorted(self.round_times)
-        return times[len(times) // 2] if times else 0.0
+        return statistics.median_high(self.round_times) if self.round_times else 0.0
 
     @property
     def drafter(self) -> Drafter:

@@ -49,6 +49,17 @@ def timed_parts(engine, spent: dict[str, float]) -> None:
     wrap(engine.cache, "copy_prefix", "copy_prefix")
 
 
+def by_running(steps: list[dict]) -> dict[int, dict]:
+    """Steps, their rounds' and their prefills' seconds per number of decoding sequences."""
+    out: dict[int, dict] = {}
+    for st in steps:
+        b = out.setdefault(st["running"], {"steps": 0, "round_s": 0.0, "prefill_s": 0.0})
+        b["steps"] += 1
+        b["round_s"] += st.get("spec_round", 0.0)
+        b["prefill_s"] += st.get("prefill_step", 0.0)
+    return {n: {k: round(v, 2) for k, v in b.items()} for n, b in sorted(out.items())}
+
+
 def main(argv=None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", type=int, default=4)
@@ -117,15 +128,7 @@ def main(argv=None) -> Path:
         "totals_s": {
             k: round(sum(st.get(k, 0.0) for st in steps), 2) for k in (*(p.lstrip("_") for p in PARTS), "step")
         },
-        "by_running": {
-            n: {
-                "steps": len(at),
-                "round_s": round(sum(st.get("spec_round", 0.0) for st in at), 2),
-                "prefill_s": round(sum(st.get("prefill_step", 0.0) for st in at), 2),
-            }  # fmt: skip
-            for n in sorted({st["running"] for st in steps})
-            for at in [[st for st in steps if st["running"] == n]]
-        },
+        "by_running": by_running(steps),
         "kv_reserve_s": info["kv_reserve_s"],
     }
     print(figures, raw["cache"], raw["totals_s"], raw["by_running"], flush=True)

@@ -169,6 +169,8 @@ def start_spyglass(args, model_dir: Path, logs: Path, tag: str) -> tuple[Server,
         verifier["prefill_step_s"] = args.prefill_step_s
     if args.cache_min_uses is not None:
         verifier["cache_min_uses"] = args.cache_min_uses
+    if getattr(args, "stream_interval_s", None) is not None:
+        verifier["stream_interval_s"] = args.stream_interval_s
     doc["applications"][0]["args"]["gateway"]["max_queued"] = max(64, args.max_batch * 4)
     cfg = logs / f"serve_config_{tag}.yaml"
     cfg.write_text(yaml.safe_dump(doc))
@@ -286,6 +288,9 @@ def main() -> int:
     )
     ap.add_argument(
         "--cache-min-uses", type=int, default=None, help="spyglass's cache_min_uses (default: the serve config's)"
+    )
+    ap.add_argument(
+        "--stream-interval-s", type=float, default=None, help="spyglass's stream_interval_s (default: the config's)"
     )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(

@@ -69,6 +69,10 @@ class VerifierConfig:
     # come between the steps in pieces instead of taking a core from a step's threads for a whole prompt
     cache_write_share: float = 0.5
     threads: int | None = None  # torch threads in the replica (default: the CPUs Ray gave it)
+    # the most often a stream sends its new tokens (s; 0: every step's at once): each chunk crosses the replica, the
+    # gateway and the proxy, whose CPU the engine's steps share on a small machine (BENCHMARKS.md, "Stream interval");
+    # the first token and the final chunk are never held
+    stream_interval_s: float = 0.05
     # Warm-up before the replica reports ready (see `warm_up`): 0 = off; else the synthetic prompt's tokens.
     warmup_prompt_tokens: int = 800
     # build_drafter's options for every method, e.g. `draft_model: SOURCE` (or `draft_layers: N`) for small-lm
@@ -80,7 +84,14 @@ class VerifierConfig:
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"unknown verifier config keys: {sorted(unknown)}")
-        return cls(**d)
+        cfg = cls(**d)
+        if (
+            isinstance(cfg.stream_interval_s, bool)
+            or not isinstance(cfg.stream_interval_s, (int, float))
+            or not (0 <= cfg.stream_interval_s < float("inf"))
+        ):
+            raise ValueError(f"stream_interval_s must be a number of seconds >= 0, not {cfg.stream_interval_s!r}")
+        return cfg
 
 
 def encode_prompt(tokenizer, text: str, raw: bool, messages: list[dict[str, str]] | None = None) -> list[int]:
@@ -122,6 +133,18 @@ def sampling_from_request(req: dict[str, Any], cfg: VerifierConfig):
     )
 
 
+def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two steps' chunks of one stream as one: their tokens and text in order, the accepted drafts of both, the larger
+    of their batches."""
+    return {
+        **b,
+        "token_ids": a["token_ids"] + b["token_ids"],
+        "text": a["text"] + b["text"],
+        "accepted_tokens": a["accepted_tokens"] + b["accepted_tokens"],
+        "batch_size": max(a["batch_size"], b["batch_size"]),
+    }
+
+
 @dataclass
 class _Live:
     """A request the loop is serving, with what was already streamed."""
@@ -135,9 +158,23 @@ class _Live:
     seq: Any = None
     final_only: bool = False  # a unary request: only the final item (full text and ids), no per-step chunks
     t_submit: float = field(default_factory=time.perf_counter)
+    held: dict[str, Any] | None = None  # steps' tokens not sent yet (`stream_interval_s`)
+    sent: float | None = None  # when the last chunk was sent
 
     def push(self, item: dict[str, Any]) -> None:
         self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+
+    def send(self, chunk: dict[str, Any], interval: float) -> None:
+        """A step's chunk: sent with those held before it once `interval` has passed since the last (the first at once),
+        else held for a later step or the final item."""
+        if self.held is not None:
+            chunk = _merge(self.held, chunk)
+        now = time.perf_counter()
+        if self.sent is None or now - self.sent >= interval:
+            self.held, self.sent = None, now
+            self.push(chunk)
+        else:
+            self.held = chunk
 
 
 class EngineLoop:
@@ -347,14 +384,15 @@ class EngineLoop:
         # the step's new tokens and the text the engine released with them (see TextStream.release): a chunk costs
         # the replica and the gateway CPU that the decode steps share, so a unary request gets none
         if not live.final_only and (ev.new_tokens or ev.text):
-            live.push(
+            live.send(
                 {
                     "request_id": live.request_id,
                     "token_ids": list(ev.new_tokens),
                     "text": ev.text,
                     "accepted_tokens": ev.accepted,
                     "batch_size": ev.batch_size,
-                }
+                },
+                self.cfg.stream_interval_s,
             )
         if ev.seq.finished:
             self._finish(live)
@@ -372,6 +410,8 @@ class EngineLoop:
             self._count("cache_hit_tokens_total", stats["cached_prefix_tokens"])
         if stats["ttft_s"] is not None:
             self._observe("ttft_s", stats["ttft_s"])
+        if live.held is not None:  # the tokens held back for the interval go before the final item
+            live.push(live.held)
         text = self.engine.text(seq)
         # the text not streamed yet (held back at an abort); a unary request streamed nothing: all of it
         rest = text if live.final_only else seq.text_stream.release(final=True)

@@ -130,6 +130,37 @@ def test_engine_loop_graceful_shutdown_finishes_short_and_aborts_long_requests()
     assert asyncio.run(after())[0]["error"] == "unavailable"
 
 
+def test_a_stream_sends_its_tokens_at_most_once_per_interval_and_loses_none():
+    """`stream_interval_s`: the first chunk goes at once, the tokens of the steps after it wait for the interval to
+    pass (here longer than the request: all of them in one chunk, sent before the final item); with 0 every step
+    sends its own. Either way the tokens and text are plain decoding's, in order."""
+    from services.verifier import EngineLoop, VerifierConfig, build_engine
+
+    n = 12
+    cfg = VerifierConfig(methods=["ar"], max_batch=1, max_context=1024, threads=1)
+    engine, tok, _ = build_engine(cfg)
+    expected = plain_generate(engine.target, tok.encode(PROMPTS[0]), SamplingParams(max_new_tokens=n, ignore_eos=True))
+    loop = EngineLoop(engine, tok, cfg, name="t")
+
+    async def stream(interval: float) -> list[dict]:
+        loop.cfg.stream_interval_s = interval
+        req = {"prompt": PROMPTS[0], "raw": True, "max_new_tokens": n, "ignore_eos": True}
+        return [item async for item in loop.generate(req)]
+
+    try:
+        for interval, chunks in ((3600.0, 2), (0.0, None)):  # 0: a chunk per decoding step
+            items = asyncio.run(stream(interval))
+            assert items[-1]["final"] and not any(i.get("final") for i in items[:-1])
+            assert len(items) - 1 == (chunks or items[-1]["stats"]["steps"])
+            assert [t for i in items for t in i["token_ids"]] == items[-1]["output_ids"] == expected
+            assert "".join(i["text"] for i in items) == items[-1]["full_text"]
+    finally:
+        loop.stop(drain_timeout_s=1.0)
+    for bad in (-0.1, float("inf"), float("nan"), True, "0.05"):
+        with pytest.raises(ValueError, match="stream_interval_s"):
+            VerifierConfig.from_dict({"stream_interval_s": bad})
+
+
 def test_the_replica_times_its_cost_curve_with_the_threads_it_decodes_with():
     """Ray starts a replica with OMP_NUM_THREADS = its num_cpus (often 1) and the verifier decodes with `threads`:
     the cost curve that sizes every tree is timed at construction, so it must be timed with `threads` too. The

@@ -71,7 +71,7 @@ class VerifierConfig:
     threads: int | None = None  # torch threads in the replica (default: the CPUs Ray gave it)
     # the most often a stream sends its new tokens (s; 0: every step's at once): each chunk crosses the replica, the
     # gateway and the proxy, whose CPU the engine's steps share on a small machine (BENCHMARKS.md, "Stream interval");
-    # the first token and the final chunk are never held
+    # the first chunk and the final item are never held
     stream_interval_s: float = 0.05
     # Warm-up before the replica reports ready (see `warm_up`): 0 = off; else the synthetic prompt's tokens.
     warmup_prompt_tokens: int = 800
@@ -84,14 +84,12 @@ class VerifierConfig:
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"unknown verifier config keys: {sorted(unknown)}")
-        cfg = cls(**d)
-        if (
-            isinstance(cfg.stream_interval_s, bool)
-            or not isinstance(cfg.stream_interval_s, (int, float))
-            or not (0 <= cfg.stream_interval_s < float("inf"))
-        ):
-            raise ValueError(f"stream_interval_s must be a number of seconds >= 0, not {cfg.stream_interval_s!r}")
-        return cfg
+        return cls(**d)
+
+    def __post_init__(self) -> None:
+        s = self.stream_interval_s
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 <= s < float("inf"):
+            raise ValueError(f"stream_interval_s must be a number of seconds >= 0, not {s!r}")
 
 
 def encode_prompt(tokenizer, text: str, raw: bool, messages: list[dict[str, str]] | None = None) -> list[int]:

@@ -307,7 +307,9 @@ def test_streaming_4096_tokens_decodes_linearly(long_tiny, tiny_tok):
 
     n = 4096
     tok = CountingTokenizer(tiny_tok)
-    cfg = VerifierConfig(methods=["suffix"], max_batch=1, max_context=n + 256, max_new_tokens_limit=n, threads=1)
+    cfg = VerifierConfig(
+        methods=["suffix"], max_batch=1, max_context=n + 256, max_new_tokens_limit=n, threads=1, stream_interval_s=0
+    )  # a chunk per step
     econf = EngineConfig(max_batch=1, max_context=n + 256, controller=free_tokens_curve())
     engine = SpecEngine(long_tiny, config=econf, tokenizer=tok, drafters={"suffix": SuffixDrafter()})
     loop = EngineLoop(engine, tok, cfg)

@@ -113,7 +113,8 @@ def workloads(tokenizer, smoke: bool, questions: int) -> dict[str, list[str]]:
 
 # --- servers ------------------------------------------------------------------------------------------------------
 class Server:
-    """One server process in its own session; `stop` sends SIGTERM to the session (then SIGKILL after a grace)."""
+    """One server process in its own session; `stop` sends SIGTERM to the server, then to what is left of its session
+    (SIGKILL after a grace)."""
 
     def __init__(self, name: str, cmd: list[str], env: dict[str, str], http_port: int, log_path: Path) -> None:
         self.name, self.http_port, self.log_path = name, http_port, log_path
@@ -142,13 +143,25 @@ class Server:
         raise TimeoutError(f"{self.name} not ready after {timeout_s} s; see {self.log_path}")
 
     def stop(self, grace_s: float = 90.0) -> None:
+        # SIGTERM to the server alone first (a background server ignores SIGINT): its shutdown stops what it started,
+        # where one to the whole session would stop `spyglass serve`'s Ray daemons under it (Serve's shutdown then
+        # waited 30 s for its controller)
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)  # a background server ignores SIGINT
+            self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(grace_s)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(30)
+                pass
+        for sig in (signal.SIGTERM, signal.SIGKILL):  # then what is left of the session
+            deadline = time.monotonic() + (10 if sig == signal.SIGTERM else 30)
+            try:
+                os.killpg(self.proc.pid, sig)
+                while time.monotonic() < deadline:
+                    time.sleep(0.2)
+                    os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                break
+        self.proc.wait(30)
         self._log.close()
 
 

@@ -1,15 +1,18 @@
-"""bench/load.py's merging of an earlier results file, its repeats, and the bench plots' palette (the tracked tree's
-size limit)."""
+"""bench/load.py's merging of an earlier results file, its repeats, how it stops a server, and the bench plots' palette
+(the tracked tree's size limit)."""
 
 from __future__ import annotations
 
 import json
+import sys
+import time
+from pathlib import Path
 
 import pytest
 from PIL import Image
 
 from bench.common import plot_panels
-from bench.load import earlier_runs, figures_of, median_row, run_order
+from bench.load import Server, earlier_runs, figures_of, median_row, run_order
 
 
 def _results(path, dtype="float32"):
@@ -76,3 +79,38 @@ def test_plots_are_written_with_a_small_palette(tmp_path):
     with Image.open(path) as img:
         assert img.mode == "P"
         assert len(img.getcolors(256)) <= 64
+
+
+SERVER = """
+import signal, subprocess, sys, time
+out = sys.argv[1]
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # a daemon the server started
+def term(*_):
+    time.sleep(0.5)
+    open(out, "w").write(f"{child.pid} {child.poll() is None}")
+    sys.exit(0)  # leaves the child behind
+signal.signal(signal.SIGTERM, term)
+open(out + ".ready", "w").write("")
+time.sleep(600)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_stop_signals_the_server_before_its_session_and_leaves_nothing(tmp_path):
+    """The server gets SIGTERM while what it started still runs (its own shutdown stops those: `spyglass serve`'s Ray
+    cluster); then whatever its session still holds is stopped too."""
+    out = tmp_path / "term"
+    server = Server("fake", [sys.executable, "-c", SERVER, str(out)], {}, 0, tmp_path / "log")
+    deadline = time.monotonic() + 60
+    while not Path(f"{out}.ready").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    server.stop(grace_s=30)
+    pid, alive = out.read_text().split()
+    assert alive == "True"  # its child had not been signalled when the server was
+    assert server.proc.returncode == 0 and _gone(int(pid))

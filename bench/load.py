@@ -152,8 +152,8 @@ class Server:
                 self.proc.wait(grace_s)
             except subprocess.TimeoutExpired:
                 pass
-        for sig in (signal.SIGTERM, signal.SIGKILL):  # then what is left of the session
-            deadline = time.monotonic() + (10 if sig == signal.SIGTERM else 30)
+        for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 30)):  # then what is left of the session
+            deadline = time.monotonic() + wait_s
             try:
                 os.killpg(self.proc.pid, sig)
                 while time.monotonic() < deadline:

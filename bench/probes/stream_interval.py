@@ -29,11 +29,16 @@ from spyglass.models.loader import load_tokenizer, resolve_model  # noqa: E402
 def decode_seconds(base_url: str, prompts: list[str], streams: int, max_tokens: int) -> tuple[float, int]:
     """The prompts decoded `streams` at a time: the sum of their decode seconds, and of their chunks."""
     rows: list[dict] = []
+
+    def one(prompt: str) -> None:
+        rows.append(stream(base_url, prompt, "ar", max_tokens))
+
     for i in range(0, len(prompts), streams):
-        batch = prompts[i : i + streams]
-        th = [threading.Thread(target=lambda p=p: rows.append(stream(base_url, p, "ar", max_tokens))) for p in batch]
-        [t.start() for t in th]
-        [t.join() for t in th]
+        threads = [threading.Thread(target=one, args=(p,)) for p in prompts[i : i + streams]]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     return sum(r["decode_s"] for r in rows), sum(r["chunks"] for r in rows)
 
 

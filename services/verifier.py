@@ -427,11 +427,14 @@ class EngineLoop:
         )
 
     def _fail_engine(self, message: str) -> None:
-        """A step raised: every sequence of the batch shared it, so each is aborted (its slot freed) with the error."""
+        """A step raised: every sequence of the batch shared it, so each is aborted (its slot freed) with the error,
+        after the tokens it had made and not yet sent (`stream_interval_s`)."""
         for rid, live in list(self.live.items()):
             if live.seq is not None:
                 self.engine.abort(rid)
                 self.live.pop(rid, None)
+                if live.held is not None:
+                    live.push(live.held)
                 live.push({"error": "internal", "message": message})
 
     def _fail_pending(self, message: str) -> None:

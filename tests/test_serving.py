@@ -161,6 +161,44 @@ def test_a_stream_sends_its_tokens_at_most_once_per_interval_and_loses_none():
             VerifierConfig.from_dict({"stream_interval_s": bad})
 
 
+def test_a_failed_step_sends_the_tokens_held_for_the_interval_before_its_error():
+    """An engine step that raises ends every live request with an `internal` error; the tokens a stream made before
+    it and held for `stream_interval_s` reach the client first (they are plain decoding's), and the slot is freed."""
+    from services.verifier import EngineLoop, VerifierConfig, build_engine
+
+    n, fail_at = 12, 7  # the step that raises: after the first chunk went and a few steps' tokens were held
+    cfg = VerifierConfig(methods=["ar"], max_batch=1, max_context=1024, threads=1, stream_interval_s=3600.0)
+    engine, tok, _ = build_engine(cfg)
+    expected = plain_generate(engine.target, tok.encode(PROMPTS[0]), SamplingParams(max_new_tokens=n, ignore_eos=True))
+    step, made = engine.step, []
+
+    def failing_step():
+        if len(made) == fail_at:
+            made.append([len(s.output_ids) for s in engine.running])
+            raise RuntimeError("injected step failure")
+        made.append(None)
+        return step()
+
+    engine.step = failing_step
+    loop = EngineLoop(engine, tok, cfg, name="t")
+
+    async def stream() -> list[dict]:
+        req = {"prompt": PROMPTS[0], "raw": True, "max_new_tokens": n, "ignore_eos": True}
+        return [item async for item in loop.generate(req)]
+
+    try:
+        items = asyncio.run(stream())
+        assert items[-1]["error"] == "internal" and "injected step failure" in items[-1]["message"]
+        chunks = items[:-1]
+        assert len(chunks) == 2  # the first chunk at once, then those held until the failure
+        tokens = [t for c in chunks for t in c["token_ids"]]
+        assert [len(tokens)] == made[-1] and 1 < len(tokens) < n
+        assert tokens == expected[: len(tokens)]
+        assert not loop.live and not engine.running and not engine.waiting
+    finally:
+        loop.stop(drain_timeout_s=1.0)
+
+
 def test_the_replica_times_its_cost_curve_with_the_threads_it_decodes_with():
     """Ray starts a replica with OMP_NUM_THREADS = its num_cpus (often 1) and the verifier decodes with `threads`:
     the cost curve that sizes every tree is timed at construction, so it must be timed with `threads` too. The

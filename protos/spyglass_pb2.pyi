@@ -35,7 +35,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "raw", "sampling", "max_new_tokens", "stop", "ignore_eos", "method", "context_id", "request_id", "timeout_s", "messages")
+    __slots__ = ("prompt", "prompt_token_ids", "raw", "sampling", "max_new_tokens", "stop", "ignore_eos", "method", "context_id", "request_id", "timeout_s", "messages", "stream_interval_s")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RAW_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class GenerateRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     raw: bool
@@ -60,7 +61,8 @@ class GenerateRequest(_message.Message):
     request_id: str
     timeout_s: float
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., raw: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., method: _Optional[str] = ..., context_id: _Optional[str] = ..., request_id: _Optional[str] = ..., timeout_s: _Optional[float] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+    stream_interval_s: float
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., raw: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., method: _Optional[str] = ..., context_id: _Optional[str] = ..., request_id: _Optional[str] = ..., timeout_s: _Optional[float] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., stream_interval_s: _Optional[float] = ...) -> None: ...
 
 class Stats(_message.Message):
     __slots__ = ("tau", "acceptance_by_depth", "ttft_s", "tokens_per_s", "cached_prefix_tokens", "prompt_tokens", "generated_tokens", "steps", "mean_batch_size", "prefill_time_s", "decode_time_s", "drafted_tokens", "method", "replica", "latency_s", "queue_time_s", "controller_plain_steps", "controller_probe_steps", "controller_verified_nodes", "controller_proposed_nodes")

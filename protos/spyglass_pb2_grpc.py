@@ -65,8 +65,8 @@ class SpyglassServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Server streaming: the new tokens of the verifier's steps, a chunk at most every stream_interval_s of the replica
-        (the first and the last at once), then a final chunk with stats.
+        """Server streaming: the new tokens of the verifier's steps, a chunk at most every stream_interval_s (the
+        request's, else the replica's; the first and the last at once), then a final chunk with stats.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -237,6 +237,7 @@ def request_to_dict(r: pb.GenerateRequest, request_id: str) -> dict[str, Any]:
         "method": r.method,
         "context_id": r.context_id,
         "messages": [{"role": m.role, "content": m.content} for m in r.messages],
+        "stream_interval_s": r.stream_interval_s if r.HasField("stream_interval_s") else None,
     }
 
 
@@ -265,6 +266,8 @@ def validate_request(r: pb.GenerateRequest, info: dict[str, Any], cfg: GatewayCo
         if r.max_new_tokens:  # 0 = the server's default
             limits.check_max_new_tokens(r.max_new_tokens, info["max_new_tokens_limit"])
         limits.check_timeout(r.timeout_s, cfg.max_timeout_s)
+        if r.HasField("stream_interval_s"):  # unset: the replica's
+            limits.check_stream_interval(r.stream_interval_s)
         limits.check_stop(r.stop)
         limits.check_id("context_id", r.context_id, cfg.max_id_chars)
     except RequestError as e:
@@ -362,7 +365,8 @@ def _message(m: Any) -> dict[str, Any]:
 def openai_request(body: Any, chat: bool, info: dict[str, Any], cfg: GatewayConfig) -> pb.GenerateRequest:
     """An OpenAI /v1/completions (raw text, no chat template) or /v1/chat/completions (the model's chat template on
     `messages`) body -> GenerateRequest, checked with the same rules as the gRPC path (spyglass/limits.py).
-    Extensions: `method` (the drafter), the other sampling fields of SamplingParams, `ignore_eos`."""
+    Extensions: `method` (the drafter), the other sampling fields of SamplingParams, `ignore_eos`,
+    `stream_interval_s` (the most often a stream's new tokens are sent; 0: every step's)."""
     if not isinstance(body, dict):
         raise invalid("the body must be a JSON object")
     for key, default in UNSUPPORTED.items():
@@ -415,6 +419,9 @@ def openai_request(body: Any, chat: bool, info: dict[str, Any], cfg: GatewayConf
                 raise invalid(f"{key} must be a {kind.__name__}, got {body[key]!r}")
         req.method = body.get("method") or ""
         req.ignore_eos = bool(body.get("ignore_eos"))
+        if (interval := _number(body, "stream_interval_s", integer=False)) is not None:
+            limits.check_stream_interval(interval)
+            req.stream_interval_s = interval
     except RequestError as e:
         raise invalid(str(e)) from None
     except ValueError as e:  # a number the wire format cannot hold (e.g. top_k over 2**31)

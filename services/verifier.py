@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from spyglass.limits import SAMPLING_RULES, check_max_new_tokens, check_method
+from spyglass.limits import SAMPLING_RULES, check_max_new_tokens, check_method, check_stream_interval
 
 try:
     from ray import serve
@@ -71,7 +71,7 @@ class VerifierConfig:
     threads: int | None = None  # torch threads in the replica (default: the CPUs Ray gave it)
     # the most often a stream sends its new tokens (s; 0: every step's at once): each chunk crosses the replica, the
     # gateway and the proxy, whose CPU the engine's steps share on a small machine (BENCHMARKS.md, "Stream interval");
-    # the first chunk and the final item are never held
+    # the first chunk and the final item are never held; a request may set its own (`GenerateRequest.stream_interval_s`)
     stream_interval_s: float = 0.05
     # Warm-up before the replica reports ready (see `warm_up`): 0 = off; else the synthetic prompt's tokens.
     warmup_prompt_tokens: int = 800
@@ -87,9 +87,7 @@ class VerifierConfig:
         return cls(**d)
 
     def __post_init__(self) -> None:
-        s = self.stream_interval_s
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 <= s < float("inf"):
-            raise ValueError(f"stream_interval_s must be a number of seconds >= 0, not {s!r}")
+        check_stream_interval(self.stream_interval_s)
 
 
 def encode_prompt(tokenizer, text: str, raw: bool, messages: list[dict[str, str]] | None = None) -> list[int]:
@@ -155,6 +153,7 @@ class _Live:
     out: asyncio.Queue
     seq: Any = None
     final_only: bool = False  # a unary request: only the final item (full text and ids), no per-step chunks
+    interval: float = 0.0  # the most often its chunks are sent (s): the request's stream_interval_s, else the replica's
     t_submit: float = field(default_factory=time.perf_counter)
     held: dict[str, Any] | None = None  # steps' tokens not sent yet (`stream_interval_s`)
     sent: float | None = None  # when the last chunk was sent
@@ -162,13 +161,13 @@ class _Live:
     def push(self, item: dict[str, Any]) -> None:
         self.loop.call_soon_threadsafe(self.out.put_nowait, item)
 
-    def send(self, chunk: dict[str, Any], interval: float) -> None:
+    def send(self, chunk: dict[str, Any]) -> None:
         """A step's chunk: sent with those held before it once `interval` has passed since the last (the first at once),
         else held for a later step or the final item."""
         if self.held is not None:
             chunk = _merge(self.held, chunk)
         now = time.perf_counter()
-        if self.sent is None or now - self.sent >= interval:
+        if self.sent is None or now - self.sent >= self.interval:
             self.held, self.sent = None, now
             self.push(chunk)
         else:
@@ -242,6 +241,9 @@ class EngineLoop:
         try:
             check_method(method, self.methods)
             params = sampling_from_request(req, self.cfg)
+            interval = req.get("stream_interval_s")
+            interval = self.cfg.stream_interval_s if interval is None else interval
+            check_stream_interval(interval)
             if req.get("prompt_token_ids"):
                 prompt_ids = [int(t) for t in req["prompt_token_ids"]]
             else:
@@ -251,7 +253,8 @@ class EngineLoop:
             yield {"error": ERR_INVALID, "message": str(e)}
             return
         loop = asyncio.get_running_loop()
-        live = _Live(rid, method, prompt_ids, params, loop, asyncio.Queue(), final_only=bool(req.get("final_only")))
+        final_only = bool(req.get("final_only"))
+        live = _Live(rid, method, prompt_ids, params, loop, asyncio.Queue(), final_only=final_only, interval=interval)
         self.live[rid] = live
         self.commands.put(("add", live))
         done = False
@@ -389,8 +392,7 @@ class EngineLoop:
                     "text": ev.text,
                     "accepted_tokens": ev.accepted,
                     "batch_size": ev.batch_size,
-                },
-                self.cfg.stream_interval_s,
+                }
             )
         if ev.seq.finished:
             self._finish(live)

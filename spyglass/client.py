@@ -130,10 +130,12 @@ def build_request(
     timeout_s: float = 0.0,
     raw: bool = False,
     messages: list[dict[str, str]] | None = None,
+    stream_interval_s: float | None = None,
 ) -> pb.GenerateRequest:
     """The wire request; unset sampling fields take the server defaults (greedy). `stop`: one stop string or a list
     of them. `messages`: a chat instead of a prompt, `[{"role": "system" | "user" | "assistant", "content": ...}]`,
-    formatted by the server with the model's chat template."""
+    formatted by the server with the model's chat template. `stream_interval_s`: the most often the stream sends
+    new tokens (0: each decoding step's as it comes; None: the server's setting)."""
     sampling = {
         k: v
         for k, v in dict(
@@ -161,6 +163,7 @@ def build_request(
         request_id=request_id or uuid.uuid4().hex,
         timeout_s=timeout_s,
         messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages or ()],
+        stream_interval_s=stream_interval_s,
     )
 
 

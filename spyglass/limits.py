@@ -132,6 +132,12 @@ def check_timeout(seconds: float, limit: float = MAX_TIMEOUT_S) -> None:
         raise RequestError(f"timeout_s must be in [0, {limit:g}], got {seconds}")
 
 
+def check_stream_interval(seconds: Any, limit: float = MAX_TIMEOUT_S) -> None:
+    """The most often a stream sends its new tokens: a number of seconds in [0, limit] (0: every step's)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= limit:  # also NaN
+        raise RequestError(f"stream_interval_s must be a number of seconds in [0, {limit:g}], got {seconds!r}")
+
+
 __all__ = [
     "CHAT_ROLES",
     "MAX_ID_CHARS",

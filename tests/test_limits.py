@@ -12,11 +12,11 @@ import grpc
 import pytest
 
 from protos import spyglass_pb2 as pb
-from services.gateway import GatewayConfig, GatewayError, openai_request, validate_request
+from services.gateway import GatewayConfig, GatewayError, openai_request, request_to_dict, validate_request
 from services.verifier import VerifierConfig, sampling_from_request
 from spyglass.client import build_request
 from spyglass.engine import EngineConfig, RequestError, SpecEngine
-from spyglass.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from spyglass.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, check_stream_interval
 from spyglass.sampling import SamplingParams
 
 LIMIT = 512  # the verifier's max_new_tokens_limit
@@ -123,6 +123,23 @@ def test_max_new_tokens_rules():
     assert openai_message({"prompt": "hi", "max_tokens": LIMIT + 1}) == over
     body = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}
     assert openai_message(body, chat=True) == "max_completion_tokens must be > 0, got 0"
+
+
+@pytest.mark.parametrize("value", [-0.5, math.nan, math.inf, 3601.0])
+def test_a_bad_stream_interval_gets_one_message_everywhere(value):
+    message = f"stream_interval_s must be a number of seconds in [0, 3600], got {value!r}"
+    assert gateway_message(pb.GenerateRequest(prompt="hi", stream_interval_s=value)) == message
+    assert openai_message({"prompt": "hi", "stream_interval_s": value}) == message
+    assert error_message(VerifierConfig, stream_interval_s=value) == message
+    # the verifier's own check (a request from a Python handle): its error item (tests/test_serving.py) says the same
+    assert error_message(check_stream_interval, value) == message
+    assert openai_message({"prompt": "hi", "stream_interval_s": "0"}) == "stream_interval_s must be a number, got '0'"
+    for good in (0.0, 0.25, 3600.0):  # unset: the replica's; set: carried to the verifier as given
+        req = openai_request({"prompt": "hi", "stream_interval_s": good}, False, info(), CFG)
+        assert req.HasField("stream_interval_s") and req.stream_interval_s == good
+        validate_request(req, info(), CFG)
+        assert request_to_dict(req, "r")["stream_interval_s"] == good
+    assert request_to_dict(pb.GenerateRequest(prompt="hi"), "r")["stream_interval_s"] is None
 
 
 def test_a_bad_prompt_or_method_gets_one_message_at_the_gateway_and_the_engine(engine):

@@ -133,8 +133,9 @@ def test_engine_loop_graceful_shutdown_finishes_short_and_aborts_long_requests()
 def test_a_stream_sends_its_tokens_at_most_once_per_interval_and_loses_none():
     """`stream_interval_s`: the first chunk goes at once, the tokens of the steps after it wait for the interval to
     pass (here longer than the request: all of them in one chunk, sent before the final item); with 0 every step
-    sends its own. Either way the tokens and text are plain decoding's, in order."""
-    from services.verifier import EngineLoop, VerifierConfig, build_engine
+    sends its own. A request's own interval wins over the replica's. Either way the tokens and text are plain
+    decoding's, in order."""
+    from services.verifier import ERR_INVALID, EngineLoop, VerifierConfig, build_engine
 
     n = 12
     cfg = VerifierConfig(methods=["ar"], max_batch=1, max_context=1024, threads=1)
@@ -142,18 +143,23 @@ def test_a_stream_sends_its_tokens_at_most_once_per_interval_and_loses_none():
     expected = plain_generate(engine.target, tok.encode(PROMPTS[0]), SamplingParams(max_new_tokens=n, ignore_eos=True))
     loop = EngineLoop(engine, tok, cfg, name="t")
 
-    async def stream(interval: float) -> list[dict]:
-        loop.cfg.stream_interval_s = interval
+    async def stream(replica: float, request: float | None) -> list[dict]:
+        loop.cfg.stream_interval_s = replica
         req = {"prompt": PROMPTS[0], "raw": True, "max_new_tokens": n, "ignore_eos": True}
+        if request is not None:
+            req["stream_interval_s"] = request
         return [item async for item in loop.generate(req)]
 
     try:
-        for interval, chunks in ((3600.0, 2), (0.0, None)):  # 0: a chunk per decoding step
-            items = asyncio.run(stream(interval))
+        # (the replica's interval, the request's, the chunks before the final item: None = one per decoding step)
+        for replica, request, chunks in ((3600.0, None, 2), (0.0, None, None), (0.0, 3600.0, 2), (3600.0, 0.0, None)):
+            items = asyncio.run(stream(replica, request))
             assert items[-1]["final"] and not any(i.get("final") for i in items[:-1])
-            assert len(items) - 1 == (chunks or items[-1]["stats"]["steps"])
+            assert len(items) - 1 == (chunks or items[-1]["stats"]["steps"]) and items[-1]["stats"]["steps"] > 2
             assert [t for i in items for t in i["token_ids"]] == items[-1]["output_ids"] == expected
             assert "".join(i["text"] for i in items) == items[-1]["full_text"]
+        (item,) = asyncio.run(stream(0.0, -1.0))  # a bad request's interval: its error, nothing queued
+        assert item["error"] == ERR_INVALID and "stream_interval_s must be" in item["message"] and not loop.live
     finally:
         loop.stop(drain_timeout_s=1.0)
     for bad in (-0.1, float("inf"), float("nan"), True, "0.05"):
@@ -765,6 +771,30 @@ def test_openai_chat_plain_and_streamed(openai_client, client, reference):
         choice.finish_reason
     ]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+    wait_idle(client)
+
+
+def test_a_request_sets_its_own_stream_interval_on_both_routes(openai_client, client):
+    """`stream_interval_s` per request (the gRPC field, the OpenAI extension) instead of the replica's 0.05 s: 0 sends
+    each decoding step's tokens as they come, an hour holds all but the first step's for the final item; the tokens
+    and the text are the same either way."""
+    n, tokens, texts = 24, {}, {}
+    for interval in (0.0, 3600.0):
+        chunks = client.generate(PROMPTS[1], max_new_tokens=n, ignore_eos=True, method="ar", stream_interval_s=interval)
+        chunks = list(chunks)
+        final = chunks[-1]
+        assert final.final and final.stats["steps"] > 2
+        assert len([c for c in chunks[:-1] if c.token_ids]) == (final.stats["steps"] if interval == 0 else 2)
+        tokens[interval] = [t for c in chunks for t in c.token_ids]
+        events = openai_client.completions.create(
+            model="m", prompt=PROMPTS[1], max_tokens=n, temperature=0, stream=True,
+            extra_body={"method": "ar", "ignore_eos": True, "stream_interval_s": interval},
+        )  # fmt: skip
+        events = list(events)
+        assert len(events) > 3 if interval == 0 else len(events) <= 3  # the first step's, those held, the final
+        texts[interval] = "".join(e.choices[0].text for e in events)
+    assert tokens[0.0] == tokens[3600.0] and len(tokens[0.0]) == n
+    assert texts[0.0] == texts[3600.0] != ""
     wait_idle(client)
 
 

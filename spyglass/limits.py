@@ -156,5 +156,6 @@ __all__ = [
     "check_prompt_text",
     "check_sampling",
     "check_stop",
+    "check_stream_interval",
     "check_timeout",
 ]

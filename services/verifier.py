@@ -173,6 +173,12 @@ class _Live:
         else:
             self.held = chunk
 
+    def flush(self) -> None:
+        """Send the tokens held back for the interval (before the final item, or an error)."""
+        if self.held is not None:
+            self.push(self.held)
+            self.held = None
+
 
 class EngineLoop:
     """One thread that owns the replica's engine (every served method in one batch over one KV pool).
@@ -410,8 +416,7 @@ class EngineLoop:
             self._count("cache_hit_tokens_total", stats["cached_prefix_tokens"])
         if stats["ttft_s"] is not None:
             self._observe("ttft_s", stats["ttft_s"])
-        if live.held is not None:  # the tokens held back for the interval go before the final item
-            live.push(live.held)
+        live.flush()  # the tokens held back for the interval go before the final item
         text = self.engine.text(seq)
         # the text not streamed yet (held back at an abort); a unary request streamed nothing: all of it
         rest = text if live.final_only else seq.text_stream.release(final=True)
@@ -435,8 +440,7 @@ class EngineLoop:
             if live.seq is not None:
                 self.engine.abort(rid)
                 self.live.pop(rid, None)
-                if live.held is not None:
-                    live.push(live.held)
+                live.flush()
                 live.push({"error": "internal", "message": message})
 
     def _fail_pending(self, message: str) -> None:

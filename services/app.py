@@ -93,15 +93,16 @@ def load_config(path: str | Path | None) -> dict[str, Any]:
 MAX_GRPC_MESSAGE_BYTES = 8 << 20
 
 
-# Ray starts its workers (the replicas, the proxy, Serve's controller) at nice 15, below every other process on
-# the machine (its own daemons, a benchmark client, a shell), each of which then preempts the engine's threads.
-# A local cluster runs its workers at 0 (BENCHMARKS.md, "Which of the server's processes cost it").
+# Ray starts its workers (the replicas, the proxy, Serve's controller) 15 nice steps below the process that starts
+# the cluster, below every other process on the machine (its own daemons, a benchmark client, a shell), each of
+# which then preempts the engine's threads. A local cluster adds nothing: its workers run at the starting process's
+# nice value (BENCHMARKS.md, "Which of the server's processes cost it"). Ray applies it as an increment (os.nice).
 WORKER_NICENESS = 0
 
 
 def start_local_ray(num_cpus: int | None = None) -> None:
-    """A local cluster on loopback (services/__init__.py sets the env var for it; usage stats off), its workers at
-    WORKER_NICENESS."""
+    """A local cluster on loopback (services/__init__.py sets the env var for it; usage stats off), its workers
+    WORKER_NICENESS nice steps below the calling process."""
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(MAX_GRPC_MESSAGE_BYTES))  # inherited by the proxy
     if not ray.is_initialized():

@@ -93,10 +93,10 @@ def load_config(path: str | Path | None) -> dict[str, Any]:
 MAX_GRPC_MESSAGE_BYTES = 8 << 20
 
 
-# Ray starts its workers (the replicas, the proxy, Serve's controller) 15 nice steps below the process that starts
-# the cluster, below every other process on the machine (its own daemons, a benchmark client, a shell), each of
-# which then preempts the engine's threads. A local cluster adds nothing: its workers run at the starting process's
-# nice value (BENCHMARKS.md, "Which of the server's processes cost it"). Ray applies it as an increment (os.nice).
+# Ray adds `worker_niceness` (15 by default) to the nice value of the process that starts the cluster, putting its
+# workers (the replicas, the proxy, Serve's controller) below every other process on the machine (its own daemons,
+# a benchmark client, a shell), each of which then preempts the engine's threads. A local cluster adds 0: its
+# workers run at the starting process's nice value (BENCHMARKS.md, "Which of the server's processes cost it").
 WORKER_NICENESS = 0
 
 

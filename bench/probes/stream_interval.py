@@ -19,10 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.common import machine_load, wait_for_quiet, write_results  # noqa: E402
+from bench.common import wait_for_quiet, write_results  # noqa: E402
 from bench.load import start_spyglass, workloads  # noqa: E402
 from bench.probes.served_repeat import stream  # noqa: E402
-from spyglass.cost import cpu_model  # noqa: E402
 from spyglass.models.loader import load_tokenizer, resolve_model  # noqa: E402
 
 
@@ -90,16 +89,14 @@ def main() -> Path:
             figures[f"decode_{interval}_vs_{intervals[0]}_streams{streams}"] = round(
                 median(interval, key) / median(intervals[0], key), 3
             )
-    meta = {
+    meta = {  # write_results adds the CPU model (`environment`) and the load at the end (`load_at_write`)
         "what": "served plain decoding's seconds by stream_interval_s (chunks sent at most that often)",
-        "cpu": cpu_model(),
         "dtype": args.dtype,
         "order": order,
         "prompts": len(prompts),
         "prompt_tokens": args.prompt_tokens,
         "max_new_tokens": args.max_new_tokens,
         "quiet_before": quiet,
-        "load_after": machine_load(),
     }
     path = write_results(args.name, figures, {"runs": rows}, meta)
     print(path, figures)
